@@ -1,0 +1,50 @@
+//! Queues: a team's line, with a guaranteed GPU quota, a borrowing limit and a
+//! fair-share weight.
+
+use crate::GpuMilli;
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct QueueName(pub String);
+
+impl fmt::Display for QueueName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for QueueName {
+    fn from(name: &str) -> Self {
+        QueueName(name.to_string())
+    }
+}
+
+/// A queue's quota. A queue may always use its `guaranteed` GPUs (taking them
+/// back by preemption from queues that borrowed them), and may borrow idle
+/// capacity up to `guaranteed + borrow_limit`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueSpec {
+    pub name: QueueName,
+    pub guaranteed: GpuMilli,
+    /// How much above its guarantee the queue may borrow; `None` is unlimited.
+    pub borrow_limit: Option<GpuMilli>,
+    /// Fair-share weight (relative; at least 1).
+    pub weight: u32,
+}
+
+impl QueueSpec {
+    /// A queue with no guarantee, unlimited borrowing and weight 1.
+    pub fn best_effort(name: impl Into<String>) -> Self {
+        QueueSpec {
+            name: QueueName(name.into()),
+            guaranteed: GpuMilli::ZERO,
+            borrow_limit: None,
+            weight: 1,
+        }
+    }
+
+    /// The most GPU capacity this queue may hold at once.
+    pub fn ceiling(&self) -> Option<GpuMilli> {
+        self.borrow_limit.map(|limit| self.guaranteed + limit)
+    }
+}

@@ -1,0 +1,1 @@
+//! muster's scheduling engine.

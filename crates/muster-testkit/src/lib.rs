@@ -1,0 +1,1 @@
+//! Builders and shared checks for muster's tests.
