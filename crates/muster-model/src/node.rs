@@ -87,36 +87,6 @@ pub struct NodeSpec {
 }
 
 impl NodeSpec {
-    /// A node of `count` identical GPUs in one NVLink domain.
-    pub fn uniform(
-        name: &str,
-        pool: &str,
-        rack: &str,
-        count: u32,
-        model: &GpuModel,
-        gpu_memory: MemoryMib,
-        cpu: CpuMilli,
-        memory: MemoryMib,
-    ) -> Self {
-        let gpus = (0..count)
-            .map(|index| GpuSpec {
-                index,
-                uuid: format!("GPU-{name}-{index}"),
-                model: model.clone(),
-                memory: gpu_memory,
-                nvlink_domain: 0,
-            })
-            .collect();
-        NodeSpec {
-            name: NodeName::from(name),
-            pool: PoolName::from(pool),
-            rack: RackName::from(rack),
-            gpus,
-            cpu,
-            memory,
-        }
-    }
-
     /// The model of the node's GPUs (nodes are homogeneous in practice; the
     /// first GPU's model is taken), or `None` for a CPU-only node.
     pub fn gpu_model(&self) -> Option<&GpuModel> {

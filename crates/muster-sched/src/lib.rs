@@ -1,1 +1,27 @@
-//! muster's scheduling engine.
+//! muster's scheduling engine: which pending job runs next, where, and what
+//! must make way for it.
+//!
+//! Pure and deterministic: it takes values (a snapshot of the cluster, the
+//! pending and running jobs, queues, a policy, an RNG) and returns values (an
+//! [`Outcome`]). It never reads a clock, ambient randomness or the
+//! environment, and must not depend on tokio, HTTP or a database. The server
+//! and the simulator call the same code.
+
+pub mod cluster;
+pub mod placer;
+pub mod policy;
+
+pub use cluster::{
+    ClusterError, ClusterState, FilterReason, GpuGrant, ModelMask, NodeFree, NodeIndex, NodeInput,
+    NodeStatic, TaskPlacement, TaskShape,
+};
+pub use placer::{FilterCounts, GangFailure, Placer, best_node_by_scan};
+pub use policy::{PlacementPolicy, Scale, Scorer, TypicalShape, TypicalWorkload, UnknownPolicy};
+pub mod fairshare;
+pub mod schedule;
+
+pub use fairshare::UsageLedger;
+pub use schedule::{
+    Allocation, Backfill, JobStart, Outcome, PendingJob, PendingReason, Preemption,
+    PreemptionCause, Reservation, RunningJob, SchedulingPolicy, Snapshot, TaskRequest, schedule,
+};

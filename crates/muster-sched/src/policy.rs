@@ -1,0 +1,549 @@
+//! Placement policies: how a node and its GPUs are chosen for one task.
+//!
+//! Every policy scores a feasible node with an integer level (higher is
+//! better); ties go to the node with the smallest name. This is what the
+//! published FGD simulator does, and it matters: coarse levels plus the
+//! name tie-break pack work onto the same nodes.
+
+use crate::cluster::{ClusterState, ModelMask, NodeFree, NodeIndex, NodeStatic, TaskShape};
+use muster_model::GpuRequest;
+use std::fmt;
+use std::str::FromStr;
+
+/// How a node is chosen among those a task fits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum PlacementPolicy {
+    /// Fragmentation Gradient Descent (ATC'23): the node whose fragmentation,
+    /// measured against the typical workload, grows least.
+    Fgd,
+    /// The node left with the least CPU and GPU after placement.
+    BestFit,
+    /// The node whose GPUs are already the most allocated.
+    Packing,
+    /// A node drawn uniformly at random among those the task fits.
+    Random,
+}
+
+impl PlacementPolicy {
+    pub const ALL: [PlacementPolicy; 4] = [
+        PlacementPolicy::Fgd,
+        PlacementPolicy::BestFit,
+        PlacementPolicy::Packing,
+        PlacementPolicy::Random,
+    ];
+
+    /// muster's default: the best one measured (docs/scheduling-results.md).
+    pub const DEFAULT: PlacementPolicy = PlacementPolicy::Fgd;
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PlacementPolicy::Fgd => "fgd",
+            PlacementPolicy::BestFit => "best-fit",
+            PlacementPolicy::Packing => "packing",
+            PlacementPolicy::Random => "random",
+        }
+    }
+}
+
+impl Default for PlacementPolicy {
+    fn default() -> Self {
+        PlacementPolicy::DEFAULT
+    }
+}
+
+impl fmt::Display for PlacementPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Error for an unknown policy name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownPolicy(pub String);
+
+impl fmt::Display for UnknownPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown placement policy {:?}; accepted: fgd, best-fit, packing, random, default",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for UnknownPolicy {}
+
+impl FromStr for PlacementPolicy {
+    type Err = UnknownPolicy;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "default" => Ok(PlacementPolicy::DEFAULT),
+            "fgd" => Ok(PlacementPolicy::Fgd),
+            "best-fit" | "bestfit" | "best_fit" => Ok(PlacementPolicy::BestFit),
+            "packing" => Ok(PlacementPolicy::Packing),
+            "random" => Ok(PlacementPolicy::Random),
+            _ => Err(UnknownPolicy(text.to_string())),
+        }
+    }
+}
+
+/// One shape of the typical workload, with its share of tasks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TypicalShape {
+    pub gpus: GpuRequest,
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+    pub models: ModelMask,
+    /// Fraction of tasks with this shape (the weights sum to 1).
+    pub weight: f64,
+}
+
+/// The observed mix of requests that FGD measures fragmentation against.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TypicalWorkload {
+    pub shapes: Vec<TypicalShape>,
+}
+
+impl TypicalWorkload {
+    /// The most common shapes that together cover `coverage` (e.g. 0.95) of
+    /// `shapes`, weighted by frequency. Ties in frequency go to the smaller
+    /// shape, so the result does not depend on the input order.
+    pub fn from_tasks<'a>(shapes: impl IntoIterator<Item = &'a TaskShape>, coverage: f64) -> Self {
+        let mut counts: std::collections::BTreeMap<(GpuRequest, u64, u64, ModelMask), u64> =
+            std::collections::BTreeMap::new();
+        let mut total = 0u64;
+        for shape in shapes {
+            *counts
+                .entry((shape.gpus, shape.cpu_milli, shape.memory_mib, shape.models))
+                .or_default() += 1;
+            total += 1;
+        }
+        if total == 0 {
+            return TypicalWorkload::default();
+        }
+        let mut ranked: Vec<_> = counts.into_iter().collect();
+        ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut taken = Vec::new();
+        let mut covered = 0u64;
+        for (key, count) in ranked {
+            if covered as f64 >= coverage * total as f64 {
+                break;
+            }
+            covered += count;
+            taken.push((key, count));
+        }
+        let shapes = taken
+            .into_iter()
+            .map(
+                |((gpus, cpu_milli, memory_mib, models), count)| TypicalShape {
+                    gpus,
+                    cpu_milli,
+                    memory_mib,
+                    models,
+                    weight: count as f64 / covered as f64,
+                },
+            )
+            .collect();
+        TypicalWorkload { shapes }
+    }
+
+    /// Expected fragmentation of a node, in thousandths of a GPU: the idle GPU
+    /// capacity that the typical workload cannot use, weighted by frequency.
+    pub fn fragmentation(&self, node: &NodeStatic, free: &[u16], cpu: u64, memory: u64) -> f64 {
+        let idle: u64 = free.iter().map(|&slot| u64::from(slot)).sum();
+        if idle == 0 {
+            return 0.0;
+        }
+        let mut total = 0.0;
+        for shape in &self.shapes {
+            total +=
+                shape.weight * shape_fragmentation(shape, node, free, cpu, memory, idle) as f64;
+        }
+        total
+    }
+}
+
+fn shape_fragmentation(
+    shape: &TypicalShape,
+    node: &NodeStatic,
+    free: &[u16],
+    cpu: u64,
+    memory: u64,
+    idle: u64,
+) -> u64 {
+    if shape.cpu_milli > cpu || shape.memory_mib > memory || !shape.models.contains(node.model) {
+        return idle;
+    }
+    match shape.gpus {
+        GpuRequest::Whole(0) => idle,
+        GpuRequest::Whole(count) => {
+            let mut whole = 0;
+            let mut partial = 0u64;
+            for &slot in free {
+                if slot == 1000 {
+                    whole += 1;
+                } else {
+                    partial += u64::from(slot);
+                }
+            }
+            if whole < count { idle } else { partial }
+        }
+        GpuRequest::Shared(share) => {
+            let need = share.0 as u16;
+            let mut fits = false;
+            let mut below = 0u64;
+            for &slot in free {
+                if slot >= need {
+                    fits = true;
+                } else {
+                    below += u64::from(slot);
+                }
+            }
+            if fits { below } else { idle }
+        }
+    }
+}
+
+/// The GPUs chosen on a node: a bit per GPU index; each takes the task's
+/// per-GPU share.
+pub type GpuPick = u64;
+
+/// A feasible node's score and the GPUs the task would take there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evaluation {
+    pub level: u32,
+    pub pick: GpuPick,
+}
+
+/// Normalisers for scores that compare nodes of different sizes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scale {
+    pub cpu_milli: f64,
+    pub gpus: f64,
+}
+
+impl Scale {
+    /// The largest node's CPU and GPU count (128 CPUs and 8 GPUs on openb).
+    pub fn of(cluster: &ClusterState) -> Self {
+        let cpu = cluster
+            .nodes
+            .iter()
+            .map(|n| n.cpu_milli)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let gpus = cluster
+            .nodes
+            .iter()
+            .map(|n| n.gpu_healthy.len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        Scale {
+            cpu_milli: cpu as f64,
+            gpus: gpus as f64,
+        }
+    }
+}
+
+/// Everything a policy needs to score nodes.
+#[derive(Debug, Clone)]
+pub struct Scorer {
+    pub policy: PlacementPolicy,
+    pub workload: TypicalWorkload,
+    pub scale: Scale,
+}
+
+/// Whole GPUs for a task: the NVLink domain with the fewest free whole GPUs
+/// that still holds all of them (lowest domain on ties), lowest indices first;
+/// if no single domain can, the lowest-numbered free GPUs.
+pub fn pick_whole_gpus(node: &NodeStatic, free: &[u16], count: u32) -> Option<GpuPick> {
+    if count == 0 {
+        return Some(0);
+    }
+    let mut domains: Vec<(u32, u32)> = Vec::new();
+    for (index, &slot) in free.iter().enumerate() {
+        if slot == 1000 {
+            let domain = node.nvlink_domain.get(index).copied().unwrap_or(0);
+            match domains.iter_mut().find(|(d, _)| *d == domain) {
+                Some((_, n)) => *n += 1,
+                None => domains.push((domain, 1)),
+            }
+        }
+    }
+    let total: u32 = domains.iter().map(|(_, n)| n).sum();
+    if total < count {
+        return None;
+    }
+    let best_domain = domains
+        .iter()
+        .filter(|(_, n)| *n >= count)
+        .min_by_key(|(d, n)| (*n, *d))
+        .map(|(d, _)| *d);
+    let mut pick = 0u64;
+    let mut taken = 0;
+    for (index, &slot) in free.iter().enumerate() {
+        if taken == count {
+            break;
+        }
+        let domain = node.nvlink_domain.get(index).copied().unwrap_or(0);
+        if slot == 1000 && best_domain.is_none_or(|d| d == domain) {
+            pick |= 1 << index;
+            taken += 1;
+        }
+    }
+    Some(pick)
+}
+
+fn sigmoid_level(drop: f64) -> u32 {
+    let value = 100.0 / (1.0 + (-drop / 1000.0).exp());
+    value.clamp(0.0, 100.0) as u32
+}
+
+impl Scorer {
+    pub fn new(policy: PlacementPolicy, workload: TypicalWorkload, scale: Scale) -> Self {
+        Scorer {
+            policy,
+            workload,
+            scale,
+        }
+    }
+
+    /// Scores `node` for `shape`, or `None` when the task does not fit.
+    pub fn evaluate(
+        &self,
+        cluster: &ClusterState,
+        node: NodeIndex,
+        shape: &TaskShape,
+    ) -> Option<Evaluation> {
+        if !cluster.fits(node, shape) {
+            return None;
+        }
+        let info = &cluster.nodes[node as usize];
+        let free = &cluster.free[node as usize];
+        Some(self.evaluate_fitting(info, free, shape))
+    }
+
+    /// Scores a node the task is known to fit.
+    pub fn evaluate_fitting(
+        &self,
+        info: &NodeStatic,
+        free: &NodeFree,
+        shape: &TaskShape,
+    ) -> Evaluation {
+        let cpu_after = free.cpu_milli - shape.cpu_milli;
+        let memory_after = free.memory_mib - shape.memory_mib;
+        match self.policy {
+            PlacementPolicy::Fgd => {
+                let before =
+                    self.workload
+                        .fragmentation(info, &free.gpu, free.cpu_milli, free.memory_mib);
+                let mut after_gpu = free.gpu.clone();
+                let pick = match shape.gpus {
+                    GpuRequest::Shared(share) => {
+                        let need = share.0 as u16;
+                        let mut best: Option<(f64, usize)> = None;
+                        for index in 0..after_gpu.len() {
+                            let slot = after_gpu[index];
+                            if slot < need {
+                                continue;
+                            }
+                            after_gpu[index] = slot - need;
+                            let frag = self.workload.fragmentation(
+                                info,
+                                &after_gpu,
+                                cpu_after,
+                                memory_after,
+                            );
+                            after_gpu[index] = slot;
+                            if best.is_none_or(|(f, _)| frag < f) {
+                                best = Some((frag, index));
+                            }
+                        }
+                        let (frag, index) = best.unwrap_or((before, 0));
+                        return Evaluation {
+                            level: sigmoid_level(before - frag),
+                            pick: 1 << index,
+                        };
+                    }
+                    GpuRequest::Whole(count) => {
+                        pick_whole_gpus(info, &free.gpu, count).unwrap_or_default()
+                    }
+                };
+                apply_pick(&mut after_gpu, pick, 1000);
+                let after = self
+                    .workload
+                    .fragmentation(info, &after_gpu, cpu_after, memory_after);
+                Evaluation {
+                    level: sigmoid_level(before - after),
+                    pick,
+                }
+            }
+            PlacementPolicy::BestFit | PlacementPolicy::Packing | PlacementPolicy::Random => {
+                let pick = match shape.gpus {
+                    GpuRequest::Shared(share) => {
+                        let need = share.0 as u16;
+                        let index = free
+                            .gpu
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, slot)| **slot >= need)
+                            .min_by_key(|(index, slot)| (**slot, *index))
+                            .map(|(index, _)| index)
+                            .unwrap_or(0);
+                        1 << index
+                    }
+                    GpuRequest::Whole(count) => {
+                        pick_whole_gpus(info, &free.gpu, count).unwrap_or_default()
+                    }
+                };
+                let gpu_idle_after = free.idle_gpu_milli() - shape.gpus.total().0 as u64;
+                let level = match self.policy {
+                    PlacementPolicy::BestFit => {
+                        let left = 0.5 * cpu_after as f64 / self.scale.cpu_milli
+                            + 0.5 * gpu_idle_after as f64 / (self.scale.gpus * 1000.0);
+                        (100.0 * (1.0 - left)).clamp(0.0, 100.0) as u32
+                    }
+                    PlacementPolicy::Packing => {
+                        let capacity = info.gpu_healthy.iter().filter(|&&ok| ok).count() as f64;
+                        if capacity == 0.0 || shape.gpus.total().0 == 0 {
+                            let used = info.cpu_milli - cpu_after;
+                            (100.0 * used as f64 / info.cpu_milli.max(1) as f64) as u32
+                        } else {
+                            let used = capacity * 1000.0 - gpu_idle_after as f64;
+                            (100.0 * used / (capacity * 1000.0)).clamp(0.0, 100.0) as u32
+                        }
+                    }
+                    _ => 0,
+                };
+                Evaluation { level, pick }
+            }
+        }
+    }
+}
+
+/// Subtracts `milli` from each picked GPU.
+pub fn apply_pick(gpu: &mut [u16], pick: GpuPick, milli: u16) {
+    for (index, slot) in gpu.iter_mut().enumerate() {
+        if pick & (1 << index) != 0 {
+            *slot = slot.saturating_sub(milli);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use muster_model::GpuMilli;
+
+    fn node(gpus: usize) -> NodeStatic {
+        NodeStatic {
+            name: muster_model::NodeName::from("n"),
+            pool: 0,
+            rack: 0,
+            model: 0,
+            gpu_memory_mib: 80 * 1024,
+            cpu_milli: 64_000,
+            memory_mib: 1 << 20,
+            nvlink_domain: vec![0; gpus],
+            cordoned: false,
+            healthy: true,
+            gpu_healthy: vec![true; gpus],
+        }
+    }
+
+    fn shape(gpus: GpuRequest, cpu_milli: u64, weight: f64) -> TypicalShape {
+        TypicalShape {
+            gpus,
+            cpu_milli,
+            memory_mib: 0,
+            models: ModelMask::ANY,
+            weight,
+        }
+    }
+
+    #[test]
+    fn fragmentation_matches_a_hand_computed_example() {
+        // Free: 1000, 1000, 600, 200 thousandths; 8 CPUs free.
+        let free = [1000, 1000, 600, 200];
+        let workload = TypicalWorkload {
+            shapes: vec![
+                // 2 whole GPUs: fits; partial GPUs 600 + 200 are fragments.
+                shape(GpuRequest::Whole(2), 1000, 0.25),
+                // 3 whole GPUs: does not fit: all 2800 idle is fragment.
+                shape(GpuRequest::Whole(3), 1000, 0.25),
+                // half a GPU: fits; only the 200 below 500 is fragment.
+                shape(GpuRequest::Shared(GpuMilli(500)), 1000, 0.25),
+                // CPU-only: all idle GPU capacity is fragment... but it needs
+                // 16 CPUs and cannot run at all: still all idle.
+                shape(GpuRequest::Whole(0), 16_000, 0.25),
+            ],
+        };
+        let frag = workload.fragmentation(&node(4), &free, 8_000, 1 << 20);
+        let expected = 0.25 * 800.0 + 0.25 * 2800.0 + 0.25 * 200.0 + 0.25 * 2800.0;
+        assert!((frag - expected).abs() < 1e-9, "{frag} != {expected}");
+    }
+
+    #[test]
+    fn typical_shapes_cover_the_requested_fraction() {
+        let a = TaskShape {
+            gpus: GpuRequest::Whole(1),
+            cpu_milli: 1000,
+            memory_mib: 0,
+            models: ModelMask::ANY,
+            pool: None,
+            min_gpu_memory_mib: 0,
+        };
+        let b = TaskShape {
+            gpus: GpuRequest::Shared(GpuMilli(500)),
+            ..a
+        };
+        let c = TaskShape {
+            gpus: GpuRequest::Whole(8),
+            ..a
+        };
+        let tasks: Vec<TaskShape> = std::iter::repeat_n(a, 90)
+            .chain(std::iter::repeat_n(b, 8))
+            .chain(std::iter::repeat_n(c, 2))
+            .collect();
+        let workload = TypicalWorkload::from_tasks(tasks.iter(), 0.95);
+        assert_eq!(
+            workload.shapes.len(),
+            2,
+            "90% + 8% reach 95%; the 2% tail is left out"
+        );
+        assert!((workload.shapes[0].weight - 90.0 / 98.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn fgd_prefers_the_gpu_that_leaves_least_fragment() {
+        // Typical: half-GPU tasks. A 0.4 share on GPU 1 (free 500) leaves 100,
+        // a fragment; on GPU 0 (free 900) it leaves 500, still usable.
+        let scorer = Scorer::new(
+            PlacementPolicy::Fgd,
+            TypicalWorkload {
+                shapes: vec![shape(GpuRequest::Shared(GpuMilli(500)), 0, 1.0)],
+            },
+            Scale {
+                cpu_milli: 64_000.0,
+                gpus: 2.0,
+            },
+        );
+        let free = NodeFree {
+            gpu: vec![900, 500],
+            cpu_milli: 64_000,
+            memory_mib: 1 << 20,
+        };
+        let task = TaskShape {
+            gpus: GpuRequest::Shared(GpuMilli(400)),
+            cpu_milli: 0,
+            memory_mib: 0,
+            models: ModelMask::ANY,
+            pool: None,
+            min_gpu_memory_mib: 0,
+        };
+        let evaluation = scorer.evaluate_fitting(&node(2), &free, &task);
+        assert_eq!(evaluation.pick, 1 << 0);
+    }
+}

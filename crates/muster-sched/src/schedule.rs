@@ -1,0 +1,830 @@
+//! One scheduling cycle: order, admit, place, preempt, reserve, backfill.
+
+use crate::cluster::{ClusterError, ClusterState, NodeIndex, NodeInput, TaskPlacement, TaskShape};
+use crate::placer::{FilterCounts, GangFailure, Placer};
+use crate::policy::{PlacementPolicy, Scale, Scorer, TypicalWorkload};
+use muster_model::{
+    CpuMilli, GpuMilli, GpuModel, GpuRequest, JobId, JobSpec, MemoryMib, NodeName, PoolName,
+    QueueName, QueueSpec, Time, TopologyStrength,
+};
+use rand::Rng;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// What each task of a job asks of its node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskRequest {
+    pub gpus: GpuRequest,
+    pub cpu: CpuMilli,
+    pub memory: MemoryMib,
+    /// Empty: any model.
+    pub gpu_models: Vec<GpuModel>,
+    pub min_gpu_memory: Option<MemoryMib>,
+    pub pool: Option<PoolName>,
+}
+
+impl TaskRequest {
+    pub fn of(spec: &JobSpec) -> Self {
+        TaskRequest {
+            gpus: spec.gpus_per_node,
+            cpu: spec.cpu_per_node,
+            memory: spec.memory_per_node,
+            gpu_models: spec.gpu_models.clone(),
+            min_gpu_memory: spec.min_gpu_memory,
+            pool: spec.pool.clone(),
+        }
+    }
+
+    /// The request with names interned against `cluster`.
+    pub fn shape(&self, cluster: &ClusterState) -> TaskShape {
+        TaskShape {
+            gpus: self.gpus,
+            cpu_milli: self.cpu.0,
+            memory_mib: self.memory.0,
+            models: cluster.model_mask(&self.gpu_models),
+            pool: self
+                .pool
+                .as_ref()
+                .map(|pool| cluster.pool_index(pool).unwrap_or(u16::MAX)),
+            min_gpu_memory_mib: self.min_gpu_memory.map_or(0, |m| m.0),
+        }
+    }
+}
+
+/// A job waiting to be placed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingJob {
+    pub id: JobId,
+    pub queue: QueueName,
+    /// The value of the job's priority class.
+    pub priority: i32,
+    pub submitted: Time,
+    /// Number of tasks (one per node).
+    pub tasks: u32,
+    pub request: TaskRequest,
+    pub same_rack: Option<TopologyStrength>,
+    /// From the spec or from history; used by backfill only.
+    pub estimated_runtime_ms: Option<u64>,
+}
+
+impl PendingJob {
+    pub fn total_gpu(&self) -> u64 {
+        u64::from(self.request.gpus.total().0) * u64::from(self.tasks)
+    }
+}
+
+/// One task of a running job, bound to a node and concrete GPUs.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Allocation {
+    pub node: NodeName,
+    /// (GPU index, thousandths taken).
+    pub gpus: Vec<(u32, u16)>,
+    pub cpu: CpuMilli,
+    pub memory: MemoryMib,
+}
+
+/// A job holding resources.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningJob {
+    pub id: JobId,
+    pub queue: QueueName,
+    pub priority: i32,
+    pub started: Time,
+    pub tasks: Vec<Allocation>,
+    /// When it is expected to end (start + estimate), if known.
+    pub expected_end: Option<Time>,
+    pub preemptible: bool,
+    /// How often it checkpoints; `None`: a preemption loses all its work.
+    pub checkpoint_interval_ms: Option<u64>,
+}
+
+impl RunningJob {
+    pub fn total_gpu(&self) -> u64 {
+        self.tasks
+            .iter()
+            .flat_map(|task| task.gpus.iter())
+            .map(|&(_, milli)| u64::from(milli))
+            .sum()
+    }
+
+    /// Work a preemption at `now` would lose: time since its last checkpoint.
+    pub fn work_lost_ms(&self, now: Time) -> u64 {
+        let ran = now.millis_since(self.started);
+        match self.checkpoint_interval_ms {
+            Some(interval) if interval > 0 => ran % interval,
+            _ => ran,
+        }
+    }
+}
+
+/// The cluster and its work, as one cycle sees them.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub now: Time,
+    pub nodes: Vec<NodeInput>,
+    pub running: Vec<RunningJob>,
+    pub queues: Vec<QueueSpec>,
+    /// Decayed GPU-seconds per queue (see [`crate::UsageLedger`]).
+    pub usage: BTreeMap<QueueName, f64>,
+    /// The mix of requests FGD measures fragmentation against; `None`: the
+    /// shapes of the pending and running tasks.
+    pub workload: Option<Vec<(TaskRequest, u64)>>,
+}
+
+/// How jobs may pass a blocked job ahead of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backfill {
+    /// Nothing passes the first blocked job.
+    None,
+    /// EASY: the first blocked job holds a reservation; later jobs start only
+    /// where they cannot delay it.
+    Easy,
+    /// Any job that fits starts (may starve large jobs).
+    AnyFit,
+}
+
+/// The knobs of a cycle.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulingPolicy {
+    pub placement: PlacementPolicy,
+    pub backfill: Backfill,
+    pub preemption: bool,
+    /// Order queues by decayed usage over weight (otherwise by name).
+    pub fair_share: bool,
+    /// A waiting job gains `aging_step` priority every `aging_interval_ms`.
+    pub aging_interval_ms: u64,
+    pub aging_step: i32,
+    /// Seconds of future use that each GPU a queue holds now counts as, when
+    /// comparing queues for fair share within a cycle.
+    pub fair_share_horizon_s: f64,
+    /// Shapes covering this fraction of tasks are FGD's typical workload.
+    pub typical_coverage: f64,
+}
+
+impl Default for SchedulingPolicy {
+    fn default() -> Self {
+        SchedulingPolicy {
+            placement: PlacementPolicy::DEFAULT,
+            backfill: Backfill::Easy,
+            preemption: true,
+            fair_share: true,
+            aging_interval_ms: 60_000,
+            aging_step: 1,
+            fair_share_horizon_s: 3600.0,
+            typical_coverage: 0.95,
+        }
+    }
+}
+
+impl SchedulingPolicy {
+    /// First come, first served: no fair share, no preemption, no backfill.
+    pub fn fifo(placement: PlacementPolicy) -> Self {
+        SchedulingPolicy {
+            placement,
+            backfill: Backfill::None,
+            preemption: false,
+            fair_share: false,
+            aging_step: 0,
+            ..SchedulingPolicy::default()
+        }
+    }
+
+    pub fn effective_priority(&self, job: &PendingJob, now: Time) -> i64 {
+        let waited = now.millis_since(job.submitted);
+        let steps = waited.checked_div(self.aging_interval_ms).unwrap_or(0);
+        i64::from(job.priority) + steps as i64 * i64::from(self.aging_step)
+    }
+}
+
+/// A job started this cycle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobStart {
+    pub job: JobId,
+    pub tasks: Vec<Allocation>,
+    /// Jobs that must stop first (their resources are counted as free).
+    pub after_preempting: Vec<JobId>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum PreemptionCause {
+    /// The preemptor has a higher priority class.
+    Priority,
+    /// The preemptor's queue takes back its guaranteed quota.
+    QuotaReclaim,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Preemption {
+    pub victim: JobId,
+    pub for_job: JobId,
+    pub cause: PreemptionCause,
+    pub work_lost_ms: u64,
+}
+
+/// Capacity held for a blocked job so that backfill cannot starve it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub job: JobId,
+    /// When the capacity is expected to be free; `None` when a job in the way
+    /// has no runtime estimate.
+    pub start: Option<Time>,
+    pub nodes: Vec<NodeName>,
+}
+
+/// Why a job was left pending, as data (worded by `muster describe`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PendingReason {
+    /// The queue is at its ceiling (guarantee plus borrowing limit).
+    QuotaExceeded {
+        queue: QueueName,
+        in_use: GpuMilli,
+        requested: GpuMilli,
+        ceiling: GpuMilli,
+    },
+    /// No node can ever hold a task as the cluster stands (wrong pool, model,
+    /// too large, cordoned): counts per filter.
+    NeverFits { filters: FilterCounts },
+    /// Not enough free capacity now.
+    NoCapacity {
+        filters: FilterCounts,
+        gang: Option<GangFailure>,
+    },
+    /// It would fit, but only on capacity reserved for an earlier job.
+    BehindReservation { holder: JobId, start: Option<Time> },
+    /// Earlier jobs are blocked and backfill is off.
+    BehindBlockedJob { blocker: JobId },
+    /// This job holds the reservation and waits for it.
+    HoldsReservation { start: Option<Time> },
+}
+
+/// What a cycle decided.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub started: Vec<JobStart>,
+    pub preemptions: Vec<Preemption>,
+    pub reservation: Option<Reservation>,
+    pub pending: BTreeMap<JobId, PendingReason>,
+    /// Pending jobs in the order the cycle considered them.
+    pub order: Vec<JobId>,
+}
+
+/// A running job as the cycle tracks it.
+struct Live {
+    job: RunningJob,
+    placements: Vec<TaskPlacement>,
+    preempted: bool,
+}
+
+struct QueueState {
+    spec: QueueSpec,
+    in_use: u64,
+    usage: f64,
+}
+
+impl QueueState {
+    fn ceiling(&self) -> Option<u64> {
+        self.spec.ceiling().map(|c| u64::from(c.0))
+    }
+
+    fn guaranteed(&self) -> u64 {
+        u64::from(self.spec.guaranteed.0)
+    }
+}
+
+fn to_placement(cluster: &ClusterState, allocation: &Allocation) -> Option<TaskPlacement> {
+    let node = cluster.node_index(&allocation.node)?;
+    Some(TaskPlacement {
+        node,
+        gpus: allocation
+            .gpus
+            .iter()
+            .map(|&(index, milli)| crate::cluster::GpuGrant { index, milli })
+            .collect(),
+        cpu_milli: allocation.cpu.0,
+        memory_mib: allocation.memory.0,
+    })
+}
+
+fn to_allocation(cluster: &ClusterState, placement: &TaskPlacement) -> Allocation {
+    Allocation {
+        node: cluster.nodes[placement.node as usize].name.clone(),
+        gpus: placement
+            .gpus
+            .iter()
+            .map(|grant| (grant.index, grant.milli))
+            .collect(),
+        cpu: CpuMilli(placement.cpu_milli),
+        memory: MemoryMib(placement.memory_mib),
+    }
+}
+
+/// Runs one scheduling cycle.
+pub fn schedule<R: Rng>(
+    snapshot: &Snapshot,
+    pending: &[PendingJob],
+    policy: &SchedulingPolicy,
+    rng: &mut R,
+) -> Result<Outcome, ClusterError> {
+    let now = snapshot.now;
+    let mut cluster = ClusterState::new(snapshot.nodes.clone())?;
+    let mut queues: BTreeMap<QueueName, QueueState> = snapshot
+        .queues
+        .iter()
+        .map(|spec| {
+            (
+                spec.name.clone(),
+                QueueState {
+                    spec: spec.clone(),
+                    in_use: 0,
+                    usage: snapshot.usage.get(&spec.name).copied().unwrap_or(0.0),
+                },
+            )
+        })
+        .collect();
+    let queue_entry = |queues: &mut BTreeMap<QueueName, QueueState>, name: &QueueName| {
+        if !queues.contains_key(name) {
+            queues.insert(
+                name.clone(),
+                QueueState {
+                    spec: QueueSpec::best_effort(name.0.clone()),
+                    in_use: 0,
+                    usage: snapshot.usage.get(name).copied().unwrap_or(0.0),
+                },
+            );
+        }
+    };
+
+    let mut live: Vec<Live> = Vec::with_capacity(snapshot.running.len());
+    for job in &snapshot.running {
+        let placements: Vec<TaskPlacement> = job
+            .tasks
+            .iter()
+            .filter_map(|allocation| to_placement(&cluster, allocation))
+            .collect();
+        for placement in &placements {
+            cluster.take(placement);
+        }
+        queue_entry(&mut queues, &job.queue);
+        if let Some(state) = queues.get_mut(&job.queue) {
+            state.in_use += job.total_gpu();
+        }
+        live.push(Live {
+            job: job.clone(),
+            placements,
+            preempted: false,
+        });
+    }
+    for job in pending {
+        queue_entry(&mut queues, &job.queue);
+    }
+
+    let workload = match &snapshot.workload {
+        Some(mix) => {
+            let shapes: Vec<(TaskShape, u64)> = mix
+                .iter()
+                .map(|(request, count)| (request.shape(&cluster), *count))
+                .collect();
+            TypicalWorkload::from_tasks(
+                shapes
+                    .iter()
+                    .flat_map(|(shape, count)| std::iter::repeat_n(shape, *count as usize)),
+                policy.typical_coverage,
+            )
+        }
+        None => {
+            let shapes: Vec<TaskShape> = pending
+                .iter()
+                .map(|job| job.request.shape(&cluster))
+                .collect();
+            TypicalWorkload::from_tasks(shapes.iter(), policy.typical_coverage)
+        }
+    };
+    let scorer = Scorer::new(policy.placement, workload, Scale::of(&cluster));
+    let mut cycle = Cycle {
+        now,
+        policy,
+        placer: Placer::new(cluster, scorer),
+        queues,
+        live,
+        outcome: Outcome::default(),
+        reservation: None,
+        failed: BTreeMap::new(),
+        blocker: None,
+    };
+
+    // Per queue, by effective priority, then submit time, then id.
+    let mut per_queue: BTreeMap<QueueName, Vec<&PendingJob>> = BTreeMap::new();
+    for job in pending {
+        per_queue.entry(job.queue.clone()).or_default().push(job);
+    }
+    for jobs in per_queue.values_mut() {
+        jobs.sort_by(|a, b| {
+            policy
+                .effective_priority(b, now)
+                .cmp(&policy.effective_priority(a, now))
+                .then(a.submitted.cmp(&b.submitted))
+                .then(a.id.cmp(&b.id))
+        });
+        jobs.reverse(); // pop from the back
+    }
+    loop {
+        let mut best: Option<(&QueueName, (i64, f64, Time))> = None;
+        for (name, jobs) in &per_queue {
+            let Some(head) = jobs.last() else { continue };
+            let share = if policy.fair_share {
+                cycle.queues.get(name).map_or(0.0, |state| {
+                    (state.usage + state.in_use as f64 / 1000.0 * policy.fair_share_horizon_s)
+                        / f64::from(state.spec.weight.max(1))
+                })
+            } else {
+                0.0
+            };
+            let key = (policy.effective_priority(head, now), share, head.submitted);
+            let better = match &best {
+                None => true,
+                Some((_, (priority, best_share, submitted))) => {
+                    key.0 > *priority
+                        || (key.0 == *priority
+                            && (key.1 < *best_share
+                                || (key.1 == *best_share && key.2 < *submitted)))
+                }
+            };
+            if better {
+                best = Some((name, key));
+            }
+        }
+        let Some((name, _)) = best else { break };
+        let name = name.clone();
+        let Some(job) = per_queue.get_mut(&name).and_then(Vec::pop) else {
+            break;
+        };
+        cycle.outcome.order.push(job.id);
+        cycle.consider(job, rng);
+    }
+    Ok(cycle.outcome)
+}
+
+/// Failure memo key: shape, tasks, topology, whether reserved nodes were
+/// excluded. Within a cycle free capacity only shrinks (until a preemption),
+/// so a failed key fails again.
+type FailureKey = (TaskShape, u32, Option<TopologyStrength>, bool);
+
+struct Cycle<'a> {
+    now: Time,
+    policy: &'a SchedulingPolicy,
+    placer: Placer,
+    queues: BTreeMap<QueueName, QueueState>,
+    live: Vec<Live>,
+    outcome: Outcome,
+    /// The reservation's holder, shadow time, and node set.
+    reservation: Option<(JobId, Option<Time>, BTreeSet<NodeIndex>)>,
+    failed: BTreeMap<FailureKey, PendingReason>,
+    blocker: Option<JobId>,
+}
+
+impl Cycle<'_> {
+    fn consider<R: Rng>(&mut self, job: &PendingJob, rng: &mut R) {
+        if let Some(blocker) = self.blocker {
+            self.outcome
+                .pending
+                .insert(job.id, PendingReason::BehindBlockedJob { blocker });
+            return;
+        }
+        let total = job.total_gpu();
+        let Some(queue) = self.queues.get(&job.queue) else {
+            return;
+        };
+        if let Some(ceiling) = queue.ceiling()
+            && queue.in_use + total > ceiling
+        {
+            self.outcome.pending.insert(
+                job.id,
+                PendingReason::QuotaExceeded {
+                    queue: job.queue.clone(),
+                    in_use: GpuMilli(queue.in_use as u32),
+                    requested: GpuMilli(total as u32),
+                    ceiling: GpuMilli(ceiling as u32),
+                },
+            );
+            return;
+        }
+        let shape = job.request.shape(self.placer.cluster());
+        // Backfill: a job that would end before the reservation starts may use
+        // the reserved nodes; any other job must keep off them.
+        let excluded_nodes: Option<BTreeSet<NodeIndex>> = match &self.reservation {
+            Some((_, start, nodes)) => {
+                let ends_in_time = match (start, job.estimated_runtime_ms) {
+                    (Some(start), Some(estimate)) => self.now.plus_millis(estimate) <= *start,
+                    _ => false,
+                };
+                (!ends_in_time).then(|| nodes.clone())
+            }
+            None => None,
+        };
+        let key: FailureKey = (shape, job.tasks, job.same_rack, excluded_nodes.is_some());
+        if let Some(reason) = self.failed.get(&key) {
+            let reason = reason.clone();
+            self.after_failure(job, &shape, reason, rng);
+            return;
+        }
+        let excluded = |node: NodeIndex| excluded_nodes.as_ref().is_some_and(|s| s.contains(&node));
+        let placed = self
+            .placer
+            .choose_gang(&shape, job.tasks, job.same_rack, &excluded, rng);
+        match placed {
+            Ok(placements) => self.start(job, placements, Vec::new()),
+            Err(gang) => {
+                let filters = self.placer.diagnose(&shape, &excluded);
+                let reason = if filters.never_fits(job.tasks) {
+                    PendingReason::NeverFits { filters }
+                } else if excluded_nodes.is_some()
+                    && filters.feasible + filters.reserved >= job.tasks
+                    && filters.feasible < job.tasks
+                {
+                    let (holder, start, _) = self
+                        .reservation
+                        .as_ref()
+                        .map(|(holder, start, nodes)| (*holder, *start, nodes.len()))
+                        .unwrap_or((job.id, None, 0));
+                    PendingReason::BehindReservation { holder, start }
+                } else {
+                    PendingReason::NoCapacity {
+                        filters,
+                        gang: (job.tasks > 1).then_some(gang),
+                    }
+                };
+                self.failed.insert(key, reason.clone());
+                self.after_failure(job, &shape, reason, rng);
+            }
+        }
+    }
+
+    fn after_failure<R: Rng>(
+        &mut self,
+        job: &PendingJob,
+        shape: &TaskShape,
+        reason: PendingReason,
+        rng: &mut R,
+    ) {
+        let capacity_bound = matches!(reason, PendingReason::NoCapacity { .. });
+        if capacity_bound && self.policy.preemption && self.try_preempt(job, shape, rng) {
+            return;
+        }
+        let reason = if capacity_bound {
+            match self.policy.backfill {
+                Backfill::None => {
+                    self.blocker = Some(job.id);
+                    reason
+                }
+                Backfill::Easy if self.reservation.is_none() => {
+                    match self.reserve(job, shape, rng) {
+                        Some(start) => PendingReason::HoldsReservation { start },
+                        None => reason,
+                    }
+                }
+                _ => reason,
+            }
+        } else {
+            reason
+        };
+        self.outcome.pending.insert(job.id, reason);
+    }
+
+    fn start(&mut self, job: &PendingJob, placements: Vec<TaskPlacement>, victims: Vec<JobId>) {
+        for placement in &placements {
+            self.placer.commit(placement);
+        }
+        if let Some(state) = self.queues.get_mut(&job.queue) {
+            state.in_use += job.total_gpu();
+        }
+        let cluster = self.placer.cluster();
+        let tasks: Vec<Allocation> = placements
+            .iter()
+            .map(|placement| to_allocation(cluster, placement))
+            .collect();
+        self.live.push(Live {
+            job: RunningJob {
+                id: job.id,
+                queue: job.queue.clone(),
+                priority: job.priority,
+                started: self.now,
+                tasks: tasks.clone(),
+                expected_end: job
+                    .estimated_runtime_ms
+                    .map(|estimate| self.now.plus_millis(estimate)),
+                preemptible: false, // not a victim within its own cycle
+                checkpoint_interval_ms: None,
+            },
+            placements,
+            preempted: false,
+        });
+        self.outcome.started.push(JobStart {
+            job: job.id,
+            tasks,
+            after_preempting: victims,
+        });
+    }
+
+    /// Whether `victim` may make way for `job`, given how much GPU its queue
+    /// has already given up in this search. Cross-queue preemption never
+    /// leaves the victim's queue below its guarantee while the preemptor's
+    /// queue is above its own, so the victim can never reclaim it back.
+    fn eligible(
+        &self,
+        job: &PendingJob,
+        victim: &RunningJob,
+        already_taken: u64,
+    ) -> Option<PreemptionCause> {
+        if !victim.preemptible {
+            return None;
+        }
+        if victim.queue == job.queue {
+            return (victim.priority < job.priority).then_some(PreemptionCause::Priority);
+        }
+        let preemptor = self.queues.get(&job.queue)?;
+        let owner = self.queues.get(&victim.queue)?;
+        let preemptor_after = preemptor.in_use + job.total_gpu();
+        let preemptor_within = preemptor_after <= preemptor.guaranteed();
+        let owner_in_use = owner.in_use.saturating_sub(already_taken);
+        if owner_in_use <= owner.guaranteed() {
+            return None; // a queue within its guarantee is protected
+        }
+        let owner_after = owner_in_use.saturating_sub(victim.total_gpu());
+        if !preemptor_within && owner_after < owner.guaranteed() {
+            return None;
+        }
+        if preemptor_within {
+            Some(PreemptionCause::QuotaReclaim)
+        } else if victim.priority < job.priority {
+            Some(PreemptionCause::Priority)
+        } else {
+            None
+        }
+    }
+
+    fn victim_cost(&self, victim: &RunningJob) -> (i32, u64, JobId) {
+        (victim.priority, victim.work_lost_ms(self.now), victim.id)
+    }
+
+    /// Finds the cheapest set of running jobs whose removal lets `job` be
+    /// placed (lowest priority, then least work lost since a checkpoint, then
+    /// fewest victims), and if there is one, preempts them and starts `job`.
+    fn try_preempt<R: Rng>(&mut self, job: &PendingJob, shape: &TaskShape, rng: &mut R) -> bool {
+        let mut candidates: Vec<usize> = (0..self.live.len())
+            .filter(|&i| !self.live[i].preempted)
+            .filter(|&i| self.eligible(job, &self.live[i].job, 0).is_some())
+            .collect();
+        if candidates.is_empty() {
+            return false;
+        }
+        candidates.sort_by_key(|&i| self.victim_cost(&self.live[i].job));
+
+        // Trial on a scanning copy of the cluster: release candidates cheapest
+        // first until the job fits, then put back every victim it can spare.
+        let mut trial =
+            Placer::new_scanning(self.placer.cluster().clone(), self.placer.scorer().clone());
+        let mut chosen: Vec<usize> = Vec::new();
+        let mut taken_per_queue: BTreeMap<QueueName, u64> = BTreeMap::new();
+        let none = |_: NodeIndex| false;
+        let mut fits = false;
+        for &candidate in &candidates {
+            let victim = &self.live[candidate].job;
+            let taken = taken_per_queue.get(&victim.queue).copied().unwrap_or(0);
+            if self.eligible(job, victim, taken).is_none() {
+                continue;
+            }
+            let relevant = self.live[candidate]
+                .placements
+                .iter()
+                .any(|p| trial.cluster().static_filter(p.node, shape).is_none());
+            if !relevant {
+                continue;
+            }
+            for placement in &self.live[candidate].placements {
+                trial.release(placement);
+            }
+            *taken_per_queue.entry(victim.queue.clone()).or_default() += victim.total_gpu();
+            chosen.push(candidate);
+            if trial
+                .choose_gang(shape, job.tasks, job.same_rack, &none, rng)
+                .is_ok()
+            {
+                fits = true;
+                break;
+            }
+        }
+        if !fits {
+            return false;
+        }
+        // Spare the most expensive victims first.
+        for position in (0..chosen.len()).rev() {
+            let candidate = chosen[position];
+            for placement in &self.live[candidate].placements {
+                trial.commit(placement);
+            }
+            if trial
+                .choose_gang(shape, job.tasks, job.same_rack, &none, rng)
+                .is_ok()
+            {
+                chosen.remove(position);
+            } else {
+                for placement in &self.live[candidate].placements {
+                    trial.release(placement);
+                }
+            }
+        }
+        // Apply: release the victims for real, then place with the policy.
+        let mut victims = Vec::new();
+        for &candidate in &chosen {
+            let cause = {
+                let victim = &self.live[candidate].job;
+                self.eligible(job, victim, 0)
+                    .unwrap_or(PreemptionCause::Priority)
+            };
+            let entry = &mut self.live[candidate];
+            entry.preempted = true;
+            for placement in &entry.placements {
+                self.placer.release(placement);
+            }
+            let victim = entry.job.clone();
+            if let Some(state) = self.queues.get_mut(&victim.queue) {
+                state.in_use = state.in_use.saturating_sub(victim.total_gpu());
+            }
+            self.outcome.preemptions.push(Preemption {
+                victim: victim.id,
+                for_job: job.id,
+                cause,
+                work_lost_ms: victim.work_lost_ms(self.now),
+            });
+            victims.push(victim.id);
+        }
+        self.failed.clear();
+        match self
+            .placer
+            .choose_gang(shape, job.tasks, job.same_rack, &none, rng)
+        {
+            Ok(placements) => {
+                self.start(job, placements, victims);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// EASY backfill: finds when and where the blocked `job` could start as
+    /// running jobs end (known ends first, in order), and holds those nodes.
+    fn reserve<R: Rng>(
+        &mut self,
+        job: &PendingJob,
+        shape: &TaskShape,
+        rng: &mut R,
+    ) -> Option<Option<Time>> {
+        let mut order: Vec<usize> = (0..self.live.len())
+            .filter(|&i| !self.live[i].preempted)
+            .collect();
+        order.sort_by_key(|&i| {
+            let entry = &self.live[i].job;
+            (
+                entry.expected_end.is_none(),
+                entry.expected_end,
+                entry.started,
+                entry.id,
+            )
+        });
+        let mut trial =
+            Placer::new_scanning(self.placer.cluster().clone(), self.placer.scorer().clone());
+        let none = |_: NodeIndex| false;
+        let needed = job.tasks as usize;
+        let mut feasible: BTreeSet<NodeIndex> = (0..trial.cluster().len() as NodeIndex)
+            .filter(|&node| trial.cluster().fits(node, shape))
+            .collect();
+        for i in order {
+            let entry = &self.live[i];
+            for placement in &entry.placements {
+                trial.release(placement);
+                if trial.cluster().fits(placement.node, shape) {
+                    feasible.insert(placement.node);
+                }
+            }
+            if feasible.len() < needed {
+                continue;
+            }
+            if let Ok(placements) = trial.choose_gang(shape, job.tasks, job.same_rack, &none, rng) {
+                let start = entry.job.expected_end;
+                let nodes: BTreeSet<NodeIndex> = placements.iter().map(|p| p.node).collect();
+                let cluster = self.placer.cluster();
+                self.outcome.reservation = Some(Reservation {
+                    job: job.id,
+                    start,
+                    nodes: nodes
+                        .iter()
+                        .map(|&n| cluster.nodes[n as usize].name.clone())
+                        .collect(),
+                });
+                self.failed.clear();
+                self.reservation = Some((job.id, start, nodes));
+                return Some(start);
+            }
+        }
+        None
+    }
+}

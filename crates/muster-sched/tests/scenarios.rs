@@ -1,0 +1,605 @@
+//! Scenario tests for one scheduling cycle, one area per module.
+
+use muster_model::{GpuMilli, JobId, NodeName, QueueName, QueueSpec, Time, TopologyStrength};
+use muster_sched::{
+    Allocation, Backfill, FilterReason, GangFailure, Outcome, PendingJob, PendingReason,
+    PlacementPolicy, PreemptionCause, SchedulingPolicy, Snapshot, schedule,
+};
+use muster_testkit::{MakeJob, MakeNode, check_outcome, make_nodes, running_from};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+fn cycle(snapshot: &Snapshot, pending: &[PendingJob], policy: &SchedulingPolicy) -> Outcome {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let outcome = schedule(snapshot, pending, policy, &mut rng).expect("valid cluster");
+    if let Err(violation) = check_outcome(snapshot, pending, &outcome) {
+        panic!("invariant violated: {violation}\n{outcome:#?}");
+    }
+    outcome
+}
+
+fn snapshot(nodes: Vec<muster_sched::NodeInput>) -> Snapshot {
+    Snapshot {
+        nodes,
+        ..Snapshot::default()
+    }
+}
+
+fn started(outcome: &Outcome, id: u64) -> &[Allocation] {
+    &outcome
+        .started
+        .iter()
+        .find(|start| start.job == JobId(id))
+        .unwrap_or_else(|| panic!("job {id} did not start: {:#?}", outcome.pending))
+        .tasks
+}
+
+fn reason(outcome: &Outcome, id: u64) -> &PendingReason {
+    outcome
+        .pending
+        .get(&JobId(id))
+        .unwrap_or_else(|| panic!("job {id} is not pending"))
+}
+
+fn node_of(outcome: &Outcome, id: u64) -> String {
+    started(outcome, id)[0].node.0.clone()
+}
+
+mod filtering {
+    use super::*;
+
+    #[test]
+    fn each_filter_is_counted_in_the_pending_reason() {
+        let nodes = vec![
+            MakeNode::new("a-pool").pool("inference").build(),
+            MakeNode::new("b-cordoned").cordoned().build(),
+            MakeNode::new("c-unhealthy").unhealthy().build(),
+            MakeNode::new("d-model").gpus(8, "L4").build(),
+            MakeNode::new("e-memory").gpu_memory_gib(40).build(),
+            MakeNode::new("f-cpu").cpus(2).build(),
+        ];
+        let job = MakeJob::new(1)
+            .models(&["H100-80GB"])
+            .min_gpu_memory_gib(80)
+            .pool("default")
+            .cpus(4)
+            .build();
+        let outcome = cycle(&snapshot(nodes), &[job], &SchedulingPolicy::default());
+        let PendingReason::NeverFits { filters } = reason(&outcome, 1) else {
+            panic!("expected never-fits, got {:?}", reason(&outcome, 1));
+        };
+        for filter in [
+            FilterReason::Pool,
+            FilterReason::Cordoned,
+            FilterReason::Unhealthy,
+            FilterReason::GpuModel,
+            FilterReason::GpuMemory,
+            FilterReason::Cpu,
+        ] {
+            assert_eq!(filters.rejected.get(&filter), Some(&1), "{filter:?}");
+        }
+    }
+
+    #[test]
+    fn an_unhealthy_gpu_is_never_allocated() {
+        let nodes = vec![MakeNode::new("n").gpus(2, "A100").unhealthy_gpu(0).build()];
+        let jobs = vec![MakeJob::new(1).build(), MakeJob::new(2).build()];
+        let outcome = cycle(&snapshot(nodes), &jobs, &SchedulingPolicy::default());
+        assert_eq!(started(&outcome, 1)[0].gpus, vec![(1, 1000)]);
+        assert!(matches!(
+            reason(&outcome, 2),
+            PendingReason::NeverFits { .. }
+                | PendingReason::NoCapacity { .. }
+                | PendingReason::HoldsReservation { .. }
+        ));
+    }
+}
+
+mod fractional {
+    use super::*;
+
+    #[test]
+    fn shares_pack_onto_one_gpu_without_over_committing() {
+        let nodes = vec![MakeNode::new("n").gpus(2, "A100").build()];
+        let jobs: Vec<PendingJob> = (1..=5)
+            .map(|id| MakeJob::new(id).share(300).build())
+            .collect();
+        for policy in PlacementPolicy::ALL {
+            let outcome = cycle(
+                &snapshot(nodes.clone()),
+                &jobs,
+                &SchedulingPolicy {
+                    placement: policy,
+                    ..SchedulingPolicy::default()
+                },
+            );
+            assert_eq!(
+                outcome.started.len(),
+                5,
+                "{policy}: 3 fit per GPU, 6 in all"
+            );
+        }
+        let outcome = cycle(
+            &snapshot(nodes),
+            &jobs,
+            &SchedulingPolicy {
+                placement: PlacementPolicy::BestFit,
+                ..SchedulingPolicy::default()
+            },
+        );
+        let on_gpu0 = outcome
+            .started
+            .iter()
+            .filter(|s| s.tasks[0].gpus[0].0 == 0)
+            .count();
+        assert_eq!(on_gpu0, 3, "best-fit fills the fuller GPU first");
+    }
+
+    #[test]
+    fn a_share_that_fits_no_gpu_waits() {
+        let nodes = vec![MakeNode::new("n").gpus(1, "A100").build()];
+        let jobs = vec![
+            MakeJob::new(1).share(600).build(),
+            MakeJob::new(2).share(600).build(),
+        ];
+        let outcome = cycle(&snapshot(nodes), &jobs, &SchedulingPolicy::default());
+        started(&outcome, 1);
+        assert!(!outcome.started.iter().any(|s| s.job == JobId(2)));
+    }
+}
+
+mod gangs {
+    use super::*;
+
+    #[test]
+    fn a_gang_is_placed_whole_on_distinct_nodes() {
+        let outcome = cycle(
+            &snapshot(make_nodes("n", 4, 2)),
+            &[MakeJob::new(1).gpus(8).tasks(3).build()],
+            &SchedulingPolicy::default(),
+        );
+        assert_eq!(started(&outcome, 1).len(), 3);
+    }
+
+    #[test]
+    fn a_gang_larger_than_the_cluster_stays_pending_and_holds_nothing() {
+        let pending = [
+            MakeJob::new(1).gpus(8).tasks(5).build(),
+            MakeJob::new(2).gpus(8).build(),
+        ];
+        let outcome = cycle(
+            &snapshot(make_nodes("n", 4, 2)),
+            &pending,
+            &SchedulingPolicy::default(),
+        );
+        let PendingReason::NeverFits { filters } = reason(&outcome, 1) else {
+            panic!("{:?}", reason(&outcome, 1));
+        };
+        assert_eq!(filters.could_ever_fit, 4);
+        started(&outcome, 2);
+    }
+
+    #[test]
+    fn a_gang_prefers_one_rack() {
+        let mut nodes = make_nodes("n", 6, 3);
+        // Rack 0 has one node busy: the gang of 3 must go to rack 1.
+        nodes[0] = MakeNode::new("n-000")
+            .rack("rack-00")
+            .gpus(8, "H100-80GB")
+            .build();
+        let busy = MakeJob::new(9).gpus(8).build();
+        let mut snap = snapshot(nodes);
+        snap.running.push(running_from(
+            &busy,
+            vec![Allocation {
+                node: NodeName::from("n-000"),
+                gpus: (0..8).map(|i| (i, 1000)).collect(),
+                cpu: muster_model::CpuMilli(1000),
+                memory: muster_model::MemoryMib(1024),
+            }],
+            Time(0),
+            None,
+        ));
+        let outcome = cycle(
+            &snap,
+            &[MakeJob::new(1).gpus(8).tasks(3).build()],
+            &SchedulingPolicy {
+                preemption: false,
+                ..SchedulingPolicy::default()
+            },
+        );
+        let nodes: Vec<String> = started(&outcome, 1)
+            .iter()
+            .map(|t| t.node.0.clone())
+            .collect();
+        assert_eq!(nodes, vec!["n-003", "n-004", "n-005"]);
+    }
+
+    #[test]
+    fn same_rack_required_is_honoured_or_the_job_waits() {
+        let job = MakeJob::new(1)
+            .gpus(8)
+            .tasks(3)
+            .same_rack(TopologyStrength::Required)
+            .build();
+        let outcome = cycle(
+            &snapshot(make_nodes("n", 4, 2)),
+            &[job.clone()],
+            &SchedulingPolicy::default(),
+        );
+        match reason(&outcome, 1) {
+            PendingReason::NoCapacity {
+                gang:
+                    Some(GangFailure::NoRackLargeEnough {
+                        largest_rack: 2,
+                        needed: 3,
+                    }),
+                ..
+            } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+        let preferred = MakeJob::new(1)
+            .gpus(8)
+            .tasks(3)
+            .same_rack(TopologyStrength::Preferred)
+            .build();
+        let outcome = cycle(
+            &snapshot(make_nodes("n", 4, 2)),
+            &[preferred],
+            &SchedulingPolicy::default(),
+        );
+        assert_eq!(started(&outcome, 1).len(), 3);
+    }
+
+    #[test]
+    fn a_task_takes_gpus_from_one_nvlink_domain() {
+        let node = MakeNode::new("n")
+            .gpus(8, "H100-80GB")
+            .nvlink_domains_of(4)
+            .build();
+        let jobs = vec![
+            MakeJob::new(1).gpus(2).build(),
+            MakeJob::new(2).gpus(4).build(),
+        ];
+        let outcome = cycle(
+            &snapshot(vec![node]),
+            &jobs,
+            &SchedulingPolicy {
+                placement: PlacementPolicy::BestFit,
+                ..SchedulingPolicy::default()
+            },
+        );
+        let second: Vec<u32> = started(&outcome, 2)[0].gpus.iter().map(|g| g.0).collect();
+        assert_eq!(
+            second,
+            vec![4, 5, 6, 7],
+            "domain 0 has only 2 free whole GPUs"
+        );
+    }
+}
+
+mod queues {
+    use super::*;
+
+    fn queue(name: &str, guaranteed: u32, borrow: Option<u32>, weight: u32) -> QueueSpec {
+        QueueSpec {
+            name: QueueName::from(name),
+            guaranteed: GpuMilli::whole(guaranteed),
+            borrow_limit: borrow.map(GpuMilli::whole),
+            weight,
+        }
+    }
+
+    #[test]
+    fn a_queue_at_its_ceiling_waits_with_a_quota_reason() {
+        let mut snap = snapshot(make_nodes("n", 2, 2));
+        snap.queues = vec![queue("team", 4, Some(4), 1)];
+        let jobs = vec![
+            MakeJob::new(1).queue("team").gpus(8).build(),
+            MakeJob::new(2).queue("team").gpus(1).build(),
+        ];
+        let outcome = cycle(&snap, &jobs, &SchedulingPolicy::default());
+        started(&outcome, 1);
+        assert!(matches!(
+            reason(&outcome, 2),
+            PendingReason::QuotaExceeded { .. }
+        ));
+    }
+
+    #[test]
+    fn fair_share_serves_the_queue_that_used_less() {
+        let mut snap = snapshot(make_nodes("n", 1, 1));
+        snap.queues = vec![queue("heavy", 0, None, 1), queue("light", 0, None, 1)];
+        snap.usage.insert(QueueName::from("heavy"), 1e6);
+        let jobs = vec![
+            MakeJob::new(1).queue("heavy").gpus(8).build(),
+            MakeJob::new(2)
+                .queue("light")
+                .gpus(8)
+                .submitted_secs(10)
+                .build(),
+        ];
+        let outcome = cycle(&snap, &jobs, &SchedulingPolicy::default());
+        started(&outcome, 2);
+        assert_eq!(outcome.order, vec![JobId(2), JobId(1)]);
+    }
+
+    #[test]
+    fn weights_scale_fair_share() {
+        let mut snap = snapshot(make_nodes("n", 1, 1));
+        snap.queues = vec![queue("a", 0, None, 1), queue("b", 0, None, 4)];
+        snap.usage.insert(QueueName::from("a"), 100.0);
+        snap.usage.insert(QueueName::from("b"), 300.0);
+        let jobs = vec![
+            MakeJob::new(1).queue("a").gpus(8).build(),
+            MakeJob::new(2).queue("b").gpus(8).build(),
+        ];
+        let outcome = cycle(&snap, &jobs, &SchedulingPolicy::default());
+        started(&outcome, 2);
+    }
+
+    #[test]
+    fn higher_priority_goes_first_and_aging_prevents_starvation() {
+        let mut snap = snapshot(make_nodes("n", 1, 1));
+        let policy = SchedulingPolicy {
+            preemption: false,
+            ..SchedulingPolicy::default()
+        };
+        // A low job (0) against a normal one (100) submitted just now: after
+        // 50 minutes the low job has gained 50 points, not enough.
+        snap.now = Time::from_secs(3000);
+        let jobs = vec![
+            MakeJob::new(1).priority(0).gpus(8).build(),
+            MakeJob::new(2)
+                .priority(100)
+                .gpus(8)
+                .submitted_secs(3000)
+                .build(),
+        ];
+        assert_eq!(cycle(&snap, &jobs, &policy).order[0], JobId(2));
+        // After 110 minutes it has gained 110 and overtakes.
+        snap.now = Time::from_secs(6600);
+        let jobs = vec![
+            MakeJob::new(1).priority(0).gpus(8).build(),
+            MakeJob::new(2)
+                .priority(100)
+                .gpus(8)
+                .submitted_secs(6600)
+                .build(),
+        ];
+        let outcome = cycle(&snap, &jobs, &policy);
+        assert_eq!(outcome.order[0], JobId(1));
+        started(&outcome, 1);
+    }
+}
+
+mod preemption {
+    use super::*;
+
+    fn occupied(jobs: &[(u64, i32, &str, u64)]) -> Snapshot {
+        // (id, priority, node, started secs): each holds all 8 GPUs of node.
+        let names: Vec<&str> = jobs.iter().map(|j| j.2).collect();
+        let mut snap = snapshot(names.iter().map(|n| MakeNode::new(n).build()).collect());
+        snap.now = Time::from_secs(10_000);
+        for &(id, priority, node, started) in jobs {
+            let job = MakeJob::new(id).priority(priority).gpus(8).build();
+            snap.running.push(running_from(
+                &job,
+                vec![Allocation {
+                    node: NodeName::from(node),
+                    gpus: (0..8).map(|i| (i, 1000)).collect(),
+                    cpu: muster_model::CpuMilli(1000),
+                    memory: muster_model::MemoryMib(1024),
+                }],
+                Time::from_secs(started),
+                None,
+            ));
+        }
+        snap
+    }
+
+    #[test]
+    fn the_cheapest_victim_is_chosen() {
+        // Both low priority; job 11 started later, so it loses less work.
+        let snap = occupied(&[(10, 0, "a", 0), (11, 0, "b", 9000), (12, 100, "c", 9500)]);
+        let outcome = cycle(
+            &snap,
+            &[MakeJob::new(1).priority(200).gpus(8).build()],
+            &SchedulingPolicy::default(),
+        );
+        assert_eq!(outcome.preemptions.len(), 1);
+        assert_eq!(outcome.preemptions[0].victim, JobId(11));
+        assert_eq!(outcome.preemptions[0].cause, PreemptionCause::Priority);
+        assert_eq!(node_of(&outcome, 1), "b");
+    }
+
+    #[test]
+    fn equal_priority_never_preempts() {
+        let snap = occupied(&[(10, 100, "a", 0)]);
+        let outcome = cycle(
+            &snap,
+            &[MakeJob::new(1).priority(100).gpus(8).build()],
+            &SchedulingPolicy::default(),
+        );
+        assert!(outcome.preemptions.is_empty());
+    }
+
+    #[test]
+    fn no_preemption_when_it_would_not_make_the_job_placeable() {
+        let snap = occupied(&[(10, 0, "a", 0), (11, 200, "b", 0)]);
+        // Needs two nodes; only one holds a lower-priority job.
+        let outcome = cycle(
+            &snap,
+            &[MakeJob::new(1).priority(100).gpus(8).tasks(2).build()],
+            &SchedulingPolicy::default(),
+        );
+        assert!(outcome.preemptions.is_empty());
+    }
+
+    #[test]
+    fn quota_reclaim_takes_back_a_guarantee_from_a_borrower() {
+        let mut snap = occupied(&[(10, 100, "a", 0), (11, 100, "b", 0)]);
+        for running in &mut snap.running {
+            running.queue = QueueName::from("borrower");
+        }
+        snap.queues = vec![
+            QueueSpec {
+                name: QueueName::from("owner"),
+                guaranteed: GpuMilli::whole(8),
+                borrow_limit: None,
+                weight: 1,
+            },
+            QueueSpec::best_effort("borrower"),
+        ];
+        let job = MakeJob::new(1).queue("owner").priority(100).gpus(8).build();
+        let outcome = cycle(&snap, &[job], &SchedulingPolicy::default());
+        assert_eq!(outcome.preemptions.len(), 1);
+        assert_eq!(outcome.preemptions[0].cause, PreemptionCause::QuotaReclaim);
+        started(&outcome, 1);
+    }
+
+    #[test]
+    fn a_queue_within_its_guarantee_is_protected_from_other_queues() {
+        let mut snap = occupied(&[(10, 0, "a", 0)]);
+        snap.running[0].queue = QueueName::from("owner");
+        snap.queues = vec![
+            QueueSpec {
+                name: QueueName::from("owner"),
+                guaranteed: GpuMilli::whole(8),
+                borrow_limit: None,
+                weight: 1,
+            },
+            QueueSpec::best_effort("other"),
+        ];
+        let job = MakeJob::new(1).queue("other").priority(300).gpus(8).build();
+        let outcome = cycle(&snap, &[job], &SchedulingPolicy::default());
+        assert!(outcome.preemptions.is_empty());
+    }
+}
+
+mod backfill {
+    use super::*;
+
+    /// Two nodes; node a busy until t=1000 s, node b free. A 2-node job is
+    /// blocked and reserves both; a short job may run on b, a long one not.
+    fn blocked() -> Snapshot {
+        let mut snap = snapshot(vec![MakeNode::new("a").build(), MakeNode::new("b").build()]);
+        let busy = MakeJob::new(10).gpus(8).build();
+        snap.running.push(running_from(
+            &busy,
+            vec![Allocation {
+                node: NodeName::from("a"),
+                gpus: (0..8).map(|i| (i, 1000)).collect(),
+                cpu: muster_model::CpuMilli(1000),
+                memory: muster_model::MemoryMib(1024),
+            }],
+            Time(0),
+            Some(Time::from_secs(1000)),
+        ));
+        snap
+    }
+
+    fn policy(backfill: Backfill) -> SchedulingPolicy {
+        SchedulingPolicy {
+            backfill,
+            preemption: false,
+            ..SchedulingPolicy::default()
+        }
+    }
+
+    #[test]
+    fn easy_backfill_lets_short_jobs_pass_but_not_long_ones() {
+        let jobs = vec![
+            MakeJob::new(1).gpus(8).tasks(2).build(),
+            MakeJob::new(2)
+                .gpus(8)
+                .estimate_secs(3600)
+                .submitted_secs(1)
+                .build(),
+            MakeJob::new(3)
+                .gpus(8)
+                .estimate_secs(500)
+                .submitted_secs(2)
+                .build(),
+        ];
+        let outcome = cycle(&blocked(), &jobs, &policy(Backfill::Easy));
+        assert_eq!(
+            reason(&outcome, 1),
+            &PendingReason::HoldsReservation {
+                start: Some(Time::from_secs(1000))
+            }
+        );
+        assert!(matches!(
+            reason(&outcome, 2),
+            PendingReason::BehindReservation {
+                holder: JobId(1),
+                ..
+            }
+        ));
+        assert_eq!(node_of(&outcome, 3), "b");
+    }
+
+    #[test]
+    fn without_backfill_nothing_passes_a_blocked_job() {
+        let jobs = vec![
+            MakeJob::new(1).gpus(8).tasks(2).build(),
+            MakeJob::new(3)
+                .gpus(8)
+                .estimate_secs(500)
+                .submitted_secs(2)
+                .build(),
+        ];
+        let outcome = cycle(&blocked(), &jobs, &policy(Backfill::None));
+        assert_eq!(
+            reason(&outcome, 3),
+            &PendingReason::BehindBlockedJob { blocker: JobId(1) }
+        );
+        let outcome = cycle(&blocked(), &jobs, &policy(Backfill::AnyFit));
+        started(&outcome, 3);
+    }
+}
+
+mod policies {
+    use super::*;
+
+    #[test]
+    fn best_fit_and_packing_fill_the_fuller_node() {
+        let mut snap = snapshot(vec![MakeNode::new("a").build(), MakeNode::new("b").build()]);
+        let busy = MakeJob::new(10).gpus(4).build();
+        snap.running.push(running_from(
+            &busy,
+            vec![Allocation {
+                node: NodeName::from("b"),
+                gpus: (0..4).map(|i| (i, 1000)).collect(),
+                cpu: muster_model::CpuMilli(1000),
+                memory: muster_model::MemoryMib(1024),
+            }],
+            Time(0),
+            None,
+        ));
+        for placement in [PlacementPolicy::BestFit, PlacementPolicy::Packing] {
+            let outcome = cycle(
+                &snap,
+                &[MakeJob::new(1).gpus(2).build()],
+                &SchedulingPolicy {
+                    placement,
+                    ..SchedulingPolicy::default()
+                },
+            );
+            assert_eq!(node_of(&outcome, 1), "b", "{placement}");
+        }
+    }
+
+    #[test]
+    fn policy_names_parse() {
+        for policy in PlacementPolicy::ALL {
+            assert_eq!(policy.name().parse::<PlacementPolicy>(), Ok(policy));
+        }
+        assert_eq!(
+            "default".parse::<PlacementPolicy>(),
+            Ok(PlacementPolicy::DEFAULT)
+        );
+        let error = "tetris".parse::<PlacementPolicy>().unwrap_err().to_string();
+        assert!(error.contains("accepted: fgd, best-fit"), "{error}");
+    }
+}
