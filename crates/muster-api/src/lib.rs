@@ -1,2 +1,46 @@
 //! muster's wire types: the job spec as users write it (YAML or JSON), and its
 //! validation into `muster-model` types.
+//!
+//! This crate owns the job spec's wire format (field names, defaults, the
+//! accepted forms of quantities and durations), the parsing of YAML and JSON
+//! (with limits against oversized inputs and alias bombs), and the errors a
+//! person sees for a bad spec: every problem at once, each naming the field,
+//! the value and what is accepted, with the closest valid name suggested for
+//! a misspelt field.
+//!
+//! It decides nothing and does no I/O: no tokio, HTTP, database, clock or
+//! environment here. It depends only on `muster-model` and on serde-based
+//! parsing; the server and the CLI call it.
+//!
+//! ```
+//! let spec = muster_api::parse_job_spec_yaml(
+//!     "name: notebook\ngpus: 0.25\ncommand: jupyter lab\n",
+//! )
+//! .expect("a valid spec");
+//! assert_eq!(spec.command, ["sh", "-c", "jupyter lab"]);
+//!
+//! let errors = muster_api::parse_job_spec_yaml("name: x\ngpu: 8\nnodes: 0\ncommand: [a]\n")
+//!     .expect_err("two problems");
+//! assert_eq!(
+//!     errors.to_string(),
+//!     "gpu: unknown field; did you mean \"gpus\"?\nnodes: must be at least 1, got 0"
+//! );
+//! ```
+
+mod error;
+mod parse;
+mod quantity;
+mod read;
+mod validate;
+mod wire;
+
+#[cfg(test)]
+mod tests;
+
+pub use error::{SpecError, SpecErrors, TextLocation};
+pub use parse::{MAX_SPEC_BYTES, parse_job_spec_json, parse_job_spec_value, parse_job_spec_yaml};
+pub use validate::{
+    MAX_ATTEMPTS, MAX_CPUS_PER_NODE, MAX_GPUS_PER_NODE, MAX_GRACE_PERIOD, MAX_NAME_LENGTH,
+    MAX_NODES, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, validate,
+};
+pub use wire::{CheckpointSpec, CommandSpec, JobSpec, Quantity, RetrySpec, TopologySpec};

@@ -65,13 +65,18 @@ struct ShapeIndex {
 }
 
 impl ShapeIndex {
-    fn build(cluster: &ClusterState, scorer: &Scorer, shape: &TaskShape) -> Self {
+    fn build(
+        cluster: &ClusterState,
+        scorer: &Scorer,
+        shape: &TaskShape,
+        fragmentation: &[f64],
+    ) -> Self {
         let mut index = ShapeIndex {
             level_of: vec![INFEASIBLE; cluster.len()],
             buckets: BTreeMap::new(),
         };
         for node in 0..cluster.len() as NodeIndex {
-            index.update(cluster, scorer, shape, node);
+            index.update(cluster, scorer, shape, node, fragmentation[node as usize]);
         }
         index
     }
@@ -82,9 +87,10 @@ impl ShapeIndex {
         scorer: &Scorer,
         shape: &TaskShape,
         node: NodeIndex,
+        fragmentation_now: f64,
     ) {
         let level = scorer
-            .evaluate(cluster, node, shape)
+            .evaluate_from(cluster, node, shape, fragmentation_now)
             .map_or(INFEASIBLE, |evaluation| evaluation.level);
         let old = self.level_of[node as usize];
         if old == level {
@@ -173,24 +179,37 @@ pub struct Placer {
     scorer: Scorer,
     indexes: BTreeMap<TaskShape, ShapeIndex>,
     indexed: bool,
+    /// Each node's current fragmentation (FGD), kept with the indexes.
+    fragmentation: Vec<f64>,
 }
 
 impl Placer {
     pub fn new(cluster: ClusterState, scorer: Scorer) -> Self {
         let indexed = scorer.policy != PlacementPolicy::Random;
+        let fragmentation = if indexed {
+            (0..cluster.len() as NodeIndex)
+                .map(|node| scorer.fragmentation_now(&cluster, node))
+                .collect()
+        } else {
+            Vec::new()
+        };
         Placer {
             cluster,
             scorer,
             indexes: BTreeMap::new(),
             indexed,
+            fragmentation,
         }
     }
 
     /// A placer that scores every node for every task (the reference).
     pub fn new_scanning(cluster: ClusterState, scorer: Scorer) -> Self {
         Placer {
+            cluster,
+            scorer,
+            indexes: BTreeMap::new(),
             indexed: false,
-            ..Placer::new(cluster, scorer)
+            fragmentation: Vec::new(),
         }
     }
 
@@ -207,20 +226,26 @@ impl Placer {
     }
 
     fn node_changed(&mut self, node: NodeIndex) {
+        if !self.indexed {
+            return;
+        }
         let Placer {
             cluster,
             scorer,
             indexes,
+            fragmentation,
             ..
         } = self;
+        let now = scorer.fragmentation_now(cluster, node);
+        fragmentation[node as usize] = now;
         for (shape, index) in indexes.iter_mut() {
-            index.update(cluster, scorer, shape, node);
+            index.update(cluster, scorer, shape, node, now);
         }
     }
 
     fn ensure_index(&mut self, shape: &TaskShape) {
         if self.indexed && !self.indexes.contains_key(shape) {
-            let index = ShapeIndex::build(&self.cluster, &self.scorer, shape);
+            let index = ShapeIndex::build(&self.cluster, &self.scorer, shape, &self.fragmentation);
             self.indexes.insert(*shape, index);
         }
     }

@@ -150,58 +150,61 @@ impl TypicalWorkload {
 
     /// Expected fragmentation of a node, in thousandths of a GPU: the idle GPU
     /// capacity that the typical workload cannot use, weighted by frequency.
+    ///
+    /// A shape that cannot run on the node (CPU, memory, model, or not enough
+    /// GPUs) makes all idle capacity a fragment; one that can makes a fragment
+    /// of the GPUs with less free than it asks per GPU; CPU-only shapes count
+    /// all idle GPU capacity.
     pub fn fragmentation(&self, node: &NodeStatic, free: &[u16], cpu: u64, memory: u64) -> f64 {
-        let idle: u64 = free.iter().map(|&slot| u64::from(slot)).sum();
+        let mut sorted = [0u16; 64];
+        let count = free.len().min(64);
+        sorted[..count].copy_from_slice(&free[..count]);
+        let sorted = &mut sorted[..count];
+        sorted.sort_unstable();
+        let idle: u64 = sorted.iter().map(|&slot| u64::from(slot)).sum();
         if idle == 0 {
             return 0.0;
         }
+        let whole = sorted
+            .iter()
+            .rev()
+            .take_while(|&&slot| slot == 1000)
+            .count() as u32;
+        let largest = sorted.last().copied().unwrap_or(0);
         let mut total = 0.0;
         for shape in &self.shapes {
-            total +=
-                shape.weight * shape_fragmentation(shape, node, free, cpu, memory, idle) as f64;
+            let frag = if shape.cpu_milli > cpu
+                || shape.memory_mib > memory
+                || !shape.models.contains(node.model)
+            {
+                idle
+            } else {
+                match shape.gpus {
+                    GpuRequest::Whole(0) => idle,
+                    GpuRequest::Whole(count) => {
+                        if whole < count {
+                            idle
+                        } else {
+                            idle - 1000 * u64::from(whole)
+                        }
+                    }
+                    GpuRequest::Shared(share) => {
+                        let need = share.0 as u16;
+                        if largest < need {
+                            idle
+                        } else {
+                            sorted
+                                .iter()
+                                .take_while(|&&slot| slot < need)
+                                .map(|&slot| u64::from(slot))
+                                .sum()
+                        }
+                    }
+                }
+            };
+            total += shape.weight * frag as f64;
         }
         total
-    }
-}
-
-fn shape_fragmentation(
-    shape: &TypicalShape,
-    node: &NodeStatic,
-    free: &[u16],
-    cpu: u64,
-    memory: u64,
-    idle: u64,
-) -> u64 {
-    if shape.cpu_milli > cpu || shape.memory_mib > memory || !shape.models.contains(node.model) {
-        return idle;
-    }
-    match shape.gpus {
-        GpuRequest::Whole(0) => idle,
-        GpuRequest::Whole(count) => {
-            let mut whole = 0;
-            let mut partial = 0u64;
-            for &slot in free {
-                if slot == 1000 {
-                    whole += 1;
-                } else {
-                    partial += u64::from(slot);
-                }
-            }
-            if whole < count { idle } else { partial }
-        }
-        GpuRequest::Shared(share) => {
-            let need = share.0 as u16;
-            let mut fits = false;
-            let mut below = 0u64;
-            for &slot in free {
-                if slot >= need {
-                    fits = true;
-                } else {
-                    below += u64::from(slot);
-                }
-            }
-            if fits { below } else { idle }
-        }
     }
 }
 
@@ -325,6 +328,37 @@ impl Scorer {
         Some(self.evaluate_fitting(info, free, shape))
     }
 
+    /// The node's fragmentation now, which every shape's FGD score starts
+    /// from (computed once per node change by the index).
+    pub fn fragmentation_now(&self, cluster: &ClusterState, node: NodeIndex) -> f64 {
+        if self.policy != PlacementPolicy::Fgd {
+            return 0.0;
+        }
+        let free = &cluster.free[node as usize];
+        self.workload.fragmentation(
+            &cluster.nodes[node as usize],
+            &free.gpu,
+            free.cpu_milli,
+            free.memory_mib,
+        )
+    }
+
+    /// Scores `node` for `shape` given its current fragmentation.
+    pub fn evaluate_from(
+        &self,
+        cluster: &ClusterState,
+        node: NodeIndex,
+        shape: &TaskShape,
+        fragmentation_now: f64,
+    ) -> Option<Evaluation> {
+        if !cluster.fits(node, shape) {
+            return None;
+        }
+        let info = &cluster.nodes[node as usize];
+        let free = &cluster.free[node as usize];
+        Some(self.evaluate_fitting_from(info, free, shape, fragmentation_now))
+    }
+
     /// Scores a node the task is known to fit.
     pub fn evaluate_fitting(
         &self,
@@ -332,13 +366,26 @@ impl Scorer {
         free: &NodeFree,
         shape: &TaskShape,
     ) -> Evaluation {
+        let before = if self.policy == PlacementPolicy::Fgd {
+            self.workload
+                .fragmentation(info, &free.gpu, free.cpu_milli, free.memory_mib)
+        } else {
+            0.0
+        };
+        self.evaluate_fitting_from(info, free, shape, before)
+    }
+
+    fn evaluate_fitting_from(
+        &self,
+        info: &NodeStatic,
+        free: &NodeFree,
+        shape: &TaskShape,
+        before: f64,
+    ) -> Evaluation {
         let cpu_after = free.cpu_milli - shape.cpu_milli;
         let memory_after = free.memory_mib - shape.memory_mib;
         match self.policy {
             PlacementPolicy::Fgd => {
-                let before =
-                    self.workload
-                        .fragmentation(info, &free.gpu, free.cpu_milli, free.memory_mib);
                 let mut after_gpu = free.gpu.clone();
                 let pick = match shape.gpus {
                     GpuRequest::Shared(share) => {
@@ -346,7 +393,9 @@ impl Scorer {
                         let mut best: Option<(f64, usize)> = None;
                         for index in 0..after_gpu.len() {
                             let slot = after_gpu[index];
-                            if slot < need {
+                            // GPUs with equal free capacity score the same:
+                            // the lowest-numbered one stands for them.
+                            if slot < need || free.gpu[..index].contains(&slot) {
                                 continue;
                             }
                             after_gpu[index] = slot - need;

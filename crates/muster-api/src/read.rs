@@ -1,0 +1,515 @@
+//! Reading a generic value (parsed YAML or JSON) into the wire [`JobSpec`]:
+//! field names are checked against the known ones (unknown names get the
+//! closest known one suggested) and values against the kinds each field
+//! takes. Every problem is collected; nothing stops at the first.
+
+use crate::error::{SpecError, describe_value};
+use crate::quantity::DURATION_ACCEPTED;
+use crate::wire::{CheckpointSpec, CommandSpec, JobSpec, Quantity, RetrySpec, TopologySpec};
+use serde_json::{Map, Value};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Top-level fields, in the order errors are reported.
+pub(crate) const JOB_FIELDS: &[&str] = &[
+    "name",
+    "queue",
+    "pool",
+    "priority_class",
+    "nodes",
+    "gpus",
+    "gpu_models",
+    "min_gpu_memory",
+    "cpus",
+    "memory",
+    "command",
+    "env",
+    "working_dir",
+    "image",
+    "max_runtime",
+    "estimated_runtime",
+    "preemptible",
+    "checkpoint",
+    "retry",
+    "topology",
+];
+pub(crate) const CHECKPOINT_FIELDS: &[&str] = &["signal", "grace_period", "interval"];
+pub(crate) const RETRY_FIELDS: &[&str] = &["max_attempts", "on_node_failure", "on_exit_failure"];
+pub(crate) const TOPOLOGY_FIELDS: &[&str] = &["same_rack"];
+
+const SECTIONS: &[(&str, &[&str])] = &[
+    ("checkpoint", CHECKPOINT_FIELDS),
+    ("retry", RETRY_FIELDS),
+    ("topology", TOPOLOGY_FIELDS),
+];
+
+/// Names people use for a field in other tools (Slurm, Kubernetes, ...).
+const ALIASES: &[(&str, &str)] = &[
+    ("args", "command"),
+    ("cmd", "command"),
+    ("environment", "env"),
+    ("gpu_type", "gpu_models"),
+    ("num_nodes", "nodes"),
+    ("partition", "pool"),
+    ("time", "max_runtime"),
+    ("time_limit", "max_runtime"),
+    ("timeout", "max_runtime"),
+    ("walltime", "max_runtime"),
+    ("workdir", "working_dir"),
+];
+
+/// How close (Jaro-Winkler, 0..=1) an unknown name must be to a known one
+/// for it to be suggested.
+const SUGGESTION_THRESHOLD: f64 = 0.8;
+
+const NODES_ACCEPTED: &str = "a whole number like 2";
+const GPUS_ACCEPTED: &str = "a number of GPUs like 8, or a share of one GPU like 0.25";
+const CPUS_ACCEPTED: &str = "a number of CPUs like 4 or 0.5";
+const MEMORY_ACCEPTED: &str = "a size like \"16GiB\" or \"512MiB\", or a whole number of MiB";
+const ATTEMPTS_ACCEPTED: &str = "a whole number like 3";
+
+/// What reading found: the spec (fields with problems left unset) and the
+/// problems, by kind.
+pub(crate) struct Read {
+    pub(crate) spec: JobSpec,
+    /// The document is not a mapping at all.
+    pub(crate) document_errors: Vec<SpecError>,
+    pub(crate) unknown_fields: Vec<SpecError>,
+    /// Values of the wrong kind, or required fields missing.
+    pub(crate) field_errors: Vec<SpecError>,
+    /// Paths of fields that could not be read; later checks skip them so a
+    /// problem is reported once.
+    pub(crate) bad_paths: BTreeSet<String>,
+}
+
+pub(crate) fn read_job_spec(value: &Value) -> Read {
+    let mut reader = Reader::default();
+    let spec = match value {
+        Value::Object(map) => reader.job_spec(map),
+        Value::Null => {
+            reader.document_errors.push(SpecError::new(
+                "",
+                "the spec is empty; expected a mapping of fields with at least name and command",
+            ));
+            JobSpec::default()
+        }
+        other => {
+            reader.document_errors.push(SpecError::new(
+                "",
+                format!(
+                    "expected a mapping of fields with at least name and command, got {}",
+                    describe_value(other)
+                ),
+            ));
+            JobSpec::default()
+        }
+    };
+    Read {
+        spec,
+        document_errors: reader.document_errors,
+        unknown_fields: reader.unknown_fields,
+        field_errors: reader.field_errors,
+        bad_paths: reader.bad_paths,
+    }
+}
+
+/// `prefix.key`, or `prefix["key"]` when the key is not a plain name.
+pub(crate) fn field_path(prefix: &str, key: &str) -> String {
+    let plain = !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    match (prefix.is_empty(), plain) {
+        (true, true) => key.to_string(),
+        (false, true) => format!("{prefix}.{key}"),
+        (_, false) => format!("{prefix}[{}]", crate::error::quote(key)),
+    }
+}
+
+/// The known name closest to `unknown`, if one is close enough: first among
+/// the fields of the same section, then (at top level) the fields of the
+/// sections, as `section.field`.
+fn suggest(unknown: &str, prefix: &str, accepted: &[&str]) -> Option<String> {
+    let normalized = unknown.trim().to_ascii_lowercase().replace(['-', ' '], "_");
+    if prefix.is_empty()
+        && let Some((_, field)) = ALIASES.iter().find(|(alias, _)| *alias == normalized)
+    {
+        return Some((*field).to_string());
+    }
+    let closest = |candidates: &mut dyn Iterator<Item = String>| {
+        let mut best: Option<(f64, String)> = None;
+        for candidate in candidates {
+            let leaf = candidate.rsplit('.').next().unwrap_or(&candidate);
+            let score = strsim::jaro_winkler(&normalized, leaf);
+            if score >= SUGGESTION_THRESHOLD
+                && best
+                    .as_ref()
+                    .is_none_or(|(best_score, _)| score > *best_score)
+            {
+                best = Some((score, candidate));
+            }
+        }
+        best.map(|(_, candidate)| candidate)
+    };
+    let same_level = closest(&mut accepted.iter().map(|field| field.to_string()));
+    if same_level.is_some() || !prefix.is_empty() {
+        return same_level;
+    }
+    closest(
+        &mut SECTIONS.iter().flat_map(|(section, fields)| {
+            fields.iter().map(move |field| format!("{section}.{field}"))
+        }),
+    )
+}
+
+/// A scalar as text, for command arguments, env values and model names:
+/// strings as they are, whole numbers and booleans written out. Fractions
+/// are refused: YAML and JSON may not keep them as written.
+fn scalar_text(value: &Value) -> Result<String, String> {
+    match value {
+        Value::String(text) => Ok(text.clone()),
+        Value::Bool(flag) => Ok(flag.to_string()),
+        Value::Number(number) if number.is_i64() || number.is_u64() => Ok(number.to_string()),
+        Value::Number(number) => Err(format!(
+            "expected a string, got {number}; put it in quotes so it is kept exactly as written"
+        )),
+        other => Err(format!("expected a string, got {}", describe_value(other))),
+    }
+}
+
+/// A present value: absent and null both mean "not given".
+fn given<'v>(map: &'v Map<String, Value>, key: &str) -> Option<&'v Value> {
+    map.get(key).filter(|value| !value.is_null())
+}
+
+#[derive(Default)]
+struct Reader {
+    document_errors: Vec<SpecError>,
+    unknown_fields: Vec<SpecError>,
+    field_errors: Vec<SpecError>,
+    bad_paths: BTreeSet<String>,
+}
+
+impl Reader {
+    fn fail(&mut self, field: &str, error_path: String, message: String) {
+        self.bad_paths.insert(field.to_string());
+        self.field_errors.push(SpecError::new(error_path, message));
+    }
+
+    fn check_field_names(&mut self, map: &Map<String, Value>, prefix: &str, accepted: &[&str]) {
+        for key in map.keys() {
+            if accepted.contains(&key.as_str()) {
+                continue;
+            }
+            let message = match suggest(key, prefix, accepted) {
+                Some(suggestion) => {
+                    format!("unknown field; did you mean {suggestion:?}?")
+                }
+                None => format!("unknown field; accepted: {}", accepted.join(", ")),
+            };
+            self.unknown_fields
+                .push(SpecError::new(field_path(prefix, key), message));
+        }
+    }
+
+    fn job_spec(&mut self, map: &Map<String, Value>) -> JobSpec {
+        self.check_field_names(map, "", JOB_FIELDS);
+        let name = match given(map, "name") {
+            None => {
+                self.fail(
+                    "name",
+                    "name".to_string(),
+                    "required: a name like \"train-llama\" (lowercase letters, digits and '-')"
+                        .to_string(),
+                );
+                String::new()
+            }
+            Some(_) => self.string(map, "name", "name").unwrap_or_default(),
+        };
+        JobSpec {
+            name,
+            queue: self.string(map, "queue", "queue"),
+            pool: self.string(map, "pool", "pool"),
+            priority_class: self.string(map, "priority_class", "priority_class"),
+            nodes: self.quantity(map, "nodes", "nodes", NODES_ACCEPTED),
+            gpus: self.quantity(map, "gpus", "gpus", GPUS_ACCEPTED),
+            gpu_models: self.gpu_models(map),
+            min_gpu_memory: self.quantity(map, "min_gpu_memory", "min_gpu_memory", MEMORY_ACCEPTED),
+            cpus: self.quantity(map, "cpus", "cpus", CPUS_ACCEPTED),
+            memory: self.quantity(map, "memory", "memory", MEMORY_ACCEPTED),
+            command: self.command(map),
+            env: self.env(map),
+            working_dir: self.string(map, "working_dir", "working_dir"),
+            image: self.string(map, "image", "image"),
+            max_runtime: self.quantity(map, "max_runtime", "max_runtime", DURATION_ACCEPTED),
+            estimated_runtime: self.quantity(
+                map,
+                "estimated_runtime",
+                "estimated_runtime",
+                DURATION_ACCEPTED,
+            ),
+            preemptible: self.boolean(map, "preemptible", "preemptible"),
+            checkpoint: self
+                .section(map, "checkpoint", CHECKPOINT_FIELDS)
+                .map(|section| CheckpointSpec {
+                    signal: self.string(section, "signal", "checkpoint.signal"),
+                    grace_period: self.quantity(
+                        section,
+                        "grace_period",
+                        "checkpoint.grace_period",
+                        DURATION_ACCEPTED,
+                    ),
+                    interval: self.quantity(
+                        section,
+                        "interval",
+                        "checkpoint.interval",
+                        DURATION_ACCEPTED,
+                    ),
+                }),
+            retry: self
+                .section(map, "retry", RETRY_FIELDS)
+                .map(|section| RetrySpec {
+                    max_attempts: self.quantity(
+                        section,
+                        "max_attempts",
+                        "retry.max_attempts",
+                        ATTEMPTS_ACCEPTED,
+                    ),
+                    on_node_failure: self.boolean(
+                        section,
+                        "on_node_failure",
+                        "retry.on_node_failure",
+                    ),
+                    on_exit_failure: self.boolean(
+                        section,
+                        "on_exit_failure",
+                        "retry.on_exit_failure",
+                    ),
+                }),
+            topology: self
+                .section(map, "topology", TOPOLOGY_FIELDS)
+                .map(|section| TopologySpec {
+                    same_rack: self.string(section, "same_rack", "topology.same_rack"),
+                }),
+        }
+    }
+
+    fn string(&mut self, map: &Map<String, Value>, key: &str, path: &str) -> Option<String> {
+        match given(map, key)? {
+            Value::String(text) => Some(text.clone()),
+            scalar @ (Value::Number(_) | Value::Bool(_)) => {
+                self.fail(
+                    path,
+                    path.to_string(),
+                    format!(
+                        "expected a string, got {}; put it in quotes",
+                        describe_value(scalar)
+                    ),
+                );
+                None
+            }
+            other => {
+                self.fail(
+                    path,
+                    path.to_string(),
+                    format!("expected a string, got {}", describe_value(other)),
+                );
+                None
+            }
+        }
+    }
+
+    fn quantity(
+        &mut self,
+        map: &Map<String, Value>,
+        key: &str,
+        path: &str,
+        accepted: &str,
+    ) -> Option<Quantity> {
+        match given(map, key)? {
+            Value::Number(number) => Some(Quantity::Number(number.clone())),
+            Value::String(text) => Some(Quantity::Text(text.clone())),
+            other => {
+                self.fail(
+                    path,
+                    path.to_string(),
+                    format!("expected {accepted}, got {}", describe_value(other)),
+                );
+                None
+            }
+        }
+    }
+
+    fn boolean(&mut self, map: &Map<String, Value>, key: &str, path: &str) -> Option<bool> {
+        match given(map, key)? {
+            Value::Bool(flag) => Some(*flag),
+            other => {
+                self.fail(
+                    path,
+                    path.to_string(),
+                    format!("expected true or false, got {}", describe_value(other)),
+                );
+                None
+            }
+        }
+    }
+
+    fn gpu_models(&mut self, map: &Map<String, Value>) -> Vec<String> {
+        const ACCEPTED: &str = "a GPU model like \"H100-80GB\", or a list of them";
+        match given(map, "gpu_models") {
+            None => Vec::new(),
+            Some(Value::String(model)) => vec![model.clone()],
+            Some(Value::Array(items)) => {
+                let mut models = Vec::new();
+                for (index, item) in items.iter().enumerate() {
+                    match item {
+                        Value::Array(_) | Value::Object(_) | Value::Null => self.fail(
+                            "gpu_models",
+                            format!("gpu_models[{index}]"),
+                            format!("expected {ACCEPTED}, got {}", describe_value(item)),
+                        ),
+                        scalar => match scalar_text(scalar) {
+                            Ok(model) => models.push(model),
+                            Err(message) => {
+                                self.fail("gpu_models", format!("gpu_models[{index}]"), message)
+                            }
+                        },
+                    }
+                }
+                models
+            }
+            Some(other) => {
+                self.fail(
+                    "gpu_models",
+                    "gpu_models".to_string(),
+                    format!("expected {ACCEPTED}, got {}", describe_value(other)),
+                );
+                Vec::new()
+            }
+        }
+    }
+
+    fn command(&mut self, map: &Map<String, Value>) -> Option<CommandSpec> {
+        const ACCEPTED: &str =
+            "a list of arguments like [python, train.py], or one string run by sh -c";
+        match given(map, "command")? {
+            Value::String(text) => Some(CommandSpec::Shell(text.clone())),
+            Value::Array(items) => {
+                let mut argv = Vec::new();
+                let mut ok = true;
+                for (index, item) in items.iter().enumerate() {
+                    match scalar_text(item) {
+                        Ok(argument) => argv.push(argument),
+                        Err(message) => {
+                            ok = false;
+                            self.fail("command", format!("command[{index}]"), message);
+                        }
+                    }
+                }
+                ok.then_some(CommandSpec::Argv(argv))
+            }
+            other => {
+                self.fail(
+                    "command",
+                    "command".to_string(),
+                    format!("expected {ACCEPTED}, got {}", describe_value(other)),
+                );
+                None
+            }
+        }
+    }
+
+    fn env(&mut self, map: &Map<String, Value>) -> BTreeMap<String, String> {
+        let mut env = BTreeMap::new();
+        match given(map, "env") {
+            None => {}
+            Some(Value::Object(variables)) => {
+                for (key, value) in variables {
+                    match scalar_text(value) {
+                        Ok(text) => {
+                            env.insert(key.clone(), text);
+                        }
+                        Err(message) => {
+                            let path = field_path("env", key);
+                            self.fail(&path, path.clone(), message);
+                        }
+                    }
+                }
+            }
+            Some(other) => self.fail(
+                "env",
+                "env".to_string(),
+                format!(
+                    "expected a mapping of variable names to values, got {}",
+                    describe_value(other)
+                ),
+            ),
+        }
+        env
+    }
+
+    fn section<'v>(
+        &mut self,
+        map: &'v Map<String, Value>,
+        key: &str,
+        accepted: &[&str],
+    ) -> Option<&'v Map<String, Value>> {
+        match given(map, key)? {
+            Value::Object(section) => {
+                self.check_field_names(section, key, accepted);
+                Some(section)
+            }
+            other => {
+                self.fail(
+                    key,
+                    key.to_string(),
+                    format!(
+                        "expected a mapping with fields {}, got {}",
+                        accepted.join(", "),
+                        describe_value(other)
+                    ),
+                );
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suggestions() {
+        assert_eq!(suggest("gpu", "", JOB_FIELDS).as_deref(), Some("gpus"));
+        assert_eq!(suggest("GPUs", "", JOB_FIELDS).as_deref(), Some("gpus"));
+        assert_eq!(
+            suggest("comand", "", JOB_FIELDS).as_deref(),
+            Some("command")
+        );
+        assert_eq!(
+            suggest("gpu-models", "", JOB_FIELDS).as_deref(),
+            Some("gpu_models")
+        );
+        assert_eq!(
+            suggest("timeout", "", JOB_FIELDS).as_deref(),
+            Some("max_runtime")
+        );
+        assert_eq!(
+            suggest("signal", "", JOB_FIELDS).as_deref(),
+            Some("checkpoint.signal")
+        );
+        assert_eq!(
+            suggest("singal", "checkpoint", CHECKPOINT_FIELDS).as_deref(),
+            Some("signal")
+        );
+        assert_eq!(suggest("zzz", "", JOB_FIELDS), None);
+    }
+
+    #[test]
+    fn paths_quote_odd_keys() {
+        assert_eq!(field_path("", "gpus"), "gpus");
+        assert_eq!(field_path("env", "HOME"), "env.HOME");
+        assert_eq!(field_path("env", "MY VAR"), "env[\"MY VAR\"]");
+        assert_eq!(field_path("", ""), "[\"\"]");
+    }
+}

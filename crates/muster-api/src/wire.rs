@@ -1,0 +1,235 @@
+//! The job spec as it travels: what a user writes in YAML or JSON, before its
+//! values are checked. Representations are lenient (a quantity may be a
+//! number or a string); values are checked by [`crate::validate`].
+
+use crate::quantity::{format_duration, format_memory, milli_quantity};
+use muster_model as model;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// A quantity as written: a number (`8`, `0.25`, `3600`) or a text
+/// (`"16GiB"`, `"1h30m"`, `"0.25"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Quantity {
+    Number(serde_json::Number),
+    Text(String),
+}
+
+impl From<u64> for Quantity {
+    fn from(value: u64) -> Self {
+        Quantity::Number(serde_json::Number::from(value))
+    }
+}
+
+impl From<&str> for Quantity {
+    fn from(value: &str) -> Self {
+        Quantity::Text(value.to_string())
+    }
+}
+
+impl fmt::Display for Quantity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Quantity::Number(number) => write!(f, "{number}"),
+            Quantity::Text(text) => f.write_str(&crate::error::quote(text)),
+        }
+    }
+}
+
+/// A command: a list of arguments run as they are, or one string run by
+/// `sh -c`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum CommandSpec {
+    Argv(Vec<String>),
+    Shell(String),
+}
+
+impl CommandSpec {
+    /// The arguments to execute: a shell string becomes `["sh", "-c", text]`.
+    pub fn argv(&self) -> Vec<String> {
+        match self {
+            CommandSpec::Argv(argv) => argv.clone(),
+            CommandSpec::Shell(text) => vec!["sh".to_string(), "-c".to_string(), text.clone()],
+        }
+    }
+}
+
+/// How a job is told to stop (`checkpoint:` in the spec).
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct CheckpointSpec {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grace_period: Option<Quantity>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interval: Option<Quantity>,
+}
+
+/// What happens when a task ends badly (`retry:` in the spec).
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct RetrySpec {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<Quantity>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub on_node_failure: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub on_exit_failure: Option<bool>,
+}
+
+/// Where a gang's tasks may go (`topology:` in the spec).
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct TopologySpec {
+    /// `required` or `preferred`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub same_rack: Option<String>,
+}
+
+/// A job spec as written (version 1 of the wire format). `None` means "not
+/// given": the default applies. Deserializing checks the field names and
+/// the kinds of values (with suggestions for misspelt fields); converting
+/// into [`muster_model::JobSpec`] checks the values.
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct JobSpec {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub priority_class: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<Quantity>,
+    /// Per node: whole GPUs (`8`) or a share of one GPU (`0.25`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<Quantity>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gpu_models: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_gpu_memory: Option<Quantity>,
+    /// Per node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<Quantity>,
+    /// Per node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Quantity>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command: Option<CommandSpec>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub working_dir: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_runtime: Option<Quantity>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimated_runtime: Option<Quantity>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preemptible: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<CheckpointSpec>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetrySpec>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topology: Option<TopologySpec>,
+}
+
+impl JobSpec {
+    /// Reads a spec from a generic value (parsed YAML or JSON), checking
+    /// field names and the kinds of values; every problem is reported.
+    pub fn from_value(value: &serde_json::Value) -> Result<JobSpec, crate::SpecErrors> {
+        let read = crate::read::read_job_spec(value);
+        let errors: Vec<_> = read
+            .document_errors
+            .into_iter()
+            .chain(read.unknown_fields)
+            .chain(read.field_errors)
+            .collect();
+        if errors.is_empty() {
+            Ok(read.spec)
+        } else {
+            Err(crate::SpecErrors(errors))
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for JobSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = serde_json::Value::deserialize(deserializer)?;
+        JobSpec::from_value(&value).map_err(serde::de::Error::custom)
+    }
+}
+
+fn gpu_quantity(request: model::GpuRequest) -> Quantity {
+    match request {
+        model::GpuRequest::Whole(count) => Quantity::from(u64::from(count)),
+        model::GpuRequest::Shared(share) => milli_quantity(u64::from(share.0)),
+    }
+}
+
+fn duration_quantity(duration: std::time::Duration) -> Quantity {
+    Quantity::Text(format_duration(duration))
+}
+
+fn memory_quantity(memory: model::MemoryMib) -> Quantity {
+    Quantity::Text(format_memory(memory.0))
+}
+
+fn strength_name(strength: model::TopologyStrength) -> &'static str {
+    match strength {
+        model::TopologyStrength::Required => "required",
+        model::TopologyStrength::Preferred => "preferred",
+    }
+}
+
+/// Writes a validated spec back in wire form, every field explicit, so it
+/// reads back into the same spec. (Durations keep whole seconds.)
+impl From<&model::JobSpec> for JobSpec {
+    fn from(spec: &model::JobSpec) -> Self {
+        JobSpec {
+            name: spec.name.clone(),
+            queue: Some(spec.queue.0.clone()),
+            pool: spec.pool.as_ref().map(|pool| pool.0.clone()),
+            priority_class: Some(spec.priority_class.name.clone()),
+            nodes: Some(Quantity::from(u64::from(spec.nodes))),
+            gpus: Some(gpu_quantity(spec.gpus_per_node)),
+            gpu_models: spec
+                .gpu_models
+                .iter()
+                .map(|gpu_model| gpu_model.as_str().to_string())
+                .collect(),
+            min_gpu_memory: spec.min_gpu_memory.map(memory_quantity),
+            cpus: Some(milli_quantity(spec.cpu_per_node.0)),
+            memory: Some(memory_quantity(spec.memory_per_node)),
+            command: Some(CommandSpec::Argv(spec.command.clone())),
+            env: spec.env.clone(),
+            working_dir: spec.working_dir.clone(),
+            image: spec.image.clone(),
+            max_runtime: spec.max_runtime.map(duration_quantity),
+            estimated_runtime: spec.estimated_runtime.map(duration_quantity),
+            preemptible: Some(spec.preemptible),
+            checkpoint: Some(CheckpointSpec {
+                signal: Some(spec.checkpoint.signal.name().to_string()),
+                grace_period: Some(duration_quantity(spec.checkpoint.grace_period)),
+                interval: spec.checkpoint.interval.map(duration_quantity),
+            }),
+            retry: Some(RetrySpec {
+                max_attempts: Some(Quantity::from(u64::from(spec.retry.max_attempts))),
+                on_node_failure: Some(spec.retry.on_node_failure),
+                on_exit_failure: Some(spec.retry.on_exit_failure),
+            }),
+            topology: spec.topology.map(|topology| TopologySpec {
+                same_rack: Some(strength_name(topology.same_rack).to_string()),
+            }),
+        }
+    }
+}
+
+impl From<model::JobSpec> for JobSpec {
+    fn from(spec: model::JobSpec) -> Self {
+        JobSpec::from(&spec)
+    }
+}
