@@ -224,7 +224,7 @@ mod gangs {
             .build();
         let outcome = cycle(
             &snapshot(make_nodes("n", 4, 2)),
-            &[job.clone()],
+            std::slice::from_ref(&job),
             &SchedulingPolicy::default(),
         );
         match reason(&outcome, 1) {
