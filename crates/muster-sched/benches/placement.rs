@@ -3,7 +3,8 @@
 //! clusters of 1,000 and 10,000 eight-GPU nodes, per placement policy; and the
 //! indexed placer against the straightforward scan, checking they agree.
 //!
-//! Set `MUSTER_BENCH_QUICK=1` for a small run. Figures go to stdout; see
+//! Set `MUSTER_BENCH_QUICK=1` for a small run, `MUSTER_BENCH_NODES=10000`
+//! and `MUSTER_BENCH_POLICY=fgd` to run one case. Figures go to stdout; see
 //! docs/benchmarks.md for recorded results.
 
 use muster_model::{CpuMilli, GpuModel, GpuRequest, GpuSpec, JobId, MemoryMib, NodeName, NodeSpec};
@@ -142,14 +143,24 @@ fn main() {
     let quick = std::env::var_os("MUSTER_BENCH_QUICK").is_some();
     let shapes = openb_shapes();
     let tasks = if quick { 10_000 } else { 100_000 };
-    let sizes: &[usize] = if quick { &[1_000] } else { &[1_000, 10_000] };
+    let sizes: Vec<usize> = match std::env::var("MUSTER_BENCH_NODES") {
+        Ok(list) => list
+            .split(',')
+            .filter_map(|n| n.trim().parse().ok())
+            .collect(),
+        Err(_) if quick => vec![1_000],
+        Err(_) => vec![1_000, 10_000],
+    };
+    let only: Option<PlacementPolicy> = std::env::var("MUSTER_BENCH_POLICY")
+        .ok()
+        .and_then(|name| name.parse().ok());
     let runs = if quick { 1 } else { 3 };
     println!(
         "one scheduling cycle, {tasks} pending jobs shaped like openb (+0.5% gangs), median of {runs}"
     );
     println!("| nodes | policy | placed tasks | cycle time (s) | placements/s |");
     println!("|---:|---|---:|---:|---:|");
-    for &nodes in sizes {
+    for &nodes in &sizes {
         let mut rng = ChaCha8Rng::seed_from_u64(42);
         let snapshot = Snapshot {
             nodes: cluster(nodes, &mut rng),
@@ -157,6 +168,9 @@ fn main() {
         };
         let jobs = pending(tasks, &shapes, &mut rng);
         for placement in PlacementPolicy::ALL {
+            if only.is_some_and(|only| only != placement) {
+                continue;
+            }
             if placement == PlacementPolicy::Random && nodes > 1_000 && !quick {
                 // Random scans every node per task: 10^9 filter checks.
                 println!("| {nodes} | random | (skipped: scans all nodes per task) | | |");

@@ -96,7 +96,7 @@ pub struct NodeStatic {
 }
 
 /// A node's free resources.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct NodeFree {
     /// Free thousandths on each GPU (0 for an unhealthy GPU).
     pub gpu: Vec<u16>,
@@ -112,6 +112,17 @@ impl NodeFree {
     pub fn whole_free_gpus(&self) -> u32 {
         self.gpu.iter().filter(|&&free| free == 1000).count() as u32
     }
+}
+
+/// See [`ClusterState::state_key`].
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeStateKey {
+    model: u8,
+    cpu_milli: u64,
+    memory_mib: u64,
+    nvlink_domain: Vec<u32>,
+    gpu_healthy: Vec<bool>,
+    free: NodeFree,
 }
 
 /// Concrete GPUs a task gets on a node: (GPU index, thousandths taken).
@@ -391,6 +402,30 @@ impl ClusterState {
 
     pub fn fits(&self, node: NodeIndex, shape: &TaskShape) -> bool {
         self.filter(node, shape).is_none()
+    }
+
+    /// Whether the node's free resources hold `shape`, for a node already
+    /// known to pass [`ClusterState::static_filter`].
+    pub fn has_room(&self, node: NodeIndex, shape: &TaskShape) -> bool {
+        let free = &self.free[node as usize];
+        gpus_fit(&free.gpu, shape.gpus)
+            && free.cpu_milli >= shape.cpu_milli
+            && free.memory_mib >= shape.memory_mib
+    }
+
+    /// Everything a score can depend on except the node's name: two nodes
+    /// with equal keys score the same for every shape.
+    pub fn state_key(&self, node: NodeIndex) -> NodeStateKey {
+        let info = &self.nodes[node as usize];
+        let free = &self.free[node as usize];
+        NodeStateKey {
+            model: info.model,
+            cpu_milli: info.cpu_milli,
+            memory_mib: info.memory_mib,
+            nvlink_domain: info.nvlink_domain.clone(),
+            gpu_healthy: info.gpu_healthy.clone(),
+            free: free.clone(),
+        }
     }
 
     /// Takes a placement's resources. The caller has checked it fits.

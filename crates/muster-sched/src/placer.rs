@@ -8,7 +8,7 @@
 //! every node for every task; a property test holds the two together.
 
 use crate::cluster::{ClusterState, FilterReason, NodeIndex, TaskPlacement, TaskShape};
-use crate::policy::{Evaluation, GpuPick, PlacementPolicy, Scorer};
+use crate::policy::{Evaluation, GpuPick, PlacementPolicy, ProfileCache, Scorer};
 use muster_model::TopologyStrength;
 use rand::Rng;
 use std::collections::BTreeMap;
@@ -60,6 +60,8 @@ impl Bucket {
 /// Score levels of every node for one task shape.
 #[derive(Debug, Clone)]
 struct ShapeIndex {
+    /// Nodes the shape can never use (pool, cordon, health, model, GPU memory).
+    excluded: Vec<bool>,
     level_of: Vec<u32>,
     buckets: BTreeMap<u32, Bucket>,
 }
@@ -72,11 +74,34 @@ impl ShapeIndex {
         fragmentation: &[f64],
     ) -> Self {
         let mut index = ShapeIndex {
+            excluded: (0..cluster.len() as NodeIndex)
+                .map(|node| cluster.static_filter(node, shape).is_some())
+                .collect(),
             level_of: vec![INFEASIBLE; cluster.len()],
             buckets: BTreeMap::new(),
         };
+        // Nodes in equal states score equally: score each state once (at the
+        // start of a cycle most nodes are empty, so there are few states).
+        let mut memo: BTreeMap<crate::cluster::NodeStateKey, u32> = BTreeMap::new();
+        let mut cache = ProfileCache::default();
         for node in 0..cluster.len() as NodeIndex {
-            index.update(cluster, scorer, shape, node, fragmentation[node as usize]);
+            if index.excluded[node as usize] {
+                continue;
+            }
+            let key = cluster.state_key(node);
+            let level = *memo.entry(key).or_insert_with(|| {
+                cache.reset();
+                scorer
+                    .evaluate_passing_static(
+                        cluster,
+                        node,
+                        shape,
+                        fragmentation[node as usize],
+                        &mut cache,
+                    )
+                    .map_or(INFEASIBLE, |evaluation| evaluation.level)
+            });
+            index.set(cluster.len(), node, level);
         }
         index
     }
@@ -88,10 +113,18 @@ impl ShapeIndex {
         shape: &TaskShape,
         node: NodeIndex,
         fragmentation_now: f64,
+        cache: &mut ProfileCache,
     ) {
+        if self.excluded[node as usize] {
+            return;
+        }
         let level = scorer
-            .evaluate_from(cluster, node, shape, fragmentation_now)
+            .evaluate_passing_static(cluster, node, shape, fragmentation_now, cache)
             .map_or(INFEASIBLE, |evaluation| evaluation.level);
+        self.set(cluster.len(), node, level);
+    }
+
+    fn set(&mut self, nodes: usize, node: NodeIndex, level: u32) {
         let old = self.level_of[node as usize];
         if old == level {
             return;
@@ -100,12 +133,8 @@ impl ShapeIndex {
             && let Some(bucket) = self.buckets.get_mut(&old)
         {
             bucket.remove(node);
-            if bucket.count == 0 {
-                self.buckets.remove(&old);
-            }
         }
         if level != INFEASIBLE {
-            let nodes = cluster.len();
             self.buckets
                 .entry(level)
                 .or_insert_with(|| Bucket::new(nodes))
@@ -116,7 +145,11 @@ impl ShapeIndex {
 
     /// Feasible nodes, best level first, smallest index first within a level.
     fn ranked(&self) -> impl Iterator<Item = NodeIndex> + '_ {
-        self.buckets.values().rev().flat_map(Bucket::iter)
+        self.buckets
+            .values()
+            .rev()
+            .filter(|bucket| bucket.count > 0)
+            .flat_map(Bucket::iter)
     }
 }
 
@@ -181,6 +214,7 @@ pub struct Placer {
     indexed: bool,
     /// Each node's current fragmentation (FGD), kept with the indexes.
     fragmentation: Vec<f64>,
+    cache: ProfileCache,
 }
 
 impl Placer {
@@ -199,6 +233,7 @@ impl Placer {
             indexes: BTreeMap::new(),
             indexed,
             fragmentation,
+            cache: ProfileCache::default(),
         }
     }
 
@@ -210,6 +245,7 @@ impl Placer {
             indexes: BTreeMap::new(),
             indexed: false,
             fragmentation: Vec::new(),
+            cache: ProfileCache::default(),
         }
     }
 
@@ -234,12 +270,14 @@ impl Placer {
             scorer,
             indexes,
             fragmentation,
+            cache,
             ..
         } = self;
         let now = scorer.fragmentation_now(cluster, node);
         fragmentation[node as usize] = now;
+        cache.reset();
         for (shape, index) in indexes.iter_mut() {
-            index.update(cluster, scorer, shape, node, now);
+            index.update(cluster, scorer, shape, node, now, cache);
         }
     }
 

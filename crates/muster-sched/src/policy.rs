@@ -102,10 +102,55 @@ pub struct TypicalShape {
 /// The observed mix of requests that FGD measures fragmentation against.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct TypicalWorkload {
-    pub shapes: Vec<TypicalShape>,
+    shapes: Vec<TypicalShape>,
+    /// The distinct GPU requests of `shapes`, and for each shape its entry.
+    requests: Vec<GpuRequest>,
+    /// `shapes` column by column, for the hot loop.
+    columns: ShapeColumns,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+struct ShapeColumns {
+    cpu_milli: Vec<u64>,
+    memory_mib: Vec<u64>,
+    models: Vec<u64>,
+    weight: Vec<f64>,
+    request: Vec<usize>,
 }
 
 impl TypicalWorkload {
+    pub fn new(shapes: Vec<TypicalShape>) -> Self {
+        let mut requests: Vec<GpuRequest> = Vec::new();
+        let request_of = shapes
+            .iter()
+            .map(
+                |shape| match requests.iter().position(|r| *r == shape.gpus) {
+                    Some(index) => index,
+                    None => {
+                        requests.push(shape.gpus);
+                        requests.len() - 1
+                    }
+                },
+            )
+            .collect();
+        let columns = ShapeColumns {
+            cpu_milli: shapes.iter().map(|s| s.cpu_milli).collect(),
+            memory_mib: shapes.iter().map(|s| s.memory_mib).collect(),
+            models: shapes.iter().map(|s| s.models.0).collect(),
+            weight: shapes.iter().map(|s| s.weight).collect(),
+            request: request_of,
+        };
+        TypicalWorkload {
+            shapes,
+            requests,
+            columns,
+        }
+    }
+
+    pub fn shapes(&self) -> &[TypicalShape] {
+        &self.shapes
+    }
+
     /// The most common shapes that together cover `coverage` (e.g. 0.95) of
     /// `shapes`, weighted by frequency. Ties in frequency go to the smaller
     /// shape, so the result does not depend on the input order.
@@ -145,7 +190,7 @@ impl TypicalWorkload {
                 },
             )
             .collect();
-        TypicalWorkload { shapes }
+        TypicalWorkload::new(shapes)
     }
 
     /// Expected fragmentation of a node, in thousandths of a GPU: the idle GPU
@@ -156,55 +201,122 @@ impl TypicalWorkload {
     /// of the GPUs with less free than it asks per GPU; CPU-only shapes count
     /// all idle GPU capacity.
     pub fn fragmentation(&self, node: &NodeStatic, free: &[u16], cpu: u64, memory: u64) -> f64 {
+        let mut profile = GpuProfile::default();
+        self.profile_into(free, &mut profile);
+        self.fragmentation_with(&profile, node.model, cpu, memory)
+    }
+
+    /// The GPU side of [`TypicalWorkload::fragmentation`]: idle capacity, and
+    /// the fragment each distinct typical GPU request sees if its CPU, memory
+    /// and model fit. Shared by every shape that leaves the GPUs alike.
+    pub fn profile_into(&self, free: &[u16], profile: &mut GpuProfile) {
         let mut sorted = [0u16; 64];
         let count = free.len().min(64);
         sorted[..count].copy_from_slice(&free[..count]);
         let sorted = &mut sorted[..count];
         sorted.sort_unstable();
         let idle: u64 = sorted.iter().map(|&slot| u64::from(slot)).sum();
-        if idle == 0 {
-            return 0.0;
-        }
         let whole = sorted
             .iter()
             .rev()
             .take_while(|&&slot| slot == 1000)
             .count() as u32;
         let largest = sorted.last().copied().unwrap_or(0);
-        let mut total = 0.0;
-        for shape in &self.shapes {
-            let frag = if shape.cpu_milli > cpu
-                || shape.memory_mib > memory
-                || !shape.models.contains(node.model)
-            {
-                idle
-            } else {
-                match shape.gpus {
-                    GpuRequest::Whole(0) => idle,
-                    GpuRequest::Whole(count) => {
-                        if whole < count {
-                            idle
-                        } else {
-                            idle - 1000 * u64::from(whole)
-                        }
-                    }
-                    GpuRequest::Shared(share) => {
-                        let need = share.0 as u16;
-                        if largest < need {
-                            idle
-                        } else {
-                            sorted
-                                .iter()
-                                .take_while(|&&slot| slot < need)
-                                .map(|&slot| u64::from(slot))
-                                .sum()
-                        }
+        profile.idle = idle;
+        profile.fragment.clear();
+        profile
+            .fragment
+            .extend(self.requests.iter().map(|request| match *request {
+                GpuRequest::Whole(0) => idle,
+                GpuRequest::Whole(count) if whole < count => idle,
+                GpuRequest::Whole(_) => idle - 1000 * u64::from(whole),
+                GpuRequest::Shared(share) => {
+                    let need = share.0 as u16;
+                    if largest < need {
+                        idle
+                    } else {
+                        sorted
+                            .iter()
+                            .take_while(|&&slot| slot < need)
+                            .map(|&slot| u64::from(slot))
+                            .sum()
                     }
                 }
+            }));
+    }
+
+    /// Fragmentation of a node whose GPUs have `profile`, with `cpu` and
+    /// `memory` free.
+    pub fn fragmentation_with(
+        &self,
+        profile: &GpuProfile,
+        model: u8,
+        cpu: u64,
+        memory: u64,
+    ) -> f64 {
+        if profile.idle == 0 {
+            return 0.0;
+        }
+        let idle = profile.idle;
+        let model_bit = if model < 64 { 1u64 << model } else { 0 };
+        let columns = &self.columns;
+        let mut total = 0.0;
+        for j in 0..columns.weight.len() {
+            let fits = (columns.cpu_milli[j] <= cpu)
+                & (columns.memory_mib[j] <= memory)
+                & (columns.models[j] & model_bit != 0);
+            let frag = if fits {
+                profile.fragment[columns.request[j]]
+            } else {
+                idle
             };
-            total += shape.weight * frag as f64;
+            total += columns.weight[j] * frag as f64;
         }
         total
+    }
+}
+
+/// See [`TypicalWorkload::profile_into`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GpuProfile {
+    idle: u64,
+    fragment: Vec<u64>,
+}
+
+/// GPU profiles of the states one node can reach with one placement, so
+/// that shapes asking the same of GPUs share them. Valid for one node state:
+/// call [`ProfileCache::reset`] when the node or its state changes.
+#[derive(Debug, Clone, Default)]
+pub struct ProfileCache {
+    entries: Vec<((u16, GpuPick), GpuProfile)>,
+    spare: Vec<GpuProfile>,
+}
+
+impl ProfileCache {
+    pub fn reset(&mut self) {
+        self.spare
+            .extend(self.entries.drain(..).map(|(_, profile)| profile));
+    }
+
+    fn get_or_compute(
+        &mut self,
+        workload: &TypicalWorkload,
+        free: &[u16],
+        per_gpu: u16,
+        pick: GpuPick,
+    ) -> &GpuProfile {
+        let key = (per_gpu, pick);
+        if let Some(position) = self.entries.iter().position(|(k, _)| *k == key) {
+            return &self.entries[position].1;
+        }
+        let mut buffer = [0u16; 64];
+        let after = &mut buffer[..free.len().min(64)];
+        after.copy_from_slice(&free[..after.len()]);
+        apply_pick(after, pick, per_gpu);
+        let mut profile = self.spare.pop().unwrap_or_default();
+        workload.profile_into(after, &mut profile);
+        self.entries.push((key, profile));
+        &self.entries[self.entries.len() - 1].1
     }
 }
 
@@ -265,33 +377,36 @@ pub fn pick_whole_gpus(node: &NodeStatic, free: &[u16], count: u32) -> Option<Gp
     if count == 0 {
         return Some(0);
     }
-    let mut domains: Vec<(u32, u32)> = Vec::new();
-    for (index, &slot) in free.iter().enumerate() {
-        if slot == 1000 {
-            let domain = node.nvlink_domain.get(index).copied().unwrap_or(0);
-            match domains.iter_mut().find(|(d, _)| *d == domain) {
-                Some((_, n)) => *n += 1,
-                None => domains.push((domain, 1)),
-            }
-        }
-    }
-    let total: u32 = domains.iter().map(|(_, n)| n).sum();
+    let domain_of = |index: usize| node.nvlink_domain.get(index).copied().unwrap_or(0);
+    let whole = |index: usize| free[index] == 1000;
+    let total = (0..free.len()).filter(|&i| whole(i)).count() as u32;
     if total < count {
         return None;
     }
-    let best_domain = domains
-        .iter()
-        .filter(|(_, n)| *n >= count)
-        .min_by_key(|(d, n)| (*n, *d))
-        .map(|(d, _)| *d);
+    // The domain with the fewest free whole GPUs that still holds them all.
+    let mut best: Option<(u32, u32)> = None; // (free in domain, domain)
+    for index in 0..free.len() {
+        if !whole(index) {
+            continue;
+        }
+        let domain = domain_of(index);
+        if (0..index).any(|i| whole(i) && domain_of(i) == domain) {
+            continue; // counted with an earlier GPU of the domain
+        }
+        let in_domain = (index..free.len())
+            .filter(|&i| whole(i) && domain_of(i) == domain)
+            .count() as u32;
+        if in_domain >= count && best.is_none_or(|b| (in_domain, domain) < b) {
+            best = Some((in_domain, domain));
+        }
+    }
     let mut pick = 0u64;
     let mut taken = 0;
-    for (index, &slot) in free.iter().enumerate() {
+    for index in 0..free.len() {
         if taken == count {
             break;
         }
-        let domain = node.nvlink_domain.get(index).copied().unwrap_or(0);
-        if slot == 1000 && best_domain.is_none_or(|d| d == domain) {
+        if whole(index) && best.is_none_or(|(_, d)| d == domain_of(index)) {
             pick |= 1 << index;
             taken += 1;
         }
@@ -343,6 +458,24 @@ impl Scorer {
         )
     }
 
+    /// Scores `node`, known to pass the static filters for `shape`, given
+    /// its current fragmentation.
+    pub fn evaluate_passing_static(
+        &self,
+        cluster: &ClusterState,
+        node: NodeIndex,
+        shape: &TaskShape,
+        fragmentation_now: f64,
+        cache: &mut ProfileCache,
+    ) -> Option<Evaluation> {
+        if !cluster.has_room(node, shape) {
+            return None;
+        }
+        let info = &cluster.nodes[node as usize];
+        let free = &cluster.free[node as usize];
+        Some(self.evaluate_fitting_from(info, free, shape, fragmentation_now, Some(cache)))
+    }
+
     /// Scores `node` for `shape` given its current fragmentation.
     pub fn evaluate_from(
         &self,
@@ -356,7 +489,7 @@ impl Scorer {
         }
         let info = &cluster.nodes[node as usize];
         let free = &cluster.free[node as usize];
-        Some(self.evaluate_fitting_from(info, free, shape, fragmentation_now))
+        Some(self.evaluate_fitting_from(info, free, shape, fragmentation_now, None))
     }
 
     /// Scores a node the task is known to fit.
@@ -372,7 +505,7 @@ impl Scorer {
         } else {
             0.0
         };
-        self.evaluate_fitting_from(info, free, shape, before)
+        self.evaluate_fitting_from(info, free, shape, before, None)
     }
 
     fn evaluate_fitting_from(
@@ -381,52 +514,59 @@ impl Scorer {
         free: &NodeFree,
         shape: &TaskShape,
         before: f64,
+        cache: Option<&mut ProfileCache>,
     ) -> Evaluation {
         let cpu_after = free.cpu_milli - shape.cpu_milli;
         let memory_after = free.memory_mib - shape.memory_mib;
         match self.policy {
             PlacementPolicy::Fgd => {
-                let mut after_gpu = free.gpu.clone();
-                let pick = match shape.gpus {
+                let mut local = ProfileCache::default();
+                let cache = match cache {
+                    Some(cache) => cache,
+                    None => &mut local,
+                };
+                match shape.gpus {
                     GpuRequest::Shared(share) => {
                         let need = share.0 as u16;
                         let mut best: Option<(f64, usize)> = None;
-                        for index in 0..after_gpu.len() {
-                            let slot = after_gpu[index];
+                        for (index, &slot) in free.gpu.iter().enumerate() {
                             // GPUs with equal free capacity score the same:
                             // the lowest-numbered one stands for them.
                             if slot < need || free.gpu[..index].contains(&slot) {
                                 continue;
                             }
-                            after_gpu[index] = slot - need;
-                            let frag = self.workload.fragmentation(
-                                info,
-                                &after_gpu,
+                            let profile =
+                                cache.get_or_compute(&self.workload, &free.gpu, need, 1 << index);
+                            let frag = self.workload.fragmentation_with(
+                                profile,
+                                info.model,
                                 cpu_after,
                                 memory_after,
                             );
-                            after_gpu[index] = slot;
                             if best.is_none_or(|(f, _)| frag < f) {
                                 best = Some((frag, index));
                             }
                         }
                         let (frag, index) = best.unwrap_or((before, 0));
-                        return Evaluation {
+                        Evaluation {
                             level: sigmoid_level(before - frag),
                             pick: 1 << index,
-                        };
+                        }
                     }
                     GpuRequest::Whole(count) => {
-                        pick_whole_gpus(info, &free.gpu, count).unwrap_or_default()
+                        let pick = pick_whole_gpus(info, &free.gpu, count).unwrap_or_default();
+                        let profile = cache.get_or_compute(&self.workload, &free.gpu, 1000, pick);
+                        let after = self.workload.fragmentation_with(
+                            profile,
+                            info.model,
+                            cpu_after,
+                            memory_after,
+                        );
+                        Evaluation {
+                            level: sigmoid_level(before - after),
+                            pick,
+                        }
                     }
-                };
-                apply_pick(&mut after_gpu, pick, 1000);
-                let after = self
-                    .workload
-                    .fragmentation(info, &after_gpu, cpu_after, memory_after);
-                Evaluation {
-                    level: sigmoid_level(before - after),
-                    pick,
                 }
             }
             PlacementPolicy::BestFit | PlacementPolicy::Packing | PlacementPolicy::Random => {
@@ -516,19 +656,17 @@ mod tests {
     fn fragmentation_matches_a_hand_computed_example() {
         // Free: 1000, 1000, 600, 200 thousandths; 8 CPUs free.
         let free = [1000, 1000, 600, 200];
-        let workload = TypicalWorkload {
-            shapes: vec![
-                // 2 whole GPUs: fits; partial GPUs 600 + 200 are fragments.
-                shape(GpuRequest::Whole(2), 1000, 0.25),
-                // 3 whole GPUs: does not fit: all 2800 idle is fragment.
-                shape(GpuRequest::Whole(3), 1000, 0.25),
-                // half a GPU: fits; only the 200 below 500 is fragment.
-                shape(GpuRequest::Shared(GpuMilli(500)), 1000, 0.25),
-                // CPU-only: all idle GPU capacity is fragment... but it needs
-                // 16 CPUs and cannot run at all: still all idle.
-                shape(GpuRequest::Whole(0), 16_000, 0.25),
-            ],
-        };
+        let workload = TypicalWorkload::new(vec![
+            // 2 whole GPUs: fits; partial GPUs 600 + 200 are fragments.
+            shape(GpuRequest::Whole(2), 1000, 0.25),
+            // 3 whole GPUs: does not fit: all 2800 idle is fragment.
+            shape(GpuRequest::Whole(3), 1000, 0.25),
+            // half a GPU: fits; only the 200 below 500 is fragment.
+            shape(GpuRequest::Shared(GpuMilli(500)), 1000, 0.25),
+            // CPU-only: all idle GPU capacity is fragment... but it needs
+            // 16 CPUs and cannot run at all: still all idle.
+            shape(GpuRequest::Whole(0), 16_000, 0.25),
+        ]);
         let frag = workload.fragmentation(&node(4), &free, 8_000, 1 << 20);
         let expected = 0.25 * 800.0 + 0.25 * 2800.0 + 0.25 * 200.0 + 0.25 * 2800.0;
         assert!((frag - expected).abs() < 1e-9, "{frag} != {expected}");
@@ -558,11 +696,11 @@ mod tests {
             .collect();
         let workload = TypicalWorkload::from_tasks(tasks.iter(), 0.95);
         assert_eq!(
-            workload.shapes.len(),
+            workload.shapes().len(),
             2,
             "90% + 8% reach 95%; the 2% tail is left out"
         );
-        assert!((workload.shapes[0].weight - 90.0 / 98.0).abs() < 1e-12);
+        assert!((workload.shapes()[0].weight - 90.0 / 98.0).abs() < 1e-12);
     }
 
     #[test]
@@ -571,9 +709,7 @@ mod tests {
         // a fragment; on GPU 0 (free 900) it leaves 500, still usable.
         let scorer = Scorer::new(
             PlacementPolicy::Fgd,
-            TypicalWorkload {
-                shapes: vec![shape(GpuRequest::Shared(GpuMilli(500)), 0, 1.0)],
-            },
+            TypicalWorkload::new(vec![shape(GpuRequest::Shared(GpuMilli(500)), 0, 1.0)]),
             Scale {
                 cpu_milli: 64_000.0,
                 gpus: 2.0,

@@ -828,3 +828,119 @@ impl Cycle<'_> {
         None
     }
 }
+
+fn gpus(milli: GpuMilli) -> String {
+    if milli.0 % 1000 == 0 {
+        format!("{}", milli.0 / 1000)
+    } else {
+        format!("{:.3}", f64::from(milli.0) / 1000.0)
+    }
+}
+
+fn filter_words(filters: &FilterCounts) -> String {
+    let mut parts: Vec<String> = filters
+        .rejected
+        .iter()
+        .filter(|(_, count)| **count > 0)
+        .map(|(reason, count)| {
+            let why = match reason {
+                crate::FilterReason::Pool => "are in another pool",
+                crate::FilterReason::Cordoned => "are cordoned",
+                crate::FilterReason::Unhealthy => "are unhealthy",
+                crate::FilterReason::GpuModel => "have another GPU model",
+                crate::FilterReason::GpuMemory => "have too little GPU memory",
+                crate::FilterReason::Gpus => "have too few free GPUs",
+                crate::FilterReason::Cpu => "have too little free CPU",
+                crate::FilterReason::Memory => "have too little free memory",
+            };
+            format!("{count} {why}")
+        })
+        .collect();
+    if filters.reserved > 0 {
+        parts.push(format!("{} are held for a reservation", filters.reserved));
+    }
+    if parts.is_empty() {
+        "the cluster has no nodes".to_string()
+    } else {
+        parts.join(", ")
+    }
+}
+
+impl std::fmt::Display for PendingReason {
+    /// The reason in words, for `muster describe`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PendingReason::QuotaExceeded {
+                queue,
+                in_use,
+                requested,
+                ceiling,
+            } => write!(
+                f,
+                "queue {queue} holds {} GPUs of its limit of {}; this job needs {} more \
+                 (waits until the queue's jobs finish, or ask an admin to raise the limit)",
+                gpus(*in_use),
+                gpus(*ceiling),
+                gpus(*requested)
+            ),
+            PendingReason::NeverFits { filters } => write!(
+                f,
+                "no node can ever run this job as the cluster stands: only {} nodes could \
+                 hold one task even when empty ({}); ask for fewer GPUs, CPUs or memory, \
+                 another pool or GPU model, or fewer nodes",
+                filters.could_ever_fit,
+                filter_words(filters)
+            ),
+            PendingReason::NoCapacity { filters, gang } => {
+                match gang {
+                    Some(crate::GangFailure::NoRackLargeEnough {
+                        largest_rack,
+                        needed,
+                    }) => write!(
+                        f,
+                        "waiting for {needed} free nodes in one rack (the job requires one \
+                         rack; the best rack has {largest_rack} now)"
+                    )?,
+                    Some(crate::GangFailure::TooFewNodes { feasible, needed }) => write!(
+                        f,
+                        "waiting for capacity: {feasible} of the {needed} nodes it needs are \
+                         free now"
+                    )?,
+                    None => write!(f, "waiting for capacity")?,
+                }
+                write!(f, "; of the other nodes, {}", filter_words(filters))
+            }
+            PendingReason::BehindReservation { holder, start } => {
+                write!(
+                    f,
+                    "it fits only on nodes held for job {holder}, which is next in line"
+                )?;
+                if let Some(start) = start {
+                    write!(
+                        f,
+                        " and expected to start at t={}s; a runtime estimate that ends \
+                         before then would let it run now",
+                        start.0 / 1000
+                    )?;
+                }
+                Ok(())
+            }
+            PendingReason::BehindBlockedJob { blocker } => write!(
+                f,
+                "waiting behind job {blocker}, which is blocked (backfill is off)"
+            ),
+            PendingReason::HoldsReservation { start } => match start {
+                Some(start) => write!(
+                    f,
+                    "next in line: capacity is reserved for it, expected free at t={}s",
+                    start.0 / 1000
+                ),
+                None => write!(
+                    f,
+                    "next in line: capacity is reserved for it as running jobs end \
+                     (their end times are not known)"
+                ),
+            },
+        }
+    }
+}

@@ -603,3 +603,23 @@ mod policies {
         assert!(error.contains("accepted: fgd, best-fit"), "{error}");
     }
 }
+
+mod wording {
+    use super::*;
+
+    #[test]
+    fn pending_reasons_read_as_sentences() {
+        let outcome = cycle(
+            &snapshot(make_nodes("n", 2, 2)),
+            &[
+                MakeJob::new(1).gpus(8).tasks(3).build(),
+                MakeJob::new(2).gpus(16).build(),
+            ],
+            &SchedulingPolicy::default(),
+        );
+        let text = reason(&outcome, 1).to_string();
+        assert!(text.contains("only 2 nodes could hold one task"), "{text}");
+        let text = reason(&outcome, 2).to_string();
+        assert!(text.contains("2 have too few free GPUs"), "{text}");
+    }
+}
