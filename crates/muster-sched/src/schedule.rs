@@ -830,7 +830,7 @@ impl Cycle<'_> {
 }
 
 fn gpus(milli: GpuMilli) -> String {
-    if milli.0 % 1000 == 0 {
+    if milli.0.is_multiple_of(1000) {
         format!("{}", milli.0 / 1000)
     } else {
         format!("{:.3}", f64::from(milli.0) / 1000.0)
