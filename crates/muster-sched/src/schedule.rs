@@ -408,6 +408,7 @@ pub fn schedule<R: Rng>(
         outcome: Outcome::default(),
         reservation: None,
         failed: BTreeMap::new(),
+        preemption_failed: BTreeSet::new(),
         blocker: None,
     };
 
@@ -468,6 +469,9 @@ pub fn schedule<R: Rng>(
 /// so a failed key fails again.
 type FailureKey = (TaskShape, u32, Option<TopologyStrength>, bool);
 
+/// Preemption memo key: shape, tasks, topology, priority, queue.
+type PreemptionKey = (TaskShape, u32, Option<TopologyStrength>, i32, QueueName);
+
 struct Cycle<'a> {
     now: Time,
     policy: &'a SchedulingPolicy,
@@ -478,6 +482,7 @@ struct Cycle<'a> {
     /// The reservation's holder, shadow time, and node set.
     reservation: Option<(JobId, Option<Time>, BTreeSet<NodeIndex>)>,
     failed: BTreeMap<FailureKey, PendingReason>,
+    preemption_failed: BTreeSet<PreemptionKey>,
     blocker: Option<JobId>,
 }
 
@@ -566,8 +571,22 @@ impl Cycle<'_> {
         rng: &mut R,
     ) {
         let capacity_bound = matches!(reason, PendingReason::NoCapacity { .. });
-        if capacity_bound && self.policy.preemption && self.try_preempt(job, shape, rng) {
-            return;
+        if capacity_bound && self.policy.preemption {
+            // A job like one that found no victims finds none either, until
+            // a preemption changes the cluster.
+            let key = (
+                *shape,
+                job.tasks,
+                job.same_rack,
+                job.priority,
+                job.queue.clone(),
+            );
+            if !self.preemption_failed.contains(&key) {
+                if self.try_preempt(job, shape, rng) {
+                    return;
+                }
+                self.preemption_failed.insert(key);
+            }
         }
         let reason = if capacity_bound {
             match self.policy.backfill {
@@ -758,6 +777,7 @@ impl Cycle<'_> {
             victims.push(victim.id);
         }
         self.failed.clear();
+        self.preemption_failed.clear();
         match self
             .placer
             .choose_gang(shape, job.tasks, job.same_rack, &none, rng)
