@@ -1,0 +1,187 @@
+//! `muster sim alloc`: Protocol A (allocation under load) for several
+//! policies and seeds, in parallel; prints a table and writes
+//! `results.json` and `alloc.svg`.
+
+use crate::cli::AllocArgs;
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use muster_sched::PlacementPolicy;
+use muster_sim::{
+    AllocationCurve, AllocationExperiment, AllocationReport, PolicyResult, parse_openb_nodes,
+    parse_openb_tasks, summarize,
+};
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+pub fn run(args: &AllocArgs) -> anyhow::Result<()> {
+    let nodes_text = read(&args.nodes)?;
+    let tasks_text = read(&args.tasks)?;
+    let nodes = parse_openb_nodes(&nodes_text, &args.nodes.display().to_string())?;
+    let tasks = parse_openb_tasks(&tasks_text, &args.tasks.display().to_string())?;
+    let experiment = AllocationExperiment::new(nodes, &tasks)
+        .with_context(|| format!("cannot simulate {}", args.nodes.display()))?;
+
+    // `default` is one of the others: each distinct policy runs once per seed.
+    let seeds: Vec<u64> = (0..args.seeds).collect();
+    let distinct: Vec<PlacementPolicy> = args
+        .policies
+        .iter()
+        .map(|named| named.policy)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let runs: Vec<(PlacementPolicy, u64)> = distinct
+        .iter()
+        .flat_map(|&policy| seeds.iter().map(move |&seed| (policy, seed)))
+        .collect();
+    let threads = args
+        .jobs
+        .map(|jobs| jobs as usize)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .min(runs.len())
+        .max(1);
+    eprintln!(
+        "allocation under load: {} nodes, {:.0} GPUs, {} tasks in the pod list; {} runs on {} threads",
+        experiment.cluster().len(),
+        experiment.capacity_milli() as f64 / 1000.0,
+        experiment.task_count(),
+        runs.len(),
+        threads
+    );
+    let started = Instant::now();
+    let curves = run_parallel(&experiment, &runs, threads);
+    eprintln!("done in {:.1} s", started.elapsed().as_secs_f64());
+
+    let mut by_policy: BTreeMap<PlacementPolicy, Vec<AllocationCurve>> = BTreeMap::new();
+    for (&(policy, _), curve) in runs.iter().zip(curves) {
+        by_policy.entry(policy).or_default().push(curve);
+    }
+    let mut results: Vec<PolicyResult> = Vec::new();
+    for named in &args.policies {
+        if results.iter().any(|result| result.policy == named.name) {
+            continue;
+        }
+        let curves = by_policy
+            .get(&named.policy)
+            .context("internal error: a policy was not run")?;
+        results.push(summarize(
+            &named.name,
+            &seeds,
+            curves,
+            experiment.capacity_milli(),
+        ));
+    }
+
+    let report = AllocationReport::new(
+        &experiment,
+        &file_name(&args.nodes),
+        &file_name(&args.tasks),
+        results,
+    );
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let json_path = args.out.join("results.json");
+    let json = report.to_json().context("cannot serialize the results")?;
+    std::fs::write(&json_path, json)
+        .with_context(|| format!("cannot write {}", json_path.display()))?;
+    let svg_path = args.out.join("alloc.svg");
+    let svg = super::plot::allocation_svg(&report).context("cannot draw the plot")?;
+    std::fs::write(&svg_path, svg)
+        .with_context(|| format!("cannot write {}", svg_path.display()))?;
+
+    print!("{}", table(&report, args.seeds));
+    eprintln!("wrote {} and {}", json_path.display(), svg_path.display());
+    Ok(())
+}
+
+fn read(path: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |name| name.to_string_lossy().into_owned(),
+    )
+}
+
+fn progress_bar(len: usize) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len as u64);
+    let style =
+        ProgressStyle::with_template("{bar:40} {pos}/{len} runs, {elapsed} elapsed, ~{eta} left")
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar
+}
+
+/// Runs every (policy, seed) on `threads` threads; results in `runs` order.
+fn run_parallel(
+    experiment: &AllocationExperiment,
+    runs: &[(PlacementPolicy, u64)],
+    threads: usize,
+) -> Vec<AllocationCurve> {
+    let progress = progress_bar(runs.len());
+    let next = AtomicUsize::new(0);
+    let mut slots: Vec<Option<AllocationCurve>> = vec![None; runs.len()];
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let index = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(policy, seed)) = runs.get(index) else {
+                            break;
+                        };
+                        done.push((index, experiment.run(policy, seed)));
+                        progress.inc(1);
+                    }
+                    done
+                })
+            })
+            .collect();
+        for worker in workers {
+            match worker.join() {
+                Ok(done) => {
+                    for (index, curve) in done {
+                        slots[index] = Some(curve);
+                    }
+                }
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    progress.finish_and_clear();
+    slots.into_iter().flatten().collect()
+}
+
+/// The table printed on stdout: medians over seeds.
+fn table(report: &AllocationReport, seeds: u64) -> String {
+    let mut text = format!(
+        "GPU allocation ratio under load, median of {seeds} seed{} ({} nodes, {} GPUs, {})\n",
+        if seeds == 1 { "" } else { "s" },
+        report.nodes,
+        report.gpus,
+        report.tasks_file
+    );
+    text.push_str(&format!(
+        "{:<10} {:>16} {:>16} {:>26}\n",
+        "policy", "alloc % at 100%", "alloc % at 130%", "unallocated GPUs at 100%"
+    ));
+    for result in &report.policies {
+        text.push_str(&format!(
+            "{:<10} {:>16.1} {:>16.1} {:>26.1}\n",
+            result.policy,
+            result.alloc_ratio_at_100,
+            result.alloc_ratio_at_130,
+            result.unallocated_gpus_at_100
+        ));
+    }
+    text
+}

@@ -1,0 +1,13 @@
+//! `muster sim`: trace replays over the pure simulator (`muster-sim`). This
+//! shell reads the files, runs seeds on threads, prints and writes results.
+
+mod alloc;
+mod plot;
+
+use crate::cli::{SimArgs, SimCommand};
+
+pub fn run(args: SimArgs) -> anyhow::Result<()> {
+    match args.command {
+        SimCommand::Alloc(args) => alloc::run(&args),
+    }
+}

@@ -1,0 +1,164 @@
+//! `muster sim alloc` as a user runs it: the built binary on tiny traces
+//! written to a temporary folder.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+const NODES: &str = "sn,cpu_milli,memory_mib,gpu,model\n\
+                     n0,16000,65536,2,T4\n\
+                     n1,16000,65536,2,T4\n\
+                     n2,32000,131072,4,V100M32\n";
+
+const TASKS: &str = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos\n\
+                     a,4000,8192,1,1000,,LS\n\
+                     b,2000,4096,1,500,,LS\n\
+                     c,8000,16384,2,1000,V100M32,LS\n\
+                     d,1000,2048,0,0,,BE\n\
+                     e,2000,4096,1,250,T4,LS\n";
+
+fn muster(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_muster"))
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("the muster binary runs")
+}
+
+#[test]
+fn sim_alloc_writes_results_and_a_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("nodes.csv"), NODES).unwrap();
+    std::fs::write(dir.path().join("tasks.csv"), TASKS).unwrap();
+    let output = muster(
+        dir.path(),
+        &[
+            "sim",
+            "alloc",
+            "--nodes",
+            "nodes.csv",
+            "--tasks",
+            "tasks.csv",
+            "--seeds",
+            "2",
+            "--out",
+            "out",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for policy in ["fgd", "best-fit", "packing", "random", "default"] {
+        assert!(
+            stdout.contains(policy),
+            "the table lists {policy}: {stdout}"
+        );
+    }
+
+    let text = std::fs::read_to_string(dir.path().join("out/results.json")).unwrap();
+    let results: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(results["nodes"], 3);
+    assert_eq!(results["gpus"], 8.0);
+    assert_eq!(results["tasks"], 5);
+    let policies = results["policies"].as_array().unwrap();
+    let names: Vec<&str> = policies
+        .iter()
+        .map(|p| p["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["fgd", "best-fit", "packing", "random", "default"]);
+    for policy in policies {
+        assert_eq!(policy["seeds"], serde_json::json!([0, 1]));
+        let curve = policy["alloc_ratio_pct"].as_array().unwrap();
+        assert_eq!(curve.len(), 131, "one point per 1% of load, 0..=130");
+        assert_eq!(curve[0], 0.0);
+        let at_100 = policy["alloc_ratio_at_100"].as_f64().unwrap();
+        let at_130 = policy["alloc_ratio_at_130"].as_f64().unwrap();
+        assert_eq!(curve[100].as_f64(), Some(at_100));
+        assert_eq!(curve[130].as_f64(), Some(at_130));
+        assert!(
+            0.0 < at_100 && at_100 <= at_130 && at_130 <= 100.0,
+            "{policy}"
+        );
+        let unallocated = policy["unallocated_gpus_at_100"].as_f64().unwrap();
+        assert!((unallocated - 8.0 * (1.0 - at_100 / 100.0)).abs() < 1e-3);
+    }
+    assert_eq!(
+        policies[0]["alloc_ratio_pct"], policies[4]["alloc_ratio_pct"],
+        "default is fgd"
+    );
+
+    let svg = std::fs::read_to_string(dir.path().join("out/alloc.svg")).unwrap();
+    assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(100)]);
+    assert!(svg.contains("best-fit"));
+
+    // Same inputs and seeds: byte-identical results.
+    let again = muster(
+        dir.path(),
+        &[
+            "sim",
+            "alloc",
+            "--nodes",
+            "nodes.csv",
+            "--tasks",
+            "tasks.csv",
+            "--seeds",
+            "2",
+            "--out",
+            "again",
+            "--jobs",
+            "1",
+        ],
+    );
+    assert!(again.status.success());
+    let text_again = std::fs::read_to_string(dir.path().join("again/results.json")).unwrap();
+    assert_eq!(text, text_again);
+}
+
+#[test]
+fn a_malformed_trace_names_file_line_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("nodes.csv"), NODES).unwrap();
+    let bad = TASKS.replace("b,2000,4096,1,500", "b,2000,4096,1,half");
+    std::fs::write(dir.path().join("tasks.csv"), bad).unwrap();
+    let output = muster(
+        dir.path(),
+        &[
+            "sim",
+            "alloc",
+            "--nodes",
+            "nodes.csv",
+            "--tasks",
+            "tasks.csv",
+            "--seeds",
+            "1",
+            "--out",
+            "out",
+        ],
+    );
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr
+            .contains("tasks.csv:3: column gpu_milli: expected an integer 0..=1000, got \"half\""),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!dir.path().join("out").exists(), "nothing is written");
+}
+
+#[test]
+fn a_missing_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = muster(
+        dir.path(),
+        &["sim", "alloc", "--nodes", "missing.csv", "--out", "out"],
+    );
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("error: cannot read missing.csv"),
+        "{stderr}"
+    );
+}
