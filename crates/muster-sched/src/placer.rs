@@ -335,7 +335,29 @@ impl Placer {
                 if feasible.is_empty() {
                     return None;
                 }
-                feasible[rng.random_range(0..feasible.len())]
+                let node = feasible[rng.random_range(0..feasible.len())];
+                // As the published simulator's Random: a share goes to a GPU
+                // drawn uniformly among those it fits.
+                if let muster_model::GpuRequest::Shared(share) = shape.gpus {
+                    let fitting: Vec<u32> = self.cluster.free[node as usize]
+                        .gpu
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, free)| u32::from(**free) >= share.0)
+                        .map(|(index, _)| index as u32)
+                        .collect();
+                    let index = fitting[rng.random_range(0..fitting.len())];
+                    return Some(TaskPlacement {
+                        node,
+                        gpus: vec![crate::cluster::GpuGrant {
+                            index,
+                            milli: share.0 as u16,
+                        }],
+                        cpu_milli: shape.cpu_milli,
+                        memory_mib: shape.memory_mib,
+                    });
+                }
+                node
             }
             _ if self.indexed => {
                 self.ensure_index(shape);

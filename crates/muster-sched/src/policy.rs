@@ -35,6 +35,12 @@ impl PlacementPolicy {
     /// muster's default: the best one measured (docs/scheduling-results.md).
     pub const DEFAULT: PlacementPolicy = PlacementPolicy::Fgd;
 
+    /// Whether the policy scores by fragmentation (and needs the typical
+    /// workload).
+    pub fn uses_fragmentation(self) -> bool {
+        matches!(self, PlacementPolicy::Fgd)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             PlacementPolicy::Fgd => "fgd",
@@ -80,6 +86,7 @@ impl FromStr for PlacementPolicy {
         match text.trim().to_ascii_lowercase().as_str() {
             "default" => Ok(PlacementPolicy::DEFAULT),
             "fgd" => Ok(PlacementPolicy::Fgd),
+
             "best-fit" | "bestfit" | "best_fit" => Ok(PlacementPolicy::BestFit),
             "packing" => Ok(PlacementPolicy::Packing),
             "random" => Ok(PlacementPolicy::Random),
@@ -151,16 +158,18 @@ impl TypicalWorkload {
         &self.shapes
     }
 
-    /// The most common shapes that together cover `coverage` (e.g. 0.95) of
-    /// `shapes`, weighted by frequency. Ties in frequency go to the smaller
-    /// shape, so the result does not depend on the input order.
+    /// The most common shapes (CPU, GPU count, GPU share, GPU models: memory
+    /// is not part of a shape, as in the FGD paper) that together cover
+    /// `coverage` (e.g. 0.95) of `shapes`, weighted by frequency. Ties in
+    /// frequency go to the smaller shape, so the result does not depend on
+    /// the input order.
     pub fn from_tasks<'a>(shapes: impl IntoIterator<Item = &'a TaskShape>, coverage: f64) -> Self {
         let mut counts: std::collections::BTreeMap<(GpuRequest, u64, u64, ModelMask), u64> =
             std::collections::BTreeMap::new();
         let mut total = 0u64;
         for shape in shapes {
             *counts
-                .entry((shape.gpus, shape.cpu_milli, shape.memory_mib, shape.models))
+                .entry((shape.gpus, shape.cpu_milli, 0, shape.models))
                 .or_default() += 1;
             total += 1;
         }
@@ -446,7 +455,7 @@ impl Scorer {
     /// The node's fragmentation now, which every shape's FGD score starts
     /// from (computed once per node change by the index).
     pub fn fragmentation_now(&self, cluster: &ClusterState, node: NodeIndex) -> f64 {
-        if self.policy != PlacementPolicy::Fgd {
+        if !self.policy.uses_fragmentation() {
             return 0.0;
         }
         let free = &cluster.free[node as usize];
@@ -499,7 +508,7 @@ impl Scorer {
         free: &NodeFree,
         shape: &TaskShape,
     ) -> Evaluation {
-        let before = if self.policy == PlacementPolicy::Fgd {
+        let before = if self.policy.uses_fragmentation() {
             self.workload
                 .fragmentation(info, &free.gpu, free.cpu_milli, free.memory_mib)
         } else {
@@ -528,7 +537,7 @@ impl Scorer {
                 match shape.gpus {
                     GpuRequest::Shared(share) => {
                         let need = share.0 as u16;
-                        let mut best: Option<(f64, usize)> = None;
+                        let mut best: Option<(u32, usize)> = None;
                         for (index, &slot) in free.gpu.iter().enumerate() {
                             // GPUs with equal free capacity score the same:
                             // the lowest-numbered one stands for them.
@@ -543,13 +552,16 @@ impl Scorer {
                                 cpu_after,
                                 memory_after,
                             );
-                            if best.is_none_or(|(f, _)| frag < f) {
-                                best = Some((frag, index));
+                            // Integer levels, as for nodes: ties go to the
+                            // lowest-numbered GPU.
+                            let level = sigmoid_level(before - frag);
+                            if best.is_none_or(|(l, _)| level > l) {
+                                best = Some((level, index));
                             }
                         }
-                        let (frag, index) = best.unwrap_or((before, 0));
+                        let (level, index) = best.unwrap_or((sigmoid_level(0.0), 0));
                         Evaluation {
-                            level: sigmoid_level(before - frag),
+                            level,
                             pick: 1 << index,
                         }
                     }
