@@ -13,10 +13,16 @@
 //! seeds on threads). Only ordered collections are used.
 
 pub mod alloc;
+pub mod jobs;
+pub mod replay;
 pub mod trace;
 
 pub use alloc::{
     AllocationCurve, AllocationError, AllocationExperiment, AllocationReport, LOAD_POINTS,
     MAX_LOAD_PCT, NamedPolicy, PolicyResult, arrival_list, summarize,
+};
+pub use jobs::{parse_openb_timed, parse_philly};
+pub use replay::{
+    QueueResult, ReplayConfig, ReplayJob, ReplayPolicy, ReplayResult, proportional_queues, replay,
 };
 pub use trace::{TraceError, TraceTask, parse_openb_nodes, parse_openb_tasks};

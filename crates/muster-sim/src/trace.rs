@@ -89,15 +89,15 @@ impl TraceTask {
 }
 
 /// A CSV text with its header, split into fields (the traces quote nothing).
-struct Table<'a> {
-    file: &'a str,
+pub(crate) struct Table<'a> {
+    pub(crate) file: &'a str,
     columns: Vec<&'a str>,
     /// (1-based line number, fields)
-    rows: Vec<(usize, Vec<&'a str>)>,
+    pub(crate) rows: Vec<(usize, Vec<&'a str>)>,
 }
 
 impl<'a> Table<'a> {
-    fn parse(text: &'a str, file: &'a str, expected: &str) -> Result<Self, TraceError> {
+    pub(crate) fn parse(text: &'a str, file: &'a str, expected: &str) -> Result<Self, TraceError> {
         let mut lines = text
             .lines()
             .enumerate()
@@ -136,7 +136,7 @@ impl<'a> Table<'a> {
         })
     }
 
-    fn column(&self, name: &'static str) -> Result<Column, TraceError> {
+    pub(crate) fn column(&self, name: &'static str) -> Result<Column, TraceError> {
         self.optional_column(name)
             .ok_or_else(|| TraceError::MissingColumn {
                 file: self.file.to_string(),
@@ -145,7 +145,7 @@ impl<'a> Table<'a> {
             })
     }
 
-    fn optional_column(&self, name: &'static str) -> Option<Column> {
+    pub(crate) fn optional_column(&self, name: &'static str) -> Option<Column> {
         self.columns
             .iter()
             .position(|column| *column == name)
@@ -154,24 +154,24 @@ impl<'a> Table<'a> {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Column {
+pub(crate) struct Column {
     name: &'static str,
     index: usize,
 }
 
 /// One row being read, for errors that name the line and column.
-struct Row<'a, 'b> {
-    file: &'a str,
-    line: usize,
-    fields: &'b [&'a str],
+pub(crate) struct Row<'a, 'b> {
+    pub(crate) file: &'a str,
+    pub(crate) line: usize,
+    pub(crate) fields: &'b [&'a str],
 }
 
 impl<'a> Row<'a, '_> {
-    fn text(&self, column: Column) -> &'a str {
+    pub(crate) fn text(&self, column: Column) -> &'a str {
         self.fields.get(column.index).copied().unwrap_or("")
     }
 
-    fn error(&self, column: Column, expected: impl Into<String>) -> TraceError {
+    pub(crate) fn error(&self, column: Column, expected: impl Into<String>) -> TraceError {
         TraceError::Field {
             file: self.file.to_string(),
             line: self.line,
@@ -181,7 +181,7 @@ impl<'a> Row<'a, '_> {
         }
     }
 
-    fn integer(
+    pub(crate) fn integer(
         &self,
         column: Column,
         range: std::ops::RangeInclusive<u64>,
