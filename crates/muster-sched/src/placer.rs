@@ -63,7 +63,8 @@ struct ShapeIndex {
     /// Nodes the shape can never use (pool, cordon, health, model, GPU memory).
     excluded: Vec<bool>,
     level_of: Vec<u32>,
-    buckets: BTreeMap<u32, Bucket>,
+    /// Indexed by level (levels are at most [`crate::policy::MAX_LEVEL`]).
+    buckets: Vec<Option<Bucket>>,
 }
 
 impl ShapeIndex {
@@ -78,7 +79,7 @@ impl ShapeIndex {
                 .map(|node| cluster.static_filter(node, shape).is_some())
                 .collect(),
             level_of: vec![INFEASIBLE; cluster.len()],
-            buckets: BTreeMap::new(),
+            buckets: Vec::new(),
         };
         // Nodes in equal states score equally: score each state once (at the
         // start of a cycle most nodes are empty, so there are few states).
@@ -130,14 +131,17 @@ impl ShapeIndex {
             return;
         }
         if old != INFEASIBLE
-            && let Some(bucket) = self.buckets.get_mut(&old)
+            && let Some(Some(bucket)) = self.buckets.get_mut(old as usize)
         {
             bucket.remove(node);
         }
         if level != INFEASIBLE {
-            self.buckets
-                .entry(level)
-                .or_insert_with(|| Bucket::new(nodes))
+            let slot = level as usize;
+            if self.buckets.len() <= slot {
+                self.buckets.resize_with(slot + 1, || None);
+            }
+            self.buckets[slot]
+                .get_or_insert_with(|| Bucket::new(nodes))
                 .insert(node);
         }
         self.level_of[node as usize] = level;
@@ -146,8 +150,9 @@ impl ShapeIndex {
     /// Feasible nodes, best level first, smallest index first within a level.
     fn ranked(&self) -> impl Iterator<Item = NodeIndex> + '_ {
         self.buckets
-            .values()
+            .iter()
             .rev()
+            .flatten()
             .filter(|bucket| bucket.count > 0)
             .flat_map(Bucket::iter)
     }

@@ -114,6 +114,13 @@ pub struct TypicalWorkload {
     requests: Vec<GpuRequest>,
     /// `shapes` column by column, for the hot loop.
     columns: ShapeColumns,
+    /// Shape indices by CPU (then index), and their CPUs: with no memory in
+    /// any shape, fragmentation is a step function of free CPU, read off a
+    /// prefix sum (see [`GpuProfile`]).
+    by_cpu: Vec<usize>,
+    sorted_cpu: Vec<u64>,
+    total_weight: f64,
+    memory_free: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -147,10 +154,19 @@ impl TypicalWorkload {
             weight: shapes.iter().map(|s| s.weight).collect(),
             request: request_of,
         };
+        let mut by_cpu: Vec<usize> = (0..shapes.len()).collect();
+        by_cpu.sort_by_key(|&j| (shapes[j].cpu_milli, j));
+        let sorted_cpu = by_cpu.iter().map(|&j| shapes[j].cpu_milli).collect();
+        let total_weight = shapes.iter().map(|s| s.weight).sum();
+        let memory_free = shapes.iter().all(|s| s.memory_mib == 0);
         TypicalWorkload {
             shapes,
             requests,
             columns,
+            by_cpu,
+            sorted_cpu,
+            total_weight,
+            memory_free,
         }
     }
 
@@ -211,14 +227,14 @@ impl TypicalWorkload {
     /// all idle GPU capacity.
     pub fn fragmentation(&self, node: &NodeStatic, free: &[u16], cpu: u64, memory: u64) -> f64 {
         let mut profile = GpuProfile::default();
-        self.profile_into(free, &mut profile);
+        self.profile_into(free, node.model, &mut profile);
         self.fragmentation_with(&profile, node.model, cpu, memory)
     }
 
     /// The GPU side of [`TypicalWorkload::fragmentation`]: idle capacity, and
     /// the fragment each distinct typical GPU request sees if its CPU, memory
     /// and model fit. Shared by every shape that leaves the GPUs alike.
-    pub fn profile_into(&self, free: &[u16], profile: &mut GpuProfile) {
+    pub fn profile_into(&self, free: &[u16], model: u8, profile: &mut GpuProfile) {
         let mut sorted = [0u16; 64];
         let count = free.len().min(64);
         sorted[..count].copy_from_slice(&free[..count]);
@@ -252,6 +268,19 @@ impl TypicalWorkload {
                     }
                 }
             }));
+        // What the shapes that fit save, cumulated in CPU order.
+        let model_bit = if model < 64 { 1u64 << model } else { 0 };
+        profile.model = model;
+        profile.saved.clear();
+        profile.saved.push(0.0);
+        let mut saved = 0.0;
+        for &j in &self.by_cpu {
+            if self.columns.models[j] & model_bit != 0 {
+                let frag = profile.fragment[self.columns.request[j]];
+                saved += self.columns.weight[j] * (idle - frag) as f64;
+            }
+            profile.saved.push(saved);
+        }
     }
 
     /// Fragmentation of a node whose GPUs have `profile`, with `cpu` and
@@ -267,6 +296,10 @@ impl TypicalWorkload {
             return 0.0;
         }
         let idle = profile.idle;
+        if self.memory_free && profile.model == model {
+            let fitting = self.sorted_cpu.partition_point(|&c| c <= cpu);
+            return idle as f64 * self.total_weight - profile.saved[fitting];
+        }
         let model_bit = if model < 64 { 1u64 << model } else { 0 };
         let columns = &self.columns;
         let mut total = 0.0;
@@ -290,6 +323,10 @@ impl TypicalWorkload {
 pub struct GpuProfile {
     idle: u64,
     fragment: Vec<u64>,
+    model: u8,
+    /// `saved[k]`: the weighted fragment the first `k` shapes by CPU avoid
+    /// (those of the profile's model), against counting all idle capacity.
+    saved: Vec<f64>,
 }
 
 /// GPU profiles of the states one node can reach with one placement, so
@@ -311,6 +348,7 @@ impl ProfileCache {
         &mut self,
         workload: &TypicalWorkload,
         free: &[u16],
+        model: u8,
         per_gpu: u16,
         pick: GpuPick,
     ) -> &GpuProfile {
@@ -323,11 +361,14 @@ impl ProfileCache {
         after.copy_from_slice(&free[..after.len()]);
         apply_pick(after, pick, per_gpu);
         let mut profile = self.spare.pop().unwrap_or_default();
-        workload.profile_into(after, &mut profile);
+        workload.profile_into(after, model, &mut profile);
         self.entries.push((key, profile));
         &self.entries[self.entries.len() - 1].1
     }
 }
+
+/// The highest score level any policy gives (levels are 0..=100).
+pub const MAX_LEVEL: u32 = 100;
 
 /// The GPUs chosen on a node: a bit per GPU index; each takes the task's
 /// per-GPU share.
@@ -544,8 +585,13 @@ impl Scorer {
                             if slot < need || free.gpu[..index].contains(&slot) {
                                 continue;
                             }
-                            let profile =
-                                cache.get_or_compute(&self.workload, &free.gpu, need, 1 << index);
+                            let profile = cache.get_or_compute(
+                                &self.workload,
+                                &free.gpu,
+                                info.model,
+                                need,
+                                1 << index,
+                            );
                             let frag = self.workload.fragmentation_with(
                                 profile,
                                 info.model,
@@ -567,7 +613,8 @@ impl Scorer {
                     }
                     GpuRequest::Whole(count) => {
                         let pick = pick_whole_gpus(info, &free.gpu, count).unwrap_or_default();
-                        let profile = cache.get_or_compute(&self.workload, &free.gpu, 1000, pick);
+                        let profile =
+                            cache.get_or_compute(&self.workload, &free.gpu, info.model, 1000, pick);
                         let after = self.workload.fragmentation_with(
                             profile,
                             info.model,
@@ -682,6 +729,48 @@ mod tests {
         let frag = workload.fragmentation(&node(4), &free, 8_000, 1 << 20);
         let expected = 0.25 * 800.0 + 0.25 * 2800.0 + 0.25 * 200.0 + 0.25 * 2800.0;
         assert!((frag - expected).abs() < 1e-9, "{frag} != {expected}");
+    }
+
+    #[test]
+    fn the_cpu_step_function_agrees_with_the_shape_loop() {
+        let mut shapes = Vec::new();
+        for (i, gpus) in [
+            GpuRequest::Whole(0),
+            GpuRequest::Whole(1),
+            GpuRequest::Whole(2),
+            GpuRequest::Whole(4),
+            GpuRequest::Shared(GpuMilli(250)),
+            GpuRequest::Shared(GpuMilli(600)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut typical = shape(gpus, 2_000 * (i as u64 % 4), 0.1 + i as f64 / 50.0);
+            typical.models = ModelMask(if i == 3 { 0b10 } else { u64::MAX });
+            shapes.push(typical);
+        }
+        let fast = TypicalWorkload::new(shapes);
+        let mut slow = fast.clone();
+        slow.memory_free = false;
+        for free in [
+            vec![1000, 1000, 1000, 1000],
+            vec![1000, 400, 0, 750],
+            vec![200, 200, 100, 0],
+            vec![0, 0, 0, 0],
+        ] {
+            for cpu in [0, 1_000, 2_000, 3_999, 4_000, 6_000, 64_000] {
+                for model in [0u8, 1] {
+                    let mut info = node(4);
+                    info.model = model;
+                    let a = fast.fragmentation(&info, &free, cpu, 1 << 20);
+                    let b = slow.fragmentation(&info, &free, cpu, 1 << 20);
+                    assert!(
+                        (a - b).abs() < 1e-6,
+                        "{free:?} cpu {cpu} model {model}: {a} != {b}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
