@@ -1,0 +1,1028 @@
+use muster_model::{
+    CpuMilli, JobId, JobSpec, MemoryMib, NodeName, NodeSpec, QueueName, QueueSpec, Time,
+};
+use muster_sched::{
+    Allocation as SchedAllocation, NodeInput, Outcome, PendingJob, RunningJob, Snapshot,
+    TaskRequest,
+};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+/// An allocation's id, unique for the life of the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AllocationId(pub u64);
+
+impl fmt::Display for AllocationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum JobState {
+    Pending,
+    Running,
+    /// Its tasks are being stopped (cancel, preemption, a failed task, a
+    /// lost node); what follows depends on [`StopCause`].
+    Stopping,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub fn name(self) -> &'static str {
+        match self {
+            JobState::Pending => "pending",
+            JobState::Running => "running",
+            JobState::Stopping => "stopping",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<JobState> {
+        [
+            JobState::Pending,
+            JobState::Running,
+            JobState::Stopping,
+            JobState::Succeeded,
+            JobState::Failed,
+            JobState::Cancelled,
+        ]
+        .into_iter()
+        .find(|state| state.name() == text)
+    }
+
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+        )
+    }
+}
+
+/// Why a job's tasks are being stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum StopCause {
+    Cancel,
+    Preempted,
+    /// A task exited non-zero; the others are stopped.
+    TaskFailed,
+    NodeLost,
+}
+
+/// An allocation's state as the control plane knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllocationState {
+    /// Issued to the node; not yet reported running.
+    Assigned,
+    Running,
+    /// The node has been told to stop it.
+    Stopping,
+    Exited {
+        code: Option<i32>,
+    },
+    /// Its node was lost; it may still run there until fenced.
+    Lost,
+}
+
+impl AllocationState {
+    /// Whether it holds its node's resources.
+    pub fn holds_resources(self) -> bool {
+        matches!(
+            self,
+            AllocationState::Assigned | AllocationState::Running | AllocationState::Stopping
+        )
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocation {
+    pub id: AllocationId,
+    pub job: JobId,
+    pub rank: u32,
+    pub node: NodeName,
+    /// (GPU index, thousandths)
+    pub gpus: Vec<(u32, u16)>,
+    pub cpu: CpuMilli,
+    pub memory: MemoryMib,
+    pub generation: u64,
+    pub state: AllocationState,
+    /// The environment the task sees (the contract of DESIGN.md §5 plus the
+    /// spec's own variables).
+    pub env: BTreeMap<String, String>,
+    pub assigned: Time,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    pub id: JobId,
+    pub spec: JobSpec,
+    pub user: String,
+    pub submitted: Time,
+    pub state: JobState,
+    pub stop_cause: Option<StopCause>,
+    /// Attempts started (the first included).
+    pub attempts: u32,
+    pub exit_code: Option<i32>,
+    pub started: Option<Time>,
+    pub finished: Option<Time>,
+    /// Allocations of the current attempt.
+    pub allocations: Vec<AllocationId>,
+    pub history: Vec<(Time, String)>,
+    /// From the last scheduling cycle, in words; and the place in line.
+    pub pending_reason: Option<String>,
+    pub queue_position: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeState {
+    Ready,
+    /// Its lease expired.
+    Lost,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Software {
+    pub backend: String,
+    pub driver: Option<String>,
+    pub cuda: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Node {
+    pub spec: NodeSpec,
+    /// Where its tasks can be reached (the master address of a gang).
+    pub address: String,
+    /// The agent process instance; a restart registers a new epoch.
+    pub epoch: u64,
+    pub state: NodeState,
+    pub cordoned: bool,
+    pub draining: bool,
+    pub last_heartbeat: Time,
+    pub software: Software,
+}
+
+/// A task as the node must run (or stop) it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DesiredTask {
+    pub allocation: AllocationId,
+    pub generation: u64,
+    pub job: JobId,
+    pub rank: u32,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub working_dir: Option<String>,
+    pub gpus: Vec<u32>,
+    pub stop_signal: muster_model::Signal,
+    pub grace_period_ms: u64,
+    pub stop: bool,
+}
+
+/// What an agent reports about one allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Observed {
+    pub allocation: AllocationId,
+    pub generation: u64,
+    pub exited: Option<Option<i32>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Input {
+    Submit {
+        id: JobId,
+        spec: JobSpec,
+        user: String,
+    },
+    Cancel {
+        job: JobId,
+    },
+    Register {
+        spec: NodeSpec,
+        address: String,
+        epoch: u64,
+        software: Software,
+    },
+    Heartbeat {
+        node: NodeName,
+        epoch: u64,
+        observed: Vec<Observed>,
+    },
+    /// Time passed: expire leases.
+    Tick,
+    Cordon {
+        node: NodeName,
+        cordoned: bool,
+    },
+    Drain {
+        node: NodeName,
+    },
+    SetQueue(QueueSpec),
+}
+
+/// What changed, for the shell to persist and to wake agents.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Output {
+    JobChanged(JobId),
+    NodeChanged(NodeName),
+    /// The node's desired allocations changed.
+    DesiredChanged(NodeName),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlError {
+    JobNotFound(JobId),
+    NodeNotFound(NodeName),
+    Conflict(String),
+}
+
+impl fmt::Display for ControlError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ControlError::JobNotFound(id) => write!(f, "no job {id}; `muster ps` lists jobs"),
+            ControlError::NodeNotFound(name) => {
+                write!(f, "no node {name}; `muster nodes` lists nodes")
+            }
+            ControlError::Conflict(message) => f.write_str(message),
+        }
+    }
+}
+
+impl std::error::Error for ControlError {}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlConfig {
+    /// A node whose last heartbeat is older than this is lost.
+    pub lease_ms: u64,
+    /// Base of the `MUSTER_MASTER_PORT` range.
+    pub master_port_base: u16,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        ControlConfig {
+            lease_ms: 10_000,
+            master_port_base: 29_500,
+        }
+    }
+}
+
+/// The control plane's state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ControlPlane {
+    pub config: ControlConfig,
+    pub jobs: BTreeMap<JobId, Job>,
+    pub nodes: BTreeMap<NodeName, Node>,
+    pub allocations: BTreeMap<AllocationId, Allocation>,
+    pub queues: BTreeMap<QueueName, QueueSpec>,
+    pub next_allocation: u64,
+    pub next_generation: u64,
+}
+
+fn changed(outputs: &mut Vec<Output>, output: Output) {
+    if !outputs.contains(&output) {
+        outputs.push(output);
+    }
+}
+
+impl ControlPlane {
+    pub fn new(config: ControlConfig) -> Self {
+        ControlPlane {
+            config,
+            jobs: BTreeMap::new(),
+            nodes: BTreeMap::new(),
+            allocations: BTreeMap::new(),
+            queues: BTreeMap::new(),
+            next_allocation: 1,
+            next_generation: 1,
+        }
+    }
+
+    pub fn handle(&mut self, now: Time, input: Input) -> Result<Vec<Output>, ControlError> {
+        let mut outputs = Vec::new();
+        match input {
+            Input::Submit { id, spec, user } => {
+                if self.jobs.contains_key(&id) {
+                    return Err(ControlError::Conflict(format!("job {id} already exists")));
+                }
+                self.jobs.insert(
+                    id,
+                    Job {
+                        id,
+                        spec,
+                        user,
+                        submitted: now,
+                        state: JobState::Pending,
+                        stop_cause: None,
+                        attempts: 0,
+                        exit_code: None,
+                        started: None,
+                        finished: None,
+                        allocations: Vec::new(),
+                        history: vec![(now, "submitted".to_string())],
+                        pending_reason: None,
+                        queue_position: None,
+                    },
+                );
+                outputs.push(Output::JobChanged(id));
+            }
+            Input::Cancel { job } => self.cancel(now, job, &mut outputs)?,
+            Input::Register {
+                spec,
+                address,
+                epoch,
+                software,
+            } => {
+                let name = spec.name.clone();
+                let (cordoned, draining) = self
+                    .nodes
+                    .get(&name)
+                    .map_or((false, false), |n| (n.cordoned, n.draining));
+                self.nodes.insert(
+                    name.clone(),
+                    Node {
+                        spec,
+                        address,
+                        epoch,
+                        state: NodeState::Ready,
+                        cordoned,
+                        draining,
+                        last_heartbeat: now,
+                        software,
+                    },
+                );
+                outputs.push(Output::NodeChanged(name.clone()));
+                outputs.push(Output::DesiredChanged(name));
+            }
+            Input::Heartbeat {
+                node,
+                epoch,
+                observed,
+            } => self.heartbeat(now, &node, epoch, &observed, &mut outputs)?,
+            Input::Tick => self.expire_leases(now, &mut outputs),
+            Input::Cordon { node, cordoned } => {
+                let entry = self
+                    .nodes
+                    .get_mut(&node)
+                    .ok_or_else(|| ControlError::NodeNotFound(node.clone()))?;
+                entry.cordoned = cordoned;
+                if !cordoned {
+                    entry.draining = false;
+                }
+                outputs.push(Output::NodeChanged(node));
+            }
+            Input::Drain { node } => {
+                let entry = self
+                    .nodes
+                    .get_mut(&node)
+                    .ok_or_else(|| ControlError::NodeNotFound(node.clone()))?;
+                entry.cordoned = true;
+                entry.draining = true;
+                outputs.push(Output::NodeChanged(node.clone()));
+                let jobs: BTreeSet<JobId> = self
+                    .allocations
+                    .values()
+                    .filter(|a| a.node == node && a.state.holds_resources())
+                    .map(|a| a.job)
+                    .collect();
+                for job in jobs {
+                    self.stop_job(now, job, StopCause::Preempted, "node drained", &mut outputs);
+                }
+            }
+            Input::SetQueue(spec) => {
+                self.queues.insert(spec.name.clone(), spec);
+            }
+        }
+        Ok(outputs)
+    }
+
+    fn cancel(
+        &mut self,
+        now: Time,
+        id: JobId,
+        outputs: &mut Vec<Output>,
+    ) -> Result<(), ControlError> {
+        let job = self
+            .jobs
+            .get_mut(&id)
+            .ok_or(ControlError::JobNotFound(id))?;
+        match job.state {
+            JobState::Pending => {
+                job.state = JobState::Cancelled;
+                job.finished = Some(now);
+                job.pending_reason = None;
+                job.queue_position = None;
+                job.history.push((now, "cancelled".to_string()));
+                outputs.push(Output::JobChanged(id));
+            }
+            JobState::Running | JobState::Stopping => {
+                self.stop_job(now, id, StopCause::Cancel, "cancel requested", outputs);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Tells the nodes to stop a job's tasks; the job ends (or is
+    /// re-queued) once all have exited.
+    fn stop_job(
+        &mut self,
+        now: Time,
+        id: JobId,
+        cause: StopCause,
+        why: &str,
+        outputs: &mut Vec<Output>,
+    ) {
+        let Some(job) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        if job.state.is_final() {
+            return;
+        }
+        // A cancel overrides other causes; otherwise the first cause stays.
+        if job.stop_cause.is_none() || cause == StopCause::Cancel {
+            job.stop_cause = Some(cause);
+        }
+        job.state = JobState::Stopping;
+        job.history.push((now, format!("stopping: {why}")));
+        changed(outputs, Output::JobChanged(id));
+        for allocation_id in job.allocations.clone() {
+            if let Some(allocation) = self.allocations.get_mut(&allocation_id)
+                && matches!(
+                    allocation.state,
+                    AllocationState::Assigned | AllocationState::Running
+                )
+            {
+                allocation.state = AllocationState::Stopping;
+                changed(outputs, Output::DesiredChanged(allocation.node.clone()));
+            }
+        }
+        self.settle(now, id, outputs);
+    }
+
+    /// Finishes a stopping or running job whose allocations have all ended.
+    fn settle(&mut self, now: Time, id: JobId, outputs: &mut Vec<Output>) {
+        let Some(job) = self.jobs.get(&id) else {
+            return;
+        };
+        if !matches!(job.state, JobState::Running | JobState::Stopping) {
+            return;
+        }
+        let states: Vec<AllocationState> = job
+            .allocations
+            .iter()
+            .filter_map(|a| self.allocations.get(a).map(|a| a.state))
+            .collect();
+        if states.iter().any(|s| s.holds_resources()) {
+            return;
+        }
+        let codes: Vec<Option<i32>> = states
+            .iter()
+            .map(|s| match s {
+                AllocationState::Exited { code } => *code,
+                _ => None,
+            })
+            .collect();
+        let any_lost = states.contains(&AllocationState::Lost);
+        let failed_code = codes.iter().flatten().find(|&&c| c != 0).copied();
+        let Some(job) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        let (state, note) = match job.stop_cause {
+            Some(StopCause::Cancel) => (JobState::Cancelled, "cancelled".to_string()),
+            Some(StopCause::Preempted) => (JobState::Pending, "preempted; re-queued".to_string()),
+            Some(StopCause::NodeLost) if job.spec.retry.on_node_failure => {
+                (JobState::Pending, "node lost; re-queued".to_string())
+            }
+            Some(StopCause::NodeLost) => (JobState::Failed, "failed: node lost".to_string()),
+            _ if any_lost && job.spec.retry.on_node_failure => {
+                (JobState::Pending, "node lost; re-queued".to_string())
+            }
+            _ if failed_code.is_some() || any_lost || codes.iter().any(Option::is_none) => {
+                let code = failed_code.or(codes.iter().flatten().copied().find(|&c| c != 0));
+                job.exit_code = code;
+                if job.spec.retry.on_exit_failure && job.attempts < job.spec.retry.max_attempts {
+                    (
+                        JobState::Pending,
+                        format!("failed (exit code {code:?}); retrying"),
+                    )
+                } else {
+                    (
+                        JobState::Failed,
+                        match code {
+                            Some(code) => format!("failed: exit code {code}"),
+                            None => "failed: killed by a signal".to_string(),
+                        },
+                    )
+                }
+            }
+            _ => {
+                job.exit_code = Some(0);
+                (JobState::Succeeded, "succeeded".to_string())
+            }
+        };
+        job.state = state;
+        job.stop_cause = None;
+        job.history.push((now, note));
+        if state == JobState::Pending {
+            job.allocations.clear();
+        } else {
+            job.finished = Some(now);
+        }
+        changed(outputs, Output::JobChanged(id));
+    }
+
+    fn heartbeat(
+        &mut self,
+        now: Time,
+        name: &NodeName,
+        epoch: u64,
+        observed: &[Observed],
+        outputs: &mut Vec<Output>,
+    ) -> Result<(), ControlError> {
+        let node = self
+            .nodes
+            .get_mut(name)
+            .ok_or_else(|| ControlError::NodeNotFound(name.clone()))?;
+        if node.epoch != epoch {
+            return Err(ControlError::Conflict(format!(
+                "node {name} registered again since (epoch {} is current, not {epoch}); \
+                 register before sending heartbeats",
+                node.epoch
+            )));
+        }
+        node.last_heartbeat = now;
+        if node.state == NodeState::Lost {
+            node.state = NodeState::Ready;
+            changed(outputs, Output::NodeChanged(name.clone()));
+        }
+        let reported: BTreeMap<AllocationId, &Observed> =
+            observed.iter().map(|o| (o.allocation, o)).collect();
+        let mut touched = BTreeSet::new();
+        for (id, allocation) in self.allocations.iter_mut() {
+            if &allocation.node != name {
+                continue;
+            }
+            match reported.get(id) {
+                // Reports carrying an older generation are stale: dropped.
+                Some(report) if report.generation != allocation.generation => {}
+                Some(report) => match (allocation.state, report.exited) {
+                    (AllocationState::Assigned, None) => {
+                        allocation.state = AllocationState::Running;
+                        touched.insert(allocation.job);
+                    }
+                    (
+                        AllocationState::Assigned
+                        | AllocationState::Running
+                        | AllocationState::Stopping,
+                        Some(code),
+                    ) => {
+                        allocation.state = AllocationState::Exited { code };
+                        touched.insert(allocation.job);
+                        changed(outputs, Output::DesiredChanged(name.clone()));
+                    }
+                    _ => {}
+                },
+                // Running here before, not reported now: the process is gone
+                // (the agent restarted and did not find it).
+                None if matches!(
+                    allocation.state,
+                    AllocationState::Running | AllocationState::Stopping
+                ) =>
+                {
+                    allocation.state = AllocationState::Exited { code: None };
+                    touched.insert(allocation.job);
+                }
+                None => {}
+            }
+        }
+        for job in touched {
+            self.after_task_change(now, job, outputs);
+        }
+        Ok(())
+    }
+
+    fn after_task_change(&mut self, now: Time, id: JobId, outputs: &mut Vec<Output>) {
+        let Some(job) = self.jobs.get(&id) else {
+            return;
+        };
+        changed(outputs, Output::JobChanged(id));
+        let failed = job.allocations.iter().any(|a| {
+            self.allocations.get(a).is_some_and(
+                |a| matches!(a.state, AllocationState::Exited { code } if code != Some(0)),
+            )
+        });
+        if job.state == JobState::Running && failed {
+            self.stop_job(now, id, StopCause::TaskFailed, "a task failed", outputs);
+        } else {
+            self.settle(now, id, outputs);
+        }
+    }
+
+    fn expire_leases(&mut self, now: Time, outputs: &mut Vec<Output>) {
+        let expired: Vec<NodeName> = self
+            .nodes
+            .values()
+            .filter(|n| {
+                n.state == NodeState::Ready
+                    && now.millis_since(n.last_heartbeat) > self.config.lease_ms
+            })
+            .map(|n| n.spec.name.clone())
+            .collect();
+        for name in expired {
+            if let Some(node) = self.nodes.get_mut(&name) {
+                node.state = NodeState::Lost;
+            }
+            changed(outputs, Output::NodeChanged(name.clone()));
+            let mut jobs = BTreeSet::new();
+            for allocation in self.allocations.values_mut() {
+                if allocation.node == name && allocation.state.holds_resources() {
+                    allocation.state = AllocationState::Lost;
+                    jobs.insert(allocation.job);
+                }
+            }
+            for job in jobs {
+                self.stop_job(
+                    now,
+                    job,
+                    StopCause::NodeLost,
+                    &format!("node {name} lost"),
+                    outputs,
+                );
+            }
+        }
+    }
+
+    fn node_inputs(&self) -> Vec<NodeInput> {
+        self.nodes
+            .values()
+            .map(|node| NodeInput {
+                spec: node.spec.clone(),
+                cordoned: node.cordoned,
+                healthy: node.state == NodeState::Ready,
+                unhealthy_gpus: Vec::new(),
+            })
+            .collect()
+    }
+
+    /// A snapshot and the pending jobs, for one scheduling cycle.
+    pub fn scheduling_input(&self, now: Time) -> (Snapshot, Vec<PendingJob>) {
+        let mut running = Vec::new();
+        for job in self.jobs.values() {
+            if !matches!(job.state, JobState::Running | JobState::Stopping) {
+                continue;
+            }
+            let tasks: Vec<SchedAllocation> = job
+                .allocations
+                .iter()
+                .filter_map(|a| self.allocations.get(a))
+                .filter(|a| a.state.holds_resources())
+                .map(|a| SchedAllocation {
+                    node: a.node.clone(),
+                    gpus: a.gpus.clone(),
+                    cpu: a.cpu,
+                    memory: a.memory,
+                })
+                .collect();
+            if tasks.is_empty() {
+                continue;
+            }
+            let stopping = job.state == JobState::Stopping;
+            running.push(RunningJob {
+                id: job.id,
+                queue: job.spec.queue.clone(),
+                priority: job.spec.priority_class.value,
+                started: job.started.unwrap_or(job.submitted),
+                tasks,
+                expected_end: if stopping {
+                    Some(now)
+                } else {
+                    job.spec
+                        .estimated_runtime
+                        .or(job.spec.max_runtime)
+                        .map(|d| job.started.unwrap_or(now).plus_millis(d.as_millis() as u64))
+                },
+                preemptible: job.spec.preemptible && !stopping,
+                checkpoint_interval_ms: job.spec.checkpoint.interval.map(|d| d.as_millis() as u64),
+            });
+        }
+        let pending = self
+            .jobs
+            .values()
+            .filter(|job| job.state == JobState::Pending)
+            .map(|job| PendingJob {
+                id: job.id,
+                queue: job.spec.queue.clone(),
+                priority: job.spec.priority_class.value,
+                submitted: job.submitted,
+                tasks: job.spec.nodes,
+                request: TaskRequest::of(&job.spec),
+                same_rack: job.spec.topology.map(|t| t.same_rack),
+                estimated_runtime_ms: job
+                    .spec
+                    .estimated_runtime
+                    .or(job.spec.max_runtime)
+                    .map(|d| d.as_millis() as u64),
+            })
+            .collect();
+        let snapshot = Snapshot {
+            now,
+            nodes: self.node_inputs(),
+            running,
+            queues: self.queues.values().cloned().collect(),
+            usage: BTreeMap::new(),
+            workload: None,
+        };
+        (snapshot, pending)
+    }
+
+    /// Free GPU thousandths per (node, GPU), CPU and memory per node, as the
+    /// allocations holding resources leave them now.
+    fn free_now(&self) -> BTreeMap<&NodeName, (Vec<u32>, u64, u64)> {
+        let mut free: BTreeMap<&NodeName, (Vec<u32>, u64, u64)> = self
+            .nodes
+            .values()
+            .map(|n| {
+                (
+                    &n.spec.name,
+                    (vec![1000; n.spec.gpus.len()], n.spec.cpu.0, n.spec.memory.0),
+                )
+            })
+            .collect();
+        for allocation in self.allocations.values() {
+            if !allocation.state.holds_resources() {
+                continue;
+            }
+            if let Some((gpus, cpu, memory)) = free.get_mut(&allocation.node) {
+                for &(index, milli) in &allocation.gpus {
+                    if let Some(slot) = gpus.get_mut(index as usize) {
+                        *slot = slot.saturating_sub(u32::from(milli));
+                    }
+                }
+                *cpu = cpu.saturating_sub(allocation.cpu.0);
+                *memory = memory.saturating_sub(allocation.memory.0);
+            }
+        }
+        free
+    }
+
+    /// Applies a cycle's decisions that still hold: a start whose job is
+    /// still pending and whose nodes are ready, uncordoned and still have the
+    /// room; a preemption whose victim still runs. A start that needs
+    /// preemptions waits for its victims to exit (next cycles place it).
+    pub fn apply_outcome(&mut self, now: Time, outcome: &Outcome) -> Vec<Output> {
+        let mut outputs = Vec::new();
+        for preemption in &outcome.preemptions {
+            let still_running = self
+                .jobs
+                .get(&preemption.victim)
+                .is_some_and(|j| j.state == JobState::Running);
+            if still_running {
+                self.stop_job(
+                    now,
+                    preemption.victim,
+                    StopCause::Preempted,
+                    &format!("preempted for job {}", preemption.for_job),
+                    &mut outputs,
+                );
+            }
+        }
+        for start in &outcome.started {
+            if !start.after_preempting.is_empty() {
+                continue;
+            }
+            let pending = self
+                .jobs
+                .get(&start.job)
+                .is_some_and(|j| j.state == JobState::Pending);
+            if !pending || !self.still_fits(&start.tasks) {
+                continue;
+            }
+            self.start_job(now, start.job, &start.tasks, &mut outputs);
+        }
+        let positions: BTreeMap<JobId, u32> = outcome
+            .order
+            .iter()
+            .filter(|id| outcome.pending.contains_key(id))
+            .enumerate()
+            .map(|(position, id)| (*id, position as u32 + 1))
+            .collect();
+        for (id, reason) in &outcome.pending {
+            if let Some(job) = self.jobs.get_mut(id)
+                && job.state == JobState::Pending
+            {
+                let words = reason.to_string();
+                if job.pending_reason.as_deref() != Some(words.as_str())
+                    || job.queue_position != positions.get(id).copied()
+                {
+                    job.pending_reason = Some(words);
+                    job.queue_position = positions.get(id).copied();
+                    changed(&mut outputs, Output::JobChanged(*id));
+                }
+            }
+        }
+        outputs
+    }
+
+    fn still_fits(&self, tasks: &[SchedAllocation]) -> bool {
+        let mut free = self.free_now();
+        for task in tasks {
+            let Some(node) = self.nodes.get(&task.node) else {
+                return false;
+            };
+            if node.state != NodeState::Ready || node.cordoned {
+                return false;
+            }
+            let Some((gpus, cpu, memory)) = free.get_mut(&task.node) else {
+                return false;
+            };
+            for &(index, milli) in &task.gpus {
+                match gpus.get_mut(index as usize) {
+                    Some(slot) if *slot >= u32::from(milli) => *slot -= u32::from(milli),
+                    _ => return false,
+                }
+            }
+            if *cpu < task.cpu.0 || *memory < task.memory.0 {
+                return false;
+            }
+            *cpu -= task.cpu.0;
+            *memory -= task.memory.0;
+        }
+        true
+    }
+
+    fn start_job(
+        &mut self,
+        now: Time,
+        id: JobId,
+        tasks: &[SchedAllocation],
+        outputs: &mut Vec<Output>,
+    ) {
+        let Some(job) = self.jobs.get(&id) else {
+            return;
+        };
+        let master = tasks
+            .first()
+            .and_then(|t| self.nodes.get(&t.node))
+            .map(|n| n.address.clone())
+            .unwrap_or_else(|| "127.0.0.1".to_string());
+        let port = self.config.master_port_base + (id.0 % 20_000) as u16;
+        let nnodes = tasks.len();
+        let gpus_per_node = job.spec.gpus_per_node.gpu_count().max(1);
+        let mut created = Vec::new();
+        for (rank, task) in tasks.iter().enumerate() {
+            let mut env = job.spec.env.clone();
+            let contract = [
+                ("MUSTER_JOB_ID", id.0.to_string()),
+                ("MUSTER_NODE_RANK", rank.to_string()),
+                ("MUSTER_NNODES", nnodes.to_string()),
+                ("MUSTER_MASTER_ADDR", master.clone()),
+                ("MUSTER_MASTER_PORT", port.to_string()),
+                ("PET_NNODES", nnodes.to_string()),
+                ("PET_NODE_RANK", rank.to_string()),
+                ("PET_MASTER_ADDR", master.clone()),
+                ("PET_MASTER_PORT", port.to_string()),
+                ("PET_NPROC_PER_NODE", gpus_per_node.to_string()),
+            ];
+            for (key, value) in contract {
+                env.insert(key.to_string(), value);
+            }
+            let allocation = Allocation {
+                id: AllocationId(self.next_allocation),
+                job: id,
+                rank: rank as u32,
+                node: task.node.clone(),
+                gpus: task.gpus.clone(),
+                cpu: task.cpu,
+                memory: task.memory,
+                generation: self.next_generation,
+                state: AllocationState::Assigned,
+                env,
+                assigned: now,
+            };
+            self.next_allocation += 1;
+            self.next_generation += 1;
+            changed(outputs, Output::DesiredChanged(task.node.clone()));
+            created.push(allocation.id);
+            self.allocations.insert(allocation.id, allocation);
+        }
+        if let Some(job) = self.jobs.get_mut(&id) {
+            job.state = JobState::Running;
+            job.attempts += 1;
+            job.started = Some(now);
+            job.allocations = created;
+            job.pending_reason = None;
+            job.queue_position = None;
+            let nodes: Vec<String> = tasks.iter().map(|t| t.node.0.clone()).collect();
+            job.history
+                .push((now, format!("started on {}", nodes.join(", "))));
+            changed(outputs, Output::JobChanged(id));
+        }
+    }
+
+    /// What `node` must run and stop now.
+    pub fn desired(&self, node: &NodeName) -> Vec<DesiredTask> {
+        self.allocations
+            .values()
+            .filter(|a| &a.node == node && a.state.holds_resources())
+            .filter_map(|a| {
+                let job = self.jobs.get(&a.job)?;
+                Some(DesiredTask {
+                    allocation: a.id,
+                    generation: a.generation,
+                    job: a.job,
+                    rank: a.rank,
+                    command: job.spec.command.clone(),
+                    env: a.env.clone(),
+                    working_dir: job.spec.working_dir.clone(),
+                    gpus: a.gpus.iter().map(|g| g.0).collect(),
+                    stop_signal: job.spec.checkpoint.signal,
+                    grace_period_ms: job.spec.checkpoint.grace_period.as_millis() as u64,
+                    stop: a.state == AllocationState::Stopping,
+                })
+            })
+            .collect()
+    }
+
+    /// Recomputes derived state from scratch and checks every invariant.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut used: BTreeMap<(&NodeName, u32), u32> = BTreeMap::new();
+        let mut cpu: BTreeMap<&NodeName, u64> = BTreeMap::new();
+        let mut memory: BTreeMap<&NodeName, u64> = BTreeMap::new();
+        for allocation in self.allocations.values() {
+            let job = self
+                .jobs
+                .get(&allocation.job)
+                .ok_or_else(|| format!("allocation {} of unknown job", allocation.id))?;
+            if !allocation.state.holds_resources() {
+                continue;
+            }
+            if job.state.is_final() || job.state == JobState::Pending {
+                return Err(format!(
+                    "allocation {} holds resources for {} job {}",
+                    allocation.id,
+                    job.state.name(),
+                    job.id
+                ));
+            }
+            if !job.allocations.contains(&allocation.id) {
+                return Err(format!(
+                    "allocation {} is not in job {}'s current attempt",
+                    allocation.id, job.id
+                ));
+            }
+            let node = self
+                .nodes
+                .get(&allocation.node)
+                .ok_or_else(|| format!("allocation {} on unknown node", allocation.id))?;
+            for &(index, milli) in &allocation.gpus {
+                if index as usize >= node.spec.gpus.len() {
+                    return Err(format!("allocation {} uses a missing GPU", allocation.id));
+                }
+                let total = used.entry((&allocation.node, index)).or_default();
+                *total += u32::from(milli);
+                if *total > 1000 {
+                    return Err(format!(
+                        "GPU {index} of {} is in allocations summing to {total} thousandths",
+                        allocation.node
+                    ));
+                }
+            }
+            let c = cpu.entry(&allocation.node).or_default();
+            *c += allocation.cpu.0;
+            let m = memory.entry(&allocation.node).or_default();
+            *m += allocation.memory.0;
+            if *c > node.spec.cpu.0 || *m > node.spec.memory.0 {
+                return Err(format!("{} is over its CPU or memory", allocation.node));
+            }
+        }
+        let mut generations = BTreeSet::new();
+        for allocation in self.allocations.values() {
+            if !generations.insert(allocation.generation) {
+                return Err(format!("generation {} issued twice", allocation.generation));
+            }
+            if allocation.generation >= self.next_generation {
+                return Err("a generation at or above the next one".to_string());
+            }
+        }
+        for job in self.jobs.values() {
+            if job.state == JobState::Running {
+                let live = job
+                    .allocations
+                    .iter()
+                    .filter(|a| {
+                        self.allocations
+                            .get(a)
+                            .is_some_and(|a| a.state.holds_resources())
+                    })
+                    .count();
+                if live == 0 {
+                    return Err(format!("job {} is running with no live allocation", job.id));
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,250 @@
+//! Job lifecycles through the control plane, with invariants after every step.
+
+use muster_control::{
+    AllocationState, ControlConfig, ControlPlane, DesiredTask, Input, JobState, Observed, Software,
+};
+use muster_model::{GpuRequest, JobId, JobSpec, NodeName, Time};
+use muster_sched::{SchedulingPolicy, schedule};
+use muster_testkit::MakeNode;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+struct World {
+    control: ControlPlane,
+    now: Time,
+}
+
+impl World {
+    fn new(nodes: &[&str]) -> Self {
+        let mut world = World {
+            control: ControlPlane::new(ControlConfig::default()),
+            now: Time(1_000),
+        };
+        for (i, name) in nodes.iter().enumerate() {
+            world.step(Input::Register {
+                spec: MakeNode::new(name).gpus(4, "H100-80GB").build().spec,
+                address: format!("10.0.0.{}", i + 1),
+                epoch: 1,
+                software: Software::default(),
+            });
+        }
+        world
+    }
+
+    fn step(&mut self, input: Input) {
+        self.control
+            .handle(self.now, input)
+            .expect("input accepted");
+        self.control.check_invariants().expect("invariants hold");
+    }
+
+    fn submit(&mut self, id: u64, nodes: u32, gpus: u32) {
+        let mut spec = JobSpec::simple(
+            "job",
+            "default",
+            GpuRequest::Whole(gpus),
+            vec!["true".into()],
+        );
+        spec.nodes = nodes;
+        self.step(Input::Submit {
+            id: JobId(id),
+            spec,
+            user: "alice".into(),
+        });
+    }
+
+    fn cycle(&mut self) {
+        let (snapshot, pending) = self.control.scheduling_input(self.now);
+        let outcome = schedule(
+            &snapshot,
+            &pending,
+            &SchedulingPolicy::default(),
+            &mut ChaCha8Rng::seed_from_u64(1),
+        )
+        .expect("valid cluster");
+        self.control.apply_outcome(self.now, &outcome);
+        self.control.check_invariants().expect("invariants hold");
+    }
+
+    fn desired(&self, node: &str) -> Vec<DesiredTask> {
+        self.control.desired(&NodeName::from(node))
+    }
+
+    fn report(&mut self, node: &str, observed: Vec<Observed>) {
+        self.step(Input::Heartbeat {
+            node: NodeName::from(node),
+            epoch: 1,
+            observed,
+        });
+    }
+
+    fn state(&self, id: u64) -> JobState {
+        self.control.jobs[&JobId(id)].state
+    }
+
+    fn advance(&mut self, millis: u64) {
+        self.now = self.now.plus_millis(millis);
+    }
+}
+
+fn running(task: &DesiredTask) -> Observed {
+    Observed {
+        allocation: task.allocation,
+        generation: task.generation,
+        exited: None,
+    }
+}
+
+fn exited(task: &DesiredTask, code: i32) -> Observed {
+    Observed {
+        exited: Some(Some(code)),
+        ..running(task)
+    }
+}
+
+#[test]
+fn a_job_runs_and_succeeds() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 2);
+    world.cycle();
+    let tasks = world.desired("a");
+    assert_eq!(tasks.len(), 1);
+    assert_eq!(tasks[0].gpus.len(), 2);
+    assert_eq!(tasks[0].env["MUSTER_JOB_ID"], "1");
+    world.report("a", vec![running(&tasks[0])]);
+    assert_eq!(world.state(1), JobState::Running);
+    world.report("a", vec![exited(&tasks[0], 0)]);
+    assert_eq!(world.state(1), JobState::Succeeded);
+    assert!(world.desired("a").is_empty());
+}
+
+#[test]
+fn a_gang_gets_one_consistent_environment() {
+    let mut world = World::new(&["a", "b", "c"]);
+    world.submit(7, 2, 4);
+    world.cycle();
+    let mut tasks: Vec<DesiredTask> = ["a", "b", "c"]
+        .iter()
+        .flat_map(|n| world.desired(n))
+        .collect();
+    tasks.sort_by_key(|t| t.rank);
+    assert_eq!(tasks.len(), 2);
+    for (rank, task) in tasks.iter().enumerate() {
+        assert_eq!(task.env["MUSTER_NODE_RANK"], rank.to_string());
+        assert_eq!(task.env["PET_NODE_RANK"], rank.to_string());
+        assert_eq!(task.env["PET_NNODES"], "2");
+        assert_eq!(task.env["PET_NPROC_PER_NODE"], "4");
+        assert_eq!(
+            task.env["MUSTER_MASTER_ADDR"],
+            tasks[0].env["MUSTER_MASTER_ADDR"]
+        );
+        assert_eq!(
+            task.env["PET_MASTER_PORT"],
+            tasks[0].env["MUSTER_MASTER_PORT"]
+        );
+    }
+}
+
+#[test]
+fn a_failed_task_stops_the_gang_and_fails_the_job() {
+    let mut world = World::new(&["a", "b"]);
+    world.submit(1, 2, 4);
+    world.cycle();
+    let a = world.desired("a");
+    let b = world.desired("b");
+    world.report("a", vec![running(&a[0])]);
+    world.report("b", vec![running(&b[0])]);
+    world.report("a", vec![exited(&a[0], 3)]);
+    assert_eq!(world.state(1), JobState::Stopping);
+    assert!(world.desired("b")[0].stop, "the other task is told to stop");
+    world.report("b", vec![exited(&b[0], 143)]);
+    assert_eq!(world.state(1), JobState::Failed);
+    assert_eq!(world.control.jobs[&JobId(1)].exit_code, Some(3));
+}
+
+#[test]
+fn cancel_stops_a_running_job_and_a_pending_one_at_once() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 4);
+    world.submit(2, 1, 4);
+    world.cycle();
+    world.step(Input::Cancel { job: JobId(2) });
+    assert_eq!(world.state(2), JobState::Cancelled);
+    let tasks = world.desired("a");
+    world.report("a", vec![running(&tasks[0])]);
+    world.step(Input::Cancel { job: JobId(1) });
+    assert!(world.desired("a")[0].stop);
+    world.report("a", vec![exited(&tasks[0], 143)]);
+    assert_eq!(world.state(1), JobState::Cancelled);
+}
+
+#[test]
+fn a_lost_node_requeues_its_job_elsewhere() {
+    let mut world = World::new(&["a", "b"]);
+    world.submit(1, 1, 4);
+    world.cycle();
+    let node = if world.desired("a").is_empty() {
+        "b"
+    } else {
+        "a"
+    };
+    let other = if node == "a" { "b" } else { "a" };
+    let tasks = world.desired(node);
+    world.report(node, vec![running(&tasks[0])]);
+    // Only the other node keeps heartbeating.
+    world.advance(11_000);
+    world.report(other, vec![]);
+    world.step(Input::Tick);
+    assert_eq!(world.state(1), JobState::Pending);
+    world.cycle();
+    let moved = world.desired(other);
+    assert_eq!(moved.len(), 1);
+    assert!(moved[0].generation > tasks[0].generation);
+    assert_eq!(world.control.jobs[&JobId(1)].attempts, 2);
+}
+
+#[test]
+fn reports_with_an_old_generation_are_ignored() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 1);
+    world.cycle();
+    let tasks = world.desired("a");
+    let stale = Observed {
+        generation: tasks[0].generation + 100,
+        ..exited(&tasks[0], 0)
+    };
+    world.report("a", vec![running(&tasks[0])]);
+    world.report("a", vec![stale]);
+    assert_eq!(world.state(1), JobState::Running);
+    let allocation = &world.control.allocations[&tasks[0].allocation];
+    assert_eq!(allocation.state, AllocationState::Running);
+}
+
+#[test]
+fn a_job_larger_than_the_cluster_stays_pending_with_a_reason() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 3, 4);
+    world.cycle();
+    let job = &world.control.jobs[&JobId(1)];
+    assert_eq!(job.state, JobState::Pending);
+    let reason = job.pending_reason.as_deref().unwrap_or_default();
+    assert!(reason.contains("no node can ever run this job"), "{reason}");
+    assert_eq!(job.queue_position, Some(1));
+}
+
+#[test]
+fn a_heartbeat_from_an_old_epoch_is_refused() {
+    let mut world = World::new(&["a"]);
+    let error = world
+        .control
+        .handle(
+            world.now,
+            Input::Heartbeat {
+                node: NodeName::from("a"),
+                epoch: 0,
+                observed: vec![],
+            },
+        )
+        .unwrap_err();
+    assert!(error.to_string().contains("register"), "{error}");
+}
