@@ -1,0 +1,31 @@
+//! muster's node agent shell (tokio): the part of `muster agent` that touches
+//! the host.
+//!
+//! It owns:
+//! - [`gpu`]: GPU backends behind one trait, [`gpu::GpuBackend`]: NVML
+//!   (the driver library is loaded at run time, so the agent builds and
+//!   starts anywhere) and a simulated backend (`--simulate-gpus 8xH100-80GB`)
+//!   for tests and demos;
+//! - [`runtime`]: the process runtime, which runs each task as its own
+//!   process group with its GPUs in `CUDA_VISIBLE_DEVICES`, logs to files,
+//!   stops it with a signal and a grace period, and finds its tasks again
+//!   after a restart through pid files;
+//! - later, the agent's main loop: registration, heartbeats and lease
+//!   renewal, watching desired allocations, reporting what runs.
+//!
+//! It must not make decisions: which allocation runs where, when a lease is
+//! lost, what to fence. Those belong to the pure crates (`muster-node`,
+//! `muster-control`, `muster-sched`), which this shell feeds with values and
+//! whose effects it carries out. It reads clocks and the environment, starts
+//! processes and talks to the driver; nothing pure depends on it.
+
+pub mod gpu;
+pub mod runtime;
+
+pub use gpu::{
+    GpuBackend, GpuError, GpuInfo, GpuInventory, GpuTelemetry, NvmlBackend, SimulatedBackend,
+};
+pub use runtime::{
+    ProcessRuntime, RecoveredStatus, RecoveredTask, Recovery, RuntimeError, StopOutcome, TaskExit,
+    TaskLaunch,
+};
