@@ -19,9 +19,11 @@
 //! whose effects it carries out. It reads clocks and the environment, starts
 //! processes and talks to the driver; nothing pure depends on it.
 
+pub mod agent;
 pub mod gpu;
 pub mod runtime;
 
+pub use agent::{AgentConfig, run};
 pub use gpu::{
     GpuBackend, GpuError, GpuInfo, GpuInventory, GpuTelemetry, NvmlBackend, SimulatedBackend,
 };

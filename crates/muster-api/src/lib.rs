@@ -8,6 +8,9 @@
 //! the value and what is accepted, with the closest valid name suggested for
 //! a misspelt field.
 //!
+//! It also owns the cluster spec (groups of identical nodes, see
+//! [`cluster`]), which the simulator reads to build its fleet.
+//!
 //! It decides nothing and does no I/O: no tokio, HTTP, database, clock or
 //! environment here. It depends only on `muster-model` and on serde-based
 //! parsing; the server and the CLI call it.
@@ -27,8 +30,12 @@
 //! );
 //! ```
 
+#[cfg(feature = "client")]
+pub mod client;
+pub mod cluster;
 mod error;
 mod parse;
+pub mod protocol;
 mod quantity;
 mod read;
 mod validate;
@@ -37,6 +44,7 @@ mod wire;
 #[cfg(test)]
 mod tests;
 
+pub use cluster::{ClusterSpec, NodeGroupSpec, parse_cluster_spec_yaml};
 pub use error::{SpecError, SpecErrors, TextLocation};
 pub use parse::{MAX_SPEC_BYTES, parse_job_spec_json, parse_job_spec_value, parse_job_spec_yaml};
 pub use validate::{

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 /// The small set of error codes every API error maps to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
     InvalidArgument,
@@ -34,6 +35,7 @@ impl ErrorCode {
 
 /// The body of every error response.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ErrorBody {
     pub code: ErrorCode,
     /// What went wrong and what to do about it.
@@ -42,17 +44,20 @@ pub struct ErrorBody {
 
 /// `POST /v1/jobs`: a job spec (the YAML spec's fields, as JSON).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SubmitRequest {
     pub spec: serde_json::Value,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SubmitResponse {
     pub id: u64,
 }
 
 /// One task of a job as placed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TaskView {
     pub rank: u32,
     pub node: String,
@@ -65,6 +70,7 @@ pub struct TaskView {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct EventView {
     pub at_ms: u64,
     pub what: String,
@@ -72,6 +78,7 @@ pub struct EventView {
 
 /// `GET /v1/jobs/{id}` and the items of `GET /v1/jobs`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobView {
     pub id: u64,
     pub name: String,
@@ -97,12 +104,14 @@ pub struct JobView {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobList {
     pub jobs: Vec<JobView>,
 }
 
 /// A GPU as an agent registers it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct GpuView {
     pub index: u32,
     pub uuid: String,
@@ -113,6 +122,7 @@ pub struct GpuView {
 
 /// `POST /v1/agents/register` (join token).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RegisterRequest {
     pub name: String,
     /// Address other nodes reach this one at (a gang's master address).
@@ -130,6 +140,7 @@ pub struct RegisterRequest {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RegisterResponse {
     /// The node's credential for heartbeats (a bearer token).
     pub node_token: String,
@@ -139,16 +150,47 @@ pub struct RegisterResponse {
 
 /// What an agent knows of one allocation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ObservedAllocation {
     pub allocation: u64,
     pub generation: u64,
     /// `None` while running; the exit code (or `None` inside for a signal)
-    /// once it ended.
+    /// once it ended. On the wire: absent while running, `null` for a
+    /// signal, the code otherwise (plain serde would write `null` for both
+    /// `None` and `Some(None)`, losing a death by signal).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "exit_on_the_wire"
+    )]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<i32>))]
     pub exited: Option<Option<i32>>,
+}
+
+/// `Option<Option<i32>>` as absent / `null` / a number.
+mod exit_on_the_wire {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(
+        value: &Option<Option<i32>>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(code) => code.serialize(serializer),
+            None => serializer.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<Option<i32>>, D::Error> {
+        Option::<i32>::deserialize(deserializer).map(Some)
+    }
 }
 
 /// `POST /v1/agents/{node}/heartbeat`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct HeartbeatRequest {
     pub epoch: u64,
     pub observed: Vec<ObservedAllocation>,
@@ -160,6 +202,7 @@ pub struct HeartbeatRequest {
 
 /// A task the node must run, or stop when `stop` is set.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DesiredAllocation {
     pub allocation: u64,
     pub generation: u64,
@@ -175,6 +218,7 @@ pub struct DesiredAllocation {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct HeartbeatResponse {
     pub version: u64,
     pub lease_ms: u64,
@@ -183,6 +227,7 @@ pub struct HeartbeatResponse {
 
 /// `POST /v1/agents/{node}/logs`: output of one allocation, appended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LogChunk {
     pub allocation: u64,
     /// Byte offset of `data` in the allocation's log.
@@ -192,6 +237,7 @@ pub struct LogChunk {
 
 /// `GET /v1/jobs/{id}/logs?offset=N&follow=true`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LogsResponse {
     pub data: String,
     pub next_offset: u64,
@@ -200,6 +246,7 @@ pub struct LogsResponse {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NodeView {
     pub name: String,
     pub state: String,
@@ -221,11 +268,13 @@ pub struct NodeView {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NodeList {
     pub nodes: Vec<NodeView>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct QueueView {
     pub name: String,
     pub guaranteed_gpus: f64,
@@ -238,14 +287,43 @@ pub struct QueueView {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct QueueList {
     pub queues: Vec<QueueView>,
 }
 
 /// `PUT /v1/queues/{name}` (admin).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct QueueUpdate {
     pub guaranteed_gpus: f64,
     pub borrow_limit_gpus: Option<f64>,
     pub weight: u32,
+}
+
+/// The answer to `POST /v1/agents/{node}/logs`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct LogAck {
+    /// The log's length after the chunk: where the next chunk starts.
+    pub next_offset: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exit_by_signal_is_not_read_as_running() {
+        for exited in [None, Some(None), Some(Some(0)), Some(Some(3))] {
+            let observed = ObservedAllocation {
+                allocation: 1,
+                generation: 2,
+                exited,
+            };
+            let text = serde_json::to_string(&observed).unwrap();
+            let back: ObservedAllocation = serde_json::from_str(&text).unwrap();
+            assert_eq!(back, observed, "{text}");
+        }
+    }
 }

@@ -20,8 +20,8 @@ use muster_model::{
     CpuMilli, GpuMilli, GpuModel, GpuRequest, JobId, MemoryMib, QueueName, QueueSpec, Time,
 };
 use muster_sched::{
-    Allocation, Backfill, NodeInput, PendingJob, PendingReason, PlacementPolicy, RunningJob,
-    SchedulingPolicy, Snapshot, TaskRequest, UsageLedger, schedule,
+    Backfill, NodeInput, PendingJob, PendingReason, PlacementPolicy, RunningJob, SchedulingPolicy,
+    Snapshot, TaskRequest, UsageLedger, schedule,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -165,7 +165,6 @@ pub struct ReplayResult {
 
 #[derive(Debug, Clone)]
 struct Run {
-    tasks: Vec<Allocation>,
     started_s: u64,
     /// Work left when this run started.
     remaining_s: u64,
@@ -222,6 +221,20 @@ fn mean(values: &[f64]) -> f64 {
 
 const POOLED: &str = "all";
 
+/// Adds a job to running jobs kept sorted by id.
+fn insert_running(running: &mut Vec<RunningJob>, job: RunningJob) {
+    let at = running.partition_point(|other| other.id < job.id);
+    running.insert(at, job);
+}
+
+/// Removes job `index` from running jobs kept sorted by id.
+fn remove_running(running: &mut Vec<RunningJob>, index: usize) {
+    let id = JobId(index as u64);
+    if let Ok(at) = running.binary_search_by(|other| other.id.cmp(&id)) {
+        running.remove(at);
+    }
+}
+
 /// Replays `jobs` (sorted by submit time or not) on `nodes` under `policy`.
 pub fn replay(
     nodes: &[NodeInput],
@@ -269,7 +282,20 @@ pub fn replay(
         .collect();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut ledger = UsageLedger::new(config.usage_half_life_s * 1000, Time(0));
-    let mut pending: Vec<usize> = Vec::new();
+    // The scheduler's input is kept from cycle to cycle and updated in
+    // place: the nodes are never copied, running jobs keep their
+    // allocations, pending jobs their requests (cloning them every cycle
+    // was most of the replay's own cost). `snapshot.running` is sorted by
+    // id and `pending_jobs` is in arrival order, as they were built before.
+    let mut snapshot = Snapshot {
+        now: Time::from_secs(0),
+        nodes: nodes.to_vec(),
+        running: Vec::new(),
+        queues: queues.clone(),
+        usage: BTreeMap::new(),
+        workload: None,
+    };
+    let mut pending_jobs: Vec<PendingJob> = Vec::new();
     let mut running: BTreeMap<usize, Run> = BTreeMap::new();
     let mut ends: BinaryHeap<Reverse<(u64, usize, u64)>> = BinaryHeap::new();
     // Learned runtime estimates (default policy): per queue (sum, count).
@@ -299,6 +325,27 @@ pub fn replay(
             .count();
         1000 - 100 * level as i32
     };
+    // Priority and estimate are set before each cycle (see below).
+    let pending_job = |index: usize| -> PendingJob {
+        let job = &jobs[index];
+        PendingJob {
+            id: JobId(index as u64),
+            queue: queue_of(job),
+            priority: 0,
+            submitted: Time::from_secs(job.submit_s),
+            tasks: job.tasks,
+            request: TaskRequest {
+                gpus: job.gpus_per_task,
+                cpu: job.cpu,
+                memory: job.memory,
+                gpu_models: job.gpu_models.clone(),
+                min_gpu_memory: None,
+                pool: None,
+            },
+            same_rack: None,
+            estimated_runtime_ms: None,
+        }
+    };
 
     loop {
         let next_end = ends.peek().map(|Reverse((t, _, _))| *t);
@@ -314,10 +361,14 @@ pub fn replay(
             states[index].gpu_s_used += gpu;
         }
         if policy == ReplayPolicy::Default {
-            let mut held: BTreeMap<QueueName, u64> = BTreeMap::new();
+            let mut held: BTreeMap<&str, u64> = BTreeMap::new();
             for &index in running.keys() {
-                *held.entry(queue_of(&jobs[index])).or_default() += jobs[index].gpu_milli();
+                *held.entry(jobs[index].queue.as_str()).or_default() += jobs[index].gpu_milli();
             }
+            let held: BTreeMap<QueueName, u64> = held
+                .into_iter()
+                .map(|(queue, milli)| (QueueName::from(queue), milli))
+                .collect();
             ledger.advance(Time::from_secs(t), &held);
         }
         last_s = t;
@@ -332,6 +383,7 @@ pub fn replay(
                 continue; // preempted since
             }
             running.remove(&index);
+            remove_running(&mut snapshot.running, index);
             busy_milli -= jobs[index].gpu_milli();
             states[index].finish_s = Some(t);
             states[index].remaining_s = 0;
@@ -343,83 +395,53 @@ pub fn replay(
             if jobs[index].submit_s > t {
                 break;
             }
-            pending.push(index);
+            pending_jobs.push(pending_job(index));
             next_arrival += 1;
         }
-        if pending.is_empty() {
+        if pending_jobs.is_empty() {
             continue;
         }
 
         // One scheduling cycle.
         cycles += 1;
-        let snapshot = Snapshot {
-            now: Time::from_secs(t),
-            nodes: nodes.to_vec(),
-            running: running
-                .iter()
-                .map(|(&index, run)| {
-                    let job = &jobs[index];
-                    let estimate = match policy {
-                        ReplayPolicy::SjfOracle => Some(run.remaining_s),
-                        ReplayPolicy::Default => learned
-                            .get(&job.queue)
-                            .map(|(sum, count)| (sum / *count as f64) as u64)
-                            .map(|mean| mean.max(t - run.started_s + 60)),
-                        _ => None,
-                    };
-                    RunningJob {
-                        id: JobId(index as u64),
-                        queue: queue_of(job),
-                        priority: match policy {
-                            ReplayPolicy::Las => las_priority(states[index].attained_gpu_s),
-                            _ => 100,
-                        },
-                        started: Time::from_secs(run.started_s),
-                        tasks: run.tasks.clone(),
-                        expected_end: estimate.map(|e| Time::from_secs(run.started_s + e)),
-                        preemptible: true,
-                        checkpoint_interval_ms: (config.checkpoint_interval_s > 0)
-                            .then_some(config.checkpoint_interval_s * 1000),
-                    }
-                })
-                .collect(),
-            queues: queues.clone(),
-            usage: ledger.gpu_seconds.clone(),
-            workload: None,
-        };
-        let pending_jobs: Vec<PendingJob> = pending
-            .iter()
-            .map(|&index| {
-                let job = &jobs[index];
-                PendingJob {
-                    id: JobId(index as u64),
-                    queue: queue_of(job),
-                    priority: match policy {
-                        ReplayPolicy::Las => las_priority(states[index].attained_gpu_s),
-                        ReplayPolicy::SjfOracle => -(job.duration_s.min(i32::MAX as u64) as i32),
-                        _ => 100,
-                    },
-                    submitted: Time::from_secs(job.submit_s),
-                    tasks: job.tasks,
-                    request: TaskRequest {
-                        gpus: job.gpus_per_task,
-                        cpu: job.cpu,
-                        memory: job.memory,
-                        gpu_models: job.gpu_models.clone(),
-                        min_gpu_memory: None,
-                        pool: None,
-                    },
-                    same_rack: None,
-                    estimated_runtime_ms: match policy {
-                        ReplayPolicy::SjfOracle => Some(states[index].remaining_s * 1000),
-                        ReplayPolicy::Default => learned
-                            .get(&job.queue)
-                            .map(|(sum, count)| (sum / *count as f64 * 1000.0) as u64),
-                        _ => None,
-                    },
-                }
-            })
-            .collect();
+        snapshot.now = Time::from_secs(t);
+        snapshot.usage.clone_from(&ledger.gpu_seconds);
+        for running_job in &mut snapshot.running {
+            let index = running_job.id.0 as usize;
+            let Some(run) = running.get(&index) else {
+                continue;
+            };
+            let job = &jobs[index];
+            let estimate = match policy {
+                ReplayPolicy::SjfOracle => Some(run.remaining_s),
+                ReplayPolicy::Default => learned
+                    .get(&job.queue)
+                    .map(|(sum, count)| (sum / *count as f64) as u64)
+                    .map(|mean| mean.max(t - run.started_s + 60)),
+                _ => None,
+            };
+            running_job.priority = match policy {
+                ReplayPolicy::Las => las_priority(states[index].attained_gpu_s),
+                _ => 100,
+            };
+            running_job.expected_end = estimate.map(|e| Time::from_secs(run.started_s + e));
+        }
+        for pending_job in &mut pending_jobs {
+            let index = pending_job.id.0 as usize;
+            let job = &jobs[index];
+            pending_job.priority = match policy {
+                ReplayPolicy::Las => las_priority(states[index].attained_gpu_s),
+                ReplayPolicy::SjfOracle => -(job.duration_s.min(i32::MAX as u64) as i32),
+                _ => 100,
+            };
+            pending_job.estimated_runtime_ms = match policy {
+                ReplayPolicy::SjfOracle => Some(states[index].remaining_s * 1000),
+                ReplayPolicy::Default => learned
+                    .get(&job.queue)
+                    .map(|(sum, count)| (sum / *count as f64 * 1000.0) as u64),
+                _ => None,
+            };
+        }
         let outcome = schedule(&snapshot, &pending_jobs, &scheduling, &mut rng)?;
 
         for preemption in &outcome.preemptions {
@@ -427,6 +449,7 @@ pub fn replay(
             let Some(run) = running.remove(&index) else {
                 continue;
             };
+            remove_running(&mut snapshot.running, index);
             preemptions += 1;
             busy_milli -= jobs[index].gpu_milli();
             let done = t - run.started_s;
@@ -437,7 +460,7 @@ pub fn replay(
             lost_gpu_s += (done - kept) as f64 * jobs[index].gpu_milli() as f64 / 1000.0;
             states[index].remaining_s = run.remaining_s - kept.min(run.remaining_s);
             states[index].generation += 1;
-            pending.push(index);
+            pending_jobs.push(pending_job(index));
         }
         let mut started_any = false;
         for start in &outcome.started {
@@ -445,14 +468,26 @@ pub fn replay(
             let state = &mut states[index];
             state.generation += 1;
             state.first_start_s.get_or_insert(t);
-            running.insert(
-                index,
-                Run {
+            let run = Run {
+                started_s: t,
+                remaining_s: state.remaining_s,
+            };
+            // Priority and expected end are refreshed before each cycle.
+            insert_running(
+                &mut snapshot.running,
+                RunningJob {
+                    id: JobId(index as u64),
+                    queue: queue_of(&jobs[index]),
+                    priority: 0,
+                    started: Time::from_secs(t),
                     tasks: start.tasks.clone(),
-                    started_s: t,
-                    remaining_s: state.remaining_s,
+                    expected_end: None,
+                    preemptible: true,
+                    checkpoint_interval_ms: (config.checkpoint_interval_s > 0)
+                        .then_some(config.checkpoint_interval_s * 1000),
                 },
             );
+            running.insert(index, run);
             busy_milli += jobs[index].gpu_milli();
             ends.push(Reverse((t + state.remaining_s, index, state.generation)));
             started_any = true;
@@ -460,7 +495,7 @@ pub fn replay(
         if started_any {
             let started: std::collections::BTreeSet<usize> =
                 outcome.started.iter().map(|s| s.job.0 as usize).collect();
-            pending.retain(|index| !started.contains(index));
+            pending_jobs.retain(|job| !started.contains(&(job.id.0 as usize)));
         }
         // Jobs that can never run here are dropped, or the replay never ends.
         let never: Vec<usize> = outcome
@@ -471,17 +506,17 @@ pub fn replay(
             .collect();
         if !never.is_empty() {
             unschedulable += never.len();
-            pending.retain(|index| !never.contains(index));
+            pending_jobs.retain(|job| !never.contains(&(job.id.0 as usize)));
         }
-        if running.is_empty() && next_arrival >= order.len() && !pending.is_empty() {
+        if running.is_empty() && next_arrival >= order.len() && !pending_jobs.is_empty() {
             // Nothing will ever free up: the rest cannot be placed.
-            unschedulable += pending.len();
-            pending.clear();
+            unschedulable += pending_jobs.len();
+            pending_jobs.clear();
         }
         timeline.push((
             (t - start_s) as f64,
             busy_milli as f64 / 1000.0,
-            pending.len(),
+            pending_jobs.len(),
         ));
     }
 

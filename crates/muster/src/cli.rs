@@ -1,7 +1,7 @@
 //! The command line: one `Command` per subcommand.
 
-use clap::{Args, Parser, Subcommand};
-use muster_sim::NamedPolicy;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use muster_sim::{NamedPolicy, ReplayPolicy};
 use std::path::PathBuf;
 
 #[derive(Debug, Parser)]
@@ -17,6 +17,42 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Start the server and one local agent in one process (real GPUs when
+    /// NVML finds some, otherwise simulated ones); the CLI then works with
+    /// no further configuration.
+    Up(crate::cluster::UpArgs),
+    /// Run the control plane: API, store, scheduler.
+    Server(crate::cluster::ServerArgs),
+    /// Run a node agent that joins a server.
+    Agent(crate::cluster::AgentArgs),
+    /// Submit a command and follow it: streams its output and exits with its
+    /// exit code (Ctrl-C asks whether to cancel).
+    Run(crate::commands::RunArgs),
+    /// Submit a job spec (YAML) and print the job id.
+    Submit(crate::commands::SubmitArgs),
+    /// List jobs.
+    Ps(crate::commands::PsArgs),
+    /// Show a job: state history, placement, and why it is pending.
+    Describe(crate::commands::JobArgs),
+    /// Print a job's output.
+    Logs(crate::commands::LogsArgs),
+    /// Cancel a job (its processes get the stop signal, then are killed).
+    Cancel(crate::commands::JobArgs),
+    /// List nodes.
+    Nodes(crate::commands::NodesArgs),
+    /// Stop placing new work on a node.
+    Cordon(crate::commands::NodeActionArgs),
+    /// Place work on a node again.
+    Uncordon(crate::commands::NodeActionArgs),
+    /// Cordon a node and move its work elsewhere.
+    Drain(crate::commands::NodeActionArgs),
+    /// List queues, or set one (`muster queues set NAME --guaranteed 8`).
+    Queues(crate::commands::QueuesArgs),
+    /// Print shell completions.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Replay traces through the scheduler and compare placement policies.
     Sim(SimArgs),
 }
@@ -33,6 +69,11 @@ pub enum SimCommand {
     /// until 130% of the GPU capacity is asked, each placed at once or
     /// dropped; reports the GPU allocation ratio per policy.
     Alloc(AllocArgs),
+    /// Time replay (traces/README.md, protocols B and C): jobs arrive at
+    /// their submit times and run for their durations; reports job
+    /// completion time, queueing delay, utilisation and preemptions per
+    /// scheduling policy.
+    Replay(ReplayArgs),
 }
 
 #[derive(Debug, Args)]
@@ -73,4 +114,148 @@ pub struct AllocArgs {
     /// Output folder for results.json and alloc.svg (created if missing).
     #[arg(long, value_name = "DIR", default_value = "out/alloc")]
     pub out: PathBuf,
+}
+
+/// The format of a time-replay trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TraceFormat {
+    /// Microsoft Philly derived job list: timestamp,duration,num_gpus,gpu_time,cluster.
+    Philly,
+    /// Alibaba openb pod list with creation_time and deletion_time.
+    Openb,
+}
+
+impl TraceFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            TraceFormat::Philly => "philly",
+            TraceFormat::Openb => "openb",
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// The job list to replay.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "../shared/traces/philly/philly_2017-09_2017-10.csv"
+    )]
+    pub trace: PathBuf,
+
+    /// The trace's format.
+    #[arg(long, value_enum, default_value = "philly")]
+    pub format: TraceFormat,
+
+    /// The cluster as a cluster spec (YAML, see docs/cluster-spec.md).
+    /// Not with --nodes-csv.
+    #[arg(
+        long,
+        value_name = "SPEC",
+        default_value = "examples/clusters/philly.yaml"
+    )]
+    pub cluster: PathBuf,
+
+    /// The cluster as an openb node list (sn,cpu_milli,memory_mib,gpu,model),
+    /// instead of --cluster.
+    #[arg(long, value_name = "FILE", conflicts_with = "cluster")]
+    pub nodes_csv: Option<PathBuf>,
+
+    /// Scheduling policies to compare, comma-separated: fifo, las,
+    /// sjf-oracle (reads true durations: an oracle), default.
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "fifo,las,sjf-oracle,default"
+    )]
+    pub policies: Vec<ReplayPolicy>,
+
+    /// Output folder for results.json and the plots (created if missing).
+    #[arg(long, value_name = "DIR", default_value = "out/replay")]
+    pub out: PathBuf,
+
+    /// Seed of the scheduler's random choices.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub seed: u64,
+
+    /// How often jobs checkpoint: a preempted job loses the work since its
+    /// last checkpoint. A duration like 30m, 1h, 90s or 1h30m; 0: never
+    /// (a preemption loses everything).
+    #[arg(long, value_name = "DURATION", default_value = "30m", value_parser = parse_duration_s)]
+    pub checkpoint_interval: u64,
+
+    /// Policies replayed at once (default: the number of cores).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub jobs: Option<u64>,
+}
+
+const DURATION_ACCEPTED: &str =
+    "a duration like 90s, 30m, 2h, 1d or 1h30m, or a whole number of seconds";
+
+/// Parses a duration into seconds: whole seconds (`1800`), or parts with
+/// the units d, h, m, s, each at most once and largest first (`1h30m`).
+pub fn parse_duration_s(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let expected = || format!("expected {DURATION_ACCEPTED}, got {text:?}");
+    if text.is_empty() {
+        return Err(expected());
+    }
+    if text.bytes().all(|byte| byte.is_ascii_digit()) {
+        return text.parse().map_err(|_| format!("too large: {text:?}"));
+    }
+    let mut total: u64 = 0;
+    let mut last_rank = usize::MAX;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits_end = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        if digits_end == 0 {
+            return Err(expected());
+        }
+        let (digits, after) = rest.split_at(digits_end);
+        let amount: u64 = digits.parse().map_err(|_| format!("too large: {text:?}"))?;
+        let mut units = after.chars();
+        let (rank, seconds) = match units.next() {
+            Some('d') => (3, 86_400),
+            Some('h') => (2, 3_600),
+            Some('m') => (1, 60),
+            Some('s') => (0, 1),
+            _ => return Err(expected()),
+        };
+        if rank >= last_rank {
+            return Err(format!(
+                "{}; each unit at most once, largest first",
+                expected()
+            ));
+        }
+        last_rank = rank;
+        total = amount
+            .checked_mul(seconds)
+            .and_then(|part| total.checked_add(part))
+            .ok_or_else(|| format!("too large: {text:?}"))?;
+        rest = units.as_str();
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_into_seconds() {
+        assert_eq!(parse_duration_s("30m"), Ok(1800));
+        assert_eq!(parse_duration_s("1h30m"), Ok(5400));
+        assert_eq!(parse_duration_s("1d"), Ok(86_400));
+        assert_eq!(parse_duration_s("90s"), Ok(90));
+        assert_eq!(parse_duration_s("0"), Ok(0));
+        assert_eq!(parse_duration_s("1800"), Ok(1800));
+        assert!(parse_duration_s("30 minutes").is_err());
+        assert!(parse_duration_s("30m1h").is_err());
+        assert!(parse_duration_s("").is_err());
+        assert!(parse_duration_s("1.5h").is_err());
+    }
 }

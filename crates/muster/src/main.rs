@@ -2,10 +2,12 @@
 //!
 //! Each subcommand lives in its own module and is dispatched from
 //! [`cli::Command`]; today `muster sim alloc` (Protocol A of
-//! `traces/README.md`). Errors are reported as `error: ...` on stderr with a
-//! non-zero exit status.
+//! `traces/README.md`) and `muster sim replay` (Protocols B and C). Errors
+//! are reported as `error: ...` on stderr with a non-zero exit status.
 
 mod cli;
+mod cluster;
+mod commands;
 mod sim;
 
 use clap::Parser;
@@ -13,14 +15,33 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
-    let result = match cli.command {
-        cli::Command::Sim(args) => sim::run(args),
+    let status: Result<u8, commands::Failure> = match cli.command {
+        cli::Command::Sim(args) => sim::run(args).map(|()| 0).map_err(Into::into),
+        cli::Command::Up(args) => cluster::up(args).map(|()| 0).map_err(Into::into),
+        cli::Command::Server(args) => cluster::server(args).map(|()| 0).map_err(Into::into),
+        cli::Command::Agent(args) => cluster::agent(args).map(|()| 0).map_err(Into::into),
+        cli::Command::Run(args) => commands::run(args),
+        cli::Command::Submit(args) => commands::submit(args),
+        cli::Command::Ps(args) => commands::ps(args),
+        cli::Command::Describe(args) => commands::describe(args),
+        cli::Command::Logs(args) => commands::logs(args),
+        cli::Command::Cancel(args) => commands::cancel(args),
+        cli::Command::Nodes(args) => commands::nodes(args),
+        cli::Command::Cordon(args) => commands::node_action(args, "cordon"),
+        cli::Command::Uncordon(args) => commands::node_action(args, "uncordon"),
+        cli::Command::Drain(args) => commands::node_action(args, "drain"),
+        cli::Command::Queues(args) => commands::queues(args),
+        cli::Command::Completions { shell } => {
+            let mut command = <cli::Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut command, "muster", &mut std::io::stdout());
+            Ok(0)
+        }
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {error:#}");
-            ExitCode::FAILURE
+    match status {
+        Ok(code) => ExitCode::from(code),
+        Err(failure) => {
+            eprintln!("error: {:#}", failure.error);
+            ExitCode::from(failure.code)
         }
     }
 }

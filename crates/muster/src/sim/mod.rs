@@ -3,11 +3,13 @@
 
 mod alloc;
 mod plot;
+mod replay;
 
 use crate::cli::{SimArgs, SimCommand};
 
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
     match args.command {
         SimCommand::Alloc(args) => alloc::run(&args),
+        SimCommand::Replay(args) => replay::run(&args),
     }
 }

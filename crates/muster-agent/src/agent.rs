@@ -1,0 +1,409 @@
+//! The agent's main loop: register, heartbeat (a long poll that also renews
+//! the lease and brings the desired allocations), start and stop tasks as
+//! `muster-node` decides, report exits, ship logs, fence when the lease
+//! cannot be renewed.
+
+use crate::gpu::GpuBackend;
+use crate::runtime::{ProcessRuntime, TaskExit, TaskLaunch};
+use muster_api::client::Client;
+use muster_api::protocol::{
+    DesiredAllocation, GpuView, HeartbeatRequest, LogChunk, ObservedAllocation, RegisterRequest,
+};
+use muster_model::Signal;
+use muster_node::{Action, Desired, Local};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Everything `muster agent` needs.
+#[derive(Clone)]
+pub struct AgentConfig {
+    /// `http://host:port` of the server.
+    pub server: String,
+    pub join_token: String,
+    pub name: String,
+    /// How other nodes reach this one (a gang's master address).
+    pub address: String,
+    pub state_dir: PathBuf,
+    pub pool: Option<String>,
+    pub rack: Option<String>,
+    pub backend: Arc<dyn GpuBackend>,
+    /// Stop tasks this long before the lease would run out.
+    pub fence_margin: Duration,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn task_key(allocation: u64, generation: u64) -> String {
+    format!("a{allocation}-g{generation}")
+}
+
+fn parse_key(key: &str) -> Option<(u64, u64)> {
+    let (allocation, generation) = key.strip_prefix('a')?.split_once("-g")?;
+    Some((allocation.parse().ok()?, generation.parse().ok()?))
+}
+
+#[derive(Debug, Clone)]
+struct Task {
+    running: bool,
+    stopping: bool,
+    exit: Option<TaskExit>,
+    log_offset: u64,
+}
+
+fn machine_cpu_milli() -> u64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get() as u64) * 1000
+}
+
+fn machine_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("MemTotal:"))
+                .and_then(|rest| {
+                    rest.trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<u64>()
+                        .ok()
+                })
+        })
+        .map_or(1024, |kib| kib / 1024)
+}
+
+/// Runs the agent until `shutdown` resolves. Tasks keep running across an
+/// agent restart; a new agent finds them through the runtime's pid files.
+pub async fn run(
+    config: AgentConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), String> {
+    tokio::pin!(shutdown);
+    let runtime = Arc::new(ProcessRuntime::new(config.state_dir.clone()));
+    let inventory = config.backend.inventory().map_err(|e| e.to_string())?;
+    let gpus: Vec<GpuView> = inventory
+        .gpus
+        .iter()
+        .map(|gpu| GpuView {
+            index: gpu.index,
+            uuid: gpu.uuid.clone(),
+            model: gpu.model.to_string(),
+            memory_mib: gpu.memory.0,
+            nvlink_domain: gpu.nvlink_domain,
+        })
+        .collect();
+    let uuids: BTreeMap<u32, String> = gpus.iter().map(|g| (g.index, g.uuid.clone())).collect();
+    let epoch = now_ms();
+    let register = RegisterRequest {
+        name: config.name.clone(),
+        address: config.address.clone(),
+        epoch,
+        gpus,
+        cpu_milli: machine_cpu_milli(),
+        memory_mib: machine_memory_mib(),
+        pool: config.pool.clone(),
+        rack: config.rack.clone(),
+        backend: inventory.backend.to_string(),
+        driver_version: inventory.driver_version.clone(),
+        cuda_version: inventory.cuda_version.clone(),
+    };
+    let joiner = Client::new(&config.server, &config.join_token);
+
+    // Tasks of an earlier agent on this node.
+    let mut tasks: BTreeMap<String, Task> = BTreeMap::new();
+    if let Ok(recovery) = runtime.recover().await {
+        for found in recovery.tasks {
+            let (running, exit) = match found.status {
+                crate::runtime::RecoveredStatus::Running => (true, None),
+                crate::runtime::RecoveredStatus::Exited(exit) => (false, Some(exit)),
+                crate::runtime::RecoveredStatus::Gone => (false, None),
+            };
+            tasks.insert(
+                found.allocation.clone(),
+                Task {
+                    running,
+                    stopping: false,
+                    exit,
+                    log_offset: 0,
+                },
+            );
+        }
+    }
+
+    let mut backoff = Duration::from_millis(200);
+    'register: loop {
+        let registered = tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            result = joiner.register(&register) => result,
+        };
+        let registered = match registered {
+            Ok(registered) => registered,
+            Err(error) => {
+                if error.code().is_some() {
+                    return Err(format!("the server refused to register this node: {error}"));
+                }
+                tracing::warn!("cannot register yet: {error}");
+                tokio::select! {
+                    _ = &mut shutdown => return Ok(()),
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        let client = Client::new(&config.server, &registered.node_token);
+        let lease_ms = registered.lease_ms;
+        let wait_ms = registered.heartbeat_ms;
+        let mut last_renewal = now_ms();
+        let mut version = 0u64;
+        let mut desired: Vec<DesiredAllocation> = Vec::new();
+        loop {
+            // Exits since the last round.
+            while let Some(exit) = runtime.try_next_exit() {
+                if let Some(task) = tasks.get_mut(&exit.allocation) {
+                    task.running = false;
+                    task.exit = Some(exit);
+                }
+            }
+            ship_logs(&runtime, &client, &config.name, &mut tasks).await;
+            let observed: Vec<ObservedAllocation> = tasks
+                .iter()
+                .filter_map(|(key, task)| {
+                    let (allocation, generation) = parse_key(key)?;
+                    Some(ObservedAllocation {
+                        allocation,
+                        generation,
+                        exited: if task.running {
+                            None
+                        } else {
+                            Some(task.exit.as_ref().and_then(|e| e.exit_code))
+                        },
+                    })
+                })
+                .collect();
+            let request = HeartbeatRequest {
+                epoch,
+                observed,
+                wait_ms,
+                known_version: version,
+            };
+            let answer = tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                answer = client.heartbeat(&config.name, &request) => answer,
+            };
+            let fenced = match answer {
+                Ok(answer) => {
+                    last_renewal = now_ms();
+                    version = answer.version;
+                    desired = answer.desired;
+                    false
+                }
+                Err(error) => {
+                    if error.code() == Some(muster_api::protocol::ErrorCode::Conflict)
+                        || error.code() == Some(muster_api::protocol::ErrorCode::Unauthenticated)
+                        || error.code() == Some(muster_api::protocol::ErrorCode::NotFound)
+                    {
+                        tracing::warn!("registering again: {error}");
+                        continue 'register;
+                    }
+                    tracing::warn!("heartbeat failed: {error}");
+                    let fenced = muster_node::must_fence(
+                        now_ms(),
+                        last_renewal,
+                        lease_ms,
+                        config.fence_margin.as_millis() as u64,
+                    );
+                    tokio::select! {
+                        _ = &mut shutdown => return Ok(()),
+                        _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                    }
+                    fenced
+                }
+            };
+            if fenced {
+                tracing::warn!("lease not renewed in time: stopping every task (fenced)");
+            }
+            apply(&config, &runtime, &uuids, &desired, &mut tasks, fenced).await;
+            // Forget tasks the server no longer lists once their exit was
+            // reported and their logs shipped.
+            let listed: std::collections::BTreeSet<String> = desired
+                .iter()
+                .map(|d| task_key(d.allocation, d.generation))
+                .collect();
+            let done: Vec<String> = tasks
+                .iter()
+                .filter(|(key, task)| !task.running && !listed.contains(*key))
+                .map(|(key, _)| key.clone())
+                .collect();
+            for key in done {
+                tasks.remove(&key);
+                let _ = runtime.forget(&key).await;
+            }
+        }
+    }
+}
+
+async fn apply(
+    config: &AgentConfig,
+    runtime: &Arc<ProcessRuntime>,
+    uuids: &BTreeMap<u32, String>,
+    desired: &[DesiredAllocation],
+    tasks: &mut BTreeMap<String, Task>,
+    fenced: bool,
+) {
+    let wanted: Vec<Desired> = desired
+        .iter()
+        .map(|d| Desired {
+            allocation: d.allocation,
+            generation: d.generation,
+            stop: d.stop,
+        })
+        .collect();
+    let local: Vec<Local> = tasks
+        .iter()
+        .filter_map(|(key, task)| {
+            let (allocation, generation) = parse_key(key)?;
+            Some(Local {
+                allocation,
+                generation,
+                running: task.running,
+                stopping: task.stopping,
+            })
+        })
+        .collect();
+    for action in muster_node::reconcile(&wanted, &local, fenced) {
+        match action {
+            Action::Start {
+                allocation,
+                generation,
+            } => {
+                let Some(spec) = desired
+                    .iter()
+                    .find(|d| d.allocation == allocation && d.generation == generation)
+                else {
+                    continue;
+                };
+                let key = task_key(allocation, generation);
+                let launch = TaskLaunch {
+                    allocation: key.clone(),
+                    command: spec.command.clone(),
+                    env: spec.env.clone(),
+                    working_dir: spec.working_dir.as_ref().map(PathBuf::from),
+                    gpu_indices: spec.gpus.clone(),
+                    gpu_uuids: spec
+                        .gpus
+                        .iter()
+                        .filter_map(|i| uuids.get(i).cloned())
+                        .collect(),
+                    stop_signal: Signal::parse(&spec.stop_signal).unwrap_or(Signal::Term),
+                    grace_period: Duration::from_millis(spec.grace_period_ms),
+                };
+                match runtime.start(launch).await {
+                    Ok(()) => {
+                        tasks.insert(
+                            key,
+                            Task {
+                                running: true,
+                                stopping: false,
+                                exit: None,
+                                log_offset: 0,
+                            },
+                        );
+                    }
+                    Err(error) => {
+                        // Reported as a failed task (exit code 127, as a
+                        // shell would for a missing command).
+                        tracing::warn!("cannot start {key}: {error}");
+                        let log = runtime.log_path(&key);
+                        if let Some(parent) = log.parent() {
+                            let _ = std::fs::create_dir_all(parent);
+                        }
+                        let _ = std::fs::write(&log, format!("muster: {error}\n"));
+                        tasks.insert(
+                            key.clone(),
+                            Task {
+                                running: false,
+                                stopping: false,
+                                exit: Some(TaskExit {
+                                    allocation: key,
+                                    exit_code: Some(127),
+                                    signal: None,
+                                }),
+                                log_offset: 0,
+                            },
+                        );
+                    }
+                }
+            }
+            Action::Stop {
+                allocation,
+                generation,
+            } => {
+                let key = task_key(allocation, generation);
+                let (signal, grace) = desired.iter().find(|d| d.allocation == allocation).map_or(
+                    (Signal::Term, Duration::from_secs(10)),
+                    |d| {
+                        (
+                            Signal::parse(&d.stop_signal).unwrap_or(Signal::Term),
+                            Duration::from_millis(d.grace_period_ms),
+                        )
+                    },
+                );
+                if let Some(task) = tasks.get_mut(&key) {
+                    task.stopping = true;
+                }
+                let runtime = Arc::clone(runtime);
+                let _ = config;
+                tokio::spawn(async move {
+                    if let Err(error) = runtime.stop(&key, signal, grace).await {
+                        tracing::warn!("cannot stop {key}: {error}");
+                    }
+                });
+            }
+        }
+    }
+}
+
+async fn ship_logs(
+    runtime: &ProcessRuntime,
+    client: &Client,
+    node: &str,
+    tasks: &mut BTreeMap<String, Task>,
+) {
+    for (key, task) in tasks.iter_mut() {
+        let Some((allocation, _)) = parse_key(key) else {
+            continue;
+        };
+        loop {
+            let Ok((data, next)) = runtime.read_log(key, task.log_offset, 64 * 1024).await else {
+                break;
+            };
+            if data.is_empty() {
+                break;
+            }
+            let chunk = LogChunk {
+                allocation,
+                offset: task.log_offset,
+                data: String::from_utf8_lossy(&data).into_owned(),
+            };
+            if client.push_logs(node, &chunk).await.is_err() {
+                break;
+            }
+            task.log_offset = next;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn task_keys_round_trip() {
+        assert_eq!(super::parse_key(&super::task_key(12, 345)), Some((12, 345)));
+        assert_eq!(super::parse_key("junk"), None);
+    }
+}

@@ -1,0 +1,275 @@
+//! A client for the `/v1` API (feature `client`), used by the CLI and the
+//! agents. Every call sends the bearer token; an API error comes back as
+//! [`ClientError::Api`] with the server's code and message.
+
+use crate::protocol::*;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server answered with an error.
+    #[error("{}", .body.message)]
+    Api { status: u16, body: ErrorBody },
+    /// The server could not be reached or the connection failed.
+    #[error("cannot reach the muster server at {url}: {reason}")]
+    Transport { url: String, reason: String },
+    /// The answer was not what the API promises.
+    #[error("unexpected answer from {url}: {reason}")]
+    Decode { url: String, reason: String },
+}
+
+impl ClientError {
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Api { body, .. } => Some(body.code),
+            _ => None,
+        }
+    }
+}
+
+/// Filters for `GET /v1/jobs`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct JobFilter {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Client {
+    base: String,
+    token: String,
+    user: Option<String>,
+    http: reqwest::Client,
+}
+
+/// The header that names the user a submission is for.
+pub const USER_HEADER: &str = "x-muster-user";
+
+impl Client {
+    /// `base` like `http://127.0.0.1:7070`.
+    pub fn new(base: &str, token: &str) -> Self {
+        Client {
+            base: base.trim_end_matches('/').to_string(),
+            token: token.to_string(),
+            user: None,
+            http: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(5))
+                .build()
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Submissions are recorded as this user's.
+    pub fn with_user(mut self, user: &str) -> Self {
+        self.user = Some(user.to_string());
+        self
+    }
+
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    async fn send<T: DeserializeOwned>(
+        &self,
+        request: reqwest::RequestBuilder,
+        url: &str,
+    ) -> Result<T, ClientError> {
+        let request = match &self.user {
+            Some(user) => request.header(USER_HEADER, user),
+            None => request,
+        };
+        let response = request
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .map_err(|error| ClientError::Transport {
+                url: url.to_string(),
+                reason: error.to_string(),
+            })?;
+        let status = response.status().as_u16();
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|error| ClientError::Transport {
+                url: url.to_string(),
+                reason: error.to_string(),
+            })?;
+        if status >= 400 {
+            let body = serde_json::from_slice::<ErrorBody>(&bytes).unwrap_or_else(|_| ErrorBody {
+                code: ErrorCode::Internal,
+                message: format!(
+                    "the server answered {status}: {}",
+                    String::from_utf8_lossy(&bytes)
+                ),
+            });
+            return Err(ClientError::Api { status, body });
+        }
+        serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode {
+            url: url.to_string(),
+            reason: error.to_string(),
+        })
+    }
+
+    async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
+        let url = format!("{}{path}", self.base);
+        self.send(self.http.get(&url), &url).await
+    }
+
+    async fn post<B: Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+        timeout: Option<Duration>,
+    ) -> Result<T, ClientError> {
+        let url = format!("{}{path}", self.base);
+        let mut request = self.http.post(&url).json(body);
+        if let Some(timeout) = timeout {
+            request = request.timeout(timeout);
+        }
+        self.send(request, &url).await
+    }
+
+    pub async fn submit(&self, spec: serde_json::Value) -> Result<u64, ClientError> {
+        let response: SubmitResponse = self.post("/v1/jobs", &SubmitRequest { spec }, None).await?;
+        Ok(response.id)
+    }
+
+    pub async fn jobs(&self, filter: &JobFilter) -> Result<JobList, ClientError> {
+        let mut query = Vec::new();
+        for (key, value) in [
+            ("queue", &filter.queue),
+            ("state", &filter.state),
+            ("user", &filter.user),
+        ] {
+            if let Some(value) = value {
+                query.push(format!("{key}={}", encode(value)));
+            }
+        }
+        let suffix = if query.is_empty() {
+            String::new()
+        } else {
+            format!("?{}", query.join("&"))
+        };
+        self.get(&format!("/v1/jobs{suffix}")).await
+    }
+
+    pub async fn job(&self, id: u64) -> Result<JobView, ClientError> {
+        self.get(&format!("/v1/jobs/{id}")).await
+    }
+
+    pub async fn cancel(&self, id: u64) -> Result<JobView, ClientError> {
+        self.post(
+            &format!("/v1/jobs/{id}/cancel"),
+            &serde_json::json!({}),
+            None,
+        )
+        .await
+    }
+
+    pub async fn logs(
+        &self,
+        id: u64,
+        rank: u32,
+        offset: u64,
+        follow: bool,
+    ) -> Result<LogsResponse, ClientError> {
+        let url = format!(
+            "{}/v1/jobs/{id}/logs?rank={rank}&offset={offset}&follow={follow}",
+            self.base
+        );
+        self.send(self.http.get(&url).timeout(Duration::from_secs(60)), &url)
+            .await
+    }
+
+    pub async fn nodes(&self) -> Result<NodeList, ClientError> {
+        self.get("/v1/nodes").await
+    }
+
+    pub async fn node(&self, name: &str) -> Result<NodeView, ClientError> {
+        self.get(&format!("/v1/nodes/{}", encode(name))).await
+    }
+
+    /// `action`: `cordon`, `uncordon` or `drain`.
+    pub async fn node_action(&self, name: &str, action: &str) -> Result<NodeView, ClientError> {
+        self.post(
+            &format!("/v1/nodes/{}/{action}", encode(name)),
+            &serde_json::json!({}),
+            None,
+        )
+        .await
+    }
+
+    pub async fn queues(&self) -> Result<QueueList, ClientError> {
+        self.get("/v1/queues").await
+    }
+
+    pub async fn set_queue(
+        &self,
+        name: &str,
+        update: &QueueUpdate,
+    ) -> Result<QueueView, ClientError> {
+        let url = format!("{}/v1/queues/{}", self.base, encode(name));
+        self.send(self.http.put(&url).json(update), &url).await
+    }
+
+    pub async fn register(
+        &self,
+        request: &RegisterRequest,
+    ) -> Result<RegisterResponse, ClientError> {
+        self.post("/v1/agents/register", request, None).await
+    }
+
+    pub async fn heartbeat(
+        &self,
+        node: &str,
+        request: &HeartbeatRequest,
+    ) -> Result<HeartbeatResponse, ClientError> {
+        let timeout = Duration::from_millis(request.wait_ms) + Duration::from_secs(10);
+        self.post(
+            &format!("/v1/agents/{}/heartbeat", encode(node)),
+            request,
+            Some(timeout),
+        )
+        .await
+    }
+
+    pub async fn push_logs(&self, node: &str, chunk: &LogChunk) -> Result<(), ClientError> {
+        let _: serde_json::Value = self
+            .post(
+                &format!("/v1/agents/{}/logs", encode(node)),
+                chunk,
+                Some(Duration::from_secs(30)),
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// Percent-encodes a path segment or query value.
+fn encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        match byte {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                out.push(byte as char)
+            }
+            _ => out.push_str(&format!("%{byte:02X}")),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn encodes_unsafe_characters() {
+        assert_eq!(super::encode("a b/c"), "a%20b%2Fc");
+        assert_eq!(super::encode("gpu-01.rack_2"), "gpu-01.rack_2");
+    }
+}

@@ -1,0 +1,166 @@
+//! muster's node-agent decisions, pure: which allocations to start and stop
+//! given what the control plane wants and what runs here, and when the node
+//! must fence itself because it could not renew its lease.
+//!
+//! No tokio, HTTP, clock or processes here: the agent shell
+//! (`muster-agent`) passes values in and carries the actions out.
+
+use std::collections::BTreeSet;
+
+/// An allocation the control plane wants on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Desired {
+    pub allocation: u64,
+    pub generation: u64,
+    /// The control plane wants it stopped.
+    pub stop: bool,
+}
+
+/// An allocation the agent started (or found again after a restart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Local {
+    pub allocation: u64,
+    pub generation: u64,
+    /// Its process group still runs.
+    pub running: bool,
+    /// A stop was already issued.
+    pub stopping: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Action {
+    Start { allocation: u64, generation: u64 },
+    Stop { allocation: u64, generation: u64 },
+}
+
+/// Whether the node has gone too long without renewing its lease: it must
+/// stop its allocations before the control plane's lease runs out and the
+/// work is placed elsewhere. `margin_ms` is how much earlier than the lease
+/// the node gives up, so that its tasks are gone before the server acts.
+pub fn must_fence(now_ms: u64, last_renewal_ms: u64, lease_ms: u64, margin_ms: u64) -> bool {
+    now_ms.saturating_sub(last_renewal_ms) + margin_ms >= lease_ms
+}
+
+/// The actions that bring what runs here to what is desired. A fenced node
+/// stops everything and starts nothing. A task whose generation is not the
+/// desired one is stale and is stopped; the desired generation is started
+/// only once no other generation of the allocation runs.
+pub fn reconcile(desired: &[Desired], local: &[Local], fenced: bool) -> Vec<Action> {
+    let mut actions = BTreeSet::new();
+    let wanted: BTreeSet<(u64, u64)> = desired
+        .iter()
+        .filter(|d| !d.stop && !fenced)
+        .map(|d| (d.allocation, d.generation))
+        .collect();
+    for task in local {
+        if task.running && !task.stopping && !wanted.contains(&(task.allocation, task.generation)) {
+            actions.insert(Action::Stop {
+                allocation: task.allocation,
+                generation: task.generation,
+            });
+        }
+    }
+    for &(allocation, generation) in &wanted {
+        let known = local
+            .iter()
+            .any(|t| t.allocation == allocation && t.generation == generation);
+        let other_running = local
+            .iter()
+            .any(|t| t.allocation == allocation && t.generation != generation && t.running);
+        if !known && !other_running {
+            actions.insert(Action::Start {
+                allocation,
+                generation,
+            });
+        }
+    }
+    actions.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desired(allocation: u64, generation: u64, stop: bool) -> Desired {
+        Desired {
+            allocation,
+            generation,
+            stop,
+        }
+    }
+
+    fn local(allocation: u64, generation: u64, running: bool) -> Local {
+        Local {
+            allocation,
+            generation,
+            running,
+            stopping: false,
+        }
+    }
+
+    #[test]
+    fn starts_what_is_desired_and_not_running() {
+        assert_eq!(
+            reconcile(&[desired(1, 5, false)], &[], false),
+            vec![Action::Start {
+                allocation: 1,
+                generation: 5
+            }]
+        );
+    }
+
+    #[test]
+    fn an_exited_task_is_not_started_again() {
+        assert!(reconcile(&[desired(1, 5, false)], &[local(1, 5, false)], false).is_empty());
+    }
+
+    #[test]
+    fn stops_what_is_marked_stop_or_unknown_or_stale() {
+        let actions = reconcile(
+            &[desired(1, 5, true), desired(2, 9, false)],
+            &[local(1, 5, true), local(3, 1, true), local(2, 8, true)],
+            false,
+        );
+        assert_eq!(
+            actions,
+            vec![
+                Action::Stop {
+                    allocation: 1,
+                    generation: 5
+                },
+                Action::Stop {
+                    allocation: 2,
+                    generation: 8
+                },
+                Action::Stop {
+                    allocation: 3,
+                    generation: 1
+                },
+            ],
+            "the new generation of 2 waits until the stale one is gone"
+        );
+    }
+
+    #[test]
+    fn a_fenced_node_stops_everything_and_starts_nothing() {
+        let actions = reconcile(
+            &[desired(1, 5, false), desired(2, 6, false)],
+            &[local(1, 5, true)],
+            true,
+        );
+        assert_eq!(
+            actions,
+            vec![Action::Stop {
+                allocation: 1,
+                generation: 5
+            }]
+        );
+    }
+
+    #[test]
+    fn fencing_starts_a_margin_before_the_lease_ends() {
+        assert!(!must_fence(10_000, 5_000, 10_000, 2_000));
+        assert!(must_fence(13_000, 5_000, 10_000, 2_000));
+        assert!(must_fence(20_000, 5_000, 10_000, 2_000));
+    }
+}

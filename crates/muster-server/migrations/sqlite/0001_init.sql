@@ -1,0 +1,25 @@
+-- muster's embedded store, schema version 1.
+-- Every row holds one JSON record; the columns beside it are for lookups.
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY NOT NULL,
+    value INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY NOT NULL,
+    record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS allocations (
+    id INTEGER PRIMARY KEY NOT NULL,
+    job INTEGER NOT NULL,
+    record TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS allocations_by_job ON allocations (job);
+CREATE TABLE IF NOT EXISTS nodes (
+    name TEXT PRIMARY KEY NOT NULL,
+    record TEXT NOT NULL,
+    token TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS queues (
+    name TEXT PRIMARY KEY NOT NULL,
+    record TEXT NOT NULL
+);

@@ -1,0 +1,1046 @@
+//! The `/v1` HTTP API: routes, authentication, handlers and the OpenAPI
+//! document. Handlers translate between the wire and the control plane;
+//! they decide nothing themselves.
+
+use crate::auth::{bearer, new_token, same_token};
+use crate::core::{Core, Shared};
+use crate::error::{ApiError, Body, MAX_BODY_BYTES, Params, PathParams};
+use crate::records::QueueRecord;
+use crate::store::Batch;
+use crate::views::{desired_view, empty_queue_view, job_view, node_view, queue_views};
+use axum::Json;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use muster_api::protocol::*;
+use muster_control::{AllocationId, Input, JobState, Observed, Software};
+use muster_model::{
+    CpuMilli, GpuMilli, GpuModel, GpuSpec, JobId, MemoryMib, NodeName, NodeSpec, PoolName,
+    QueueName, QueueSpec, RackName,
+};
+use serde::Deserialize;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+use utoipa::OpenApi;
+
+type Shared_ = State<Arc<Shared>>;
+
+/// The longest a heartbeat is held (long poll).
+const MAX_HEARTBEAT_WAIT: Duration = Duration::from_secs(30);
+/// The longest a log read is held when following.
+const LOG_FOLLOW_WAIT: Duration = Duration::from_secs(10);
+/// The most log bytes returned at once.
+const MAX_LOG_READ: usize = 1024 * 1024;
+/// The user a job is recorded under when the request names none.
+const DEFAULT_USER: &str = "admin";
+/// The header naming the user a job is submitted for.
+pub const USER_HEADER: &str = "x-muster-user";
+
+pub fn router(shared: Arc<Shared>) -> axum::Router {
+    axum::Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/v1/openapi.json", get(openapi))
+        .route("/v1/jobs", post(submit_job).get(list_jobs))
+        .route("/v1/jobs/{id}", get(get_job))
+        .route("/v1/jobs/{id}/cancel", post(cancel_job))
+        .route("/v1/jobs/{id}/logs", get(job_logs))
+        .route("/v1/nodes", get(list_nodes))
+        .route("/v1/nodes/{name}", get(get_node))
+        .route("/v1/nodes/{name}/cordon", post(cordon_node))
+        .route("/v1/nodes/{name}/uncordon", post(uncordon_node))
+        .route("/v1/nodes/{name}/drain", post(drain_node))
+        .route("/v1/queues", get(list_queues))
+        .route("/v1/queues/{name}", put(set_queue))
+        .route("/v1/agents/register", post(register_agent))
+        .route("/v1/agents/{node}/heartbeat", post(heartbeat))
+        .route("/v1/agents/{node}/logs", post(push_logs))
+        .fallback(no_such_endpoint)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            authenticate,
+        ))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(shared)
+}
+
+async fn no_such_endpoint(request: Request) -> ApiError {
+    ApiError::not_found(format!(
+        "no endpoint {} {}; GET /v1/openapi.json lists them",
+        request.method(),
+        request.uri().path()
+    ))
+}
+
+async fn method_not_allowed(request: Request) -> ApiError {
+    ApiError::invalid(format!(
+        "{} is not accepted on {}; GET /v1/openapi.json lists the methods",
+        request.method(),
+        request.uri().path()
+    ))
+    .with_status(StatusCode::METHOD_NOT_ALLOWED)
+}
+
+// ---------------------------------------------------------------- auth
+
+/// Who a request comes from, by its token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Identity {
+    Admin,
+    Join,
+    Node(String),
+}
+
+/// What an endpoint needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Need {
+    Nothing,
+    Admin,
+    Join,
+    Node(String),
+}
+
+fn need_of(path: &str) -> Need {
+    if path == "/healthz" || path == "/v1/openapi.json" || !path.starts_with("/v1/") {
+        return Need::Nothing;
+    }
+    if path == "/v1/agents/register" {
+        return Need::Join;
+    }
+    if let Some(rest) = path.strip_prefix("/v1/agents/") {
+        let node = rest.split('/').next().unwrap_or_default();
+        return Need::Node(node.to_string());
+    }
+    Need::Admin
+}
+
+fn identify(shared: &Shared, token: &str) -> Option<Identity> {
+    if same_token(token, &shared.admin_token) {
+        return Some(Identity::Admin);
+    }
+    if same_token(token, &shared.join_token) {
+        return Some(Identity::Join);
+    }
+    let core = shared.lock();
+    core.node_tokens
+        .iter()
+        .find(|(_, node_token)| same_token(token, node_token))
+        .map(|(name, _)| Identity::Node(name.0.clone()))
+}
+
+async fn authenticate(State(shared): Shared_, request: Request, next: Next) -> Response {
+    let need = need_of(request.uri().path());
+    if need == Need::Nothing {
+        return next.run(request).await;
+    }
+    let admin_file = shared.settings.data_dir.join("admin.token");
+    let join_file = shared.settings.data_dir.join("join.token");
+    let Some(token) = bearer(request.headers()) else {
+        return ApiError::new(
+            ErrorCode::Unauthenticated,
+            format!(
+                "missing bearer token: pass --token or set MUSTER_TOKEN (the admin token is in \
+                 {} on the server; `muster` also reads ~/.local/share/muster/admin.token)",
+                admin_file.display()
+            ),
+        )
+        .into_response();
+    };
+    let Some(identity) = identify(&shared, token) else {
+        return ApiError::new(
+            ErrorCode::Unauthenticated,
+            format!(
+                "invalid token: pass --token or set MUSTER_TOKEN to the admin token in {} on \
+                 the server (agents register with the join token in {})",
+                admin_file.display(),
+                join_file.display()
+            ),
+        )
+        .into_response();
+    };
+    let denied = match (&need, &identity) {
+        (Need::Admin, Identity::Admin) | (Need::Join, Identity::Join) => None,
+        (Need::Node(wanted), Identity::Node(node)) if wanted == node => None,
+        (Need::Node(wanted), Identity::Node(node)) => Some(format!(
+            "this token belongs to node {node}, not to node {wanted}"
+        )),
+        (Need::Node(_), _) => Some(
+            "agent endpoints need the node token that registration returned; register with the \
+             join token first"
+                .to_string(),
+        ),
+        (Need::Join, _) => Some(format!(
+            "agents register with the join token, in {} on the server",
+            join_file.display()
+        )),
+        (Need::Admin, Identity::Join) => Some(format!(
+            "the join token only registers agents; use the admin token ({}) for this",
+            admin_file.display()
+        )),
+        (Need::Admin, _) => Some(format!(
+            "a node token is only for that node's heartbeats and logs; use the admin token ({}) \
+             for this",
+            admin_file.display()
+        )),
+        (Need::Nothing, _) => None,
+    };
+    match denied {
+        Some(message) => ApiError::new(ErrorCode::PermissionDenied, message).into_response(),
+        None => next.run(request).await,
+    }
+}
+
+// ---------------------------------------------------------------- helpers
+
+fn parse_job_id(text: &str) -> Result<JobId, ApiError> {
+    text.parse::<u64>()
+        .map(JobId)
+        .map_err(|_| ApiError::invalid(format!("a job id is a number, got {text:?}")))
+}
+
+fn job_not_found(id: JobId) -> ApiError {
+    ApiError::not_found(format!("no job {id}; `muster ps` lists jobs"))
+}
+
+fn node_not_found(name: &str) -> ApiError {
+    ApiError::not_found(format!("no node {name}; `muster nodes` lists nodes"))
+}
+
+/// Letters, digits, '-', '_' and '.', starting with a letter or digit, as
+/// the job spec's names.
+fn is_plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= muster_api::MAX_NAME_LENGTH
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+fn check_name(what: &str, name: &str) -> Result<(), ApiError> {
+    if is_plain_name(name) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(format!(
+            "{what} must be 1 to {} letters, digits, '-', '_' or '.', starting with a letter or \
+             digit, got {name:?}",
+            muster_api::MAX_NAME_LENGTH
+        )))
+    }
+}
+
+// ---------------------------------------------------------------- jobs
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct JobQuery {
+    /// Only jobs of this queue.
+    queue: Option<String>,
+    /// Only jobs in this state (pending, running, stopping, succeeded,
+    /// failed, cancelled).
+    state: Option<String>,
+    /// Only jobs of this user.
+    user: Option<String>,
+}
+
+/// Submit a job. Answers once the job is durable.
+#[utoipa::path(
+    post, path = "/v1/jobs", tag = "jobs",
+    request_body = SubmitRequest,
+    params(("x-muster-user" = Option<String>, Header, description = "the user the job runs for (default: admin)")),
+    responses(
+        (status = 201, description = "accepted and saved", body = SubmitResponse),
+        (status = 400, description = "invalid spec: every problem, one per line", body = ErrorBody),
+        (status = 413, description = "body over 1 MiB", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn submit_job(
+    State(shared): Shared_,
+    headers: axum::http::HeaderMap,
+    Body(request): Body<SubmitRequest>,
+) -> Result<(StatusCode, Json<SubmitResponse>), ApiError> {
+    let user = match headers.get(USER_HEADER) {
+        None => DEFAULT_USER.to_string(),
+        Some(value) => {
+            let user = value
+                .to_str()
+                .map_err(|_| ApiError::invalid(format!("the {USER_HEADER} header is not text")))?;
+            check_name("the user", user)?;
+            user.to_string()
+        }
+    };
+    let spec = muster_api::parse_job_spec_value(&request.spec)
+        .map_err(|errors| ApiError::invalid(errors.to_string()))?;
+    let (_, durable, id) = shared.apply_with(
+        |core: &mut Core| {
+            let id = JobId(core.next_job);
+            core.next_job += 1;
+            (Input::Submit { id, spec, user }, id)
+        },
+        Batch::default(),
+    )?;
+    if let Err(error) = durable.wait().await {
+        // Not durable, so not accepted: forget it unless it already started.
+        let mut core = shared.lock();
+        if core
+            .control
+            .jobs
+            .get(&id)
+            .is_some_and(|job| job.state == JobState::Pending)
+        {
+            core.control.jobs.remove(&id);
+        }
+        return Err(error.into());
+    }
+    tracing::info!(job = id.0, "job submitted");
+    Ok((StatusCode::CREATED, Json(SubmitResponse { id: id.0 })))
+}
+
+/// List jobs, newest first.
+#[utoipa::path(
+    get, path = "/v1/jobs", tag = "jobs", params(JobQuery),
+    responses((status = 200, body = JobList), (status = 400, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn list_jobs(
+    State(shared): Shared_,
+    Params(query): Params<JobQuery>,
+) -> Result<Json<JobList>, ApiError> {
+    let state = match query.state.as_deref().filter(|s| !s.is_empty()) {
+        None => None,
+        Some(text) => Some(JobState::parse(text).ok_or_else(|| {
+            ApiError::invalid(format!(
+                "unknown job state {text:?}; accepted: pending, running, stopping, succeeded, \
+                 failed, cancelled"
+            ))
+        })?),
+    };
+    let queue = query.queue.filter(|q| !q.is_empty());
+    let user = query.user.filter(|u| !u.is_empty());
+    let core = shared.lock();
+    let jobs = core
+        .control
+        .jobs
+        .values()
+        .rev()
+        .filter(|job| state.is_none_or(|state| job.state == state))
+        .filter(|job| queue.as_deref().is_none_or(|q| job.spec.queue.0 == q))
+        .filter(|job| user.as_deref().is_none_or(|u| job.user == u))
+        .map(|job| job_view(&core, job))
+        .collect();
+    Ok(Json(JobList { jobs }))
+}
+
+/// One job: state, tasks with nodes and GPUs, why it is pending, history.
+#[utoipa::path(
+    get, path = "/v1/jobs/{id}", tag = "jobs",
+    params(("id" = u64, Path, description = "the job's id")),
+    responses((status = 200, body = JobView), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn get_job(
+    State(shared): Shared_,
+    PathParams(id): PathParams<String>,
+) -> Result<Json<JobView>, ApiError> {
+    let id = parse_job_id(&id)?;
+    let core = shared.lock();
+    let job = core
+        .control
+        .jobs
+        .get(&id)
+        .ok_or_else(|| job_not_found(id))?;
+    Ok(Json(job_view(&core, job)))
+}
+
+/// Cancel a job: a pending one at once, a running one once its tasks stop.
+#[utoipa::path(
+    post, path = "/v1/jobs/{id}/cancel", tag = "jobs",
+    params(("id" = u64, Path, description = "the job's id")),
+    responses((status = 200, body = JobView), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn cancel_job(
+    State(shared): Shared_,
+    PathParams(id): PathParams<String>,
+) -> Result<Json<JobView>, ApiError> {
+    let id = parse_job_id(&id)?;
+    let (_, durable) = shared.apply(Input::Cancel { job: id }, Batch::default())?;
+    durable.wait().await?;
+    let core = shared.lock();
+    let job = core
+        .control
+        .jobs
+        .get(&id)
+        .ok_or_else(|| job_not_found(id))?;
+    Ok(Json(job_view(&core, job)))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct LogsQuery {
+    /// The task (node rank); 0 by default.
+    rank: Option<u32>,
+    /// The byte offset to read from; 0 by default.
+    offset: Option<u64>,
+    /// Wait up to 10 s for new output before answering.
+    follow: Option<bool>,
+}
+
+/// A task's output, from a byte offset.
+#[utoipa::path(
+    get, path = "/v1/jobs/{id}/logs", tag = "jobs",
+    params(("id" = u64, Path, description = "the job's id"), LogsQuery),
+    responses((status = 200, body = LogsResponse), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn job_logs(
+    State(shared): Shared_,
+    PathParams(id): PathParams<String>,
+    Params(query): Params<LogsQuery>,
+) -> Result<Json<LogsResponse>, ApiError> {
+    let id = parse_job_id(&id)?;
+    let rank = query.rank.unwrap_or(0);
+    let offset = query.offset.unwrap_or(0);
+    let deadline = tokio::time::Instant::now() + LOG_FOLLOW_WAIT;
+    let mut changes = shared.changes.subscribe();
+    let mut shutdown = shared.shutdown.clone();
+    loop {
+        changes.borrow_and_update();
+        let (allocation, final_state) = {
+            let core = shared.lock();
+            let job = core
+                .control
+                .jobs
+                .get(&id)
+                .ok_or_else(|| job_not_found(id))?;
+            if rank >= job.spec.nodes {
+                return Err(ApiError::invalid(format!(
+                    "job {id} has ranks 0 to {}, not {rank}",
+                    job.spec.nodes.saturating_sub(1)
+                )));
+            }
+            let allocation = core
+                .job_allocations
+                .get(&id)
+                .into_iter()
+                .flatten()
+                .filter_map(|a| core.control.allocations.get(a))
+                .filter(|a| a.rank == rank)
+                .map(|a| a.id)
+                .next_back();
+            (allocation, job.state.is_final())
+        };
+        let (data, consumed, length) = match allocation {
+            Some(allocation) => read_log(&log_path(&shared, allocation), offset).await?,
+            None => (String::new(), 0, 0),
+        };
+        let next_offset = offset + consumed;
+        let complete = final_state && next_offset >= length;
+        let follow = query.follow.unwrap_or(false);
+        if !follow || !data.is_empty() || complete || tokio::time::Instant::now() >= deadline {
+            return Ok(Json(LogsResponse {
+                data,
+                next_offset,
+                complete,
+            }));
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline) => {}
+            _ = changes.changed() => {}
+            _ = shutdown.wait_for(|stop| *stop) => {
+                return Ok(Json(LogsResponse { data, next_offset, complete }));
+            }
+        }
+    }
+}
+
+fn log_path(shared: &Shared, allocation: AllocationId) -> std::path::PathBuf {
+    shared.logs_dir().join(format!("{}.log", allocation.0))
+}
+
+/// Up to [`MAX_LOG_READ`] bytes from `offset`, cut at a character
+/// boundary: the text, the bytes it stands for, and the file's length.
+async fn read_log(path: &Path, offset: u64) -> Result<(String, u64, u64), ApiError> {
+    let internal = |error: std::io::Error| {
+        ApiError::new(
+            ErrorCode::Internal,
+            format!("cannot read the log {}: {error}", path.display()),
+        )
+    };
+    let mut file = match tokio::fs::File::open(path).await {
+        Ok(file) => file,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            return Ok((String::new(), 0, 0));
+        }
+        Err(error) => return Err(internal(error)),
+    };
+    let length = file.metadata().await.map_err(internal)?.len();
+    if offset >= length {
+        return Ok((String::new(), 0, length));
+    }
+    file.seek(std::io::SeekFrom::Start(offset))
+        .await
+        .map_err(internal)?;
+    let want = usize::try_from(length - offset)
+        .unwrap_or(MAX_LOG_READ)
+        .min(MAX_LOG_READ);
+    let mut bytes = vec![0u8; want];
+    let mut read = 0;
+    while read < want {
+        let n = file.read(&mut bytes[read..]).await.map_err(internal)?;
+        if n == 0 {
+            break;
+        }
+        read += n;
+    }
+    bytes.truncate(read);
+    match String::from_utf8(bytes) {
+        Ok(text) => {
+            let consumed = text.len() as u64;
+            Ok((text, consumed, length))
+        }
+        Err(error) => {
+            let valid = error.utf8_error().valid_up_to();
+            let mut bytes = error.into_bytes();
+            if valid > 0 {
+                // A character cut at the end of the read: the rest comes next.
+                bytes.truncate(valid);
+                let text = String::from_utf8(bytes).unwrap_or_default();
+                Ok((text, valid as u64, length))
+            } else {
+                // Not text at this offset: pass it on, replaced.
+                let consumed = bytes.len() as u64;
+                Ok((
+                    String::from_utf8_lossy(&bytes).into_owned(),
+                    consumed,
+                    length,
+                ))
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- nodes
+
+/// Every node.
+#[utoipa::path(
+    get, path = "/v1/nodes", tag = "nodes",
+    responses((status = 200, body = NodeList)),
+    security(("bearer" = []))
+)]
+async fn list_nodes(State(shared): Shared_) -> Json<NodeList> {
+    let core = shared.lock();
+    let nodes = core
+        .control
+        .nodes
+        .values()
+        .map(|node| node_view(&core, node))
+        .collect();
+    Json(NodeList { nodes })
+}
+
+/// One node.
+#[utoipa::path(
+    get, path = "/v1/nodes/{name}", tag = "nodes",
+    params(("name" = String, Path, description = "the node's name")),
+    responses((status = 200, body = NodeView), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn get_node(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<NodeView>, ApiError> {
+    let core = shared.lock();
+    let node = core
+        .control
+        .nodes
+        .get(&NodeName(name.clone()))
+        .ok_or_else(|| node_not_found(&name))?;
+    Ok(Json(node_view(&core, node)))
+}
+
+async fn node_input(
+    shared: Arc<Shared>,
+    name: String,
+    input: Input,
+) -> Result<Json<NodeView>, ApiError> {
+    let (_, durable) = shared.apply(input, Batch::default())?;
+    durable.wait().await?;
+    let core = shared.lock();
+    let node = core
+        .control
+        .nodes
+        .get(&NodeName(name.clone()))
+        .ok_or_else(|| node_not_found(&name))?;
+    tracing::info!(node = %name, cordoned = node.cordoned, draining = node.draining, "node changed by an admin");
+    Ok(Json(node_view(&core, node)))
+}
+
+/// Cordon a node: nothing new is placed on it.
+#[utoipa::path(
+    post, path = "/v1/nodes/{name}/cordon", tag = "nodes",
+    params(("name" = String, Path, description = "the node's name")),
+    responses((status = 200, body = NodeView), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn cordon_node(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<NodeView>, ApiError> {
+    let node = NodeName(name.clone());
+    node_input(
+        shared,
+        name,
+        Input::Cordon {
+            node,
+            cordoned: true,
+        },
+    )
+    .await
+}
+
+/// Uncordon a node (ends a drain too).
+#[utoipa::path(
+    post, path = "/v1/nodes/{name}/uncordon", tag = "nodes",
+    params(("name" = String, Path, description = "the node's name")),
+    responses((status = 200, body = NodeView), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn uncordon_node(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<NodeView>, ApiError> {
+    let node = NodeName(name.clone());
+    node_input(
+        shared,
+        name,
+        Input::Cordon {
+            node,
+            cordoned: false,
+        },
+    )
+    .await
+}
+
+/// Drain a node: cordon it and stop (re-queue) its jobs.
+#[utoipa::path(
+    post, path = "/v1/nodes/{name}/drain", tag = "nodes",
+    params(("name" = String, Path, description = "the node's name")),
+    responses((status = 200, body = NodeView), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn drain_node(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<NodeView>, ApiError> {
+    let node = NodeName(name.clone());
+    node_input(shared, name, Input::Drain { node }).await
+}
+
+// ---------------------------------------------------------------- queues
+
+/// Every queue: configured ones and those jobs name.
+#[utoipa::path(
+    get, path = "/v1/queues", tag = "queues",
+    responses((status = 200, body = QueueList)),
+    security(("bearer" = []))
+)]
+async fn list_queues(State(shared): Shared_) -> Json<QueueList> {
+    let core = shared.lock();
+    Json(QueueList {
+        queues: queue_views(&core),
+    })
+}
+
+/// The most GPUs a quota may name.
+const MAX_QUOTA_GPUS: f64 = 1_000_000.0;
+
+fn quota_milli(what: &str, gpus: f64) -> Result<GpuMilli, ApiError> {
+    if !gpus.is_finite() || !(0.0..=MAX_QUOTA_GPUS).contains(&gpus) {
+        return Err(ApiError::invalid(format!(
+            "{what} must be a number of GPUs from 0 to {MAX_QUOTA_GPUS}, got {gpus}"
+        )));
+    }
+    Ok(GpuMilli((gpus * 1000.0).round() as u32))
+}
+
+/// Create or change a queue's quota.
+#[utoipa::path(
+    put, path = "/v1/queues/{name}", tag = "queues",
+    params(("name" = String, Path, description = "the queue's name")),
+    request_body = QueueUpdate,
+    responses((status = 200, body = QueueView), (status = 400, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn set_queue(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+    Body(update): Body<QueueUpdate>,
+) -> Result<Json<QueueView>, ApiError> {
+    check_name("a queue name", &name)?;
+    let guaranteed = quota_milli("guaranteed_gpus", update.guaranteed_gpus)?;
+    let borrow_limit = update
+        .borrow_limit_gpus
+        .map(|gpus| quota_milli("borrow_limit_gpus", gpus))
+        .transpose()?;
+    if !(1..=10_000).contains(&update.weight) {
+        return Err(ApiError::invalid(format!(
+            "weight must be from 1 to 10000, got {}",
+            update.weight
+        )));
+    }
+    let spec = QueueSpec {
+        name: QueueName(name.clone()),
+        guaranteed,
+        borrow_limit,
+        weight: update.weight,
+    };
+    let mut batch = Batch::default();
+    if let Ok(text) = serde_json::to_string(&QueueRecord::from(&spec)) {
+        batch.queues.insert(name.clone(), text);
+    }
+    let (_, durable) = shared.apply(Input::SetQueue(spec.clone()), batch)?;
+    durable.wait().await?;
+    shared.wake_scheduler.notify_one();
+    tracing::info!(queue = %name, "queue set");
+    let core = shared.lock();
+    let view = queue_views(&core)
+        .into_iter()
+        .find(|view| view.name == name)
+        .unwrap_or_else(|| empty_queue_view(&spec));
+    Ok(Json(view))
+}
+
+// ---------------------------------------------------------------- agents
+
+fn node_spec(request: &RegisterRequest) -> Result<NodeSpec, ApiError> {
+    check_name("the node name", &request.name)?;
+    if request.address.trim().is_empty() {
+        return Err(ApiError::invalid(
+            "address must name where other nodes reach this one (a host name or IP address)",
+        ));
+    }
+    for (position, gpu) in request.gpus.iter().enumerate() {
+        if gpu.index as usize != position {
+            return Err(ApiError::invalid(format!(
+                "gpus must be listed by index from 0 without gaps; position {position} has index {}",
+                gpu.index
+            )));
+        }
+        if gpu.model.trim().is_empty() {
+            return Err(ApiError::invalid(format!(
+                "gpus[{position}].model is empty"
+            )));
+        }
+    }
+    if request.cpu_milli == 0 || request.memory_mib == 0 {
+        return Err(ApiError::invalid(
+            "cpu_milli and memory_mib must be above 0 (what the node offers to jobs)",
+        ));
+    }
+    for (what, value) in [("pool", &request.pool), ("rack", &request.rack)] {
+        if let Some(value) = value {
+            check_name(what, value)?;
+        }
+    }
+    Ok(NodeSpec {
+        name: NodeName(request.name.clone()),
+        pool: PoolName(
+            request
+                .pool
+                .clone()
+                .unwrap_or_else(|| "default".to_string()),
+        ),
+        rack: RackName(
+            request
+                .rack
+                .clone()
+                .unwrap_or_else(|| "default".to_string()),
+        ),
+        gpus: request
+            .gpus
+            .iter()
+            .map(|gpu| GpuSpec {
+                index: gpu.index,
+                uuid: gpu.uuid.clone(),
+                model: GpuModel::new(&gpu.model),
+                memory: MemoryMib(gpu.memory_mib),
+                nvlink_domain: gpu.nvlink_domain,
+            })
+            .collect(),
+        cpu: CpuMilli(request.cpu_milli),
+        memory: MemoryMib(request.memory_mib),
+    })
+}
+
+/// Register an agent's node (join token); returns the node's own token.
+#[utoipa::path(
+    post, path = "/v1/agents/register", tag = "agents",
+    request_body = RegisterRequest,
+    responses((status = 200, body = RegisterResponse), (status = 400, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn register_agent(
+    State(shared): Shared_,
+    Body(request): Body<RegisterRequest>,
+) -> Result<Json<RegisterResponse>, ApiError> {
+    let spec = node_spec(&request)?;
+    let token =
+        new_token().map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
+    let name = spec.name.clone();
+    let input = Input::Register {
+        spec,
+        address: request.address.clone(),
+        epoch: request.epoch,
+        software: Software {
+            backend: request.backend.clone(),
+            driver: request.driver_version.clone(),
+            cuda: request.cuda_version.clone(),
+        },
+    };
+    let issued = token.clone();
+    let (_, durable, ()) = shared.apply_with(
+        move |core: &mut Core| {
+            core.node_tokens.insert(name, issued);
+            (input, ())
+        },
+        Batch::default(),
+    )?;
+    durable.wait().await?;
+    tracing::info!(node = %request.name, epoch = request.epoch, "node registered");
+    Ok(Json(RegisterResponse {
+        node_token: token,
+        lease_ms: shared.settings.lease_ms,
+        heartbeat_ms: shared.settings.heartbeat_ms,
+    }))
+}
+
+/// Renew the node's lease, report its allocations, and get what it must
+/// run (long poll while `known_version` is current).
+#[utoipa::path(
+    post, path = "/v1/agents/{node}/heartbeat", tag = "agents",
+    params(("node" = String, Path, description = "the node's name")),
+    request_body = HeartbeatRequest,
+    responses(
+        (status = 200, body = HeartbeatResponse),
+        (status = 404, description = "unknown node: register first", body = ErrorBody),
+        (status = 409, description = "an old epoch: register again", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn heartbeat(
+    State(shared): Shared_,
+    PathParams(node): PathParams<String>,
+    Body(request): Body<HeartbeatRequest>,
+) -> Result<Json<HeartbeatResponse>, ApiError> {
+    let name = NodeName(node);
+    let observed = request
+        .observed
+        .iter()
+        .map(|o| Observed {
+            allocation: AllocationId(o.allocation),
+            generation: o.generation,
+            exited: o.exited,
+        })
+        .collect();
+    // Its own changes become durable with the barrier below.
+    let _ = shared.apply(
+        Input::Heartbeat {
+            node: name.clone(),
+            epoch: request.epoch,
+            observed,
+        },
+        Batch::default(),
+    )?;
+    let mut versions = shared.lock().watch_desired(&name);
+    let current = *versions.borrow_and_update();
+    let wait = Duration::from_millis(request.wait_ms)
+        .min(MAX_HEARTBEAT_WAIT)
+        .min(Duration::from_millis(shared.settings.lease_ms / 2));
+    if request.known_version == current && !wait.is_zero() {
+        let mut shutdown = shared.shutdown.clone();
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = versions.changed() => {}
+            _ = shutdown.wait_for(|stop| *stop) => {}
+        }
+    }
+    let (version, desired) = {
+        let core = shared.lock();
+        let version = *versions.borrow();
+        let desired = core
+            .control
+            .desired(&name)
+            .into_iter()
+            .map(desired_view)
+            .collect();
+        (version, desired)
+    };
+    // A barrier: every change made before the state was read is durable
+    // before the agent may act on it (no task runs that a restarted server
+    // would not know about).
+    shared.writer.queue(Batch::default()).wait().await?;
+    Ok(Json(HeartbeatResponse {
+        version,
+        lease_ms: shared.settings.lease_ms,
+        desired,
+    }))
+}
+
+/// Append an allocation's output at a byte offset (bytes already there are
+/// skipped, so retries are harmless).
+#[utoipa::path(
+    post, path = "/v1/agents/{node}/logs", tag = "agents",
+    params(("node" = String, Path, description = "the node's name")),
+    request_body = LogChunk,
+    responses(
+        (status = 200, body = LogAck),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "the chunk starts past the end of the log", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn push_logs(
+    State(shared): Shared_,
+    PathParams(node): PathParams<String>,
+    Body(chunk): Body<LogChunk>,
+) -> Result<Json<LogAck>, ApiError> {
+    let allocation = AllocationId(chunk.allocation);
+    {
+        let core = shared.lock();
+        let Some(found) = core.control.allocations.get(&allocation) else {
+            return Err(ApiError::not_found(format!(
+                "no allocation {allocation}; send logs only for allocations this node was given"
+            )));
+        };
+        if found.node.0 != node {
+            return Err(ApiError::new(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "allocation {allocation} is on node {}, not {node}",
+                    found.node
+                ),
+            ));
+        }
+    }
+    let path = log_path(&shared, allocation);
+    let internal = |error: std::io::Error| {
+        ApiError::new(
+            ErrorCode::Internal,
+            format!("cannot write the log {}: {error}", path.display()),
+        )
+    };
+    let next_offset = {
+        let _guard = shared.log_lock.lock().await;
+        let mut file = tokio::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .await
+            .map_err(internal)?;
+        let length = file.metadata().await.map_err(internal)?.len();
+        if chunk.offset > length {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "the chunk starts at byte {} but the log of allocation {allocation} has {length} \
+                     bytes; send from byte {length}",
+                    chunk.offset
+                ),
+            ));
+        }
+        let bytes = chunk.data.as_bytes();
+        let skip = usize::try_from(length - chunk.offset).unwrap_or(usize::MAX);
+        if skip < bytes.len() {
+            file.write_all(&bytes[skip..]).await.map_err(internal)?;
+            file.flush().await.map_err(internal)?;
+            length + (bytes.len() - skip) as u64
+        } else {
+            length
+        }
+    };
+    shared.changes.send_modify(|version| *version += 1);
+    Ok(Json(LogAck { next_offset }))
+}
+
+// ---------------------------------------------------------------- openapi
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "muster", description = "muster's /v1 API: jobs, nodes, queues, agents."),
+    paths(
+        submit_job, list_jobs, get_job, cancel_job, job_logs,
+        list_nodes, get_node, cordon_node, uncordon_node, drain_node,
+        list_queues, set_queue,
+        register_agent, heartbeat, push_logs,
+    ),
+    components(schemas(ErrorBody, ErrorCode)),
+    modifiers(&BearerAuth),
+)]
+struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// The OpenAPI 3 document of this API.
+pub fn openapi_document() -> utoipa::openapi::OpenApi {
+    ApiDoc::openapi()
+}
+
+async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(openapi_document())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_openapi_document_describes_every_endpoint_and_its_types() {
+        let document = serde_json::to_value(openapi_document()).unwrap();
+        let paths = document["paths"].as_object().unwrap();
+        assert_eq!(paths.len(), 14, "{:?}", paths.keys().collect::<Vec<_>>());
+        let schemas = document["components"]["schemas"].as_object().unwrap();
+        for name in [
+            "SubmitRequest",
+            "JobView",
+            "HeartbeatResponse",
+            "ErrorBody",
+            "LogChunk",
+        ] {
+            assert!(schemas.contains_key(name), "{name} is described");
+        }
+        assert_eq!(
+            document["components"]["securitySchemes"]["bearer"]["scheme"],
+            "bearer"
+        );
+    }
+
+    #[test]
+    fn endpoints_need_the_right_token() {
+        assert_eq!(need_of("/healthz"), Need::Nothing);
+        assert_eq!(need_of("/v1/openapi.json"), Need::Nothing);
+        assert_eq!(need_of("/v1/jobs/3"), Need::Admin);
+        assert_eq!(need_of("/v1/agents/register"), Need::Join);
+        assert_eq!(
+            need_of("/v1/agents/gpu-1/heartbeat"),
+            Need::Node("gpu-1".into())
+        );
+        assert_eq!(need_of("/v1/agents/"), Need::Node(String::new()));
+    }
+}

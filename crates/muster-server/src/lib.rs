@@ -1,0 +1,247 @@
+//! muster's control-plane shell: the tokio process around the pure
+//! [`muster_control::ControlPlane`].
+//!
+//! It owns:
+//! - the `/v1` HTTP API (axum) and its OpenAPI document, with bearer-token
+//!   authentication on by default (admin, join and per-node tokens);
+//! - the store: embedded SQLite (WAL, `synchronous=FULL`) behind the small
+//!   [`store::Store`] trait, written by one task with group commit, so a
+//!   submission is acknowledged only once durable;
+//! - the scheduling loop (the engine runs on a blocking thread) and the
+//!   lease ticker;
+//! - the wall clock and randomness, which it passes to the pure crates.
+//!
+//! It must not decide anything: which job runs where, what a heartbeat
+//! means, when a lease ends are decided in `muster-control` and
+//! `muster-sched`. This crate reads the clock, moves bytes, stores records
+//! and wakes whoever waits.
+//!
+//! ```no_run
+//! # async fn run() -> anyhow::Result<()> {
+//! let config = muster_server::ServerConfig::new("/var/lib/muster".into());
+//! let server = muster_server::Server::start(config).await?;
+//! println!("listening on {}", server.addr());
+//! tokio::signal::ctrl_c().await?;
+//! server.shutdown().await;
+//! # Ok(())
+//! # }
+//! ```
+
+mod api;
+mod auth;
+mod core;
+mod error;
+mod loops;
+mod records;
+pub mod store;
+mod views;
+mod writer;
+
+use crate::core::{Core, Settings, Shared, now};
+use crate::store::{SqliteStore, Store};
+use anyhow::Context;
+use muster_control::ControlConfig;
+use muster_sched::{PlacementPolicy, SchedulingPolicy};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use api::{USER_HEADER, openapi_document};
+pub use error::MAX_BODY_BYTES;
+
+/// The server's settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Where to listen; port 0 picks a free one (see [`ServerHandle::addr`]).
+    pub listen: SocketAddr,
+    /// The store, the tokens and the logs live here.
+    pub data_dir: PathBuf,
+    /// A node whose last heartbeat is older than this is lost.
+    pub lease_ms: u64,
+    /// How often agents are told to send heartbeats.
+    pub heartbeat_ms: u64,
+    /// How often the scheduler runs when nothing wakes it.
+    pub schedule_interval_ms: u64,
+    pub placement: PlacementPolicy,
+}
+
+impl ServerConfig {
+    /// The defaults, listening on 127.0.0.1:7070.
+    pub fn new(data_dir: PathBuf) -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            data_dir,
+            lease_ms: 10_000,
+            heartbeat_ms: 2_000,
+            schedule_interval_ms: 200,
+            placement: PlacementPolicy::default(),
+        }
+    }
+}
+
+/// Starts a server.
+#[derive(Debug)]
+pub struct Server;
+
+/// A running server.
+#[derive(Debug)]
+pub struct ServerHandle {
+    addr: SocketAddr,
+    admin_token: String,
+    join_token: String,
+    data_dir: PathBuf,
+    /// Whether this start created the data directory's tokens (a new
+    /// cluster).
+    pub first_start: bool,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    writer_task: JoinHandle<()>,
+    store: SqliteStore,
+}
+
+fn create_private_dir(path: &std::path::Path) -> std::io::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        builder.mode(0o700);
+    }
+    builder.create(path)
+}
+
+impl Server {
+    /// Opens (or creates) the data directory, loads the store, rebuilds the
+    /// control plane, and starts the API, the scheduler and the lease
+    /// ticker.
+    pub async fn start(config: ServerConfig) -> anyhow::Result<ServerHandle> {
+        let data_dir = config.data_dir.clone();
+        create_private_dir(&data_dir).with_context(|| {
+            format!(
+                "cannot create the data directory {}; choose a writable one",
+                data_dir.display()
+            )
+        })?;
+        create_private_dir(&data_dir.join("logs"))
+            .with_context(|| format!("cannot create {}", data_dir.join("logs").display()))?;
+        let (admin_token, first_start) = auth::load_or_create(&data_dir.join("admin.token"))?;
+        let (join_token, _) = auth::load_or_create(&data_dir.join("join.token"))?;
+
+        let store = SqliteStore::open(&data_dir).await?;
+        let loaded = store.load().await?;
+        let control_config = ControlConfig {
+            lease_ms: config.lease_ms,
+            ..ControlConfig::default()
+        };
+        let core = Core::restore(control_config, loaded, now())?;
+        tracing::info!(
+            jobs = core.control.jobs.len(),
+            nodes = core.control.nodes.len(),
+            "state loaded"
+        );
+        let (writer, writer_task) = writer::Writer::start(store.clone());
+        let (shutdown, shutdown_receiver) = watch::channel(false);
+        let shared = Arc::new(Shared::new(
+            Settings {
+                data_dir: data_dir.clone(),
+                lease_ms: config.lease_ms,
+                heartbeat_ms: config.heartbeat_ms,
+            },
+            core,
+            writer,
+            admin_token.clone(),
+            join_token.clone(),
+            shutdown_receiver.clone(),
+        ));
+
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .with_context(|| {
+                format!(
+                    "cannot listen on {}; is another server running there?",
+                    config.listen
+                )
+            })?;
+        let addr = listener.local_addr()?;
+        let router = api::router(shared.clone());
+        let mut stop = shutdown_receiver.clone();
+        let http = tokio::spawn(async move {
+            let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
+                let _ = stop.wait_for(|stop| *stop).await;
+            });
+            if let Err(error) = serve.await {
+                tracing::error!(%error, "the HTTP server failed");
+            }
+        });
+        let policy = SchedulingPolicy {
+            placement: config.placement,
+            ..SchedulingPolicy::default()
+        };
+        let scheduler = tokio::spawn(loops::scheduling_loop(
+            shared.clone(),
+            policy,
+            Duration::from_millis(config.schedule_interval_ms),
+            shutdown_receiver.clone(),
+        ));
+        let ticker = tokio::spawn(loops::lease_ticker(shared, shutdown_receiver));
+        tracing::info!(%addr, data_dir = %data_dir.display(), "muster server started");
+        Ok(ServerHandle {
+            addr,
+            admin_token,
+            join_token,
+            data_dir,
+            first_start,
+            shutdown,
+            tasks: vec![http, scheduler, ticker],
+            writer_task,
+            store,
+        })
+    }
+}
+
+impl ServerHandle {
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The admin token (users and admins).
+    pub fn admin_token(&self) -> &str {
+        &self.admin_token
+    }
+
+    /// The join token (agents registering).
+    pub fn join_token(&self) -> &str {
+        &self.join_token
+    }
+
+    pub fn data_dir(&self) -> &std::path::Path {
+        &self.data_dir
+    }
+
+    /// Stops accepting requests, ends long polls, lets the loops finish,
+    /// writes what is queued and closes the store.
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        for task in self.tasks {
+            match tokio::time::timeout(Duration::from_secs(15), task).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::error!(%error, "a server task failed"),
+                Err(_) => tracing::warn!("a server task did not stop within 15 s"),
+            }
+        }
+        // The writer ends once every handle to it is gone and its queue is
+        // written.
+        if tokio::time::timeout(Duration::from_secs(15), self.writer_task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("the store's writer did not finish within 15 s");
+        }
+        self.store.close().await;
+        tracing::info!("muster server stopped");
+    }
+}

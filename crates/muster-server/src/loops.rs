@@ -1,0 +1,90 @@
+//! The server's background loops: the scheduling loop (every interval or
+//! when woken, the engine runs on a blocking thread, never on the async
+//! ones) and the lease ticker (every second, so lost nodes are noticed).
+
+use crate::core::{Shared, now};
+use muster_control::Input;
+use muster_sched::{SchedulingPolicy, schedule};
+use rand_chacha::ChaCha8Rng;
+use rand_chacha::rand_core::SeedableRng;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// A generator for the scheduler's random choices, seeded by the operating
+/// system.
+fn seeded_rng() -> ChaCha8Rng {
+    let mut seed = [0u8; 32];
+    if let Err(error) = getrandom::fill(&mut seed) {
+        tracing::warn!(%error, "no random seed from the operating system; using a fixed one");
+    }
+    ChaCha8Rng::from_seed(seed)
+}
+
+pub async fn scheduling_loop(
+    shared: Arc<Shared>,
+    policy: SchedulingPolicy,
+    interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut rng = seeded_rng();
+    let mut ticker = tokio::time::interval(interval.max(Duration::from_millis(10)));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            () = shared.wake_scheduler.notified() => {}
+            _ = shutdown.changed() => break,
+        }
+        if *shutdown.borrow() {
+            break;
+        }
+        let (snapshot, pending) = shared.lock().control.scheduling_input(now());
+        if pending.is_empty() {
+            continue;
+        }
+        let cycle_policy = policy.clone();
+        let joined = tokio::task::spawn_blocking(move || {
+            let outcome = schedule(&snapshot, &pending, &cycle_policy, &mut rng);
+            (outcome, rng)
+        })
+        .await;
+        match joined {
+            Ok((outcome, returned)) => {
+                rng = returned;
+                match outcome {
+                    Ok(outcome) => shared.apply_outcome(&outcome),
+                    Err(error) => tracing::error!(%error, "a scheduling cycle failed"),
+                }
+            }
+            Err(error) => {
+                tracing::error!(%error, "a scheduling cycle panicked");
+                rng = seeded_rng();
+            }
+        }
+    }
+}
+
+pub async fn lease_ticker(shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+    let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.changed() => break,
+        }
+        if *shutdown.borrow() {
+            break;
+        }
+        match shared.apply(Input::Tick, Default::default()) {
+            Ok((outputs, _durable)) => {
+                for output in outputs {
+                    if let muster_control::Output::NodeChanged(node) = output {
+                        tracing::info!(node = %node, "node changed state (lease)");
+                    }
+                }
+            }
+            Err(error) => tracing::error!(%error, "the lease tick failed"),
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! From the control plane's state to the `/v1` wire types.
+
+use crate::core::Core;
+use crate::records::{allocation_state_name, node_state_name};
+use muster_api::protocol::{
+    DesiredAllocation, EventView, GpuView, JobView, NodeView, QueueView, TaskView,
+};
+use muster_control::{AllocationState, DesiredTask, Job, JobState, Node};
+use muster_model::{GpuRequest, QueueName, QueueSpec};
+use std::collections::BTreeMap;
+
+pub fn gpus_text(request: GpuRequest) -> String {
+    match request {
+        GpuRequest::Whole(count) => count.to_string(),
+        GpuRequest::Shared(share) => {
+            let text = format!("{:.3}", f64::from(share.0) / 1000.0);
+            text.trim_end_matches('0').to_string()
+        }
+    }
+}
+
+pub fn job_view(core: &Core, job: &Job) -> JobView {
+    let tasks = job
+        .allocations
+        .iter()
+        .filter_map(|id| core.control.allocations.get(id))
+        .map(|allocation| TaskView {
+            rank: allocation.rank,
+            node: allocation.node.0.clone(),
+            gpus: allocation.gpus.clone(),
+            allocation: allocation.id.0,
+            generation: allocation.generation,
+            state: allocation_state_name(allocation.state).to_string(),
+            exit_code: match allocation.state {
+                AllocationState::Exited { code } => code,
+                _ => None,
+            },
+        })
+        .collect();
+    JobView {
+        id: job.id.0,
+        name: job.spec.name.clone(),
+        user: job.user.clone(),
+        queue: job.spec.queue.0.clone(),
+        priority_class: job.spec.priority_class.name.clone(),
+        state: job.state.name().to_string(),
+        nodes: job.spec.nodes,
+        gpus_per_node: gpus_text(job.spec.gpus_per_node),
+        submitted_ms: job.submitted.0,
+        started_ms: job.started.map(|t| t.0),
+        finished_ms: job.finished.map(|t| t.0),
+        exit_code: job.exit_code,
+        attempts: job.attempts,
+        command: job.spec.command.clone(),
+        tasks,
+        pending_reason: if job.state == JobState::Pending {
+            Some(
+                job.pending_reason
+                    .clone()
+                    .unwrap_or_else(|| "waiting for the next scheduling cycle".to_string()),
+            )
+        } else {
+            None
+        },
+        queue_position: job.queue_position,
+        history: job
+            .history
+            .iter()
+            .map(|(at, what)| EventView {
+                at_ms: at.0,
+                what: what.clone(),
+            })
+            .collect(),
+    }
+}
+
+pub fn node_view(core: &Core, node: &Node) -> NodeView {
+    let mut gpu_free = vec![1000u32; node.spec.gpus.len()];
+    let mut allocations = Vec::new();
+    for allocation in core.control.allocations.values() {
+        if allocation.node != node.spec.name || !allocation.state.holds_resources() {
+            continue;
+        }
+        allocations.push(allocation.id.0);
+        for &(index, milli) in &allocation.gpus {
+            if let Some(free) = gpu_free.get_mut(index as usize) {
+                *free = free.saturating_sub(u32::from(milli));
+            }
+        }
+    }
+    NodeView {
+        name: node.spec.name.0.clone(),
+        state: node_state_name(node.state).to_string(),
+        cordoned: node.cordoned,
+        draining: node.draining,
+        pool: node.spec.pool.0.clone(),
+        rack: node.spec.rack.0.clone(),
+        address: node.address.clone(),
+        gpus: node
+            .spec
+            .gpus
+            .iter()
+            .map(|gpu| GpuView {
+                index: gpu.index,
+                uuid: gpu.uuid.clone(),
+                model: gpu.model.as_str().to_string(),
+                memory_mib: gpu.memory.0,
+                nvlink_domain: gpu.nvlink_domain,
+            })
+            .collect(),
+        gpu_free,
+        cpu_milli: node.spec.cpu.0,
+        memory_mib: node.spec.memory.0,
+        backend: node.software.backend.clone(),
+        driver_version: node.software.driver.clone(),
+        cuda_version: node.software.cuda.clone(),
+        last_heartbeat_ms: node.last_heartbeat.0,
+        allocations,
+    }
+}
+
+/// Every configured queue, and every queue a job names.
+pub fn queue_views(core: &Core) -> Vec<QueueView> {
+    let mut views: BTreeMap<QueueName, QueueView> = core
+        .control
+        .queues
+        .values()
+        .map(|spec| (spec.name.clone(), empty_queue_view(spec)))
+        .collect();
+    for job in core.control.jobs.values() {
+        if job.state.is_final() {
+            continue;
+        }
+        let view = views
+            .entry(job.spec.queue.clone())
+            .or_insert_with(|| empty_queue_view(&QueueSpec::best_effort(job.spec.queue.0.clone())));
+        match job.state {
+            JobState::Pending => view.pending_jobs += 1,
+            _ => {
+                view.running_jobs += 1;
+                let milli: u64 = job
+                    .allocations
+                    .iter()
+                    .filter_map(|id| core.control.allocations.get(id))
+                    .filter(|a| a.state.holds_resources())
+                    .flat_map(|a| a.gpus.iter().map(|&(_, m)| u64::from(m)))
+                    .sum();
+                view.in_use_gpus += milli as f64 / 1000.0;
+            }
+        }
+    }
+    views.into_values().collect()
+}
+
+pub fn empty_queue_view(spec: &QueueSpec) -> QueueView {
+    QueueView {
+        name: spec.name.0.clone(),
+        guaranteed_gpus: f64::from(spec.guaranteed.0) / 1000.0,
+        borrow_limit_gpus: spec.borrow_limit.map(|l| f64::from(l.0) / 1000.0),
+        weight: spec.weight,
+        in_use_gpus: 0.0,
+        pending_jobs: 0,
+        running_jobs: 0,
+    }
+}
+
+pub fn desired_view(task: DesiredTask) -> DesiredAllocation {
+    DesiredAllocation {
+        allocation: task.allocation.0,
+        generation: task.generation,
+        job: task.job.0,
+        rank: task.rank,
+        command: task.command,
+        env: task.env,
+        working_dir: task.working_dir,
+        gpus: task.gpus,
+        stop_signal: task.stop_signal.name().to_string(),
+        grace_period_ms: task.grace_period_ms,
+        stop: task.stop,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use muster_model::GpuMilli;
+
+    #[test]
+    fn gpu_counts_read_as_written() {
+        assert_eq!(gpus_text(GpuRequest::Whole(8)), "8");
+        assert_eq!(gpus_text(GpuRequest::Shared(GpuMilli(250))), "0.25");
+        assert_eq!(gpus_text(GpuRequest::Shared(GpuMilli(5))), "0.005");
+    }
+}

@@ -1,0 +1,720 @@
+//! The server over real HTTP on loopback, with a real SQLite store in a
+//! temporary directory: authentication, the job API, an agent's flow done
+//! by hand, restarts, and group commit under a burst of submissions.
+
+use muster_api::protocol::*;
+use muster_server::{Server, ServerConfig, ServerHandle};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use std::path::Path;
+use std::time::Duration;
+
+/// Every test is bounded by this.
+const TEST_LIMIT: Duration = Duration::from_secs(25);
+
+async fn start(dir: &Path) -> ServerHandle {
+    let mut config = ServerConfig::new(dir.to_path_buf());
+    config.listen = "127.0.0.1:0".parse().expect("an address");
+    config.schedule_interval_ms = 50;
+    Server::start(config).await.expect("server starts")
+}
+
+struct Api {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl Api {
+    fn new(server: &ServerHandle) -> Self {
+        Api {
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(20))
+                .build()
+                .expect("an HTTP client"),
+            base: format!("http://{}", server.addr()),
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Sends a request and returns the status and the JSON body.
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut request = self.http.request(method, self.url(path));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.expect("request sent");
+        let status = response.status();
+        let text = response.text().await.expect("a body");
+        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, value)
+    }
+
+    async fn get(&self, path: &str, token: &str) -> (StatusCode, Value) {
+        self.call(reqwest::Method::GET, path, Some(token), None)
+            .await
+    }
+
+    async fn post(&self, path: &str, token: &str, body: Value) -> (StatusCode, Value) {
+        self.call(reqwest::Method::POST, path, Some(token), Some(body))
+            .await
+    }
+
+    async fn submit(&self, token: &str, spec: Value) -> u64 {
+        let (status, body) = self.post("/v1/jobs", token, json!({ "spec": spec })).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        body["id"].as_u64().expect("an id")
+    }
+
+    async fn job(&self, token: &str, id: u64) -> JobView {
+        let (status, body) = self.get(&format!("/v1/jobs/{id}"), token).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        serde_json::from_value(body).expect("a job view")
+    }
+}
+
+fn error_of(body: &Value) -> ErrorBody {
+    serde_json::from_value(body.clone()).unwrap_or_else(|_| panic!("an error body: {body}"))
+}
+
+fn spec(name: &str, queue: &str, gpus: u32) -> Value {
+    json!({ "name": name, "queue": queue, "gpus": gpus, "command": ["python", "train.py"] })
+}
+
+fn register_request(name: &str, epoch: u64) -> RegisterRequest {
+    RegisterRequest {
+        name: name.to_string(),
+        address: "127.0.0.1".to_string(),
+        epoch,
+        gpus: (0..4)
+            .map(|index| GpuView {
+                index,
+                uuid: format!("GPU-{name}-{index}"),
+                model: "H100-80GB".to_string(),
+                memory_mib: 81_920,
+                nvlink_domain: 0,
+            })
+            .collect(),
+        cpu_milli: 64_000,
+        memory_mib: 512 * 1024,
+        pool: None,
+        rack: None,
+        backend: "simulated".to_string(),
+        driver_version: Some("550.54".to_string()),
+        cuda_version: Some("12.4".to_string()),
+    }
+}
+
+async fn bounded<F: std::future::Future<Output = ()>>(test: F) {
+    tokio::time::timeout(TEST_LIMIT, test)
+        .await
+        .expect("the test finished in time");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_job_call_needs_the_admin_token() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        assert!(server.first_start);
+        let api = Api::new(&server);
+
+        let (status, body) = api.call(reqwest::Method::GET, "/v1/jobs", None, None).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        let error = error_of(&body);
+        assert_eq!(error.code, ErrorCode::Unauthenticated);
+        assert!(error.message.contains("MUSTER_TOKEN"), "{}", error.message);
+        assert!(error.message.contains("admin.token"), "{}", error.message);
+
+        let (status, body) = api.get("/v1/jobs", "not-a-token").await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert_eq!(error_of(&body).code, ErrorCode::Unauthenticated);
+
+        let (status, body) = api
+            .post(
+                "/v1/jobs",
+                server.join_token(),
+                json!({ "spec": spec("x", "default", 1) }),
+            )
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        assert_eq!(error_of(&body).code, ErrorCode::PermissionDenied);
+
+        let (status, body) = api
+            .post(
+                "/v1/agents/register",
+                server.admin_token(),
+                serde_json::to_value(register_request("a", 1)).unwrap(),
+            )
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+
+        let (status, _) = api.get("/v1/jobs", server.admin_token()).await;
+        assert_eq!(status, StatusCode::OK);
+
+        // Not job APIs: served without a token.
+        let (status, body) = api.call(reqwest::Method::GET, "/healthz", None, None).await;
+        assert_eq!((status, body), (StatusCode::OK, Value::String("ok".into())));
+        let (status, body) = api
+            .call(reqwest::Method::GET, "/v1/openapi.json", None, None)
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(body["openapi"].as_str().unwrap().starts_with("3."));
+        for path in [
+            "/v1/jobs",
+            "/v1/jobs/{id}/logs",
+            "/v1/agents/{node}/heartbeat",
+        ] {
+            assert!(body["paths"].get(path).is_some(), "{path} is documented");
+        }
+
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            for file in ["admin.token", "join.token"] {
+                let mode = std::fs::metadata(dir.path().join(file))
+                    .unwrap()
+                    .permissions()
+                    .mode();
+                assert_eq!(mode & 0o777, 0o600, "{file} is for its owner only");
+            }
+        }
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_are_submitted_listed_and_cancelled() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let token = server.admin_token().to_string();
+
+        let first = api.submit(&token, spec("first", "team-a", 1)).await;
+        let (status, body) = api
+            .http
+            .post(api.url("/v1/jobs"))
+            .bearer_auth(&token)
+            .header(muster_server::USER_HEADER, "bob")
+            .json(&json!({ "spec": spec("second", "team-b", 2) }))
+            .send()
+            .await
+            .map(|r| (r.status(), r))
+            .unwrap();
+        assert_eq!(status, StatusCode::CREATED);
+        let second = body.json::<SubmitResponse>().await.unwrap().id;
+        assert!(second > first);
+
+        // No nodes: both wait, with a reason and a place in line.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let job = api.job(&token, first).await;
+        assert_eq!(job.state, "pending");
+        assert_eq!(job.name, "first");
+        assert_eq!(job.queue, "team-a");
+        assert_eq!(job.gpus_per_node, "1");
+        assert_eq!(job.user, "admin");
+        assert!(job.pending_reason.is_some());
+        assert!(job.queue_position.is_some(), "{job:?}");
+        assert_eq!(job.history[0].what, "submitted");
+
+        let (_, body) = api.get("/v1/jobs", &token).await;
+        let list: JobList = serde_json::from_value(body).unwrap();
+        let ids: Vec<u64> = list.jobs.iter().map(|j| j.id).collect();
+        assert_eq!(ids, [second, first], "newest first");
+        let (_, body) = api.get("/v1/jobs?queue=team-b", &token).await;
+        let list: JobList = serde_json::from_value(body).unwrap();
+        assert_eq!(list.jobs.len(), 1);
+        assert_eq!(list.jobs[0].id, second);
+        let (_, body) = api.get("/v1/jobs?user=bob&state=pending", &token).await;
+        let list: JobList = serde_json::from_value(body).unwrap();
+        assert_eq!(list.jobs.iter().map(|j| j.id).collect::<Vec<_>>(), [second]);
+        let (status, body) = api.get("/v1/jobs?state=sleeping", &token).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(error_of(&body).message.contains("pending"));
+
+        let (status, body) = api
+            .post(&format!("/v1/jobs/{first}/cancel"), &token, json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["state"], "cancelled");
+        let (_, body) = api.get("/v1/jobs?state=cancelled", &token).await;
+        assert_eq!(body["jobs"].as_array().unwrap().len(), 1);
+
+        let (status, body) = api.get("/v1/jobs/999", &token).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        let error = error_of(&body);
+        assert_eq!(error.code, ErrorCode::NotFound);
+        assert!(error.message.contains("999"), "{}", error.message);
+        let (status, _) = api.post("/v1/jobs/999/cancel", &token, json!({})).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        let (status, _) = api.get("/v1/jobs/abc", &token).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_refused_with_every_problem() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let token = server.admin_token().to_string();
+
+        let bad = json!({ "name": "x", "gpu": 8, "nodes": 0, "command": ["a"] });
+        let (status, body) = api.post("/v1/jobs", &token, json!({ "spec": bad })).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let error = error_of(&body);
+        assert_eq!(error.code, ErrorCode::InvalidArgument);
+        let lines: Vec<&str> = error.message.lines().collect();
+        assert_eq!(lines.len(), 2, "{}", error.message);
+        assert!(lines[0].starts_with("gpu: unknown field"), "{}", lines[0]);
+        assert!(lines[1].starts_with("nodes:"), "{}", lines[1]);
+
+        let huge = "x".repeat(2 * 1024 * 1024);
+        let (status, body) = api
+            .post("/v1/jobs", &token, json!({ "spec": { "name": huge } }))
+            .await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        let error = error_of(&body);
+        assert_eq!(error.code, ErrorCode::InvalidArgument);
+        assert!(error.message.contains("1 MiB"), "{}", error.message);
+
+        let response = api
+            .http
+            .post(api.url("/v1/jobs"))
+            .bearer_auth(&token)
+            .body("{not json")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let error: ErrorBody = response.json().await.unwrap();
+        assert!(
+            error.message.starts_with("invalid json body"),
+            "{}",
+            error.message
+        );
+
+        let (status, body) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/queues/team-a",
+                Some(&token),
+                Some(json!({ "guaranteed_gpus": -1.0, "borrow_limit_gpus": null, "weight": 1 })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        let (status, body) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/queues/team-a",
+                Some(&token),
+                Some(json!({ "guaranteed_gpus": 8.0, "borrow_limit_gpus": 4.0, "weight": 2 })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["guaranteed_gpus"], 8.0);
+        let (_, body) = api.get("/v1/queues", &token).await;
+        assert_eq!(body["queues"][0]["name"], "team-a");
+
+        let (status, body) = api.get("/v1/nope", &token).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(error_of(&body).code, ErrorCode::NotFound);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_runs_a_job_and_its_logs_come_back() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+
+        let (status, body) = api
+            .post(
+                "/v1/agents/register",
+                server.join_token(),
+                serde_json::to_value(register_request("gpu-1", 1)).unwrap(),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let registered: RegisterResponse = serde_json::from_value(body).unwrap();
+        let node_token = registered.node_token.clone();
+        assert_eq!(registered.lease_ms, 10_000);
+
+        // The node token is for this node's agent calls only.
+        let (status, _) = api.get("/v1/jobs", &node_token).await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        let beat = |known_version: u64, wait_ms: u64, observed: Vec<ObservedAllocation>| {
+            serde_json::to_value(HeartbeatRequest {
+                epoch: 1,
+                observed,
+                wait_ms,
+                known_version,
+            })
+            .unwrap()
+        };
+        let (status, _) = api
+            .post(
+                "/v1/agents/gpu-2/heartbeat",
+                &node_token,
+                beat(0, 0, vec![]),
+            )
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+
+        let (status, body) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &node_token,
+                beat(0, 0, vec![]),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let first: HeartbeatResponse = serde_json::from_value(body).unwrap();
+        assert!(first.desired.is_empty());
+
+        // A long poll at the current version waits for the job to be placed.
+        let poll = {
+            let http = api.http.clone();
+            let url = api.url("/v1/agents/gpu-1/heartbeat");
+            let token = node_token.clone();
+            let body = beat(first.version, 5_000, vec![]);
+            tokio::spawn(async move {
+                let started = std::time::Instant::now();
+                let response = http
+                    .post(url)
+                    .bearer_auth(token)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                (
+                    started.elapsed(),
+                    response.json::<HeartbeatResponse>().await.unwrap(),
+                )
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let id = api.submit(&admin, spec("train", "default", 2)).await;
+        let (waited, placed) = poll.await.unwrap();
+        assert!(
+            waited < Duration::from_secs(4),
+            "woken by the placement, not the timeout"
+        );
+        assert_ne!(placed.version, first.version);
+        assert_eq!(placed.desired.len(), 1);
+        let task = &placed.desired[0];
+        assert_eq!(task.job, id);
+        assert_eq!(task.gpus.len(), 2);
+        assert_eq!(task.command, ["python", "train.py"]);
+        assert_eq!(task.env["MUSTER_JOB_ID"], id.to_string());
+        assert!(!task.stop);
+
+        let running = ObservedAllocation {
+            allocation: task.allocation,
+            generation: task.generation,
+            exited: None,
+        };
+        let (status, _) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &node_token,
+                beat(placed.version, 0, vec![running.clone()]),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let job = api.job(&admin, id).await;
+        assert_eq!(job.state, "running");
+        assert_eq!(job.tasks.len(), 1);
+        assert_eq!(job.tasks[0].node, "gpu-1");
+        assert_eq!(job.tasks[0].gpus.len(), 2);
+        assert_eq!(job.tasks[0].state, "running");
+
+        // Logs: appended at offsets; a retried chunk is not written twice.
+        let chunk = |offset: u64, data: &str| {
+            serde_json::to_value(LogChunk {
+                allocation: task.allocation,
+                offset,
+                data: data.to_string(),
+            })
+            .unwrap()
+        };
+        for (offset, data) in [(0, "hello\n"), (0, "hello\n"), (6, "world\n")] {
+            let (status, body) = api
+                .post("/v1/agents/gpu-1/logs", &node_token, chunk(offset, data))
+                .await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+        }
+        let (status, _) = api
+            .post("/v1/agents/gpu-1/logs", &node_token, chunk(100, "gap"))
+            .await;
+        assert_eq!(status, StatusCode::CONFLICT);
+        let (_, body) = api
+            .get(&format!("/v1/jobs/{id}/logs?rank=0&offset=0"), &admin)
+            .await;
+        let logs: LogsResponse = serde_json::from_value(body).unwrap();
+        assert_eq!(logs.data, "hello\nworld\n");
+        assert!(!logs.complete, "the job still runs");
+
+        // A follower waits for the next output.
+        let follow = {
+            let http = api.http.clone();
+            let url = api.url(&format!(
+                "/v1/jobs/{id}/logs?offset={}&follow=true",
+                logs.next_offset
+            ));
+            let token = admin.clone();
+            tokio::spawn(async move {
+                let response = http.get(url).bearer_auth(token).send().await.unwrap();
+                response.json::<LogsResponse>().await.unwrap()
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (status, _) = api
+            .post("/v1/agents/gpu-1/logs", &node_token, chunk(12, "done\n"))
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let followed = follow.await.unwrap();
+        assert_eq!(followed.data, "done\n");
+
+        let exited = ObservedAllocation {
+            exited: Some(Some(0)),
+            ..running
+        };
+        let (status, body) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &node_token,
+                beat(placed.version, 0, vec![exited]),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let after: HeartbeatResponse = serde_json::from_value(body).unwrap();
+        assert!(after.desired.is_empty());
+        let job = api.job(&admin, id).await;
+        assert_eq!(job.state, "succeeded");
+        assert_eq!(job.exit_code, Some(0));
+
+        let (_, body) = api
+            .get(&format!("/v1/jobs/{id}/logs?offset=0&follow=true"), &admin)
+            .await;
+        let logs: LogsResponse = serde_json::from_value(body).unwrap();
+        assert_eq!(logs.data, "hello\nworld\ndone\n");
+        assert!(logs.complete);
+
+        let (_, body) = api.get("/v1/nodes/gpu-1", &admin).await;
+        let node: NodeView = serde_json::from_value(body).unwrap();
+        assert_eq!(node.state, "ready");
+        assert_eq!(node.gpu_free, [1000; 4]);
+        let (status, body) = api.post("/v1/nodes/gpu-1/cordon", &admin, json!({})).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["cordoned"], true);
+        let (status, _) = api.post("/v1/nodes/nope/drain", &admin, json!({})).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+fn heartbeat_body(
+    epoch: u64,
+    observed: Vec<ObservedAllocation>,
+    known_version: u64,
+    wait_ms: u64,
+) -> Value {
+    serde_json::to_value(HeartbeatRequest {
+        epoch,
+        observed,
+        wait_ms,
+        known_version,
+    })
+    .expect("a heartbeat")
+}
+
+fn all_running(desired: &[DesiredAllocation]) -> Vec<ObservedAllocation> {
+    desired
+        .iter()
+        .map(|task| ObservedAllocation {
+            allocation: task.allocation,
+            generation: task.generation,
+            exited: None,
+        })
+        .collect()
+}
+
+/// Heartbeats (reporting `observed`) until the node has `count` desired
+/// allocations.
+async fn wait_for_desired(
+    api: &Api,
+    token: &str,
+    observed: &[ObservedAllocation],
+    count: usize,
+) -> HeartbeatResponse {
+    let mut version = 0;
+    loop {
+        let (status, body) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                token,
+                heartbeat_body(7, observed.to_vec(), version, 2_000),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let response: HeartbeatResponse = serde_json::from_value(body).expect("a heartbeat");
+        if response.desired.len() == count {
+            return response;
+        }
+        version = response.version;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_keeps_jobs_tokens_nodes_and_allocations() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let join = server.join_token().to_string();
+        let (_, body) = api
+            .post(
+                "/v1/agents/register",
+                &join,
+                serde_json::to_value(register_request("gpu-1", 7)).unwrap(),
+            )
+            .await;
+        let node_token = body["node_token"].as_str().unwrap().to_string();
+        let mut ids = Vec::new();
+        for name in ["a", "b", "c"] {
+            ids.push(api.submit(&admin, spec(name, "default", 1)).await);
+        }
+        let mut never_fits = spec("never-fits", "default", 1);
+        never_fits["gpu_models"] = json!(["A100-40GB"]);
+        let pending = api.submit(&admin, never_fits).await;
+        ids.push(pending);
+        let placed = wait_for_desired(&api, &node_token, &[], 3).await;
+        let (status, _) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &node_token,
+                heartbeat_body(7, all_running(&placed.desired), placed.version, 0),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        server.shutdown().await;
+
+        let server = start(dir.path()).await;
+        assert!(!server.first_start);
+        assert_eq!(server.admin_token(), admin);
+        assert_eq!(server.join_token(), join);
+        let api = Api::new(&server);
+        let (_, body) = api.get("/v1/jobs", &admin).await;
+        let list: JobList = serde_json::from_value(body).unwrap();
+        let mut found: Vec<u64> = list.jobs.iter().map(|j| j.id).collect();
+        found.sort_unstable();
+        assert_eq!(found, ids, "every job, exactly once");
+        let states: Vec<&str> = list.jobs.iter().map(|j| j.state.as_str()).collect();
+        assert_eq!(states, ["pending", "running", "running", "running"]);
+
+        // The agent goes on with its token and epoch; its allocations are
+        // the same ones, and its lease was renewed by the restart.
+        let (status, body) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &node_token,
+                heartbeat_body(7, all_running(&placed.desired), placed.version, 0),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let after: HeartbeatResponse = serde_json::from_value(body).unwrap();
+        assert_eq!(after.desired, placed.desired);
+        assert_ne!(after.version, placed.version, "versions do not repeat");
+
+        let next = api.submit(&admin, spec("d", "default", 1)).await;
+        assert!(next > pending, "job ids are not reused");
+        let placed_again =
+            wait_for_desired(&api, &node_token, &all_running(&placed.desired), 4).await;
+        let newest = placed_again
+            .desired
+            .iter()
+            .find(|task| task.job == next)
+            .expect("the new job is placed on the free GPU");
+        let oldest = placed.desired.iter().map(|task| task.generation).max();
+        assert!(
+            Some(newest.generation) > oldest,
+            "generations are not reused"
+        );
+        assert!(
+            placed
+                .desired
+                .iter()
+                .all(|task| task.allocation < newest.allocation)
+        );
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_submissions_is_all_durable() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..200 {
+            let http = api.http.clone();
+            let url = api.url("/v1/jobs");
+            let token = admin.clone();
+            tasks.spawn(async move {
+                let response = http
+                    .post(url)
+                    .bearer_auth(token)
+                    .json(&json!({ "spec": spec(&format!("job-{i}"), "default", 1) }))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), StatusCode::CREATED);
+                response.json::<SubmitResponse>().await.unwrap().id
+            });
+        }
+        let mut acknowledged = Vec::new();
+        while let Some(id) = tasks.join_next().await {
+            acknowledged.push(id.unwrap());
+        }
+        acknowledged.sort_unstable();
+        acknowledged.dedup();
+        assert_eq!(acknowledged.len(), 200);
+        server.shutdown().await;
+
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let (_, body) = api.get("/v1/jobs", &admin).await;
+        let list: JobList = serde_json::from_value(body).unwrap();
+        let mut found: Vec<u64> = list.jobs.iter().map(|j| j.id).collect();
+        found.sort_unstable();
+        assert_eq!(found, acknowledged);
+        server.shutdown().await;
+    })
+    .await;
+}

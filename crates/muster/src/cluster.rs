@@ -1,0 +1,279 @@
+//! `muster server`, `muster agent` and `muster up` (both in one process).
+
+use crate::commands::{DEFAULT_SERVER, config_path, default_data_dir};
+use anyhow::{Context, Result, anyhow};
+use clap::Args;
+use muster_agent::{AgentConfig, GpuBackend, NvmlBackend, SimulatedBackend};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Args)]
+pub struct ServerArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0:7070")]
+    pub listen: SocketAddr,
+    /// Where the store, tokens and logs live (default: the per-user data
+    /// directory, or $MUSTER_DATA_DIR).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// A node that has not renewed its lease for this long is lost.
+    #[arg(long, default_value = "10s", value_parser = parse_duration_ms)]
+    pub lease: u64,
+    /// Placement policy: fgd, best-fit, packing, random or default.
+    #[arg(long, default_value = "default")]
+    pub placement: muster_sched::PlacementPolicy,
+}
+
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// The server's URL.
+    #[arg(long, env = "MUSTER_SERVER")]
+    pub server: String,
+    /// The join token (the server's join.token file).
+    #[arg(long, env = "MUSTER_JOIN_TOKEN", hide_env_values = true)]
+    pub join_token: String,
+    /// The node's name (default: the host name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// The address other nodes reach this one at (default: the host name).
+    #[arg(long)]
+    pub address: Option<String>,
+    /// Simulated GPUs instead of NVML, e.g. 8xH100-80GB or 2xA100-40GB,4xL4.
+    #[arg(long, value_name = "SPEC")]
+    pub simulate_gpus: Option<String>,
+    #[arg(long)]
+    pub pool: Option<String>,
+    #[arg(long)]
+    pub rack: Option<String>,
+    /// Where task logs and pid files live (default: DATA_DIR/agent-NAME).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    /// Address of the API.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// Where everything lives (default: the per-user data directory, or
+    /// $MUSTER_DATA_DIR).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Simulated GPUs for the local agent (default: real GPUs through NVML
+    /// when a driver is found, else 8xH100-80GB simulated).
+    #[arg(long, value_name = "SPEC")]
+    pub simulate_gpus: Option<String>,
+    #[arg(long, default_value = "default")]
+    pub placement: muster_sched::PlacementPolicy,
+}
+
+fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    crate::cli::parse_duration_s(text).map(|s| s * 1000)
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+fn init_logging() {
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+fn server_config(
+    listen: SocketAddr,
+    data_dir: PathBuf,
+    lease_ms: u64,
+    placement: muster_sched::PlacementPolicy,
+) -> muster_server::ServerConfig {
+    muster_server::ServerConfig {
+        listen,
+        lease_ms,
+        placement,
+        ..muster_server::ServerConfig::new(data_dir)
+    }
+}
+
+pub fn server(args: ServerArgs) -> Result<()> {
+    init_logging();
+    let data_dir = args.data_dir.unwrap_or_else(default_data_dir);
+    runtime()?.block_on(async {
+        let handle = muster_server::Server::start(server_config(
+            args.listen,
+            data_dir.clone(),
+            args.lease,
+            args.placement,
+        ))
+        .await?;
+        eprintln!("muster server listening on http://{}", handle.addr());
+        eprintln!(
+            "admin token: {} (owner-only); join token for agents: {}",
+            data_dir.join("admin.token").display(),
+            data_dir.join("join.token").display()
+        );
+        if handle.first_start {
+            eprintln!("first start: the admin token is {}", handle.admin_token());
+        }
+        shutdown_signal().await;
+        handle.shutdown().await;
+        Ok(())
+    })
+}
+
+fn backend(simulate: Option<&str>, name: &str) -> Result<(Arc<dyn GpuBackend>, Option<String>)> {
+    match simulate {
+        Some(spec) => Ok((
+            Arc::new(SimulatedBackend::parse(spec, name).map_err(|e| anyhow!("{e}"))?),
+            None,
+        )),
+        None => match NvmlBackend::new() {
+            Ok(nvml) => Ok((Arc::new(nvml), None)),
+            Err(error) => Err(anyhow!("{error}")),
+        },
+    }
+}
+
+pub fn agent(args: AgentArgs) -> Result<()> {
+    init_logging();
+    let name = args.name.clone().unwrap_or_else(host_name);
+    let (backend, _) = backend(args.simulate_gpus.as_deref(), &name)?;
+    let state_dir = args
+        .state_dir
+        .clone()
+        .unwrap_or_else(|| default_data_dir().join(format!("agent-{name}")));
+    let config = AgentConfig {
+        server: args.server.clone(),
+        join_token: args.join_token.clone(),
+        name: name.clone(),
+        address: args.address.clone().unwrap_or_else(host_name),
+        state_dir,
+        pool: args.pool.clone(),
+        rack: args.rack.clone(),
+        backend,
+        fence_margin: Duration::from_secs(3),
+    };
+    runtime()?.block_on(async {
+        eprintln!("muster agent {name} joining {}", args.server);
+        muster_agent::run(config, shutdown_signal())
+            .await
+            .map_err(|e| anyhow!(e))
+    })
+}
+
+pub fn up(args: UpArgs) -> Result<()> {
+    init_logging();
+    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let name = host_name();
+    let (backend, notice): (Arc<dyn GpuBackend>, Option<String>) = match &args.simulate_gpus {
+        Some(spec) => backend(Some(spec), &name)?,
+        None => match NvmlBackend::new() {
+            Ok(nvml) => (Arc::new(nvml), None),
+            Err(error) => (
+                Arc::new(
+                    SimulatedBackend::parse("8xH100-80GB", &name).map_err(|e| anyhow!("{e}"))?,
+                ),
+                Some(format!(
+                    "no GPUs found ({error}); running with 8 simulated H100-80GB GPUs"
+                )),
+            ),
+        },
+    };
+    runtime()?.block_on(async {
+        let handle = muster_server::Server::start(server_config(
+            args.listen,
+            data_dir.clone(),
+            10_000,
+            args.placement,
+        ))
+        .await?;
+        let url = format!("http://{}", handle.addr());
+        // The CLI of this user finds the server and token with no flags.
+        let config_file = config_path();
+        if let Some(parent) = config_file.parent() {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("cannot create {}", parent.display()))?;
+        }
+        let token_file = data_dir.join("admin.token");
+        std::fs::write(
+            &config_file,
+            serde_json::to_string_pretty(&serde_json::json!({
+                "server": url,
+                "token_file": token_file,
+            }))?,
+        )
+        .with_context(|| format!("cannot write {}", config_file.display()))?;
+        let agent = AgentConfig {
+            server: url.clone(),
+            join_token: handle.join_token().to_string(),
+            name: name.clone(),
+            address: "127.0.0.1".to_string(),
+            state_dir: data_dir.join("agent"),
+            pool: None,
+            rack: None,
+            backend,
+            fence_margin: Duration::from_secs(3),
+        };
+        let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();
+        let agent_task = tokio::spawn(async move {
+            muster_agent::run(agent, async {
+                let _ = agent_stopped.await;
+            })
+            .await
+        });
+        if let Some(notice) = notice {
+            eprintln!("notice: {notice}");
+        }
+        eprintln!(
+            "muster is up: API at {url} (data in {})",
+            data_dir.display()
+        );
+        eprintln!(
+            "token: {} (the CLI finds it through {})",
+            token_file.display(),
+            config_file.display()
+        );
+        if url != DEFAULT_SERVER {
+            eprintln!("(not the default address: other users pass --server {url})");
+        }
+        eprintln!("try, in another terminal:");
+        eprintln!("  muster run --gpus 1 -- sh -c 'echo my GPU: $CUDA_VISIBLE_DEVICES'");
+        eprintln!("  muster submit examples/jobs/train.yaml && muster ps");
+        eprintln!("  muster nodes");
+        shutdown_signal().await;
+        let _ = stop_agent.send(());
+        let _ = agent_task.await;
+        handle.shutdown().await;
+        Ok(())
+    })
+}

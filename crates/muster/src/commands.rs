@@ -1,0 +1,813 @@
+//! The user commands: `run`, `submit`, `ps`, `describe`, `logs`, `cancel`,
+//! `nodes`, `cordon`, `uncordon`, `drain`, `queues`, `queue set`. They talk
+//! to the server through `muster_api::client`.
+
+use anyhow::{Context, Result, anyhow};
+use clap::Args;
+use muster_api::client::{Client, ClientError, JobFilter};
+use muster_api::protocol::{ErrorCode, JobView, NodeView, QueueUpdate};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Where the server is and how to authenticate.
+#[derive(Debug, Clone, Args)]
+pub struct Connection {
+    /// Server URL (default: $MUSTER_SERVER, the config file, or
+    /// http://127.0.0.1:7070).
+    #[arg(long, global = true, value_name = "URL")]
+    pub server: Option<String>,
+    /// API token (default: $MUSTER_TOKEN, the config file, or the token
+    /// `muster up` wrote in its data directory).
+    #[arg(long, global = true, value_name = "TOKEN")]
+    pub token: Option<String>,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+/// Exit codes, so scripts can tell failures apart.
+pub mod exit {
+    pub const FAILURE: u8 = 1;
+    pub const NOT_FOUND: u8 = 3;
+    pub const AUTH: u8 = 4;
+    pub const UNAVAILABLE: u8 = 5;
+    pub const INVALID: u8 = 6;
+}
+
+/// An error with the exit code it maps to.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: u8,
+    pub error: anyhow::Error,
+}
+
+impl From<anyhow::Error> for Failure {
+    fn from(error: anyhow::Error) -> Self {
+        let code = error
+            .downcast_ref::<ClientError>()
+            .map_or(exit::FAILURE, |e| match e {
+                ClientError::Transport { .. } => exit::UNAVAILABLE,
+                ClientError::Api { body, .. } => match body.code {
+                    ErrorCode::NotFound => exit::NOT_FOUND,
+                    ErrorCode::Unauthenticated | ErrorCode::PermissionDenied => exit::AUTH,
+                    ErrorCode::InvalidArgument => exit::INVALID,
+                    ErrorCode::Unavailable => exit::UNAVAILABLE,
+                    _ => exit::FAILURE,
+                },
+                ClientError::Decode { .. } => exit::FAILURE,
+            });
+        Failure { code, error }
+    }
+}
+
+/// The per-user data directory (`$MUSTER_DATA_DIR`, else
+/// `$XDG_DATA_HOME/muster`, else `~/.local/share/muster`).
+pub fn default_data_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("MUSTER_DATA_DIR") {
+        return PathBuf::from(dir);
+    }
+    if let Some(dir) = std::env::var_os("XDG_DATA_HOME") {
+        return PathBuf::from(dir).join("muster");
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".local/share/muster")
+}
+
+/// The client config file (`$XDG_CONFIG_HOME/muster/config.json`, else
+/// `~/.config/muster/config.json`): `{"server": URL, "token_file": PATH}`
+/// or `{"server": URL, "token": TOKEN}`.
+pub fn config_path() -> PathBuf {
+    if let Some(dir) = std::env::var_os("XDG_CONFIG_HOME") {
+        return PathBuf::from(dir).join("muster/config.json");
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".config/muster/config.json")
+}
+
+pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7070";
+
+impl Connection {
+    pub fn client(&self) -> Result<Client> {
+        let config: serde_json::Value = std::fs::read_to_string(config_path())
+            .ok()
+            .and_then(|text| serde_json::from_str(&text).ok())
+            .unwrap_or_default();
+        let server = self
+            .server
+            .clone()
+            .or_else(|| std::env::var("MUSTER_SERVER").ok())
+            .or_else(|| config["server"].as_str().map(str::to_string))
+            .unwrap_or_else(|| DEFAULT_SERVER.to_string());
+        let token = match self
+            .token
+            .clone()
+            .or_else(|| std::env::var("MUSTER_TOKEN").ok())
+            .or_else(|| config["token"].as_str().map(str::to_string))
+        {
+            Some(token) => token,
+            None => {
+                let file = config["token_file"]
+                    .as_str()
+                    .map_or_else(|| default_data_dir().join("admin.token"), PathBuf::from);
+                std::fs::read_to_string(&file)
+                    .with_context(|| {
+                        format!(
+                            "no API token: pass --token, set MUSTER_TOKEN, or start `muster up` \
+                             (which writes {})",
+                            file.display()
+                        )
+                    })?
+                    .trim()
+                    .to_string()
+            }
+        };
+        let client = Client::new(&server, &token);
+        Ok(match std::env::var("USER").ok().filter(|u| !u.is_empty()) {
+            Some(user) => client.with_user(&user),
+            None => client,
+        })
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn ago(ms: u64) -> String {
+    let seconds = now_ms().saturating_sub(ms) / 1000;
+    match seconds {
+        0..=59 => format!("{seconds}s"),
+        60..=3599 => format!("{}m", seconds / 60),
+        3600..=86_399 => format!("{}h", seconds / 3600),
+        _ => format!("{}d", seconds / 86_400),
+    }
+}
+
+fn print_json(value: &impl serde::Serialize) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+/// Prints rows as aligned columns.
+fn table(header: &[&str], rows: Vec<Vec<String>>) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        for (i, cell) in row.iter().enumerate() {
+            widths[i] = widths[i].max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let text: Vec<String> = cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<width$}", width = widths[i]))
+            .collect();
+        println!("{}", text.join("  ").trim_end());
+    };
+    line(header.iter().map(|h| h.to_string()).collect());
+    for row in rows {
+        line(row);
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// GPUs per node: a whole number, or a share of one GPU such as 0.25.
+    #[arg(long, default_value = "0")]
+    pub gpus: String,
+    /// Number of nodes (tasks); a job on several nodes is a gang.
+    #[arg(long, default_value_t = 1)]
+    pub nodes: u32,
+    #[arg(long)]
+    pub queue: Option<String>,
+    #[arg(long)]
+    pub name: Option<String>,
+    /// CPUs per node.
+    #[arg(long)]
+    pub cpus: Option<String>,
+    /// Memory per node, e.g. 16GiB.
+    #[arg(long)]
+    pub memory: Option<String>,
+    #[arg(long)]
+    pub priority_class: Option<String>,
+    /// Allowed GPU models, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub gpu_models: Vec<String>,
+    /// Environment variables for the job (NAME=VALUE), repeatable.
+    #[arg(long = "env", short = 'e', value_name = "NAME=VALUE")]
+    pub env: Vec<String>,
+    /// Submit and return the job id without waiting.
+    #[arg(long, short = 'd')]
+    pub detach: bool,
+    /// The command and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+fn run_spec(args: &RunArgs) -> Result<serde_json::Value> {
+    let program = args
+        .command
+        .first()
+        .map(|c| {
+            std::path::Path::new(c)
+                .file_name()
+                .map_or("job".to_string(), |f| f.to_string_lossy().into_owned())
+        })
+        .unwrap_or_else(|| "job".to_string());
+    let name: String = args.name.clone().unwrap_or_else(|| {
+        let cleaned: String = program
+            .to_ascii_lowercase()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect();
+        let trimmed = cleaned.trim_matches('-');
+        if trimmed.is_empty() {
+            "job".to_string()
+        } else {
+            trimmed.chars().take(63).collect()
+        }
+    });
+    let gpus: serde_json::Value = match args.gpus.parse::<u64>() {
+        Ok(whole) => whole.into(),
+        Err(_) => args
+            .gpus
+            .parse::<f64>()
+            .map(serde_json::Value::from)
+            .map_err(|_| {
+                anyhow!(
+                    "--gpus: expected a whole number or a share like 0.25, got {:?}",
+                    args.gpus
+                )
+            })?,
+    };
+    let mut spec = serde_json::json!({
+        "name": name,
+        "nodes": args.nodes,
+        "gpus": gpus,
+        "command": args.command,
+    });
+    if let Some(queue) = &args.queue {
+        spec["queue"] = queue.clone().into();
+    }
+    if let Some(cpus) = &args.cpus {
+        spec["cpus"] = cpus
+            .parse::<f64>()
+            .map(serde_json::Value::from)
+            .unwrap_or_else(|_| cpus.clone().into());
+    }
+    if let Some(memory) = &args.memory {
+        spec["memory"] = memory.clone().into();
+    }
+    if let Some(class) = &args.priority_class {
+        spec["priority_class"] = class.clone().into();
+    }
+    if !args.gpu_models.is_empty() {
+        spec["gpu_models"] = args.gpu_models.clone().into();
+    }
+    if let Some(dir) = std::env::current_dir()
+        .ok()
+        .and_then(|d| d.to_str().map(str::to_string))
+    {
+        spec["working_dir"] = dir.into();
+    }
+    let mut env = serde_json::Map::new();
+    for pair in &args.env {
+        let (key, value) = pair
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--env: expected NAME=VALUE, got {pair:?}"))?;
+        env.insert(key.to_string(), value.into());
+    }
+    if !env.is_empty() {
+        spec["env"] = env.into();
+    }
+    // Validate here too, so that the user sees every problem before a round
+    // trip (the server validates again).
+    muster_api::parse_job_spec_value(&spec).map_err(|errors| anyhow!("{errors}"))?;
+    Ok(spec)
+}
+
+/// The exit status `muster run` returns for a finished job.
+fn job_exit_status(job: &JobView) -> u8 {
+    match job.state.as_str() {
+        "succeeded" => 0,
+        "cancelled" => 130,
+        _ => job.exit_code.map_or(exit::FAILURE, |code| {
+            u8::try_from(code).unwrap_or(exit::FAILURE).max(1)
+        }),
+    }
+}
+
+async fn follow_logs(client: &Client, id: u64, rank: u32, mut offset: u64) -> Result<u64> {
+    loop {
+        let chunk = client.logs(id, rank, offset, true).await?;
+        if !chunk.data.is_empty() {
+            print!("{}", chunk.data);
+            let _ = std::io::stdout().flush();
+        }
+        offset = chunk.next_offset;
+        if chunk.complete {
+            return Ok(offset);
+        }
+    }
+}
+
+fn ask_to_cancel(id: u64) -> bool {
+    eprint!("\ncancel job {id}? [y/N] ");
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    std::io::stdin().read_line(&mut answer).is_ok()
+        && matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes")
+}
+
+pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
+    let spec = run_spec(&args)?;
+    let client = args.connection.client()?;
+    let rt = runtime()?;
+    rt.block_on(async {
+        let id = client.submit(spec).await.map_err(anyhow::Error::from)?;
+        if args.detach {
+            if args.connection.json {
+                print_json(&serde_json::json!({ "id": id }))?;
+            } else {
+                println!("{id}");
+            }
+            return Ok::<u8, anyhow::Error>(0);
+        }
+        eprintln!("job {id} submitted; following its output (Ctrl-C to detach or cancel)");
+        tokio::select! {
+            result = follow_logs(&client, id, 0, 0) => {
+                result?;
+            }
+            _ = tokio::signal::ctrl_c() => {
+                if ask_to_cancel(id) {
+                    client.cancel(id).await.map_err(anyhow::Error::from)?;
+                    eprintln!("job {id} cancelled");
+                    return Ok(130);
+                }
+                eprintln!("job {id} keeps running; `muster logs -f {id}` follows it again");
+                return Ok(0);
+            }
+        }
+        // The log is complete once the job is final.
+        let job = client.job(id).await.map_err(anyhow::Error::from)?;
+        if job.state != "succeeded" {
+            eprintln!(
+                "job {id} {}{}",
+                job.state,
+                job.exit_code
+                    .map_or(String::new(), |c| format!(" (exit code {c})"))
+            );
+        }
+        Ok(job_exit_status(&job))
+    })
+    .map_err(Failure::from)
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    /// The job spec (YAML; see docs/job-spec.md), `-` for standard input.
+    pub file: PathBuf,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+pub fn submit(args: SubmitArgs) -> Result<u8, Failure> {
+    let text = if args.file.as_os_str() == "-" {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+            .context("cannot read the job spec from standard input")?;
+        text
+    } else {
+        std::fs::read_to_string(&args.file)
+            .with_context(|| format!("cannot read {}", args.file.display()))?
+    };
+    let spec = muster_api::parse_job_spec_yaml(&text)
+        .map_err(|errors| anyhow!("{}: invalid job spec:\n{errors}", args.file.display()))?;
+    let wire = muster_api::JobSpec::from(&spec);
+    let value = serde_json::to_value(&wire).context("cannot encode the job spec")?;
+    let client = args.connection.client()?;
+    let id = runtime()?
+        .block_on(client.submit(value))
+        .map_err(anyhow::Error::from)?;
+    if args.connection.json {
+        print_json(&serde_json::json!({ "id": id }))?;
+    } else {
+        println!("{id}");
+    }
+    Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct PsArgs {
+    #[arg(long)]
+    pub queue: Option<String>,
+    /// pending, running, stopping, succeeded, failed or cancelled.
+    #[arg(long)]
+    pub state: Option<String>,
+    #[arg(long)]
+    pub user: Option<String>,
+    /// Include finished jobs.
+    #[arg(long, short = 'a')]
+    pub all: bool,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+pub fn ps(args: PsArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let filter = JobFilter {
+        queue: args.queue.clone(),
+        state: args.state.clone(),
+        user: args.user.clone(),
+    };
+    let list = runtime()?
+        .block_on(client.jobs(&filter))
+        .map_err(anyhow::Error::from)?;
+    let jobs: Vec<&JobView> = list
+        .jobs
+        .iter()
+        .filter(|j| {
+            args.all
+                || args.state.is_some()
+                || !matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled")
+        })
+        .collect();
+    if args.connection.json {
+        print_json(&jobs)?;
+        return Ok(0);
+    }
+    table(
+        &[
+            "ID",
+            "NAME",
+            "USER",
+            "QUEUE",
+            "STATE",
+            "NODES",
+            "GPUS",
+            "AGE",
+            "WHERE / WHY",
+        ],
+        jobs.iter()
+            .map(|j| {
+                let place = if j.tasks.is_empty() {
+                    j.pending_reason
+                        .clone()
+                        .map(|r| r.chars().take(60).collect())
+                        .unwrap_or_default()
+                } else {
+                    j.tasks
+                        .iter()
+                        .map(|t| t.node.clone())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                };
+                vec![
+                    j.id.to_string(),
+                    j.name.clone(),
+                    j.user.clone(),
+                    j.queue.clone(),
+                    j.state.clone(),
+                    j.nodes.to_string(),
+                    j.gpus_per_node.clone(),
+                    ago(j.submitted_ms),
+                    place,
+                ]
+            })
+            .collect(),
+    );
+    Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct JobArgs {
+    /// The job id.
+    pub job: u64,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+pub fn describe(args: JobArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let job = runtime()?
+        .block_on(client.job(args.job))
+        .map_err(anyhow::Error::from)?;
+    if args.connection.json {
+        print_json(&job)?;
+        return Ok(0);
+    }
+    println!("job {}: {}", job.id, job.name);
+    println!("  state:     {}", job.state);
+    if let Some(code) = job.exit_code {
+        println!("  exit code: {code}");
+    }
+    println!("  user:      {}", job.user);
+    println!(
+        "  queue:     {} (priority class {})",
+        job.queue, job.priority_class
+    );
+    println!(
+        "  asks:      {} node(s) x {} GPU(s)",
+        job.nodes, job.gpus_per_node
+    );
+    println!("  command:   {}", job.command.join(" "));
+    println!("  attempts:  {}", job.attempts);
+    if let Some(reason) = &job.pending_reason {
+        println!("  pending:   {reason}");
+    }
+    if let Some(position) = job.queue_position {
+        println!("  in line:   {position} (1 = next)");
+    }
+    if !job.tasks.is_empty() {
+        println!("  placement:");
+        for task in &job.tasks {
+            let gpus: Vec<String> = task
+                .gpus
+                .iter()
+                .map(|(i, m)| {
+                    if *m == 1000 {
+                        i.to_string()
+                    } else {
+                        format!("{i}({:.3})", f64::from(*m) / 1000.0)
+                    }
+                })
+                .collect();
+            println!(
+                "    rank {} on {} GPUs [{}] ({}{})",
+                task.rank,
+                task.node,
+                gpus.join(","),
+                task.state,
+                task.exit_code
+                    .map_or(String::new(), |c| format!(", exit code {c}"))
+            );
+        }
+    }
+    println!("  history:");
+    for event in &job.history {
+        println!("    {:>6} ago  {}", ago(event.at_ms), event.what);
+    }
+    Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// The job id.
+    pub job: u64,
+    /// Keep printing new output until the job ends.
+    #[arg(long, short = 'f')]
+    pub follow: bool,
+    /// Which task (node rank) to show.
+    #[arg(long, default_value_t = 0)]
+    pub rank: u32,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    runtime()?
+        .block_on(async {
+            if args.follow {
+                follow_logs(&client, args.job, args.rank, 0).await?;
+            } else {
+                let chunk = client
+                    .logs(args.job, args.rank, 0, false)
+                    .await
+                    .map_err(anyhow::Error::from)?;
+                print!("{}", chunk.data);
+            }
+            Ok::<(), anyhow::Error>(())
+        })
+        .map_err(Failure::from)?;
+    Ok(0)
+}
+
+pub fn cancel(args: JobArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let job = runtime()?
+        .block_on(client.cancel(args.job))
+        .map_err(anyhow::Error::from)?;
+    if args.connection.json {
+        print_json(&job)?;
+    } else {
+        println!("job {} {}", job.id, job.state);
+    }
+    Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct NodesArgs {
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+fn gpu_summary(node: &NodeView) -> String {
+    let total = node.gpus.len();
+    let free: f64 = node.gpu_free.iter().map(|&m| f64::from(m) / 1000.0).sum();
+    let model = node.gpus.first().map_or("-", |g| g.model.as_str());
+    if total == 0 {
+        "-".to_string()
+    } else {
+        format!("{free:.2}/{total} free {model}")
+    }
+}
+
+pub fn nodes(args: NodesArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let list = runtime()?
+        .block_on(client.nodes())
+        .map_err(anyhow::Error::from)?;
+    if args.connection.json {
+        print_json(&list.nodes)?;
+        return Ok(0);
+    }
+    table(
+        &[
+            "NAME", "STATE", "POOL", "RACK", "GPUS", "CPUS", "MEMORY", "BACKEND", "DRIVER", "SEEN",
+        ],
+        list.nodes
+            .iter()
+            .map(|n| {
+                let mut state = n.state.clone();
+                if n.draining {
+                    state.push_str(",draining");
+                } else if n.cordoned {
+                    state.push_str(",cordoned");
+                }
+                vec![
+                    n.name.clone(),
+                    state,
+                    n.pool.clone(),
+                    n.rack.clone(),
+                    gpu_summary(n),
+                    format!("{}", n.cpu_milli / 1000),
+                    format!("{}GiB", n.memory_mib / 1024),
+                    n.backend.clone(),
+                    n.driver_version.clone().unwrap_or_else(|| "-".into()),
+                    format!("{} ago", ago(n.last_heartbeat_ms)),
+                ]
+            })
+            .collect(),
+    );
+    Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct NodeActionArgs {
+    /// The node's name.
+    pub node: String,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+pub fn node_action(args: NodeActionArgs, action: &str) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let node = runtime()?
+        .block_on(client.node_action(&args.node, action))
+        .map_err(anyhow::Error::from)?;
+    if args.connection.json {
+        print_json(&node)?;
+    } else {
+        println!("node {}: {action} done", node.name);
+    }
+    Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct QueuesArgs {
+    #[command(subcommand)]
+    pub command: Option<QueueCommand>,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum QueueCommand {
+    /// Create or change a queue (admin).
+    Set {
+        name: String,
+        /// GPUs the queue may always use.
+        #[arg(long, default_value_t = 0.0)]
+        guaranteed: f64,
+        /// GPUs it may borrow above its guarantee (default: unlimited).
+        #[arg(long)]
+        borrow_limit: Option<f64>,
+        /// Fair-share weight.
+        #[arg(long, default_value_t = 1)]
+        weight: u32,
+    },
+}
+
+pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let rt = runtime()?;
+    if let Some(QueueCommand::Set {
+        name,
+        guaranteed,
+        borrow_limit,
+        weight,
+    }) = &args.command
+    {
+        let update = QueueUpdate {
+            guaranteed_gpus: *guaranteed,
+            borrow_limit_gpus: *borrow_limit,
+            weight: *weight,
+        };
+        let queue = rt
+            .block_on(client.set_queue(name, &update))
+            .map_err(anyhow::Error::from)?;
+        if args.connection.json {
+            print_json(&queue)?;
+        } else {
+            println!("queue {} set", queue.name);
+        }
+        return Ok(0);
+    }
+    let list = rt.block_on(client.queues()).map_err(anyhow::Error::from)?;
+    if args.connection.json {
+        print_json(&list.queues)?;
+        return Ok(0);
+    }
+    table(
+        &[
+            "QUEUE",
+            "GUARANTEED",
+            "BORROW LIMIT",
+            "WEIGHT",
+            "IN USE",
+            "RUNNING",
+            "PENDING",
+        ],
+        list.queues
+            .iter()
+            .map(|q| {
+                vec![
+                    q.name.clone(),
+                    format!("{}", q.guaranteed_gpus),
+                    q.borrow_limit_gpus
+                        .map_or("unlimited".to_string(), |b| b.to_string()),
+                    q.weight.to_string(),
+                    format!("{}", q.in_use_gpus),
+                    q.running_jobs.to_string(),
+                    q.pending_jobs.to_string(),
+                ]
+            })
+            .collect(),
+    );
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_args(gpus: &str, command: &[&str]) -> RunArgs {
+        RunArgs {
+            gpus: gpus.to_string(),
+            nodes: 1,
+            queue: None,
+            name: None,
+            cpus: None,
+            memory: None,
+            priority_class: None,
+            gpu_models: Vec::new(),
+            env: vec!["A=1".into()],
+            detach: false,
+            command: command.iter().map(|s| s.to_string()).collect(),
+            connection: Connection {
+                server: None,
+                token: None,
+                json: false,
+            },
+        }
+    }
+
+    #[test]
+    fn run_builds_a_valid_spec_named_after_the_program() {
+        let spec = run_spec(&run_args("0.25", &["/usr/bin/Python3", "x.py"])).unwrap();
+        assert_eq!(spec["name"], "python3");
+        assert_eq!(spec["gpus"], 0.25);
+        assert_eq!(spec["env"]["A"], "1");
+    }
+
+    #[test]
+    fn run_rejects_bad_gpus_with_a_clear_message() {
+        let error = run_spec(&run_args("lots", &["true"]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("--gpus"), "{error}");
+    }
+}

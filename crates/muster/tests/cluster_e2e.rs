@@ -1,0 +1,406 @@
+//! End to end: the real `muster` binary, real processes, loopback only.
+//! `muster up` runs jobs; a server with three agents runs a gang; bad input
+//! gets clear errors. Every wait is bounded.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_muster");
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A child process killed (with its whole process group) when dropped.
+struct Daemon {
+    child: Child,
+    name: &'static str,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Env {
+    dir: tempfile::TempDir,
+    url: String,
+}
+
+impl Env {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("http://127.0.0.1:{}", free_port());
+        Env { dir, url }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn command(&self) -> Command {
+        let mut command = Command::new(BIN);
+        command
+            .env("HOME", self.path("home"))
+            .env("XDG_CONFIG_HOME", self.path("config"))
+            .env("XDG_DATA_HOME", self.path("data"))
+            .env_remove("MUSTER_SERVER")
+            .env_remove("MUSTER_TOKEN")
+            .env_remove("MUSTER_DATA_DIR")
+            .stdin(Stdio::null());
+        command
+    }
+
+    fn spawn(&self, name: &'static str, args: &[&str]) -> Daemon {
+        let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log file");
+        let child = self
+            .command()
+            .args(args)
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("muster starts");
+        Daemon { child, name }
+    }
+
+    fn muster(&self, args: &[&str]) -> Output {
+        self.command().args(args).output().expect("muster runs")
+    }
+
+    fn wait_for_api(&self, daemon: &mut Daemon) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let address = self.url.trim_start_matches("http://").to_string();
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = daemon.child.try_wait() {
+                panic!(
+                    "{} exited early ({status}): {}",
+                    daemon.name,
+                    std::fs::read_to_string(self.path(&format!("{}.log", daemon.name)))
+                        .unwrap_or_default()
+                );
+            }
+            if std::net::TcpStream::connect(&address).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the API at {} never came up", self.url);
+    }
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn json(output: &Output) -> serde_json::Value {
+    assert!(
+        output.status.success(),
+        "muster failed: {}{}",
+        stdout(output),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("JSON output")
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if done() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn processes_with(marker: &str) -> usize {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter(|entry| {
+            let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+            let zombie = status
+                .lines()
+                .any(|l| l.starts_with("State:") && l.contains('Z'));
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            !zombie && String::from_utf8_lossy(&cmdline).contains(marker)
+        })
+        .count()
+}
+
+#[test]
+fn muster_up_runs_jobs_end_to_end() {
+    let env = Env::new();
+    let listen = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("up-data");
+    let mut up = env.spawn(
+        "up",
+        &[
+            "up",
+            "--listen",
+            &listen,
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--simulate-gpus",
+            "2xH100-80GB",
+        ],
+    );
+    env.wait_for_api(&mut up);
+
+    // A job runs, succeeds, and its output comes back; the CLI needs no flags.
+    let output = env.muster(&[
+        "run",
+        "--gpus",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo hello from rank $MUSTER_NODE_RANK on GPU $CUDA_VISIBLE_DEVICES",
+    ]);
+    assert!(output.status.success(), "{output:?}");
+    assert!(
+        stdout(&output).contains("hello from rank 0 on GPU 0"),
+        "{output:?}"
+    );
+
+    // A failing command is reported failed with its exit code.
+    let output = env.muster(&["run", "--", "sh", "-c", "echo failing; exit 3"]);
+    assert_eq!(output.status.code(), Some(3), "{output:?}");
+
+    let jobs = json(&env.muster(&["ps", "--all", "--json"]));
+    let jobs = jobs.as_array().expect("a list");
+    assert_eq!(jobs.len(), 2);
+    let failed = jobs
+        .iter()
+        .find(|j| j["state"] == "failed")
+        .expect("a failed job");
+    assert_eq!(failed["exit_code"], 3);
+    let id = failed["id"].as_u64().unwrap().to_string();
+    let described = json(&env.muster(&["describe", &id, "--json"]));
+    assert_eq!(described["tasks"][0]["exit_code"], 3);
+    let text = stdout(&env.muster(&["describe", &id]));
+    assert!(text.contains("exit code: 3"), "{text}");
+    let logs = stdout(&env.muster(&["logs", &id]));
+    assert!(logs.contains("failing"), "{logs}");
+
+    // Cancel stops a running job's whole process group.
+    let marker = format!("muster-e2e-{}", std::process::id());
+    let script = format!("sleep 1000 & exec -a {marker} sleep 1000");
+    let output = env.muster(&["run", "--detach", "--", "bash", "-c", &script]);
+    let id = stdout(&output).trim().to_string();
+    wait_until("the job to run", || {
+        json(&env.muster(&["describe", &id, "--json"]))["state"] == "running"
+            && processes_with(&marker) > 0
+    });
+    let output = env.muster(&["cancel", &id]);
+    assert!(output.status.success(), "{output:?}");
+    wait_until("the job to be cancelled", || {
+        json(&env.muster(&["describe", &id, "--json"]))["state"] == "cancelled"
+    });
+    wait_until("its processes to be gone", || processes_with(&marker) == 0);
+
+    // Unknown job: a clear error and its own exit code.
+    let output = env.muster(&["describe", "999999"]);
+    assert_eq!(output.status.code(), Some(3), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("999999"));
+}
+
+#[test]
+fn a_server_with_three_agents_runs_a_gang() {
+    let env = Env::new();
+    let listen = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("server-data");
+    let mut server = env.spawn(
+        "server",
+        &[
+            "server",
+            "--listen",
+            &listen,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+    );
+    env.wait_for_api(&mut server);
+    let join = std::fs::read_to_string(data.join("join.token")).expect("join token");
+    let token = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
+    let mut agents = Vec::new();
+    for name in ["node-a", "node-b", "node-c"] {
+        let state = env.path(name);
+        agents.push(env.spawn(
+            match name {
+                "node-a" => "agent-a",
+                "node-b" => "agent-b",
+                _ => "agent-c",
+            },
+            &[
+                "agent",
+                "--server",
+                &env.url,
+                "--join-token",
+                join.trim(),
+                "--name",
+                name,
+                "--address",
+                "127.0.0.1",
+                "--simulate-gpus",
+                "4xH100-80GB",
+                "--state-dir",
+                state.to_str().unwrap(),
+            ],
+        ));
+    }
+    let cli = |args: &[&str]| {
+        let mut all = args.to_vec();
+        let flags = ["--server", env.url.as_str(), "--token", token.trim()];
+        // Connection flags go before `--` (the command of `muster run`).
+        let at = all.iter().position(|a| *a == "--").unwrap_or(all.len());
+        all.splice(at..at, flags);
+        env.muster(&all)
+    };
+    wait_until("three nodes", || {
+        json(&cli(&["nodes", "--json"]))
+            .as_array()
+            .map_or(0, Vec::len)
+            == 3
+    });
+
+    // A 2-node gang: consistent environments, tasks running at once.
+    let out = env.path("gang");
+    std::fs::create_dir_all(&out).unwrap();
+    let script = format!(
+        "env | grep -E '^(MUSTER|PET)_' | sort > {dir}/rank-$MUSTER_NODE_RANK.env; \
+         date +%s%N > {dir}/start-$MUSTER_NODE_RANK; sleep 1; date +%s%N > {dir}/end-$MUSTER_NODE_RANK",
+        dir = out.display()
+    );
+    let output = cli(&[
+        "run", "--nodes", "2", "--gpus", "4", "--", "sh", "-c", &script,
+    ]);
+    assert!(output.status.success(), "{output:?}");
+    let read = |name: &str| std::fs::read_to_string(out.join(name)).unwrap_or_default();
+    let rank0 = read("rank-0.env");
+    let rank1 = read("rank-1.env");
+    for (rank, text) in [(0, &rank0), (1, &rank1)] {
+        assert!(text.contains(&format!("MUSTER_NODE_RANK={rank}")), "{text}");
+        assert!(text.contains(&format!("PET_NODE_RANK={rank}")), "{text}");
+        assert!(text.contains("PET_NNODES=2"), "{text}");
+        assert!(text.contains("PET_NPROC_PER_NODE=4"), "{text}");
+    }
+    let line = |text: &str, key: &str| {
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .unwrap_or_default()
+            .to_string()
+    };
+    for key in [
+        "MUSTER_MASTER_ADDR=",
+        "MUSTER_MASTER_PORT=",
+        "PET_MASTER_ADDR=",
+        "PET_MASTER_PORT=",
+    ] {
+        assert_eq!(line(&rank0, key), line(&rank1, key), "{key}");
+        assert!(!line(&rank0, key).is_empty(), "{key} missing");
+    }
+    let number = |name: &str| read(name).trim().parse::<u128>().unwrap_or(0);
+    assert!(
+        number("start-0") < number("end-1") && number("start-1") < number("end-0"),
+        "the gang's tasks ran at the same time"
+    );
+
+    // GPU indices never overlap between jobs on a node.
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        let output = cli(&["run", "--detach", "--gpus", "2", "--", "sleep", "30"]);
+        ids.push(stdout(&output).trim().to_string());
+    }
+    wait_until("six jobs running", || {
+        ids.iter()
+            .all(|id| json(&cli(&["describe", id, "--json"]))["state"] == "running")
+    });
+    let mut seen = std::collections::BTreeSet::new();
+    for id in &ids {
+        let job = json(&cli(&["describe", id, "--json"]));
+        for task in job["tasks"].as_array().unwrap() {
+            for gpu in task["gpus"].as_array().unwrap() {
+                let key = (task["node"].to_string(), gpu[0].as_u64().unwrap());
+                assert!(seen.insert(key.clone()), "GPU {key:?} given twice");
+            }
+        }
+    }
+
+    // A job larger than the cluster stays pending with a reason.
+    let output = cli(&[
+        "run", "--detach", "--nodes", "4", "--gpus", "4", "--", "true",
+    ]);
+    let big = stdout(&output).trim().to_string();
+    wait_until("a pending reason", || {
+        json(&cli(&["describe", &big, "--json"]))["pending_reason"].is_string()
+    });
+    let job = json(&cli(&["describe", &big, "--json"]));
+    assert_eq!(job["state"], "pending");
+    let reason = job["pending_reason"].as_str().unwrap();
+    assert!(reason.contains("no node can ever run this job"), "{reason}");
+    for id in &ids {
+        cli(&["cancel", id]);
+    }
+    drop(agents);
+}
+
+#[test]
+fn bad_input_gets_clear_errors() {
+    let env = Env::new();
+    let listen = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("server-data");
+    let mut server = env.spawn(
+        "server",
+        &[
+            "server",
+            "--listen",
+            &listen,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+    );
+    env.wait_for_api(&mut server);
+    let token = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
+    let with = |token: &str, args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend_from_slice(&["--server", env.url.as_str(), "--token", token]);
+        env.muster(&all)
+    };
+    // A bad token is refused with its own exit code.
+    let output = with("wrong", &["ps"]);
+    assert_eq!(output.status.code(), Some(4), "{output:?}");
+    // An invalid spec lists every problem.
+    let spec = env.path("bad.yaml");
+    std::fs::write(&spec, "name: x\ngpu: 8\nnodes: 0\ncommand: [true]\n").unwrap();
+    let output = with(token.trim(), &["submit", spec.to_str().unwrap()]);
+    assert!(!output.status.success());
+    let errors = String::from_utf8_lossy(&output.stderr);
+    assert!(errors.contains("did you mean \"gpus\""), "{errors}");
+    assert!(
+        errors.contains("nodes: must be at least 1, got 0"),
+        "{errors}"
+    );
+    // A good one is accepted, and survives the bad requests around it.
+    std::fs::write(&spec, "name: ok\ncommand: [true]\n").unwrap();
+    let output = with(token.trim(), &["submit", spec.to_str().unwrap()]);
+    assert!(output.status.success(), "{output:?}");
+    let id = stdout(&output).trim().to_string();
+    let output = with(token.trim(), &["describe", "424242"]);
+    assert_eq!(output.status.code(), Some(3));
+    let job = json(&with(token.trim(), &["describe", &id, "--json"]));
+    assert_eq!(job["name"], "ok");
+    assert!(
+        server.child.try_wait().unwrap().is_none(),
+        "the server is still up"
+    );
+}
