@@ -186,19 +186,38 @@ pub async fn run(
                     })
                 })
                 .collect();
+            // The server renews the lease when the request arrives: count
+            // from when it was sent, and give up on an answer once the lease
+            // could have run out (a black-holed connection must not delay
+            // fencing). The long poll must end well within that budget.
+            let margin = (config.fence_margin.as_millis() as u64).min(lease_ms / 4);
+            let sent = now_ms();
+            let remaining = (last_renewal + lease_ms)
+                .saturating_sub(margin)
+                .saturating_sub(sent);
             let request = HeartbeatRequest {
                 epoch,
                 observed,
-                wait_ms,
+                wait_ms: wait_ms.min(remaining / 3),
                 known_version: version,
+            };
+            let limit = if remaining == 0 {
+                Duration::from_secs(5)
+            } else {
+                Duration::from_millis(remaining)
             };
             let answer = tokio::select! {
                 _ = &mut shutdown => return Ok(()),
-                answer = client.heartbeat(&config.name, &request) => answer,
+                answer = tokio::time::timeout(limit, client.heartbeat(&config.name, &request)) => {
+                    answer.unwrap_or_else(|_| Err(muster_api::client::ClientError::Transport {
+                        url: config.server.clone(),
+                        reason: "no answer before the lease deadline".to_string(),
+                    }))
+                }
             };
             let fenced = match answer {
                 Ok(answer) => {
-                    last_renewal = now_ms();
+                    last_renewal = sent;
                     version = answer.version;
                     desired = answer.desired;
                     false
@@ -212,12 +231,7 @@ pub async fn run(
                         continue 'register;
                     }
                     tracing::warn!("heartbeat failed: {error}");
-                    let fenced = muster_node::must_fence(
-                        now_ms(),
-                        last_renewal,
-                        lease_ms,
-                        config.fence_margin.as_millis() as u64,
-                    );
+                    let fenced = muster_node::must_fence(now_ms(), last_renewal, lease_ms, margin);
                     tokio::select! {
                         _ = &mut shutdown => return Ok(()),
                         _ = tokio::time::sleep(Duration::from_millis(250)) => {}

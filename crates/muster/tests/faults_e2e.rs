@@ -1,0 +1,377 @@
+//! Faults injected into real processes on loopback: the server killed with
+//! SIGKILL during a burst of submissions, an agent killed while it runs a
+//! job, and an agent cut off from the server by a TCP proxy that stops
+//! forwarding (a partition of its traffic). Every wait is bounded.
+
+use muster_api::client::Client;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_muster");
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(dir: &Path, log: &str, args: &[&str]) -> Daemon {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(log))
+        .expect("log file");
+    Daemon(
+        Command::new(BIN)
+            .args(args)
+            .env("HOME", dir)
+            .env("XDG_CONFIG_HOME", dir.join("config"))
+            .env("XDG_DATA_HOME", dir.join("data"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("muster starts"),
+    )
+}
+
+fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if done() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    address: String,
+    server: Option<Daemon>,
+    lease: &'static str,
+}
+
+impl Cluster {
+    fn start(lease: &'static str) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let address = format!("127.0.0.1:{}", free_port());
+        let mut cluster = Cluster {
+            dir,
+            address,
+            server: None,
+            lease,
+        };
+        cluster.start_server();
+        cluster
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    fn start_server(&mut self) {
+        let data = self.path("server");
+        self.server = Some(spawn(
+            self.dir.path(),
+            "server.log",
+            &[
+                "server",
+                "--listen",
+                &self.address,
+                "--data-dir",
+                data.to_str().unwrap(),
+                "--lease",
+                self.lease,
+            ],
+        ));
+        let address = self.address.clone();
+        wait_until("the server", Duration::from_secs(30), || {
+            TcpStream::connect(&address).is_ok()
+        });
+    }
+
+    fn token(&self, name: &str) -> String {
+        std::fs::read_to_string(self.path("server").join(name))
+            .expect("token file")
+            .trim()
+            .to_string()
+    }
+
+    fn client(&self) -> Client {
+        Client::new(&self.url(), &self.token("admin.token"))
+    }
+
+    fn agent(&self, name: &str, server_url: &str) -> Daemon {
+        let state = self.path(name);
+        spawn(
+            self.dir.path(),
+            &format!("{name}.log"),
+            &[
+                "agent",
+                "--server",
+                server_url,
+                "--join-token",
+                &self.token("join.token"),
+                "--name",
+                name,
+                "--address",
+                "127.0.0.1",
+                "--simulate-gpus",
+                "1xH100-80GB",
+                "--state-dir",
+                state.to_str().unwrap(),
+            ],
+        )
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn state(rt: &tokio::runtime::Runtime, client: &Client, id: u64) -> String {
+    rt.block_on(client.job(id))
+        .map(|job| job.state)
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_server_killed_during_a_burst_loses_no_acknowledged_job() {
+    let mut cluster = Cluster::start("10s");
+    let rt = runtime();
+    let client = cluster.client();
+    let acknowledged: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let client = client.clone();
+            let acknowledged = Arc::clone(&acknowledged);
+            rt.spawn(async move {
+                for _ in 0..40 {
+                    let spec = serde_json::json!({"name": "burst", "command": ["true"], "gpus": 8});
+                    match client.submit(spec).await {
+                        Ok(id) => acknowledged.lock().unwrap().push(id),
+                        Err(_) => break,
+                    }
+                }
+            })
+        })
+        .collect();
+    wait_until("some acknowledgements", Duration::from_secs(30), || {
+        acknowledged.lock().unwrap().len() >= 100
+    });
+    // SIGKILL in the middle of the burst.
+    drop(cluster.server.take());
+    for task in tasks {
+        let _ = rt.block_on(task);
+    }
+    let acknowledged = acknowledged.lock().unwrap().clone();
+    assert!(acknowledged.len() >= 100);
+    cluster.start_server();
+    let jobs = rt
+        .block_on(cluster.client().jobs(&Default::default()))
+        .expect("jobs listed")
+        .jobs;
+    let mut ids: Vec<u64> = jobs.iter().map(|j| j.id).collect();
+    ids.sort_unstable();
+    let before = ids.len();
+    ids.dedup();
+    assert_eq!(ids.len(), before, "no job appears twice");
+    for id in &acknowledged {
+        assert!(ids.binary_search(id).is_ok(), "acknowledged job {id} lost");
+    }
+}
+
+#[test]
+fn a_killed_agent_s_job_is_requeued_and_completes_elsewhere() {
+    let cluster = Cluster::start("3s");
+    let url = cluster.url();
+    let mut a = Some(cluster.agent("node-a", &url));
+    let _b = cluster.agent("node-b", &url);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_until("two nodes", Duration::from_secs(30), || {
+        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == 2
+    });
+    // Keep node-b out at first, so the job lands on node-a.
+    rt.block_on(client.node_action("node-b", "cordon"))
+        .expect("cordon");
+    let spec = serde_json::json!({"name": "victim", "gpus": 1, "command": ["sleep", "3"]});
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the job to run", Duration::from_secs(30), || {
+        state(&rt, &client, id) == "running"
+    });
+    rt.block_on(client.node_action("node-b", "uncordon"))
+        .expect("uncordon");
+    let killed = Instant::now();
+    drop(a.take()); // SIGKILL
+    wait_until("the job to be re-queued", Duration::from_secs(30), || {
+        state(&rt, &client, id) != "running"
+    });
+    let detected = killed.elapsed();
+    wait_until("the job to run again", Duration::from_secs(30), || {
+        rt.block_on(client.job(id))
+            .is_ok_and(|j| j.attempts >= 2 && j.state != "pending")
+    });
+    let requeued = killed.elapsed();
+    wait_until("the job to succeed", Duration::from_secs(30), || {
+        state(&rt, &client, id) == "succeeded"
+    });
+    let job = rt.block_on(client.job(id)).expect("job");
+    assert_eq!(job.tasks[0].node, "node-b");
+    eprintln!(
+        "lease 3s: node loss detected after {:.1}s, job running again after {:.1}s",
+        detected.as_secs_f64(),
+        requeued.as_secs_f64()
+    );
+    assert!(
+        requeued < Duration::from_secs(3 + 5),
+        "re-queued within lease + 5 s"
+    );
+}
+
+/// Forwards TCP connections to `target` until cut; then drops every
+/// connection and refuses new ones until healed.
+struct Proxy {
+    port: u16,
+    cut: Arc<AtomicBool>,
+}
+
+impl Proxy {
+    fn start(target: String) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("proxy listens");
+        let port = listener.local_addr().expect("address").port();
+        let cut = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&cut);
+        std::thread::spawn(move || {
+            for inbound in listener.incoming().flatten() {
+                if flag.load(Ordering::SeqCst) {
+                    let _ = inbound.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(outbound) = TcpStream::connect(&target) else {
+                    continue;
+                };
+                for (mut from, mut to) in [
+                    (inbound.try_clone(), outbound.try_clone()),
+                    (outbound.try_clone(), inbound.try_clone()),
+                ]
+                .into_iter()
+                .filter_map(|(a, b)| Some((a.ok()?, b.ok()?)))
+                {
+                    let flag = Arc::clone(&flag);
+                    std::thread::spawn(move || {
+                        let _ = from.set_read_timeout(Some(Duration::from_millis(100)));
+                        let mut buffer = [0u8; 16 * 1024];
+                        loop {
+                            if flag.load(Ordering::SeqCst) {
+                                break;
+                            }
+                            match from.read(&mut buffer) {
+                                Ok(0) => break,
+                                Ok(n) => {
+                                    if to.write_all(&buffer[..n]).is_err() {
+                                        break;
+                                    }
+                                }
+                                Err(e)
+                                    if e.kind() == std::io::ErrorKind::WouldBlock
+                                        || e.kind() == std::io::ErrorKind::TimedOut => {}
+                                Err(_) => break,
+                            }
+                        }
+                        let _ = from.shutdown(Shutdown::Both);
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Proxy { port, cut }
+    }
+}
+
+#[test]
+fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
+    let cluster = Cluster::start("4s");
+    let proxy = Proxy::start(cluster.address.clone());
+    let _a = cluster.agent("node-a", &format!("http://127.0.0.1:{}", proxy.port));
+    let _b = cluster.agent("node-b", &cluster.url());
+    let rt = runtime();
+    let client = cluster.client();
+    wait_until("two nodes", Duration::from_secs(30), || {
+        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == 2
+    });
+    rt.block_on(client.node_action("node-b", "cordon"))
+        .expect("cordon");
+    let log = cluster.path("runs.log");
+    let script = format!(
+        "echo start $(date +%s%N) >> {log}; \
+         trap 'echo stop $(date +%s%N) >> {log}; exit 143' TERM; \
+         sleep 6 & wait $!; echo stop $(date +%s%N) >> {log}",
+        log = log.display()
+    );
+    let spec = serde_json::json!({
+        "name": "fenced", "gpus": 1, "command": ["bash", "-c", script],
+        "checkpoint": {"grace_period": "2s"}
+    });
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the job to run on node-a", Duration::from_secs(30), || {
+        std::fs::read_to_string(&log).is_ok_and(|t| t.contains("start"))
+    });
+    rt.block_on(client.node_action("node-b", "uncordon"))
+        .expect("uncordon");
+    proxy.cut.store(true, Ordering::SeqCst);
+    wait_until("the job to run again", Duration::from_secs(40), || {
+        rt.block_on(client.job(id)).is_ok_and(|j| j.attempts >= 2)
+    });
+    proxy.cut.store(false, Ordering::SeqCst);
+    wait_until("the job to succeed", Duration::from_secs(40), || {
+        state(&rt, &client, id) == "succeeded"
+    });
+    // The workload's own log: runs never overlapped.
+    let text = std::fs::read_to_string(&log).expect("runs log");
+    let events: Vec<(&str, u128)> = text
+        .lines()
+        .filter_map(|line| {
+            let (what, at) = line.split_once(' ')?;
+            Some((what, at.trim().parse().ok()?))
+        })
+        .collect();
+    assert_eq!(
+        events.iter().map(|e| e.0).collect::<Vec<_>>(),
+        vec!["start", "stop", "start", "stop"],
+        "{text}"
+    );
+    assert!(
+        events[1].1 <= events[2].1,
+        "the fenced run stopped before the new one started: {text}"
+    );
+    eprintln!(
+        "partition: first run stopped {:.1}s before the second started",
+        (events[2].1 - events[1].1) as f64 / 1e9
+    );
+}
