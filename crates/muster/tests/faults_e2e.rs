@@ -100,7 +100,7 @@ impl Cluster {
                 "--listen",
                 &self.address,
                 "--data-dir",
-                data.to_str().unwrap(),
+                data.to_str().expect("utf-8 path"),
                 "--lease",
                 self.lease,
             ],
@@ -140,7 +140,7 @@ impl Cluster {
                 "--simulate-gpus",
                 "1xH100-80GB",
                 "--state-dir",
-                state.to_str().unwrap(),
+                state.to_str().expect("utf-8 path"),
             ],
         )
     }
@@ -229,8 +229,9 @@ fn a_killed_agent_s_job_is_requeued_and_completes_elsewhere() {
         .expect("uncordon");
     let killed = Instant::now();
     drop(a.take()); // SIGKILL
-    wait_until("the job to be re-queued", Duration::from_secs(30), || {
-        state(&rt, &client, id) != "running"
+    wait_until("node-a to be lost", Duration::from_secs(30), || {
+        rt.block_on(client.node("node-a"))
+            .is_ok_and(|node| node.state == "lost")
     });
     let detected = killed.elapsed();
     wait_until("the job to run again", Duration::from_secs(30), || {
