@@ -268,7 +268,7 @@ pub fn up(args: UpArgs) -> Result<()> {
         }
         eprintln!("try, in another terminal:");
         eprintln!("  muster run --gpus 1 -- sh -c 'echo my GPU: $CUDA_VISIBLE_DEVICES'");
-        eprintln!("  muster submit examples/jobs/train.yaml && muster ps");
+        eprintln!("  muster submit examples/jobs/hello.yaml && muster ps");
         eprintln!("  muster nodes");
         shutdown_signal().await;
         let _ = stop_agent.send(());
