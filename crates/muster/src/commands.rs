@@ -10,6 +10,26 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// Writes to standard output; a closed pipe (`muster ps | head`) ends the
+/// program quietly instead of panicking.
+fn write_out(args: std::fmt::Arguments<'_>) {
+    let mut stdout = std::io::stdout().lock();
+    if let Err(error) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        if error.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+    }
+}
+
+macro_rules! out {
+    ($($arg:tt)*) => { write_out(format_args!($($arg)*)) };
+}
+
+macro_rules! outln {
+    () => { write_out(format_args!("\n")) };
+    ($($arg:tt)*) => { write_out(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 /// Where the server is and how to authenticate.
 #[derive(Debug, Clone, Args)]
 pub struct Connection {
@@ -154,7 +174,7 @@ fn ago(ms: u64) -> String {
 }
 
 fn print_json(value: &impl serde::Serialize) -> Result<()> {
-    println!("{}", serde_json::to_string_pretty(value)?);
+    outln!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
 }
 
@@ -172,7 +192,7 @@ fn table(header: &[&str], rows: Vec<Vec<String>>) {
             .enumerate()
             .map(|(i, c)| format!("{c:<width$}", width = widths[i]))
             .collect();
-        println!("{}", text.join("  ").trim_end());
+        outln!("{}", text.join("  ").trim_end());
     };
     line(header.iter().map(|h| h.to_string()).collect());
     for row in rows {
@@ -313,7 +333,7 @@ async fn follow_logs(client: &Client, id: u64, rank: u32, mut offset: u64) -> Re
     loop {
         let chunk = client.logs(id, rank, offset, true).await?;
         if !chunk.data.is_empty() {
-            print!("{}", chunk.data);
+            out!("{}", chunk.data);
             let _ = std::io::stdout().flush();
         }
         offset = chunk.next_offset;
@@ -341,7 +361,7 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
             if args.connection.json {
                 print_json(&serde_json::json!({ "id": id }))?;
             } else {
-                println!("{id}");
+                outln!("{id}");
             }
             return Ok::<u8, anyhow::Error>(0);
         }
@@ -404,7 +424,7 @@ pub fn submit(args: SubmitArgs) -> Result<u8, Failure> {
     if args.connection.json {
         print_json(&serde_json::json!({ "id": id }))?;
     } else {
-        println!("{id}");
+        outln!("{id}");
     }
     Ok(0)
 }
@@ -508,30 +528,32 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
         print_json(&job)?;
         return Ok(0);
     }
-    println!("job {}: {}", job.id, job.name);
-    println!("  state:     {}", job.state);
+    outln!("job {}: {}", job.id, job.name);
+    outln!("  state:     {}", job.state);
     if let Some(code) = job.exit_code {
-        println!("  exit code: {code}");
+        outln!("  exit code: {code}");
     }
-    println!("  user:      {}", job.user);
-    println!(
+    outln!("  user:      {}", job.user);
+    outln!(
         "  queue:     {} (priority class {})",
-        job.queue, job.priority_class
+        job.queue,
+        job.priority_class
     );
-    println!(
+    outln!(
         "  asks:      {} node(s) x {} GPU(s)",
-        job.nodes, job.gpus_per_node
+        job.nodes,
+        job.gpus_per_node
     );
-    println!("  command:   {}", job.command.join(" "));
-    println!("  attempts:  {}", job.attempts);
+    outln!("  command:   {}", job.command.join(" "));
+    outln!("  attempts:  {}", job.attempts);
     if let Some(reason) = &job.pending_reason {
-        println!("  pending:   {reason}");
+        outln!("  pending:   {reason}");
     }
     if let Some(position) = job.queue_position {
-        println!("  in line:   {position} (1 = next)");
+        outln!("  in line:   {position} (1 = next)");
     }
     if !job.tasks.is_empty() {
-        println!("  placement:");
+        outln!("  placement:");
         for task in &job.tasks {
             let gpus: Vec<String> = task
                 .gpus
@@ -544,7 +566,7 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
                     }
                 })
                 .collect();
-            println!(
+            outln!(
                 "    rank {} on {} GPUs [{}] ({}{})",
                 task.rank,
                 task.node,
@@ -555,9 +577,9 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
             );
         }
     }
-    println!("  history:");
+    outln!("  history:");
     for event in &job.history {
-        println!("    {:>6} ago  {}", ago(event.at_ms), event.what);
+        outln!("    {:>6} ago  {}", ago(event.at_ms), event.what);
     }
     Ok(0)
 }
@@ -587,7 +609,7 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
                     .logs(args.job, args.rank, 0, false)
                     .await
                     .map_err(anyhow::Error::from)?;
-                print!("{}", chunk.data);
+                out!("{}", chunk.data);
             }
             Ok::<(), anyhow::Error>(())
         })
@@ -603,7 +625,7 @@ pub fn cancel(args: JobArgs) -> Result<u8, Failure> {
     if args.connection.json {
         print_json(&job)?;
     } else {
-        println!("job {} {}", job.id, job.state);
+        outln!("job {} {}", job.id, job.state);
     }
     Ok(0)
 }
@@ -681,7 +703,7 @@ pub fn node_action(args: NodeActionArgs, action: &str) -> Result<u8, Failure> {
     if args.connection.json {
         print_json(&node)?;
     } else {
-        println!("node {}: {action} done", node.name);
+        outln!("node {}: {action} done", node.name);
     }
     Ok(0)
 }
@@ -732,7 +754,7 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
         if args.connection.json {
             print_json(&queue)?;
         } else {
-            println!("queue {} set", queue.name);
+            outln!("queue {} set", queue.name);
         }
         return Ok(0);
     }
