@@ -14,10 +14,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// program quietly instead of panicking.
 fn write_out(args: std::fmt::Arguments<'_>) {
     let mut stdout = std::io::stdout().lock();
-    if let Err(error) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
-        if error.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(0);
-        }
+    if let Err(error) = stdout.write_fmt(args).and_then(|()| stdout.flush())
+        && error.kind() == std::io::ErrorKind::BrokenPipe
+    {
+        std::process::exit(0);
     }
 }
 
