@@ -33,6 +33,9 @@ pub struct AgentConfig {
     pub fence_margin: Duration,
 }
 
+/// How long a fenced task gets between its stop signal and the kill.
+const FENCED_GRACE: Duration = Duration::from_millis(500);
+
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -135,8 +138,25 @@ pub async fn run(
         }
     }
 
+    // When this node last renewed its lease, and how long the lease is, kept
+    // on disk: a restarted agent that cannot reach the server must still
+    // fence the tasks it recovered before their lease runs out.
+    let lease_file = config.state_dir.join("lease.json");
+    let (mut last_renewal, mut lease_ms) = std::fs::read_to_string(&lease_file)
+        .ok()
+        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+        .and_then(|v| Some((v["last_renewal_ms"].as_u64()?, v["lease_ms"].as_u64()?)))
+        .unwrap_or((now_ms(), 10_000));
+    let save_renewal = |last: u64, lease: u64| {
+        let text = serde_json::json!({"last_renewal_ms": last, "lease_ms": lease}).to_string();
+        let temporary = lease_file.with_extension("tmp");
+        if std::fs::write(&temporary, text).is_ok() {
+            let _ = std::fs::rename(&temporary, &lease_file);
+        }
+    };
     let mut backoff = Duration::from_millis(200);
     'register: loop {
+        let sent = now_ms();
         let registered = tokio::select! {
             _ = &mut shutdown => return Ok(()),
             result = joiner.register(&register) => result,
@@ -148,6 +168,13 @@ pub async fn run(
                     return Err(format!("the server refused to register this node: {error}"));
                 }
                 tracing::warn!("cannot register yet: {error}");
+                let margin = (config.fence_margin.as_millis() as u64).min(lease_ms / 4);
+                if muster_node::must_fence(now_ms(), last_renewal, lease_ms, margin)
+                    && tasks.values().any(|t| t.running && !t.stopping)
+                {
+                    tracing::warn!("lease not renewed in time: stopping every task (fenced)");
+                    apply(&config, &runtime, &uuids, &[], &mut tasks, true).await;
+                }
                 tokio::select! {
                     _ = &mut shutdown => return Ok(()),
                     _ = tokio::time::sleep(backoff) => {}
@@ -157,9 +184,10 @@ pub async fn run(
             }
         };
         let client = Client::new(&config.server, &registered.node_token);
-        let lease_ms = registered.lease_ms;
+        lease_ms = registered.lease_ms;
         let wait_ms = registered.heartbeat_ms;
-        let mut last_renewal = now_ms();
+        last_renewal = sent;
+        save_renewal(last_renewal, lease_ms);
         let mut version = 0u64;
         let mut desired: Vec<DesiredAllocation> = Vec::new();
         loop {
@@ -218,6 +246,7 @@ pub async fn run(
             let fenced = match answer {
                 Ok(answer) => {
                     last_renewal = sent;
+                    save_renewal(last_renewal, lease_ms);
                     version = answer.version;
                     desired = answer.desired;
                     false
@@ -359,15 +388,20 @@ async fn apply(
                 generation,
             } => {
                 let key = task_key(allocation, generation);
-                let (signal, grace) = desired.iter().find(|d| d.allocation == allocation).map_or(
-                    (Signal::Term, Duration::from_secs(10)),
-                    |d| {
+                let (signal, mut grace) = desired
+                    .iter()
+                    .find(|d| d.allocation == allocation)
+                    .map_or((Signal::Term, Duration::from_secs(10)), |d| {
                         (
                             Signal::parse(&d.stop_signal).unwrap_or(Signal::Term),
                             Duration::from_millis(d.grace_period_ms),
                         )
-                    },
-                );
+                    });
+                if fenced {
+                    // The lease is about to run out: no time for the job's
+                    // grace period; the server may place the work elsewhere.
+                    grace = grace.min(FENCED_GRACE);
+                }
                 if let Some(task) = tasks.get_mut(&key) {
                     task.stopping = true;
                 }

@@ -4,7 +4,8 @@
 //!
 //! It owns the trace formats (the Alibaba openb node and pod lists, see
 //! [`trace`]) and the evaluation protocols of `traces/README.md`; today
-//! Protocol A, allocation under load (see [`alloc`]).
+//! Protocol A, allocation under load (see [`alloc`]); and the deterministic
+//! fault-injection world of the control plane and its agents (see [`faults`]).
 //!
 //! Pure and deterministic: parsing takes text, simulation takes a seed, and
 //! the same inputs and seed give byte-identical results. It must not depend on
@@ -13,6 +14,7 @@
 //! seeds on threads). Only ordered collections are used.
 
 pub mod alloc;
+pub mod faults;
 pub mod jobs;
 pub mod replay;
 pub mod trace;
@@ -21,6 +23,7 @@ pub use alloc::{
     AllocationCurve, AllocationError, AllocationExperiment, AllocationReport, LOAD_POINTS,
     MAX_LOAD_PCT, NamedPolicy, PolicyResult, arrival_list, summarize,
 };
+pub use faults::{FaultConfig, FaultFailure, FaultReport, run_faults};
 pub use jobs::{parse_openb_timed, parse_philly};
 pub use replay::{
     QueueResult, ReplayConfig, ReplayJob, ReplayPolicy, ReplayResult, proportional_queues, replay,

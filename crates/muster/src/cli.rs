@@ -55,6 +55,8 @@ pub enum Command {
     },
     /// Replay traces through the scheduler and compare placement policies.
     Sim(SimArgs),
+    /// Measure a cluster: submissions/s, heartbeat cost, idle agent, submit-to-running.
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -74,6 +76,71 @@ pub enum SimCommand {
     /// completion time, queueing delay, utilisation and preemptions per
     /// scheduling policy.
     Replay(ReplayArgs),
+    /// Deterministic fault injection: one control plane and N agents over a
+    /// simulated network with seeded loss, delay, duplication, partitions
+    /// and crashes; checks invariants after every event (a job never runs
+    /// twice) and that every job finishes once healed. A failing seed is
+    /// printed with its last events and a command to replay it.
+    Faults(FaultsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct FaultsArgs {
+    /// Number of seeds to run (START, START+1, ...).
+    #[arg(long, value_name = "N", default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..))]
+    pub seeds: u64,
+
+    /// First seed.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub start: u64,
+
+    /// Agents (nodes) per simulation, each with 4 or 8 GPUs.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub nodes: u64,
+
+    /// Jobs submitted per simulation (about a third are 2-node gangs).
+    #[arg(long = "sim-jobs", value_name = "N", default_value_t = 12)]
+    pub sim_jobs: u64,
+
+    /// Seconds of simulated time with faults, before everything heals.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    pub duration: u64,
+
+    /// Probability that a message is lost.
+    #[arg(long, value_name = "P", default_value_t = 0.05)]
+    pub loss: f64,
+
+    /// Probability that a message is delivered twice.
+    #[arg(long, value_name = "P", default_value_t = 0.03)]
+    pub duplicate: f64,
+
+    /// Largest message latency, milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 400)]
+    pub max_delay_ms: u64,
+
+    /// Turn off partitions.
+    #[arg(long)]
+    pub no_partitions: bool,
+
+    /// Turn off agent and host crashes.
+    #[arg(long)]
+    pub no_agent_crashes: bool,
+
+    /// Turn off server crashes.
+    #[arg(long)]
+    pub no_server_crashes: bool,
+
+    /// Agents do not fence while registering again (as `muster-agent` today).
+    #[arg(long)]
+    pub no_register_fencing: bool,
+
+    /// Agents never fence (a broken configuration: shows the checker fail).
+    #[arg(long)]
+    pub no_fencing: bool,
+
+    /// Simulations run at once (default: the number of cores).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub jobs: Option<u64>,
 }
 
 #[derive(Debug, Args)]

@@ -5,6 +5,7 @@
 //! `traces/README.md`) and `muster sim replay` (Protocols B and C). Errors
 //! are reported as `error: ...` on stderr with a non-zero exit status.
 
+mod bench;
 mod cli;
 mod cluster;
 mod commands;
@@ -17,6 +18,7 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     let status: Result<u8, commands::Failure> = match cli.command {
         cli::Command::Sim(args) => sim::run(args).map(|()| 0).map_err(Into::into),
+        cli::Command::Bench(args) => bench::run(args).map(|()| 0).map_err(Into::into),
         cli::Command::Up(args) => cluster::up(args).map(|()| 0).map_err(Into::into),
         cli::Command::Server(args) => cluster::server(args).map(|()| 0).map_err(Into::into),
         cli::Command::Agent(args) => cluster::agent(args).map(|()| 0).map_err(Into::into),

@@ -1,7 +1,9 @@
-//! `muster sim`: trace replays over the pure simulator (`muster-sim`). This
-//! shell reads the files, runs seeds on threads, prints and writes results.
+//! `muster sim`: trace replays and fault injection over the pure simulator
+//! (`muster-sim`). This shell reads the files, runs seeds on threads, prints
+//! and writes results.
 
 mod alloc;
+mod faults;
 mod plot;
 mod replay;
 
@@ -11,5 +13,6 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     match args.command {
         SimCommand::Alloc(args) => alloc::run(&args),
         SimCommand::Replay(args) => replay::run(&args),
+        SimCommand::Faults(args) => faults::run(&args),
     }
 }

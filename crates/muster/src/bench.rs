@@ -1,0 +1,1025 @@
+//! `muster bench`: measurements of a running cluster (issue 4), all on
+//! 127.0.0.1. Each bench starts what it needs (an in-process server, or a
+//! server and an agent as child processes of this binary, so their CPU time
+//! and memory can be read from /proc) unless `--server` names one.
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use muster_api::client::Client;
+use muster_api::protocol::{GpuView, HeartbeatRequest, RegisterRequest};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Durable submissions per second: many concurrent clients submit small
+    /// jobs that are never placed (acknowledged = HTTP 201, sent only after
+    /// the SQLite commit).
+    Submit(SubmitBench),
+    /// Server CPU and memory with N simulated agents heartbeating (8
+    /// simulated GPUs each) from this process.
+    Agents(AgentsBench),
+    /// CPU and memory of one real idle agent (simulated GPUs).
+    IdleAgent(IdleAgentBench),
+    /// Time from submitting a 1-GPU job to seeing it running, on an idle
+    /// cluster of one real agent (simulated GPUs).
+    SubmitToRunning(SubmitToRunningBench),
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitBench {
+    /// Concurrent clients (each its own HTTP connection).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub clients: u64,
+    /// Submissions in all.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub count: u64,
+    /// Stop submitting after this long even if --count is not reached.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub max_time: Duration,
+    /// A running server (default: start one in this process, in a temporary
+    /// data directory). Its jobs stay pending in pool `muster-bench-unplaced`.
+    #[arg(long, value_name = "URL", requires = "token")]
+    pub server: Option<String>,
+    /// The admin token of --server.
+    #[arg(long, env = "MUSTER_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+/// How the simulated agents heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum HeartbeatMode {
+    /// As the real agent: a long poll of `wait_ms` = the heartbeat interval,
+    /// the next one sent as soon as the answer comes.
+    LongPoll,
+    /// `wait_ms` 0, one heartbeat per interval.
+    Poll,
+}
+
+#[derive(Debug, Args)]
+pub struct AgentsBench {
+    /// Simulated agents.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=50_000))]
+    pub count: u64,
+    /// Heartbeat interval.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub heartbeat: Duration,
+    /// Measurement window (after every agent registered and --warmup).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Time heartbeating before the window starts.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub warmup: Duration,
+    #[arg(long, value_enum, default_value = "long-poll")]
+    pub mode: HeartbeatMode,
+    /// A running server (default: start one as a child process). Its CPU is
+    /// measured only with --server-pid.
+    #[arg(long, value_name = "URL", requires = "join_token")]
+    pub server: Option<String>,
+    /// The join token of --server.
+    #[arg(long, env = "MUSTER_JOIN_TOKEN", hide_env_values = true)]
+    pub join_token: Option<String>,
+    /// The process id of --server, to read its CPU time and memory.
+    #[arg(long, requires = "server")]
+    pub server_pid: Option<u32>,
+}
+
+#[derive(Debug, Args)]
+pub struct IdleAgentBench {
+    /// Measurement window (after the agent is ready and a 5 s warm-up).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// The agent's simulated GPUs.
+    #[arg(long, default_value = "8xH100-80GB")]
+    pub simulate_gpus: String,
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitToRunningBench {
+    /// Jobs submitted one after the other.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    pub count: u64,
+    /// The agent's simulated GPUs.
+    #[arg(long, default_value = "8xH100-80GB")]
+    pub simulate_gpus: String,
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    crate::cli::parse_duration_s(text).map(Duration::from_secs)
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        match args.command {
+            BenchCommand::Submit(args) => submit(args).await,
+            BenchCommand::Agents(args) => agents(args).await,
+            BenchCommand::IdleAgent(args) => idle_agent(args).await,
+            BenchCommand::SubmitToRunning(args) => submit_to_running(args).await,
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Measuring
+
+/// Latencies in microseconds.
+#[derive(Debug, Default)]
+struct Latencies(Vec<u64>);
+
+impl Latencies {
+    fn push(&mut self, duration: Duration) {
+        self.0
+            .push(duration.as_micros().min(u128::from(u64::MAX)) as u64);
+    }
+
+    fn extend(&mut self, other: Latencies) {
+        self.0.extend(other.0);
+    }
+
+    /// Nearest-rank percentile in milliseconds.
+    fn percentile_ms(&mut self, p: f64) -> f64 {
+        if self.0.is_empty() {
+            return f64::NAN;
+        }
+        self.0.sort_unstable();
+        let rank = ((p / 100.0) * self.0.len() as f64).ceil() as usize;
+        let index = rank.clamp(1, self.0.len()) - 1;
+        self.0[index] as f64 / 1000.0
+    }
+
+    fn summary(&mut self) -> String {
+        format!(
+            "p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} samples)",
+            self.percentile_ms(50.0),
+            self.percentile_ms(90.0),
+            self.percentile_ms(99.0),
+            self.percentile_ms(100.0),
+            self.0.len()
+        )
+    }
+}
+
+/// Clock ticks per second of /proc/PID/stat's times, and whether it was
+/// read (`getconf CLK_TCK`) or assumed (100).
+fn clock_ticks() -> (f64, bool) {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .and_then(|out| String::from_utf8(out.stdout).ok())
+        .and_then(|text| text.trim().parse::<f64>().ok())
+        .filter(|ticks| *ticks > 0.0)
+        .map_or((100.0, false), |ticks| (ticks, true))
+}
+
+/// utime + stime of a process (all its threads), in clock ticks.
+fn cpu_ticks(pid: u32) -> Result<u64> {
+    let path = format!("/proc/{pid}/stat");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {path}"))?;
+    // The command name (field 2) may hold spaces: fields start after ')'.
+    let rest = text
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .ok_or_else(|| anyhow!("unexpected format of {path}"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // fields[0] is field 3 (state); utime is field 14, stime field 15.
+    let field = |index: usize| -> Result<u64> {
+        fields
+            .get(index)
+            .and_then(|value| value.parse().ok())
+            .ok_or_else(|| anyhow!("unexpected format of {path}"))
+    };
+    Ok(field(11)? + field(12)?)
+}
+
+/// A `/proc/PID/status` value in KiB (`VmRSS`, `VmHWM`).
+fn status_kib(pid: u32, key: &str) -> Result<u64> {
+    let path = format!("/proc/{pid}/status");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {path}"))?;
+    text.lines()
+        .find_map(|line| line.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow!("no {key} in {path}"))
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+/// CPU time of a process over a window.
+struct CpuWindow {
+    pid: u32,
+    ticks: u64,
+    started: Instant,
+}
+
+impl CpuWindow {
+    fn start(pid: u32) -> Result<CpuWindow> {
+        Ok(CpuWindow {
+            pid,
+            ticks: cpu_ticks(pid)?,
+            started: Instant::now(),
+        })
+    }
+
+    /// CPU used since the start, as a percentage of one core.
+    fn percent_of_core(&self, ticks_per_second: f64) -> Result<f64> {
+        let used = cpu_ticks(self.pid)?.saturating_sub(self.ticks) as f64 / ticks_per_second;
+        Ok(100.0 * used / self.started.elapsed().as_secs_f64())
+    }
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|| "unknown".to_string())
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+// ---------------------------------------------------------------------------
+// Child processes
+
+/// A child process of this binary, stopped (TERM, then KILL) when dropped.
+struct ChildProcess {
+    what: &'static str,
+    child: std::process::Child,
+}
+
+impl ChildProcess {
+    fn spawn(what: &'static str, args: &[String], log: &Path) -> Result<ChildProcess> {
+        let exe = std::env::current_exe().context("cannot find this program's own path")?;
+        let log_file = std::fs::File::create(log)
+            .with_context(|| format!("cannot create {}", log.display()))?;
+        let child = std::process::Command::new(&exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .with_context(|| format!("cannot start {} {}", exe.display(), args.join(" ")))?;
+        Ok(ChildProcess { what, child })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Fails if the process has exited.
+    fn check_alive(&mut self, log: &Path) -> Result<()> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            let tail = std::fs::read_to_string(log).unwrap_or_default();
+            let tail: Vec<&str> = tail.lines().rev().take(10).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            bail!(
+                "the {} process exited ({status}); its log ({}):\n{}",
+                self.what,
+                log.display(),
+                tail.join("\n")
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .stderr(Stdio::null())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free port on 127.0.0.1 (free when asked; the server binds it next).
+fn free_port() -> Result<u16> {
+    let listener =
+        std::net::TcpListener::bind("127.0.0.1:0").context("cannot bind to 127.0.0.1")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// A server child process in a temporary data directory.
+struct ChildServer {
+    process: ChildProcess,
+    url: String,
+    admin_token: String,
+    join_token: String,
+    log: PathBuf,
+    data_dir: PathBuf,
+}
+
+async fn start_child_server(dir: &Path, lease: Duration) -> Result<ChildServer> {
+    let port = free_port()?;
+    let data_dir = dir.join("server");
+    let log = dir.join("server.log");
+    let args = vec![
+        "server".to_string(),
+        "--listen".to_string(),
+        format!("127.0.0.1:{port}"),
+        "--data-dir".to_string(),
+        data_dir.display().to_string(),
+        "--lease".to_string(),
+        format!("{}s", lease.as_secs().max(1)),
+    ];
+    let mut process = ChildProcess::spawn("server", &args, &log)?;
+    let url = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        process.check_alive(&log)?;
+        let tokens = (
+            std::fs::read_to_string(data_dir.join("admin.token")),
+            std::fs::read_to_string(data_dir.join("join.token")),
+        );
+        if let (Ok(admin), Ok(join)) = tokens {
+            let admin = admin.trim().to_string();
+            if !admin.is_empty() && Client::new(&url, &admin).queues().await.is_ok() {
+                eprintln!(
+                    "started a server child process (pid {}) at {url}, data in {}",
+                    process.pid(),
+                    data_dir.display()
+                );
+                return Ok(ChildServer {
+                    process,
+                    url,
+                    admin_token: admin,
+                    join_token: join.trim().to_string(),
+                    log,
+                    data_dir,
+                });
+            }
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the server child process did not answer at {url} within 20 s; see {}",
+                log.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A real agent child process joined to `server`, waited for until its
+/// node is ready.
+async fn start_child_agent(dir: &Path, server: &ChildServer, gpus: &str) -> Result<ChildProcess> {
+    let name = "bench-agent";
+    let log = dir.join("agent.log");
+    let args = vec![
+        "agent".to_string(),
+        "--server".to_string(),
+        server.url.clone(),
+        "--join-token".to_string(),
+        server.join_token.clone(),
+        "--name".to_string(),
+        name.to_string(),
+        "--address".to_string(),
+        "127.0.0.1".to_string(),
+        "--simulate-gpus".to_string(),
+        gpus.to_string(),
+        "--state-dir".to_string(),
+        dir.join("agent").display().to_string(),
+    ];
+    let mut process = ChildProcess::spawn("agent", &args, &log)?;
+    let admin = Client::new(&server.url, &server.admin_token);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        process.check_alive(&log)?;
+        if let Ok(node) = admin.node(name).await
+            && node.state == "ready"
+        {
+            eprintln!(
+                "started an agent child process (pid {}), node {name} with {} GPUs is ready",
+                process.pid(),
+                node.gpus.len()
+            );
+            return Ok(process);
+        }
+        if Instant::now() > deadline {
+            let state = admin
+                .node(name)
+                .await
+                .map_or_else(|e| format!("not known ({e})"), |n| n.state);
+            bail!(
+                "the agent's node did not become ready within 20 s (state: {state}); see {}",
+                log.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn temp_dir() -> Result<tempfile::TempDir> {
+    tempfile::Builder::new()
+        .prefix("muster-bench-")
+        .tempdir()
+        .context("cannot create a temporary directory")
+}
+
+// ---------------------------------------------------------------------------
+// muster bench submit
+
+async fn submit(args: SubmitBench) -> Result<()> {
+    let mut in_process = None;
+    let mut _dir = None;
+    let (url, token) = match (&args.server, &args.token) {
+        (Some(url), Some(token)) => (url.clone(), token.clone()),
+        (Some(_), None) => bail!("--server needs --token (or MUSTER_TOKEN)"),
+        (None, _) => {
+            let dir = temp_dir()?;
+            let config = muster_server::ServerConfig {
+                listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                ..muster_server::ServerConfig::new(dir.path().join("server"))
+            };
+            let handle = muster_server::Server::start(config)
+                .await
+                .context("cannot start the in-process server")?;
+            let url = format!("http://{}", handle.addr());
+            eprintln!(
+                "started an in-process server at {url} (data in {}; it shares this process's \
+                 CPU with the clients)",
+                handle.data_dir().display()
+            );
+            let token = handle.admin_token().to_string();
+            in_process = Some(handle);
+            _dir = Some(dir);
+            (url, token)
+        }
+    };
+    let probe = Client::new(&url, &token);
+    probe
+        .queues()
+        .await
+        .with_context(|| format!("cannot use the server at {url}"))?;
+
+    let spec = serde_json::json!({
+        "name": "b",
+        "command": ["true"],
+        "queue": "bench",
+        "pool": "muster-bench-unplaced",
+    });
+    let next = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let first_error = Arc::new(std::sync::Mutex::new(None::<String>));
+    let start_gate = Arc::new(tokio::sync::Barrier::new(args.clients as usize + 1));
+    let mut clients = Vec::new();
+    for _ in 0..args.clients {
+        let client = Client::new(&url, &token);
+        let (next, errors, first_error, gate, spec) = (
+            next.clone(),
+            errors.clone(),
+            first_error.clone(),
+            start_gate.clone(),
+            spec.clone(),
+        );
+        let (count, max_time) = (args.count, args.max_time);
+        clients.push(tokio::spawn(async move {
+            // Opens this client's connection before the clock starts.
+            let _ = client.queues().await;
+            gate.wait().await;
+            let deadline = Instant::now() + max_time;
+            let mut latencies = Latencies::default();
+            while next.fetch_add(1, Ordering::Relaxed) < count && Instant::now() < deadline {
+                let sent = Instant::now();
+                match client.submit(spec.clone()).await {
+                    Ok(_) => latencies.push(sent.elapsed()),
+                    Err(error) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        if let Ok(mut first) = first_error.lock() {
+                            first.get_or_insert_with(|| error.to_string());
+                        }
+                    }
+                }
+            }
+            latencies
+        }));
+    }
+    eprintln!(
+        "submitting {} jobs from {} clients (at most {:?}), load average {}",
+        args.count,
+        args.clients,
+        args.max_time,
+        load_average()
+    );
+    start_gate.wait().await;
+    let started = Instant::now();
+    let mut latencies = Latencies::default();
+    for client in clients {
+        latencies.extend(client.await.context("a client task failed")?);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let acknowledged = latencies.0.len();
+    let errors = errors.load(Ordering::Relaxed);
+    println!("muster bench submit: {} clients, {url}", args.clients);
+    println!(
+        "  acknowledged (HTTP 201, durable): {acknowledged} in {elapsed:.2} s = {:.0} submissions/s",
+        acknowledged as f64 / elapsed
+    );
+    println!("  latency: {}", latencies.summary());
+    println!("  errors: {errors}");
+    if let Ok(first) = first_error.lock()
+        && let Some(first) = first.as_ref()
+    {
+        println!("  first error: {first}");
+    }
+    println!("  load average at the end: {}", load_average());
+    if let Some(handle) = in_process {
+        handle.shutdown().await;
+    } else {
+        println!(
+            "  note: the {acknowledged} jobs stay pending in queue `bench`, pool \
+             `muster-bench-unplaced`"
+        );
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// muster bench agents
+
+fn max_open_files() -> Option<u64> {
+    std::fs::read_to_string("/proc/self/limits")
+        .ok()?
+        .lines()
+        .find(|line| line.starts_with("Max open files"))?
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .ok()
+}
+
+fn simulated_gpus(agent: u64) -> Vec<GpuView> {
+    (0..8)
+        .map(|index| GpuView {
+            index,
+            uuid: format!("GPU-bench-{agent:05}-{index}"),
+            model: "H100-80GB".to_string(),
+            memory_mib: 81_559,
+            nvlink_domain: 0,
+        })
+        .collect()
+}
+
+/// What one simulated agent measured in the window.
+#[derive(Default)]
+struct AgentTally {
+    latencies: Latencies,
+    /// Round trip minus the requested wait (long poll).
+    overshoot: Latencies,
+    errors: u64,
+    first_error: Option<String>,
+}
+
+async fn agents(args: AgentsBench) -> Result<()> {
+    let needed = args.count + 64;
+    if let Some(limit) = max_open_files()
+        && limit < needed
+    {
+        bail!(
+            "{} agents need about {needed} open files; the limit is {limit} (raise it with \
+             `ulimit -n {needed}`)",
+            args.count
+        );
+    }
+    let heartbeat_ms = args.heartbeat.as_millis() as u64;
+    if heartbeat_ms == 0 {
+        bail!("--heartbeat must be above 0");
+    }
+    let dir = temp_dir()?;
+    // The server holds a long poll at most lease / 2: the lease is at least
+    // twice the heartbeat.
+    let lease = (args.heartbeat * 2).max(Duration::from_secs(10));
+    let (mut server, url, join_token, server_pid) = match &args.server {
+        Some(url) => {
+            let token = args
+                .join_token
+                .clone()
+                .ok_or_else(|| anyhow!("--server needs --join-token"))?;
+            (None, url.clone(), token, args.server_pid)
+        }
+        None => {
+            let server = start_child_server(dir.path(), lease).await?;
+            let (url, token, pid) = (
+                server.url.clone(),
+                server.join_token.clone(),
+                server.process.pid(),
+            );
+            (Some(server), url, token, Some(pid))
+        }
+    };
+
+    // Register every agent, 64 at a time.
+    let epoch = now_ms();
+    let registered_at = Instant::now();
+    let mut nodes: Vec<(u64, String, String)> = Vec::with_capacity(args.count as usize);
+    let joiner = Client::new(&url, &join_token);
+    let names: Vec<u64> = (0..args.count).collect();
+    for chunk in names.chunks(64) {
+        let mut calls = Vec::new();
+        for &agent in chunk {
+            let joiner = joiner.clone();
+            let request = RegisterRequest {
+                name: format!("bench-{agent:05}"),
+                address: "127.0.0.1".to_string(),
+                epoch,
+                gpus: simulated_gpus(agent),
+                cpu_milli: 64_000,
+                memory_mib: 512 * 1024,
+                pool: Some("muster-bench".to_string()),
+                rack: None,
+                backend: "simulated".to_string(),
+                driver_version: None,
+                cuda_version: None,
+            };
+            calls.push(tokio::spawn(async move {
+                let answer =
+                    tokio::time::timeout(Duration::from_secs(30), joiner.register(&request)).await;
+                (agent, request.name, answer)
+            }));
+        }
+        for call in calls {
+            let (agent, name, answer) = call.await.context("a registration task failed")?;
+            match answer {
+                Ok(Ok(answer)) => nodes.push((agent, name, answer.node_token)),
+                Ok(Err(error)) => {
+                    return Err(anyhow!(error))
+                        .with_context(|| format!("cannot register {name} at {url}"));
+                }
+                Err(_) => bail!("registering {name} at {url} took over 30 s"),
+            }
+        }
+        if let Some(server) = server.as_mut() {
+            server.process.check_alive(&server.log)?;
+        }
+    }
+    eprintln!(
+        "registered {} agents in {:.1} s",
+        nodes.len(),
+        registered_at.elapsed().as_secs_f64()
+    );
+
+    let measuring = Arc::new(AtomicBool::new(false));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let count = nodes.len() as u64;
+    let mut tasks = Vec::with_capacity(nodes.len());
+    for (position, (_, name, token)) in nodes.into_iter().enumerate() {
+        let client = Client::new(&url, &token);
+        let measuring = measuring.clone();
+        let mut stopped = stopped.clone();
+        let mode = args.mode;
+        // Spread over one interval, as a real fleet is.
+        let offset = Duration::from_millis(heartbeat_ms * position as u64 / count);
+        tasks.push(tokio::spawn(async move {
+            let mut tally = AgentTally::default();
+            tokio::select! {
+                _ = tokio::time::sleep(offset) => {}
+                _ = stopped.wait_for(|stop| *stop) => return tally,
+            }
+            let wait_ms = match mode {
+                HeartbeatMode::LongPoll => heartbeat_ms,
+                HeartbeatMode::Poll => 0,
+            };
+            let mut version = 0;
+            let mut ticker = tokio::time::interval(Duration::from_millis(heartbeat_ms));
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                if mode == HeartbeatMode::Poll {
+                    tokio::select! {
+                        _ = ticker.tick() => {}
+                        _ = stopped.wait_for(|stop| *stop) => return tally,
+                    }
+                }
+                let request = HeartbeatRequest {
+                    epoch,
+                    observed: Vec::new(),
+                    wait_ms,
+                    known_version: version,
+                };
+                let sent = Instant::now();
+                let answer = tokio::select! {
+                    answer = client.heartbeat(&name, &request) => answer,
+                    _ = stopped.wait_for(|stop| *stop) => return tally,
+                };
+                let took = sent.elapsed();
+                let counted = measuring.load(Ordering::Relaxed);
+                match answer {
+                    Ok(answer) => {
+                        version = answer.version;
+                        if counted {
+                            tally.latencies.push(took);
+                            tally
+                                .overshoot
+                                .push(took.saturating_sub(Duration::from_millis(wait_ms)));
+                        }
+                    }
+                    Err(error) => {
+                        if counted {
+                            tally.errors += 1;
+                        }
+                        tally.first_error.get_or_insert_with(|| error.to_string());
+                        tokio::select! {
+                            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                            _ = stopped.wait_for(|stop| *stop) => return tally,
+                        }
+                    }
+                }
+            }
+        }));
+    }
+
+    let (ticks_per_second, ticks_read) = clock_ticks();
+    eprintln!(
+        "heartbeating every {:?} ({:?}); warm-up {:?}, then measuring for {:?}; load average {}",
+        args.heartbeat,
+        args.mode,
+        args.warmup,
+        args.duration,
+        load_average()
+    );
+    tokio::time::sleep(args.warmup).await;
+    let load_before = load_average();
+    let server_window = server_pid.map(CpuWindow::start).transpose()?;
+    let own_window = CpuWindow::start(std::process::id())?;
+    measuring.store(true, Ordering::Relaxed);
+    let window_started = Instant::now();
+    let mut remaining = args.duration;
+    while !remaining.is_zero() {
+        let step = remaining.min(Duration::from_secs(1));
+        tokio::time::sleep(step).await;
+        remaining -= step;
+        if let Some(server) = server.as_mut() {
+            server.process.check_alive(&server.log)?;
+        }
+    }
+    measuring.store(false, Ordering::Relaxed);
+    let window = window_started.elapsed().as_secs_f64();
+    let server_cpu = server_window
+        .as_ref()
+        .map(|w| w.percent_of_core(ticks_per_second))
+        .transpose()?;
+    let own_cpu = own_window.percent_of_core(ticks_per_second)?;
+    let server_memory = server_pid
+        .map(|pid| Ok::<_, anyhow::Error>((status_kib(pid, "VmRSS")?, status_kib(pid, "VmHWM")?)))
+        .transpose()?;
+    let load_after = load_average();
+    let _ = stop.send(true);
+    let mut tally = AgentTally::default();
+    for task in tasks {
+        if let Ok(Ok(one)) = tokio::time::timeout(Duration::from_secs(15), task).await {
+            tally.latencies.extend(one.latencies);
+            tally.overshoot.extend(one.overshoot);
+            tally.errors += one.errors;
+            if tally.first_error.is_none() {
+                tally.first_error = one.first_error;
+            }
+        }
+    }
+
+    let served = tally.latencies.0.len();
+    println!(
+        "muster bench agents: {count} agents x 8 simulated GPUs, heartbeat {:?} ({:?}), \
+         window {window:.1} s",
+        args.heartbeat, args.mode
+    );
+    println!(
+        "  heartbeats served: {served} = {:.1}/s (expected {:.1}/s)",
+        served as f64 / window,
+        count as f64 * 1000.0 / heartbeat_ms as f64
+    );
+    match server_cpu {
+        Some(cpu) => println!(
+            "  server CPU: {cpu:.2}% of one core (utime+stime from /proc/{}/stat, {} ticks/s{})",
+            server_pid.unwrap_or_default(),
+            ticks_per_second,
+            if ticks_read {
+                ""
+            } else {
+                ", assumed: getconf CLK_TCK failed"
+            }
+        ),
+        None => println!("  server CPU: not measured (pass --server-pid)"),
+    }
+    if let Some((rss, hwm)) = server_memory {
+        println!(
+            "  server memory: VmRSS {:.1} MiB (peak VmHWM {:.1} MiB)",
+            mib(rss),
+            mib(hwm)
+        );
+    }
+    println!("  this process (the {count} simulated agents): {own_cpu:.1}% of one core");
+    println!("  heartbeat round trip: {}", tally.latencies.summary());
+    if args.mode == HeartbeatMode::LongPoll {
+        println!(
+            "  round trip minus the long poll's wait: {}",
+            tally.overshoot.summary()
+        );
+    }
+    println!("  errors: {}", tally.errors);
+    if let Some(first) = &tally.first_error {
+        println!("  first error: {first}");
+    }
+    println!("  load average: {load_before} at the start, {load_after} at the end");
+    if let Some(server) = &server {
+        eprintln!(
+            "(server log: {}; removed with {})",
+            server.log.display(),
+            server.data_dir.display()
+        );
+    }
+    drop(server);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// muster bench idle-agent
+
+async fn idle_agent(args: IdleAgentBench) -> Result<()> {
+    let dir = temp_dir()?;
+    let mut server = start_child_server(dir.path(), Duration::from_secs(10)).await?;
+    let mut agent = start_child_agent(dir.path(), &server, &args.simulate_gpus).await?;
+    let agent_log = dir.path().join("agent.log");
+    let warmup = Duration::from_secs(5);
+    eprintln!(
+        "warm-up {warmup:?}, then measuring for {:?}; load average {}",
+        args.duration,
+        load_average()
+    );
+    tokio::time::sleep(warmup).await;
+    let (ticks_per_second, ticks_read) = clock_ticks();
+    let load_before = load_average();
+    let agent_window = CpuWindow::start(agent.pid())?;
+    let server_window = CpuWindow::start(server.process.pid())?;
+    let deadline = Instant::now() + args.duration;
+    while Instant::now() < deadline {
+        tokio::time::sleep(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_secs(1)),
+        )
+        .await;
+        agent.check_alive(&agent_log)?;
+        server.process.check_alive(&server.log)?;
+    }
+    let agent_cpu = agent_window.percent_of_core(ticks_per_second)?;
+    let server_cpu = server_window.percent_of_core(ticks_per_second)?;
+    let rss = status_kib(agent.pid(), "VmRSS")?;
+    let hwm = status_kib(agent.pid(), "VmHWM")?;
+    println!(
+        "muster bench idle-agent: one agent ({}), {:?} window",
+        args.simulate_gpus, args.duration
+    );
+    println!(
+        "  agent CPU: {agent_cpu:.3}% of one core ({} ticks/s{})",
+        ticks_per_second,
+        if ticks_read {
+            ""
+        } else {
+            ", assumed: getconf CLK_TCK failed"
+        }
+    );
+    println!(
+        "  agent memory: VmRSS {:.1} MiB (peak VmHWM {:.1} MiB)",
+        mib(rss),
+        mib(hwm)
+    );
+    println!("  server CPU meanwhile: {server_cpu:.3}% of one core");
+    println!(
+        "  load average: {load_before} at the start, {} at the end",
+        load_average()
+    );
+    drop(agent);
+    drop(server);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// muster bench submit-to-running
+
+fn is_terminal(state: &str) -> bool {
+    matches!(state, "succeeded" | "failed" | "cancelled")
+}
+
+async fn submit_to_running(args: SubmitToRunningBench) -> Result<()> {
+    let dir = temp_dir()?;
+    let mut server = start_child_server(dir.path(), Duration::from_secs(10)).await?;
+    let mut agent = start_child_agent(dir.path(), &server, &args.simulate_gpus).await?;
+    let agent_log = dir.path().join("agent.log");
+    let client = Client::new(&server.url, &server.admin_token);
+    let spec = serde_json::json!({
+        "name": "bench-s2r",
+        "command": ["sleep", "5"],
+        "gpus": 1,
+    });
+    eprintln!(
+        "submitting {} jobs one after the other; load average {}",
+        args.count,
+        load_average()
+    );
+    let load_before = load_average();
+    let mut latencies = Latencies::default();
+    let mut started = Latencies::default();
+    let mut timeouts = 0u64;
+    for _ in 0..args.count {
+        let sent = Instant::now();
+        let id = client
+            .submit(spec.clone())
+            .await
+            .context("cannot submit the job")?;
+        let deadline = sent + Duration::from_secs(30);
+        let mut running = false;
+        let mut task_running = false;
+        while Instant::now() < deadline {
+            let job = client.job(id).await.context("cannot read the job")?;
+            if !running && job.state == "running" {
+                latencies.push(sent.elapsed());
+                running = true;
+            }
+            if running && !job.tasks.is_empty() && job.tasks.iter().all(|t| t.state == "running") {
+                started.push(sent.elapsed());
+                task_running = true;
+                break;
+            }
+            if is_terminal(&job.state) {
+                bail!("job {id} ended ({}) before it was seen running", job.state);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if !running || !task_running {
+            timeouts += 1;
+        }
+        client
+            .cancel(id)
+            .await
+            .with_context(|| format!("cannot cancel job {id}"))?;
+        // Back to an idle cluster before the next one.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let job = client.job(id).await.context("cannot read the job")?;
+            if is_terminal(&job.state) {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("job {id} did not end within 30 s of its cancellation");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        agent.check_alive(&agent_log)?;
+        server.process.check_alive(&server.log)?;
+    }
+    println!(
+        "muster bench submit-to-running: {} jobs (sleep 5, 1 GPU), one agent ({})",
+        args.count, args.simulate_gpus
+    );
+    println!(
+        "  from before the submit request to GET /v1/jobs/ID showing running (polled every \
+         10 ms): {}",
+        latencies.summary()
+    );
+    println!(
+        "  ... to its task showing running (the agent started the process and reported it): {}",
+        started.summary()
+    );
+    println!("  not running within 30 s: {timeouts}");
+    println!(
+        "  load average: {load_before} at the start, {} at the end",
+        load_average()
+    );
+    drop(agent);
+    drop(server);
+    Ok(())
+}
