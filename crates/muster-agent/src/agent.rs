@@ -55,6 +55,8 @@ fn parse_key(key: &str) -> Option<(u64, u64)> {
 struct Task {
     running: bool,
     stopping: bool,
+    /// Stopped because the lease could not be renewed.
+    fenced: bool,
     exit: Option<TaskExit>,
     log_offset: u64,
 }
@@ -131,6 +133,7 @@ pub async fn run(
                 Task {
                     running,
                     stopping: false,
+                    fenced: false,
                     exit,
                     log_offset: 0,
                 },
@@ -211,6 +214,7 @@ pub async fn run(
                         } else {
                             Some(task.exit.as_ref().and_then(|e| e.exit_code))
                         },
+                        fenced: task.fenced,
                     })
                 })
                 .collect();
@@ -353,6 +357,7 @@ async fn apply(
                             Task {
                                 running: true,
                                 stopping: false,
+                                fenced: false,
                                 exit: None,
                                 log_offset: 0,
                             },
@@ -372,6 +377,7 @@ async fn apply(
                             Task {
                                 running: false,
                                 stopping: false,
+                                fenced: false,
                                 exit: Some(TaskExit {
                                     allocation: key,
                                     exit_code: Some(127),
@@ -404,6 +410,7 @@ async fn apply(
                 }
                 if let Some(task) = tasks.get_mut(&key) {
                     task.stopping = true;
+                    task.fenced |= fenced;
                 }
                 let runtime = Arc::clone(runtime);
                 let _ = config;

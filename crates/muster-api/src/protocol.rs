@@ -165,6 +165,9 @@ pub struct ObservedAllocation {
     )]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<i32>))]
     pub exited: Option<Option<i32>>,
+    /// The agent stopped it because it could not renew its lease.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fenced: bool,
 }
 
 /// `Option<Option<i32>>` as absent / `null` / a number.
@@ -320,6 +323,7 @@ mod tests {
                 allocation: 1,
                 generation: 2,
                 exited,
+                fenced: false,
             };
             let text = serde_json::to_string(&observed).unwrap();
             let back: ObservedAllocation = serde_json::from_str(&text).unwrap();

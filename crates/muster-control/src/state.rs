@@ -187,6 +187,10 @@ pub struct Observed {
     pub allocation: AllocationId,
     pub generation: u64,
     pub exited: Option<Option<i32>>,
+    /// The node stopped it because it could not renew its lease: the task
+    /// did not fail, its node did (the job is re-queued per its retry
+    /// policy for node failures).
+    pub fenced: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -561,6 +565,7 @@ impl ControlPlane {
         let reported: BTreeMap<AllocationId, &Observed> =
             observed.iter().map(|o| (o.allocation, o)).collect();
         let mut touched = BTreeSet::new();
+        let mut fenced_jobs = BTreeSet::new();
         for (id, allocation) in self.allocations.iter_mut() {
             if &allocation.node != name {
                 continue;
@@ -568,6 +573,15 @@ impl ControlPlane {
             match reported.get(id) {
                 // Reports carrying an older generation are stale: dropped.
                 Some(report) if report.generation != allocation.generation => {}
+                Some(report)
+                    if report.fenced
+                        && report.exited.is_some()
+                        && allocation.state.holds_resources() =>
+                {
+                    allocation.state = AllocationState::Lost;
+                    fenced_jobs.insert(allocation.job);
+                    changed(outputs, Output::DesiredChanged(name.clone()));
+                }
                 Some(report) => match (allocation.state, report.exited) {
                     (AllocationState::Assigned, None) => {
                         allocation.state = AllocationState::Running;
@@ -597,6 +611,15 @@ impl ControlPlane {
                 }
                 None => {}
             }
+        }
+        for job in fenced_jobs {
+            self.stop_job(
+                now,
+                job,
+                StopCause::NodeLost,
+                &format!("node {name} fenced its tasks (lease not renewed)"),
+                outputs,
+            );
         }
         for job in touched {
             self.after_task_change(now, job, outputs);

@@ -92,6 +92,7 @@ fn running(task: &DesiredTask) -> Observed {
         allocation: task.allocation,
         generation: task.generation,
         exited: None,
+        fenced: false,
     }
 }
 
@@ -247,4 +248,22 @@ fn a_heartbeat_from_an_old_epoch_is_refused() {
         )
         .unwrap_err();
     assert!(error.to_string().contains("register"), "{error}");
+}
+
+#[test]
+fn a_task_stopped_by_fencing_requeues_its_job_instead_of_failing_it() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 1);
+    world.cycle();
+    let tasks = world.desired("a");
+    world.report("a", vec![running(&tasks[0])]);
+    let fenced = Observed {
+        exited: Some(None),
+        fenced: true,
+        ..running(&tasks[0])
+    };
+    world.report("a", vec![fenced]);
+    assert_eq!(world.state(1), JobState::Pending, "re-queued, not failed");
+    world.cycle();
+    assert_eq!(world.control.jobs[&JobId(1)].attempts, 2);
 }

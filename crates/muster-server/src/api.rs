@@ -846,6 +846,7 @@ async fn heartbeat(
             allocation: AllocationId(o.allocation),
             generation: o.generation,
             exited: o.exited,
+            fenced: o.fenced,
         })
         .collect();
     // Its own changes become durable with the barrier below.

@@ -433,6 +433,7 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
             allocation: task.allocation,
             generation: task.generation,
             exited: None,
+            fenced: false,
         };
         let (status, _) = api
             .post(
@@ -557,6 +558,7 @@ fn all_running(desired: &[DesiredAllocation]) -> Vec<ObservedAllocation> {
             allocation: task.allocation,
             generation: task.generation,
             exited: None,
+            fenced: false,
         })
         .collect()
 }

@@ -767,6 +767,8 @@ impl<'a> World<'a> {
                     allocation: AllocationId(allocation),
                     generation,
                     exited: if task.running { None } else { Some(task.exit) },
+                    // The simulated jobs retry on a non-zero exit instead.
+                    fenced: false,
                 })
                 .collect();
             // As muster-agent: give up on an answer once the lease could
