@@ -376,3 +376,33 @@ fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
         (events[2].1 - events[1].1) as f64 / 1e9
     );
 }
+
+#[test]
+fn running_jobs_keep_running_across_a_server_restart() {
+    let mut cluster = Cluster::start("10s");
+    let url = cluster.url();
+    let _a = cluster.agent("node-a", &url);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_until("a node", Duration::from_secs(30), || {
+        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == 1
+    });
+    let marker = cluster.path("done");
+    let script = format!("sleep 3; touch {}", marker.display());
+    let spec = serde_json::json!({"name": "survivor", "gpus": 1, "command": ["sh", "-c", script]});
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the job to run", Duration::from_secs(30), || {
+        state(&rt, &client, id) == "running"
+    });
+    // SIGKILL the server while the job runs; the agent keeps its task.
+    drop(cluster.server.take());
+    std::thread::sleep(Duration::from_millis(500));
+    cluster.start_server();
+    let client = cluster.client();
+    wait_until("the job to succeed", Duration::from_secs(30), || {
+        state(&rt, &client, id) == "succeeded"
+    });
+    let job = rt.block_on(client.job(id)).expect("job");
+    assert_eq!(job.attempts, 1, "it ran once, through the restart");
+    assert!(marker.exists());
+}
