@@ -42,6 +42,11 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Where a task's wrapper writes its exit code.
+fn exit_file(state_dir: &std::path::Path, key: &str) -> PathBuf {
+    state_dir.join("exits").join(key)
+}
+
 fn task_key(allocation: u64, generation: u64) -> String {
     format!("a{allocation}-g{generation}")
 }
@@ -57,6 +62,9 @@ struct Task {
     stopping: bool,
     /// Stopped because the lease could not be renewed.
     fenced: bool,
+    /// The process group of a task found again after an agent restart: it
+    /// is not this process's child, so its end is noticed by polling.
+    adopted_group: Option<i32>,
     exit: Option<TaskExit>,
     log_offset: u64,
 }
@@ -123,6 +131,8 @@ pub async fn run(
     let mut tasks: BTreeMap<String, Task> = BTreeMap::new();
     if let Ok(recovery) = runtime.recover().await {
         for found in recovery.tasks {
+            let adopted_group = matches!(found.status, crate::runtime::RecoveredStatus::Running)
+                .then_some(found.pgid);
             let (running, exit) = match found.status {
                 crate::runtime::RecoveredStatus::Running => (true, None),
                 crate::runtime::RecoveredStatus::Exited(exit) => (false, Some(exit)),
@@ -134,6 +144,7 @@ pub async fn run(
                     running,
                     stopping: false,
                     fenced: false,
+                    adopted_group,
                     exit,
                     log_offset: 0,
                 },
@@ -199,6 +210,27 @@ pub async fn run(
                 if let Some(task) = tasks.get_mut(&exit.allocation) {
                     task.running = false;
                     task.exit = Some(exit);
+                }
+            }
+            // Adopted tasks end without telling us: their exit code is not
+            // known (reported as ended by a signal).
+            for (key, task) in tasks.iter_mut() {
+                if let (true, Some(pgid)) = (task.running, task.adopted_group) {
+                    let alive =
+                        tokio::task::spawn_blocking(move || crate::runtime::group_alive(pgid))
+                            .await
+                            .unwrap_or(true);
+                    if !alive {
+                        let code = std::fs::read_to_string(exit_file(&config.state_dir, key))
+                            .ok()
+                            .and_then(|text| text.trim().parse::<i32>().ok());
+                        task.running = false;
+                        task.exit = Some(TaskExit {
+                            allocation: key.clone(),
+                            exit_code: code,
+                            signal: None,
+                        });
+                    }
                 }
             }
             ship_logs(&runtime, &client, &config.name, &mut tasks).await;
@@ -290,6 +322,7 @@ pub async fn run(
             for key in done {
                 tasks.remove(&key);
                 let _ = runtime.forget(&key).await;
+                let _ = std::fs::remove_file(exit_file(&config.state_dir, &key));
             }
         }
     }
@@ -336,10 +369,33 @@ async fn apply(
                     continue;
                 };
                 let key = task_key(allocation, generation);
+                // A small shell between the agent and the command records the
+                // exit code in a file, so that an agent restarted while the
+                // task runs still learns how it ended. The trap keeps the shell
+                // alive on the stop signal until the command itself exits.
+                let exit_file = exit_file(&config.state_dir, &key);
+                let mut command = vec![
+                    "/bin/sh".to_string(),
+                    "-c".to_string(),
+                    "trap 'true' TERM INT HUP QUIT USR1 USR2; \"$@\"; code=$?; \
+                     echo $code > \"$MUSTER_EXIT_FILE\"; exit $code"
+                        .to_string(),
+                    "muster-task".to_string(),
+                ];
+                command.extend(spec.command.iter().cloned());
+                let mut env = spec.env.clone();
+                env.insert(
+                    "MUSTER_EXIT_FILE".to_string(),
+                    exit_file.to_string_lossy().into_owned(),
+                );
+                if let Some(parent) = exit_file.parent() {
+                    let _ = std::fs::create_dir_all(parent);
+                }
+                let _ = std::fs::remove_file(&exit_file);
                 let launch = TaskLaunch {
                     allocation: key.clone(),
-                    command: spec.command.clone(),
-                    env: spec.env.clone(),
+                    command,
+                    env,
                     working_dir: spec.working_dir.as_ref().map(PathBuf::from),
                     gpu_indices: spec.gpus.clone(),
                     gpu_uuids: spec
@@ -358,6 +414,7 @@ async fn apply(
                                 running: true,
                                 stopping: false,
                                 fenced: false,
+                                adopted_group: None,
                                 exit: None,
                                 log_offset: 0,
                             },
@@ -378,6 +435,7 @@ async fn apply(
                                 running: false,
                                 stopping: false,
                                 fenced: false,
+                                adopted_group: None,
                                 exit: Some(TaskExit {
                                     allocation: key,
                                     exit_code: Some(127),

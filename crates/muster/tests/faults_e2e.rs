@@ -406,3 +406,33 @@ fn running_jobs_keep_running_across_a_server_restart() {
     assert_eq!(job.attempts, 1, "it ran once, through the restart");
     assert!(marker.exists());
 }
+
+#[test]
+fn a_restarted_agent_re_attaches_to_its_running_task() {
+    let cluster = Cluster::start("10s");
+    let url = cluster.url();
+    let mut agent = Some(cluster.agent("node-a", &url));
+    let rt = runtime();
+    let client = cluster.client();
+    wait_until("a node", Duration::from_secs(30), || {
+        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == 1
+    });
+    let spec = serde_json::json!({"name": "adopted", "gpus": 1, "command": ["sh", "-c", "sleep 3; exit 7"]});
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the job to run", Duration::from_secs(30), || {
+        state(&rt, &client, id) == "running"
+    });
+    drop(agent.take()); // SIGKILL the agent; its task runs on
+    agent = Some(cluster.agent("node-a", &url));
+    wait_until("the job to end", Duration::from_secs(30), || {
+        state(&rt, &client, id) == "failed"
+    });
+    let job = rt.block_on(client.job(id)).expect("job");
+    assert_eq!(job.attempts, 1, "re-attached, not run again");
+    assert_eq!(
+        job.exit_code,
+        Some(7),
+        "the exit code survives the agent restart"
+    );
+    drop(agent);
+}
