@@ -33,6 +33,27 @@ pub struct AgentConfig {
     pub fence_margin: Duration,
 }
 
+/// The shell every task runs under. It keeps the command's exit code in
+/// `$MUSTER_EXIT_FILE` (so an agent restarted meanwhile learns how the task
+/// ended), and runs a watchdog in the task's process group that kills the
+/// whole group once the time in `$MUSTER_FENCE_FILE` (milliseconds since the
+/// epoch) has passed; the agent moves it forward each time it renews the
+/// lease, to half a fence margin before the lease would end. A task fences
+/// itself even when its agent is dead or hung. The trap keeps the shell
+/// alive on a stop signal until the command itself exits.
+const TASK_SHELL: &str = "trap 'true' TERM INT HUP QUIT USR1 USR2
+( while sleep 0.2; do
+    deadline=$(cat \"$MUSTER_FENCE_FILE\" 2>/dev/null) || continue
+    now=$(( $(date +%s%N) / 1000000 ))
+    if [ \"$now\" -gt \"$deadline\" ]; then kill -KILL 0; fi
+  done ) &
+watchdog=$!
+\"$@\"
+code=$?
+kill $watchdog 2>/dev/null
+echo $code > \"$MUSTER_EXIT_FILE\"
+exit $code";
+
 /// How long a fenced task gets between its stop signal and the kill.
 const FENCED_GRACE: Duration = Duration::from_millis(500);
 
@@ -161,11 +182,18 @@ pub async fn run(
         .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
         .and_then(|v| Some((v["last_renewal_ms"].as_u64()?, v["lease_ms"].as_u64()?)))
         .unwrap_or((now_ms(), 10_000));
+    let fence_file = config.state_dir.join("fence_at");
+    let fence_margin = config.fence_margin;
     let save_renewal = |last: u64, lease: u64| {
+        let _ = std::fs::create_dir_all(&config.state_dir);
+        let margin = (fence_margin.as_millis() as u64).min(lease / 4);
         let text = serde_json::json!({"last_renewal_ms": last, "lease_ms": lease}).to_string();
-        let temporary = lease_file.with_extension("tmp");
-        if std::fs::write(&temporary, text).is_ok() {
-            let _ = std::fs::rename(&temporary, &lease_file);
+        let deadline = (last + lease).saturating_sub(margin / 2).to_string();
+        for (path, text) in [(&lease_file, text), (&fence_file, deadline)] {
+            let temporary = path.with_extension("tmp");
+            if std::fs::write(&temporary, text).is_ok() {
+                let _ = std::fs::rename(&temporary, path);
+            }
         }
     };
     let mut backoff = Duration::from_millis(200);
@@ -377,9 +405,7 @@ async fn apply(
                 let mut command = vec![
                     "/bin/sh".to_string(),
                     "-c".to_string(),
-                    "trap 'true' TERM INT HUP QUIT USR1 USR2; \"$@\"; code=$?; \
-                     echo $code > \"$MUSTER_EXIT_FILE\"; exit $code"
-                        .to_string(),
+                    TASK_SHELL.to_string(),
                     "muster-task".to_string(),
                 ];
                 command.extend(spec.command.iter().cloned());
@@ -387,6 +413,14 @@ async fn apply(
                 env.insert(
                     "MUSTER_EXIT_FILE".to_string(),
                     exit_file.to_string_lossy().into_owned(),
+                );
+                env.insert(
+                    "MUSTER_FENCE_FILE".to_string(),
+                    config
+                        .state_dir
+                        .join("fence_at")
+                        .to_string_lossy()
+                        .into_owned(),
                 );
                 if let Some(parent) = exit_file.parent() {
                     let _ = std::fs::create_dir_all(parent);

@@ -436,3 +436,75 @@ fn a_restarted_agent_re_attaches_to_its_running_task() {
     );
     drop(agent);
 }
+
+fn processes_with(marker: &str) -> usize {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter(|entry| {
+            let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+            let zombie = status
+                .lines()
+                .any(|l| l.starts_with("State:") && l.contains('Z'));
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            !zombie && String::from_utf8_lossy(&cmdline).contains(marker)
+        })
+        .count()
+}
+
+#[test]
+fn a_dead_agent_s_task_fences_itself_before_the_job_runs_elsewhere() {
+    let cluster = Cluster::start("4s");
+    let url = cluster.url();
+    let mut a = Some(cluster.agent("node-a", &url));
+    let _b = cluster.agent("node-b", &url);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_until("two nodes", Duration::from_secs(30), || {
+        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == 2
+    });
+    rt.block_on(client.node_action("node-b", "cordon"))
+        .expect("cordon");
+    let log = cluster.path("runs.log");
+    let marker = format!("muster-orphan-{}", std::process::id());
+    let script = format!(
+        "echo start $(date +%s%N) >> {log}; exec -a {marker} sleep 8",
+        log = log.display()
+    );
+    let spec = serde_json::json!({"name": "orphan", "gpus": 1, "command": ["bash", "-c", script]});
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the task on node-a", Duration::from_secs(30), || {
+        processes_with(&marker) > 0
+    });
+    rt.block_on(client.node_action("node-b", "uncordon"))
+        .expect("uncordon");
+    drop(a.take()); // SIGKILL: nobody is left to stop the task but itself
+    wait_until(
+        "the orphaned task to fence itself",
+        Duration::from_secs(30),
+        || processes_with(&marker) == 0,
+    );
+    let gone = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_nanos();
+    wait_until(
+        "the job to succeed elsewhere",
+        Duration::from_secs(40),
+        || state(&rt, &client, id) == "succeeded",
+    );
+    let text = std::fs::read_to_string(&log).expect("runs log");
+    let starts: Vec<u128> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("start ")?.trim().parse().ok())
+        .collect();
+    assert_eq!(starts.len(), 2, "{text}");
+    assert!(
+        gone <= starts[1],
+        "the orphan was gone before the second run started"
+    );
+    let job = rt.block_on(client.job(id)).expect("job");
+    assert_eq!(job.tasks[0].node, "node-b");
+}
