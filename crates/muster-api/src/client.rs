@@ -205,6 +205,10 @@ impl Client {
         .await
     }
 
+    pub async fn pools(&self) -> Result<PoolList, ClientError> {
+        self.get("/v1/pools").await
+    }
+
     pub async fn queues(&self) -> Result<QueueList, ClientError> {
         self.get("/v1/queues").await
     }

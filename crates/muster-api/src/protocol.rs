@@ -270,6 +270,27 @@ pub struct NodeView {
     pub allocations: Vec<u64>,
 }
 
+/// A pool: the nodes whose agents joined with that `--pool`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PoolView {
+    pub name: String,
+    pub nodes: u32,
+    /// Nodes that take new work (ready and not cordoned).
+    pub schedulable_nodes: u32,
+    pub gpus: u32,
+    /// Free GPU capacity in thousandths, over the schedulable nodes.
+    pub gpu_free_milli: u64,
+    /// The GPU models in the pool.
+    pub models: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PoolList {
+    pub pools: Vec<PoolView>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NodeList {

@@ -53,6 +53,7 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/nodes/{name}/cordon", post(cordon_node))
         .route("/v1/nodes/{name}/uncordon", post(uncordon_node))
         .route("/v1/nodes/{name}/drain", post(drain_node))
+        .route("/v1/pools", get(list_pools))
         .route("/v1/queues", get(list_queues))
         .route("/v1/queues/{name}", put(set_queue))
         .route("/v1/agents/register", post(register_agent))
@@ -642,6 +643,44 @@ async fn drain_node(
     node_input(shared, name, Input::Drain { node }).await
 }
 
+// ---------------------------------------------------------------- pools
+
+/// Every pool, with its nodes, GPUs and free capacity.
+#[utoipa::path(
+    get, path = "/v1/pools", tag = "nodes",
+    responses((status = 200, body = PoolList)),
+    security(("bearer" = []))
+)]
+async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
+    let core = shared.lock();
+    let mut pools: std::collections::BTreeMap<String, PoolView> = Default::default();
+    for node in core.control.nodes.values() {
+        let view = node_view(&core, node);
+        let pool = pools.entry(view.pool.clone()).or_insert_with(|| PoolView {
+            name: view.pool.clone(),
+            nodes: 0,
+            schedulable_nodes: 0,
+            gpus: 0,
+            gpu_free_milli: 0,
+            models: Vec::new(),
+        });
+        pool.nodes += 1;
+        pool.gpus += view.gpus.len() as u32;
+        if view.state == "ready" && !view.cordoned {
+            pool.schedulable_nodes += 1;
+            pool.gpu_free_milli += view.gpu_free.iter().map(|&m| u64::from(m)).sum::<u64>();
+        }
+        for gpu in &view.gpus {
+            if !pool.models.contains(&gpu.model) {
+                pool.models.push(gpu.model.clone());
+            }
+        }
+    }
+    Json(PoolList {
+        pools: pools.into_values().collect(),
+    })
+}
+
 // ---------------------------------------------------------------- queues
 
 /// Every queue: configured ones and those jobs name.
@@ -977,7 +1016,7 @@ async fn push_logs(
     paths(
         submit_job, list_jobs, get_job, cancel_job, job_logs,
         list_nodes, get_node, cordon_node, uncordon_node, drain_node,
-        list_queues, set_queue,
+        list_pools, list_queues, set_queue,
         register_agent, heartbeat, push_logs,
     ),
     components(schemas(ErrorBody, ErrorCode)),
@@ -1015,7 +1054,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 14, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 15, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",

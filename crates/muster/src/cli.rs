@@ -38,7 +38,7 @@ pub enum Command {
     Logs(crate::commands::LogsArgs),
     /// Cancel a job (its processes get the stop signal, then are killed).
     Cancel(crate::commands::JobArgs),
-    /// List nodes.
+    /// List nodes, or show one (`muster nodes NAME`).
     Nodes(crate::commands::NodesArgs),
     /// Stop placing new work on a node.
     Cordon(crate::commands::NodeActionArgs),
@@ -46,6 +46,8 @@ pub enum Command {
     Uncordon(crate::commands::NodeActionArgs),
     /// Cordon a node and move its work elsewhere.
     Drain(crate::commands::NodeActionArgs),
+    /// List pools (named by the agents' --pool).
+    Pools(crate::commands::PoolsArgs),
     /// List queues, or set one (`muster queues set NAME --guaranteed 8`).
     Queues(crate::commands::QueuesArgs),
     /// Print shell completions.

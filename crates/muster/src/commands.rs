@@ -632,6 +632,14 @@ pub fn cancel(args: JobArgs) -> Result<u8, Failure> {
 
 #[derive(Debug, Args)]
 pub struct NodesArgs {
+    /// Show this node in detail (GPUs, free capacity, allocations).
+    pub node: Option<String>,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+#[derive(Debug, Args)]
+pub struct PoolsArgs {
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -647,8 +655,68 @@ fn gpu_summary(node: &NodeView) -> String {
     }
 }
 
+fn describe_node(node: &NodeView) {
+    outln!("node {}", node.name);
+    outln!(
+        "  state:     {}{}",
+        node.state,
+        if node.draining {
+            ", draining"
+        } else if node.cordoned {
+            ", cordoned"
+        } else {
+            ""
+        }
+    );
+    outln!("  pool:      {}   rack: {}", node.pool, node.rack);
+    outln!("  address:   {}", node.address);
+    outln!(
+        "  CPUs:      {}   memory: {} GiB",
+        node.cpu_milli / 1000,
+        node.memory_mib / 1024
+    );
+    outln!(
+        "  software:  {} (driver {}, CUDA {})",
+        node.backend,
+        node.driver_version.as_deref().unwrap_or("-"),
+        node.cuda_version.as_deref().unwrap_or("-")
+    );
+    outln!("  GPUs:");
+    for (gpu, free) in node.gpus.iter().zip(&node.gpu_free) {
+        outln!(
+            "    {} {} {} GiB, NVLink domain {}, {:.3} free  {}",
+            gpu.index,
+            gpu.model,
+            gpu.memory_mib / 1024,
+            gpu.nvlink_domain,
+            f64::from(*free) / 1000.0,
+            gpu.uuid
+        );
+    }
+    let allocations: Vec<String> = node.allocations.iter().map(u64::to_string).collect();
+    outln!(
+        "  allocations: {}",
+        if allocations.is_empty() {
+            "-".to_string()
+        } else {
+            allocations.join(", ")
+        }
+    );
+}
+
 pub fn nodes(args: NodesArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
+    if let Some(name) = &args.node {
+        let node = runtime()?
+            .block_on(client.node(name))
+            .map_err(anyhow::Error::from)?;
+        if args.connection.json {
+            print_json(&node)?;
+        } else {
+            describe_node(&node);
+        }
+        return Ok(0);
+    }
     let list = runtime()?
         .block_on(client.nodes())
         .map_err(anyhow::Error::from)?;
@@ -705,6 +773,41 @@ pub fn node_action(args: NodeActionArgs, action: &str) -> Result<u8, Failure> {
     } else {
         outln!("node {}: {action} done", node.name);
     }
+    Ok(0)
+}
+
+pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let list = runtime()?
+        .block_on(client.pools())
+        .map_err(anyhow::Error::from)?;
+    if args.connection.json {
+        print_json(&list.pools)?;
+        return Ok(0);
+    }
+    table(
+        &[
+            "POOL",
+            "NODES",
+            "SCHEDULABLE",
+            "GPUS",
+            "FREE GPUS",
+            "MODELS",
+        ],
+        list.pools
+            .iter()
+            .map(|p| {
+                vec![
+                    p.name.clone(),
+                    p.nodes.to_string(),
+                    p.schedulable_nodes.to_string(),
+                    p.gpus.to_string(),
+                    format!("{:.2}", p.gpu_free_milli as f64 / 1000.0),
+                    p.models.join(","),
+                ]
+            })
+            .collect(),
+    );
     Ok(0)
 }
 

@@ -33,6 +33,7 @@ fn main() -> ExitCode {
         cli::Command::Uncordon(args) => commands::node_action(args, "uncordon"),
         cli::Command::Drain(args) => commands::node_action(args, "drain"),
         cli::Command::Queues(args) => commands::queues(args),
+        cli::Command::Pools(args) => commands::pools(args),
         cli::Command::Completions { shell } => {
             let mut command = <cli::Cli as clap::CommandFactory>::command();
             clap_complete::generate(shell, &mut command, "muster", &mut std::io::stdout());

@@ -273,6 +273,12 @@ fn a_server_with_three_agents_runs_a_gang() {
             == 3
     });
 
+    let pools = json(&cli(&["pools", "--json"]));
+    assert_eq!(pools[0]["name"], "default");
+    assert_eq!(pools[0]["gpus"], 12);
+    let node = json(&cli(&["nodes", "node-b", "--json"]));
+    assert_eq!(node["gpus"].as_array().map(Vec::len), Some(4));
+
     // A 2-node gang: consistent environments, tasks running at once.
     let out = env.path("gang");
     std::fs::create_dir_all(&out).unwrap();
