@@ -196,6 +196,7 @@ pub async fn run(
             }
         }
     };
+    let mut unhealthy_gpus: Vec<u32> = Vec::new();
     let mut backoff = Duration::from_millis(200);
     'register: loop {
         let sent = now_ms();
@@ -287,9 +288,19 @@ pub async fn run(
             let remaining = (last_renewal + lease_ms)
                 .saturating_sub(margin)
                 .saturating_sub(sent);
+            // GPU health, as the backend sees it now (a failed read keeps
+            // the last answer).
+            if let Ok(telemetry) = config.backend.telemetry() {
+                unhealthy_gpus = telemetry
+                    .iter()
+                    .filter(|gpu| !gpu.healthy)
+                    .map(|gpu| gpu.index)
+                    .collect();
+            }
             let request = HeartbeatRequest {
                 epoch,
                 observed,
+                unhealthy_gpus: unhealthy_gpus.clone(),
                 wait_ms: wait_ms.min(remaining / 3),
                 known_version: version,
             };

@@ -201,6 +201,9 @@ pub struct HeartbeatRequest {
     /// `known_version` before answering (long poll); 0 answers at once.
     pub wait_ms: u64,
     pub known_version: u64,
+    /// GPU indices the agent's health checks found out of service.
+    #[serde(default)]
+    pub unhealthy_gpus: Vec<u32>,
 }
 
 /// A task the node must run, or stop when `stop` is set.
@@ -268,6 +271,9 @@ pub struct NodeView {
     pub cuda_version: Option<String>,
     pub last_heartbeat_ms: u64,
     pub allocations: Vec<u64>,
+    /// GPU indices out of service.
+    #[serde(default)]
+    pub unhealthy_gpus: Vec<u32>,
 }
 
 /// A pool: the nodes whose agents joined with that `--pool`.

@@ -163,6 +163,8 @@ pub struct Node {
     pub draining: bool,
     pub last_heartbeat: Time,
     pub software: Software,
+    /// GPU indices out of service (reported by the agent's health checks).
+    pub unhealthy_gpus: Vec<u32>,
 }
 
 /// A task as the node must run (or stop) it.
@@ -213,6 +215,12 @@ pub enum Input {
         node: NodeName,
         epoch: u64,
         observed: Vec<Observed>,
+    },
+    /// An agent's view of its GPUs' health: the indices out of service.
+    GpuHealth {
+        node: NodeName,
+        epoch: u64,
+        unhealthy: Vec<u32>,
     },
     /// Time passed: expire leases.
     Tick,
@@ -340,10 +348,12 @@ impl ControlPlane {
                 software,
             } => {
                 let name = spec.name.clone();
-                let (cordoned, draining) = self
+                let (cordoned, draining, unhealthy_gpus) = self
                     .nodes
                     .get(&name)
-                    .map_or((false, false), |n| (n.cordoned, n.draining));
+                    .map_or((false, false, Vec::new()), |n| {
+                        (n.cordoned, n.draining, n.unhealthy_gpus.clone())
+                    });
                 self.nodes.insert(
                     name.clone(),
                     Node {
@@ -355,6 +365,7 @@ impl ControlPlane {
                         draining,
                         last_heartbeat: now,
                         software,
+                        unhealthy_gpus,
                     },
                 );
                 outputs.push(Output::NodeChanged(name.clone()));
@@ -365,6 +376,53 @@ impl ControlPlane {
                 epoch,
                 observed,
             } => self.heartbeat(now, &node, epoch, &observed, &mut outputs)?,
+            Input::GpuHealth {
+                node,
+                epoch,
+                mut unhealthy,
+            } => {
+                let entry = self
+                    .nodes
+                    .get_mut(&node)
+                    .ok_or_else(|| ControlError::NodeNotFound(node.clone()))?;
+                if entry.epoch != epoch {
+                    return Err(ControlError::Conflict(format!(
+                        "node {node} registered again since (epoch {} is current, not {epoch})",
+                        entry.epoch
+                    )));
+                }
+                unhealthy.sort_unstable();
+                unhealthy.dedup();
+                unhealthy.retain(|&index| (index as usize) < entry.spec.gpus.len());
+                if entry.unhealthy_gpus != unhealthy {
+                    entry.unhealthy_gpus = unhealthy.clone();
+                    outputs.push(Output::NodeChanged(node.clone()));
+                    // Work on a GPU that went bad moves elsewhere, as if its
+                    // node had failed (per the job's retry policy).
+                    let jobs: BTreeSet<JobId> = self
+                        .allocations
+                        .values()
+                        .filter(|a| {
+                            a.node == node
+                                && matches!(
+                                    a.state,
+                                    AllocationState::Assigned | AllocationState::Running
+                                )
+                                && a.gpus.iter().any(|(index, _)| unhealthy.contains(index))
+                        })
+                        .map(|a| a.job)
+                        .collect();
+                    for job in jobs {
+                        self.stop_job(
+                            now,
+                            job,
+                            StopCause::NodeLost,
+                            &format!("a GPU of node {node} is unhealthy"),
+                            &mut outputs,
+                        );
+                    }
+                }
+            }
             Input::Tick => self.expire_leases(now, &mut outputs),
             Input::Cordon { node, cordoned } => {
                 let entry = self
@@ -685,7 +743,7 @@ impl ControlPlane {
                 spec: node.spec.clone(),
                 cordoned: node.cordoned,
                 healthy: node.state == NodeState::Ready,
-                unhealthy_gpus: Vec::new(),
+                unhealthy_gpus: node.unhealthy_gpus.clone(),
             })
             .collect()
     }
@@ -1000,6 +1058,19 @@ impl ControlPlane {
                 .nodes
                 .get(&allocation.node)
                 .ok_or_else(|| format!("allocation {} on unknown node", allocation.id))?;
+            if matches!(
+                allocation.state,
+                AllocationState::Assigned | AllocationState::Running
+            ) && allocation
+                .gpus
+                .iter()
+                .any(|(index, _)| node.unhealthy_gpus.contains(index))
+            {
+                return Err(format!(
+                    "allocation {} runs on an unhealthy GPU of {}",
+                    allocation.id, allocation.node
+                ));
+            }
             for &(index, milli) in &allocation.gpus {
                 if index as usize >= node.spec.gpus.len() {
                     return Err(format!("allocation {} uses a missing GPU", allocation.id));

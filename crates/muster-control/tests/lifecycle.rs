@@ -251,6 +251,38 @@ fn a_heartbeat_from_an_old_epoch_is_refused() {
 }
 
 #[test]
+fn a_gpu_gone_bad_moves_its_work_and_takes_no_more() {
+    let mut world = World::new(&["a", "b"]);
+    world.submit(1, 1, 4);
+    world.cycle();
+    let node = if world.desired("a").is_empty() {
+        "b"
+    } else {
+        "a"
+    };
+    let tasks = world.desired(node);
+    world.report(node, vec![running(&tasks[0])]);
+    world.step(Input::GpuHealth {
+        node: NodeName::from(node),
+        epoch: 1,
+        unhealthy: vec![tasks[0].gpus[0]],
+    });
+    assert!(
+        world.desired(node)[0].stop,
+        "the task on the bad GPU is stopped"
+    );
+    world.report(node, vec![exited(&tasks[0], 143)]);
+    assert_eq!(world.state(1), JobState::Pending, "re-queued, not failed");
+    world.cycle();
+    let other = if node == "a" { "b" } else { "a" };
+    assert_eq!(world.desired(other).len(), 1, "placed on the healthy node");
+    assert!(
+        world.desired(node).is_empty(),
+        "3 healthy GPUs cannot hold 4"
+    );
+}
+
+#[test]
 fn a_task_stopped_by_fencing_requeues_its_job_instead_of_failing_it() {
     let mut world = World::new(&["a"]);
     world.submit(1, 1, 1);

@@ -889,6 +889,22 @@ async fn heartbeat(
         })
         .collect();
     // Its own changes become durable with the barrier below.
+    let known_unhealthy = shared
+        .lock()
+        .control
+        .nodes
+        .get(&name)
+        .map(|node| node.unhealthy_gpus.clone());
+    if known_unhealthy.is_some_and(|known| known != request.unhealthy_gpus) {
+        let _ = shared.apply(
+            Input::GpuHealth {
+                node: name.clone(),
+                epoch: request.epoch,
+                unhealthy: request.unhealthy_gpus.clone(),
+            },
+            Batch::default(),
+        )?;
+    }
     let _ = shared.apply(
         Input::Heartbeat {
             node: name.clone(),

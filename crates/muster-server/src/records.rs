@@ -232,6 +232,8 @@ pub struct NodeRecord {
     pub backend: String,
     pub driver: Option<String>,
     pub cuda: Option<String>,
+    #[serde(default)]
+    pub unhealthy_gpus: Vec<u32>,
 }
 
 impl From<&Node> for NodeRecord {
@@ -259,6 +261,7 @@ impl From<&Node> for NodeRecord {
             state: node_state_name(node.state).to_string(),
             cordoned: node.cordoned,
             draining: node.draining,
+            unhealthy_gpus: node.unhealthy_gpus.clone(),
             last_heartbeat_ms: node.last_heartbeat.0,
             backend: node.software.backend.clone(),
             driver: node.software.driver.clone(),
@@ -305,6 +308,7 @@ impl NodeRecord {
                 cpu: CpuMilli(self.cpu_milli),
                 memory: MemoryMib(self.memory_mib),
             },
+            unhealthy_gpus: self.unhealthy_gpus,
             address: self.address,
             epoch: self.epoch,
             state,

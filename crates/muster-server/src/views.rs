@@ -108,6 +108,7 @@ pub fn node_view(core: &Core, node: &Node) -> NodeView {
                 nvlink_domain: gpu.nvlink_domain,
             })
             .collect(),
+        unhealthy_gpus: node.unhealthy_gpus.clone(),
         gpu_free,
         cpu_milli: node.spec.cpu.0,
         memory_mib: node.spec.memory.0,

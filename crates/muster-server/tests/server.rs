@@ -369,6 +369,7 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
                 observed,
                 wait_ms,
                 known_version,
+                unhealthy_gpus: Vec::new(),
             })
             .unwrap()
         };
@@ -547,6 +548,7 @@ fn heartbeat_body(
         observed,
         wait_ms,
         known_version,
+        unhealthy_gpus: Vec::new(),
     })
     .expect("a heartbeat")
 }

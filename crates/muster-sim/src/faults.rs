@@ -70,12 +70,15 @@ pub struct FaultConfig {
     pub agent_crashes: bool,
     pub host_crashes: bool,
     pub server_crashes: bool,
+    /// GPUs turn unhealthy for a while (the agent reports it in its next
+    /// heartbeat; the server moves the work off them and places none there).
+    pub gpu_failures: bool,
     /// Agents fence themselves when they cannot renew their lease. Off only
     /// to prove that the checker catches a job running twice.
     pub fencing: bool,
     /// Agents also fence while (re-)registering, from a last renewal kept on
-    /// disk across agent restarts. Off: the agent of `muster-agent` today,
-    /// whose register loop does not fence.
+    /// disk across agent restarts, as `muster-agent` does. Off: the bug this
+    /// simulation found in an earlier agent, whose register loop did not.
     pub fence_while_registering: bool,
     pub lease_ms: u64,
     pub fence_margin_ms: u64,
@@ -96,6 +99,7 @@ impl Default for FaultConfig {
             agent_crashes: true,
             host_crashes: true,
             server_crashes: true,
+            gpu_failures: true,
             fencing: true,
             fence_while_registering: true,
             lease_ms: 10_000,
@@ -120,6 +124,8 @@ pub struct FaultReport {
     pub agent_crashes: u64,
     pub host_crashes: u64,
     pub server_crashes: u64,
+    /// Times a GPU turned unhealthy.
+    pub gpu_failures: u64,
     /// Times the server found a node lost (its lease expired).
     pub nodes_lost: u64,
     /// Jobs re-placed after their node was lost.
@@ -166,8 +172,15 @@ impl Fnv {
 
 #[derive(Debug, Clone)]
 enum Request {
-    Register { epoch: u64, spec: NodeSpec },
-    Heartbeat { epoch: u64, observed: Vec<Observed> },
+    Register {
+        epoch: u64,
+        spec: NodeSpec,
+    },
+    Heartbeat {
+        epoch: u64,
+        observed: Vec<Observed>,
+        unhealthy: Vec<u32>,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -224,6 +237,9 @@ enum Event {
         node: usize,
     },
     ServerRestart,
+    GpuHealed {
+        node: usize,
+    },
     Heal,
 }
 
@@ -321,6 +337,8 @@ struct Agent {
     records: BTreeMap<(u64, u64), Record>,
     partitioned: bool,
     fenced: bool,
+    /// GPU indices the node's health checks report out of service.
+    unhealthy: Vec<u32>,
     /// When the fault that cut this node off began.
     fault_since: Option<u64>,
 }
@@ -412,6 +430,7 @@ impl<'a> World<'a> {
                     records: BTreeMap::new(),
                     partitioned: false,
                     fenced: false,
+                    unhealthy: Vec::new(),
                     fault_since: None,
                 }
             })
@@ -644,11 +663,16 @@ impl<'a> World<'a> {
             }
             Event::AgentRestart { node } => self.agent_restart(node),
             Event::ServerRestart => self.server_restart(),
+            Event::GpuHealed { node } => {
+                self.agents[node].unhealthy.clear();
+                self.log(format!("node-{node} GPUs healthy again"));
+            }
             Event::Heal => {
                 self.healed = true;
                 self.log("heal: no more faults".to_string());
                 for node in 0..self.agents.len() {
                     self.agents[node].partitioned = false;
+                    self.agents[node].unhealthy.clear();
                     if !self.agents[node].up {
                         self.agent_restart(node);
                     }
@@ -783,6 +807,7 @@ impl<'a> World<'a> {
                 Request::Heartbeat {
                     epoch: agent.epoch,
                     observed,
+                    unhealthy: agent.unhealthy.clone(),
                 },
                 what,
                 limit,
@@ -859,7 +884,29 @@ impl<'a> World<'a> {
                     Err(error) => return Err(self.fail(format!("register refused: {error}"))),
                 }
             }
-            Request::Heartbeat { epoch, observed } => {
+            Request::Heartbeat {
+                epoch,
+                observed,
+                unhealthy,
+            } => {
+                // As muster-server does: a changed health report first.
+                let known = self
+                    .control
+                    .nodes
+                    .get(&name)
+                    .map(|n| n.unhealthy_gpus.clone());
+                if known.is_some_and(|known| known != unhealthy) {
+                    let health = Input::GpuHealth {
+                        node: name.clone(),
+                        epoch,
+                        unhealthy: unhealthy.clone(),
+                    };
+                    if self.server_step(health).is_ok() {
+                        self.log(format!(
+                            "server learns {name} GPUs {unhealthy:?} are unhealthy"
+                        ));
+                    }
+                }
                 let input = Input::Heartbeat {
                     node: name.clone(),
                     epoch,
@@ -1144,6 +1191,9 @@ impl<'a> World<'a> {
         if self.config.server_crashes {
             kinds.push(3);
         }
+        if self.config.gpu_failures {
+            kinds.push(4);
+        }
         if kinds.is_empty() {
             return;
         }
@@ -1213,6 +1263,20 @@ impl<'a> World<'a> {
                     ));
                 }
                 self.at(self.now + back, Event::AgentRestart { node });
+            }
+            4 => {
+                let gpus = self.agents[node].spec.gpus.len() as u32;
+                if gpus == 0 || !self.agents[node].unhealthy.is_empty() {
+                    return;
+                }
+                let gpu = self.rng.random_range(0..gpus);
+                let back = self.rng.random_range(2_000..20_000);
+                self.agents[node].unhealthy = vec![gpu];
+                self.report.gpu_failures += 1;
+                self.log(format!(
+                    "fault: GPU {gpu} of node-{node} unhealthy for {back} ms"
+                ));
+                self.at(self.now + back, Event::GpuHealed { node });
             }
             _ => {
                 if !self.server_up {

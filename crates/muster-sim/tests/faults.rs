@@ -69,6 +69,11 @@ fn two_hundred_seeds_with_every_fault_keep_every_property() {
         sum(|r| r.requeues)
     );
     assert!(sum(|r| r.fences) > 50, "fences: {}", sum(|r| r.fences));
+    assert!(
+        sum(|r| r.gpu_failures) > 50,
+        "GPU failures: {}",
+        sum(|r| r.gpu_failures)
+    );
 }
 
 #[test]
@@ -104,10 +109,11 @@ fn without_fencing_some_seed_runs_a_job_twice_and_is_named() {
     assert_eq!(run_faults(failure.seed, &config).err(), Some(failure));
 }
 
-/// `muster-agent` today does not fence while it registers again (after a
-/// restart, or when the server refused a heartbeat); partitioned in that
-/// loop, its recovered tasks outlive the lease. The simulated agent fences
-/// there too (`fence_while_registering`); this shows what happens without.
+/// An earlier `muster-agent` did not fence while it registered again (after
+/// a restart, or when the server refused a heartbeat); partitioned in that
+/// loop, its recovered tasks outlived the lease. This simulation found it;
+/// the agent now fences there too (`fence_while_registering`, on by
+/// default). This keeps the regression visible.
 #[test]
 fn an_agent_that_does_not_fence_while_registering_runs_a_job_twice() {
     let config = FaultConfig {

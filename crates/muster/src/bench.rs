@@ -729,6 +729,7 @@ async fn agents(args: AgentsBench) -> Result<()> {
                     observed: Vec::new(),
                     wait_ms,
                     known_version: version,
+                    unhealthy_gpus: Vec::new(),
                 };
                 let sent = Instant::now();
                 let answer = tokio::select! {

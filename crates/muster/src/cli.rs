@@ -132,7 +132,12 @@ pub struct FaultsArgs {
     #[arg(long)]
     pub no_server_crashes: bool,
 
-    /// Agents do not fence while registering again (as `muster-agent` today).
+    /// No GPUs turning unhealthy.
+    #[arg(long)]
+    pub no_gpu_failures: bool,
+
+    /// Agents do not fence while registering again (the bug an earlier
+    /// `muster-agent` had; shows the checker catching it).
     #[arg(long)]
     pub no_register_fencing: bool,
 

@@ -21,6 +21,7 @@ pub fn run(args: &FaultsArgs) -> anyhow::Result<()> {
         agent_crashes: !args.no_agent_crashes,
         host_crashes: !args.no_agent_crashes,
         server_crashes: !args.no_server_crashes,
+        gpu_failures: !args.no_gpu_failures,
         fencing: !args.no_fencing,
         fence_while_registering: !args.no_register_fencing,
         ..FaultConfig::default()
@@ -89,11 +90,12 @@ pub fn run(args: &FaultsArgs) -> anyhow::Result<()> {
         total(|r| r.attempts)
     );
     println!(
-        "faults: partitions {}, agent crashes {}, host crashes {}, server crashes {}; fences {}, nodes lost {}, requeues {}",
+        "faults: partitions {}, agent crashes {}, host crashes {}, server crashes {}, GPU failures {}; fences {}, nodes lost {}, requeues {}",
         total(|r| r.partitions),
         total(|r| r.agent_crashes),
         total(|r| r.host_crashes),
         total(|r| r.server_crashes),
+        total(|r| r.gpu_failures),
         total(|r| r.fences),
         total(|r| r.nodes_lost),
         total(|r| r.requeues)
@@ -134,6 +136,7 @@ fn replay_flags(args: &FaultsArgs) -> String {
         (args.no_partitions, " --no-partitions"),
         (args.no_agent_crashes, " --no-agent-crashes"),
         (args.no_server_crashes, " --no-server-crashes"),
+        (args.no_gpu_failures, " --no-gpu-failures"),
         (args.no_register_fencing, " --no-register-fencing"),
         (args.no_fencing, " --no-fencing"),
     ] {
