@@ -722,3 +722,61 @@ async fn a_burst_of_submissions_is_all_durable() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unhealthy_gpu_reported_in_a_heartbeat_is_taken_out_of_service() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let (status, body) = api
+            .post(
+                "/v1/agents/register",
+                server.join_token(),
+                serde_json::to_value(register_request("gpu-1", 1)).unwrap(),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let registered: RegisterResponse = serde_json::from_value(body).unwrap();
+        let token = registered.node_token;
+        // GPU 0 is out of service from the start.
+        let beat = |version: u64| {
+            serde_json::to_value(HeartbeatRequest {
+                epoch: 1,
+                observed: Vec::new(),
+                wait_ms: 2_000,
+                known_version: version,
+                unhealthy_gpus: vec![0],
+            })
+            .unwrap()
+        };
+        let (status, body) = api
+            .post("/v1/agents/gpu-1/heartbeat", &token, beat(0))
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let (_, node) = api.get("/v1/nodes/gpu-1", &admin).await;
+        assert_eq!(node["unhealthy_gpus"], json!([0]));
+        // Four GPUs asked on a node with three healthy ones: never fits.
+        let big = api.submit(&admin, spec("big", "default", 4)).await;
+        let small = api.submit(&admin, spec("small", "default", 3)).await;
+        let mut version = 0;
+        let placed = loop {
+            let (status, body) = api
+                .post("/v1/agents/gpu-1/heartbeat", &token, beat(version))
+                .await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            let response: HeartbeatResponse = serde_json::from_value(body).unwrap();
+            if !response.desired.is_empty() {
+                break response.desired;
+            }
+            version = response.version;
+        };
+        assert_eq!(placed.len(), 1);
+        assert_eq!(placed[0].job, small);
+        assert!(!placed[0].gpus.contains(&0), "GPU 0 is out of service");
+        let job = api.job(&admin, big).await;
+        assert_eq!(job.state, "pending");
+    })
+    .await;
+}
