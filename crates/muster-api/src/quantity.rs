@@ -164,6 +164,13 @@ pub(crate) fn format_memory(mib: u64) -> String {
 pub(crate) const DURATION_ACCEPTED: &str =
     "a duration like \"90s\", \"30m\", \"2h\", \"1d\" or \"1h30m\", or a whole number of seconds";
 
+/// Parses a duration written as text (command-line flags): whole seconds
+/// (`5400`), or parts with units `d`, `h`, `m`, `s`, each at most once and
+/// largest first (`1d2h`, `1h30m`, `90s`).
+pub fn parse_duration_text(text: &str) -> Result<Duration, String> {
+    parse_duration(&Quantity::Text(text.to_string()))
+}
+
 /// Parses a duration: whole seconds (`5400`), or parts with units `d`, `h`,
 /// `m`, `s`, each at most once and largest first (`1d2h`, `1h30m`, `90s`).
 pub(crate) fn parse_duration(quantity: &Quantity) -> Result<Duration, String> {

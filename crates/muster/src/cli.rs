@@ -265,54 +265,13 @@ pub struct ReplayArgs {
     pub jobs: Option<u64>,
 }
 
-const DURATION_ACCEPTED: &str =
-    "a duration like 90s, 30m, 2h, 1d or 1h30m, or a whole number of seconds";
-
 /// Parses a duration into seconds: whole seconds (`1800`), or parts with
-/// the units d, h, m, s, each at most once and largest first (`1h30m`).
+/// the units d, h, m, s, each at most once and largest first (`1h30m`); the
+/// job spec's own duration syntax.
 pub fn parse_duration_s(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let expected = || format!("expected {DURATION_ACCEPTED}, got {text:?}");
-    if text.is_empty() {
-        return Err(expected());
-    }
-    if text.bytes().all(|byte| byte.is_ascii_digit()) {
-        return text.parse().map_err(|_| format!("too large: {text:?}"));
-    }
-    let mut total: u64 = 0;
-    let mut last_rank = usize::MAX;
-    let mut rest = text;
-    while !rest.is_empty() {
-        let digits_end = rest
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        if digits_end == 0 {
-            return Err(expected());
-        }
-        let (digits, after) = rest.split_at(digits_end);
-        let amount: u64 = digits.parse().map_err(|_| format!("too large: {text:?}"))?;
-        let mut units = after.chars();
-        let (rank, seconds) = match units.next() {
-            Some('d') => (3, 86_400),
-            Some('h') => (2, 3_600),
-            Some('m') => (1, 60),
-            Some('s') => (0, 1),
-            _ => return Err(expected()),
-        };
-        if rank >= last_rank {
-            return Err(format!(
-                "{}; each unit at most once, largest first",
-                expected()
-            ));
-        }
-        last_rank = rank;
-        total = amount
-            .checked_mul(seconds)
-            .and_then(|part| total.checked_add(part))
-            .ok_or_else(|| format!("too large: {text:?}"))?;
-        rest = units.as_str();
-    }
-    Ok(total)
+    muster_api::parse_duration_text(text)
+        .map(|duration| duration.as_secs())
+        .map_err(|error| format!("{error}, got {:?}", text.trim()))
 }
 
 #[cfg(test)]

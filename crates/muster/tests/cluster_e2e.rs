@@ -2,19 +2,15 @@
 //! `muster up` runs jobs; a server with three agents runs a gang; bad input
 //! gets clear errors. Every wait is bounded.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_muster");
+mod common;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
+use common::{free_port, processes_with};
+
+const BIN: &str = env!("CARGO_BIN_EXE_muster");
 
 /// A child process killed (with its whole process group) when dropped.
 struct Daemon {
@@ -109,34 +105,6 @@ fn json(output: &Output) -> serde_json::Value {
     serde_json::from_slice(&output.stdout).expect("JSON output")
 }
 
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if done() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out waiting for {what}");
-}
-
-fn processes_with(marker: &str) -> usize {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .filter(|entry| {
-            let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
-            let zombie = status
-                .lines()
-                .any(|l| l.starts_with("State:") && l.contains('Z'));
-            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-            !zombie && String::from_utf8_lossy(&cmdline).contains(marker)
-        })
-        .count()
-}
-
 #[test]
 fn muster_up_runs_jobs_end_to_end() {
     let env = Env::new();
@@ -197,16 +165,18 @@ fn muster_up_runs_jobs_end_to_end() {
     let script = format!("sleep 1000 & exec -a {marker} sleep 1000");
     let output = env.muster(&["run", "--detach", "--", "bash", "-c", &script]);
     let id = stdout(&output).trim().to_string();
-    wait_until("the job to run", || {
+    common::wait_until("the job to run", Duration::from_secs(30), || {
         json(&env.muster(&["describe", &id, "--json"]))["state"] == "running"
             && processes_with(&marker) > 0
     });
     let output = env.muster(&["cancel", &id]);
     assert!(output.status.success(), "{output:?}");
-    wait_until("the job to be cancelled", || {
+    common::wait_until("the job to be cancelled", Duration::from_secs(30), || {
         json(&env.muster(&["describe", &id, "--json"]))["state"] == "cancelled"
     });
-    wait_until("its processes to be gone", || processes_with(&marker) == 0);
+    common::wait_until("its processes to be gone", Duration::from_secs(30), || {
+        processes_with(&marker) == 0
+    });
 
     // Unknown job: a clear error and its own exit code.
     let output = env.muster(&["describe", "999999"]);
@@ -266,7 +236,7 @@ fn a_server_with_three_agents_runs_a_gang() {
         all.splice(at..at, flags);
         env.muster(&all)
     };
-    wait_until("three nodes", || {
+    common::wait_until("three nodes", Duration::from_secs(30), || {
         json(&cli(&["nodes", "--json"]))
             .as_array()
             .map_or(0, Vec::len)
@@ -327,7 +297,7 @@ fn a_server_with_three_agents_runs_a_gang() {
         let output = cli(&["run", "--detach", "--gpus", "2", "--", "sleep", "30"]);
         ids.push(stdout(&output).trim().to_string());
     }
-    wait_until("six jobs running", || {
+    common::wait_until("six jobs running", Duration::from_secs(30), || {
         ids.iter()
             .all(|id| json(&cli(&["describe", id, "--json"]))["state"] == "running")
     });
@@ -347,7 +317,7 @@ fn a_server_with_three_agents_runs_a_gang() {
         "run", "--detach", "--nodes", "4", "--gpus", "4", "--", "true",
     ]);
     let big = stdout(&output).trim().to_string();
-    wait_until("a pending reason", || {
+    common::wait_until("a pending reason", Duration::from_secs(30), || {
         json(&cli(&["describe", &big, "--json"]))["pending_reason"].is_string()
     });
     let job = json(&cli(&["describe", &big, "--json"]));

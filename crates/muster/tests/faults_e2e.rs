@@ -12,14 +12,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_muster");
+mod common;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
+use common::{free_port, processes_with, wait_until};
+
+const BIN: &str = env!("CARGO_BIN_EXE_muster");
 
 struct Daemon(Child);
 
@@ -48,17 +45,6 @@ fn spawn(dir: &Path, log: &str, args: &[&str]) -> Daemon {
             .spawn()
             .expect("muster starts"),
     )
-}
-
-fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if done() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out waiting for {what}");
 }
 
 struct Cluster {
@@ -435,23 +421,6 @@ fn a_restarted_agent_re_attaches_to_its_running_task() {
         "the exit code survives the agent restart"
     );
     drop(agent);
-}
-
-fn processes_with(marker: &str) -> usize {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .filter(|entry| {
-            let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
-            let zombie = status
-                .lines()
-                .any(|l| l.starts_with("State:") && l.contains('Z'));
-            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-            !zombie && String::from_utf8_lossy(&cmdline).contains(marker)
-        })
-        .count()
 }
 
 #[test]

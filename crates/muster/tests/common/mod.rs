@@ -1,0 +1,44 @@
+//! Helpers shared by the end-to-end tests (real processes, loopback only).
+
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Polls `done` every 50 ms until it holds, for at most `limit`.
+pub fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if done() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// How many live (not zombie) processes have `marker` in their command line.
+pub fn processes_with(marker: &str) -> usize {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter(|entry| {
+            let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+            let zombie = status
+                .lines()
+                .any(|l| l.starts_with("State:") && l.contains('Z'));
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            !zombie && String::from_utf8_lossy(&cmdline).contains(marker)
+        })
+        .count()
+}
