@@ -311,6 +311,15 @@ pub async fn run(
             };
             let answer = tokio::select! {
                 _ = &mut shutdown => return Ok(()),
+                // A task ended: report it now rather than when the long poll
+                // returns (the server handles the abandoned request anyway).
+                exit = runtime.next_exit() => {
+                    if let Some(task) = tasks.get_mut(&exit.allocation) {
+                        task.running = false;
+                        task.exit = Some(exit);
+                    }
+                    continue;
+                }
                 answer = tokio::time::timeout(limit, client.heartbeat(&config.name, &request)) => {
                     answer.unwrap_or_else(|_| Err(muster_api::client::ClientError::Transport {
                         url: config.server.clone(),
