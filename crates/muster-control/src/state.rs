@@ -916,6 +916,14 @@ impl ControlPlane {
             if node.state != NodeState::Ready || node.cordoned {
                 return false;
             }
+            // A GPU may have gone bad since the snapshot.
+            if task
+                .gpus
+                .iter()
+                .any(|(index, _)| node.unhealthy_gpus.contains(index))
+            {
+                return false;
+            }
             let Some((gpus, cpu, memory)) = free.get_mut(&task.node) else {
                 return false;
             };

@@ -299,3 +299,27 @@ fn a_task_stopped_by_fencing_requeues_its_job_instead_of_failing_it() {
     world.cycle();
     assert_eq!(world.control.jobs[&JobId(1)].attempts, 2);
 }
+
+#[test]
+fn a_start_on_a_gpu_that_went_bad_after_the_snapshot_is_not_applied() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 4);
+    let (snapshot, pending) = world.control.scheduling_input(world.now);
+    let outcome = schedule(
+        &snapshot,
+        &pending,
+        &SchedulingPolicy::default(),
+        &mut ChaCha8Rng::seed_from_u64(1),
+    )
+    .unwrap();
+    assert_eq!(outcome.started.len(), 1);
+    // Between the snapshot and applying the outcome, GPU 2 fails.
+    world.step(Input::GpuHealth {
+        node: NodeName::from("a"),
+        epoch: 1,
+        unhealthy: vec![2],
+    });
+    world.control.apply_outcome(world.now, &outcome);
+    world.control.check_invariants().expect("invariants hold");
+    assert_eq!(world.state(1), JobState::Pending);
+}
