@@ -291,6 +291,9 @@ pub struct ControlPlane {
     pub queues: BTreeMap<QueueName, QueueSpec>,
     pub next_allocation: u64,
     pub next_generation: u64,
+    /// The last cycle's reason for each pending job, as data: words are
+    /// formatted only when it changes.
+    pub last_reasons: BTreeMap<JobId, muster_sched::PendingReason>,
 }
 
 fn changed(outputs: &mut Vec<Output>, output: Output) {
@@ -309,6 +312,7 @@ impl ControlPlane {
             queues: BTreeMap::new(),
             next_allocation: 1,
             next_generation: 1,
+            last_reasons: BTreeMap::new(),
         }
     }
 
@@ -890,16 +894,21 @@ impl ControlPlane {
             .enumerate()
             .map(|(position, id)| (*id, position as u32 + 1))
             .collect();
+        self.last_reasons
+            .retain(|id, _| outcome.pending.contains_key(id));
         for (id, reason) in &outcome.pending {
             if let Some(job) = self.jobs.get_mut(id)
                 && job.state == JobState::Pending
             {
-                let words = reason.to_string();
-                if job.pending_reason.as_deref() != Some(words.as_str())
-                    || job.queue_position != positions.get(id).copied()
-                {
-                    job.pending_reason = Some(words);
-                    job.queue_position = positions.get(id).copied();
+                // The place in line changes whenever the line moves: it is
+                // kept in memory only (recomputed every cycle), so that a
+                // placement does not rewrite every pending job.
+                job.queue_position = positions.get(id).copied();
+                let same =
+                    self.last_reasons.get(id) == Some(reason) && job.pending_reason.is_some();
+                if !same {
+                    job.pending_reason = Some(reason.to_string());
+                    self.last_reasons.insert(*id, reason.clone());
                     changed(&mut outputs, Output::JobChanged(*id));
                 }
             }
