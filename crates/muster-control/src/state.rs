@@ -264,6 +264,9 @@ impl fmt::Display for ControlError {
 
 impl std::error::Error for ControlError {}
 
+/// Half-life of queues' decayed GPU usage (fair share): one week.
+pub const USAGE_HALF_LIFE_MS: u64 = 7 * 24 * 3600 * 1000;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ControlConfig {
     /// A node whose last heartbeat is older than this is lost.
@@ -294,6 +297,9 @@ pub struct ControlPlane {
     /// The last cycle's reason for each pending job, as data: words are
     /// formatted only when it changes.
     pub last_reasons: BTreeMap<JobId, muster_sched::PendingReason>,
+    /// Decayed GPU-seconds per queue, for fair share; advanced by ticks (not
+    /// persisted: a restarted server starts its fair-share history anew).
+    pub usage: muster_sched::UsageLedger,
 }
 
 fn changed(outputs: &mut Vec<Output>, output: Output) {
@@ -313,6 +319,7 @@ impl ControlPlane {
             next_allocation: 1,
             next_generation: 1,
             last_reasons: BTreeMap::new(),
+            usage: muster_sched::UsageLedger::new(USAGE_HALF_LIFE_MS, Time(0)),
         }
     }
 
@@ -427,7 +434,10 @@ impl ControlPlane {
                     }
                 }
             }
-            Input::Tick => self.expire_leases(now, &mut outputs),
+            Input::Tick => {
+                self.account_usage(now);
+                self.expire_leases(now, &mut outputs);
+            }
             Input::Cordon { node, cordoned } => {
                 let entry = self
                     .nodes
@@ -706,6 +716,24 @@ impl ControlPlane {
         }
     }
 
+    /// Adds each queue's held GPUs since the last tick to its decayed usage.
+    fn account_usage(&mut self, now: Time) {
+        if self.usage.updated == Time(0) {
+            self.usage.updated = now;
+            return;
+        }
+        let mut held: BTreeMap<QueueName, u64> = BTreeMap::new();
+        for allocation in self.allocations.values() {
+            if allocation.state.holds_resources()
+                && let Some(job) = self.jobs.get(&allocation.job)
+            {
+                let milli: u64 = allocation.gpus.iter().map(|g| u64::from(g.1)).sum();
+                *held.entry(job.spec.queue.clone()).or_default() += milli;
+            }
+        }
+        self.usage.advance(now, &held);
+    }
+
     fn expire_leases(&mut self, now: Time, outputs: &mut Vec<Output>) {
         let expired: Vec<NodeName> = self
             .nodes
@@ -817,7 +845,7 @@ impl ControlPlane {
             nodes: self.node_inputs(),
             running,
             queues: self.queues.values().cloned().collect(),
-            usage: BTreeMap::new(),
+            usage: self.usage.gpu_seconds.clone(),
             workload: None,
         };
         (snapshot, pending)

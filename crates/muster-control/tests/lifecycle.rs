@@ -323,3 +323,39 @@ fn a_start_on_a_gpu_that_went_bad_after_the_snapshot_is_not_applied() {
     world.control.check_invariants().expect("invariants hold");
     assert_eq!(world.state(1), JobState::Pending);
 }
+
+#[test]
+fn fair_share_favours_the_queue_that_used_less() {
+    let mut world = World::new(&["a"]);
+    let submit = |world: &mut World, id: u64, queue: &str| {
+        let spec = JobSpec::simple("job", queue, GpuRequest::Whole(4), vec!["true".into()]);
+        world.step(Input::Submit {
+            id: JobId(id),
+            spec,
+            user: "alice".into(),
+        });
+    };
+    submit(&mut world, 1, "heavy");
+    world.cycle();
+    let tasks = world.desired("a");
+    world.report("a", vec![running(&tasks[0])]);
+    // An hour of use by queue `heavy`, accounted at each tick.
+    world.step(Input::Tick);
+    for _ in 0..60 {
+        world.advance(60_000);
+        world.report("a", vec![running(&tasks[0])]);
+        world.step(Input::Tick);
+    }
+    world.report("a", vec![exited(&tasks[0], 0)]);
+    for (id, queue) in [(2, "heavy"), (3, "light")] {
+        submit(&mut world, id, queue);
+        world.advance(1_000);
+    }
+    world.cycle();
+    assert_eq!(
+        world.state(3),
+        JobState::Running,
+        "the light queue goes first"
+    );
+    assert_eq!(world.state(2), JobState::Pending);
+}
