@@ -68,13 +68,29 @@ fn exit_file(state_dir: &std::path::Path, key: &str) -> PathBuf {
     state_dir.join("exits").join(key)
 }
 
-fn task_key(allocation: u64, generation: u64) -> String {
-    format!("a{allocation}-g{generation}")
+/// A task's name on this node (its files are named after it): the job, the
+/// allocation and its generation.
+fn task_key(job: u64, allocation: u64, generation: u64) -> String {
+    format!("j{job}-a{allocation}-g{generation}")
 }
 
-fn parse_key(key: &str) -> Option<(u64, u64)> {
-    let (allocation, generation) = key.strip_prefix('a')?.split_once("-g")?;
-    Some((allocation.parse().ok()?, generation.parse().ok()?))
+/// (job, allocation, generation) of a task name; the job is `None` for a
+/// name without one.
+fn parse_key(key: &str) -> Option<(Option<u64>, u64, u64)> {
+    let (job, rest) = match key.strip_prefix('j').and_then(|k| k.split_once('-')) {
+        Some((job, rest)) => (Some(job.parse().ok()?), rest),
+        None => (None, key),
+    };
+    let (allocation, generation) = rest.strip_prefix('a')?.split_once("-g")?;
+    Some((job, allocation.parse().ok()?, generation.parse().ok()?))
+}
+
+/// The name of the local task running `allocation` at `generation`.
+fn local_key(tasks: &BTreeMap<String, Task>, allocation: u64, generation: u64) -> Option<String> {
+    tasks
+        .keys()
+        .find(|key| parse_key(key).is_some_and(|(_, a, g)| (a, g) == (allocation, generation)))
+        .cloned()
 }
 
 #[derive(Debug, Clone)]
@@ -199,10 +215,32 @@ pub async fn run(
     let mut unhealthy_gpus: Vec<u32> = Vec::new();
     let mut backoff = Duration::from_millis(200);
     'register: loop {
+        // Tasks found again after a restart, or left from before a refused
+        // heartbeat, must not outlive the lease while this node registers.
+        let margin = (config.fence_margin.as_millis() as u64).min(lease_ms / 4);
+        if muster_node::must_fence(now_ms(), last_renewal, lease_ms, margin)
+            && tasks.values().any(|t| t.running && !t.stopping)
+        {
+            tracing::warn!("lease not renewed in time: stopping every task (fenced)");
+            apply(&config, &runtime, &uuids, &[], &mut tasks, true).await;
+        }
         let sent = now_ms();
+        let remaining = (last_renewal + lease_ms)
+            .saturating_sub(margin)
+            .saturating_sub(sent);
+        let limit = Duration::from_millis(if remaining == 0 {
+            5_000
+        } else {
+            remaining.min(5_000)
+        });
         let registered = tokio::select! {
             _ = &mut shutdown => return Ok(()),
-            result = joiner.register(&register) => result,
+            result = tokio::time::timeout(limit, joiner.register(&register)) => {
+                result.unwrap_or_else(|_| Err(muster_api::client::ClientError::Transport {
+                    url: config.server.clone(),
+                    reason: "no answer to the registration".to_string(),
+                }))
+            }
         };
         let registered = match registered {
             Ok(registered) => registered,
@@ -266,7 +304,7 @@ pub async fn run(
             let observed: Vec<ObservedAllocation> = tasks
                 .iter()
                 .filter_map(|(key, task)| {
-                    let (allocation, generation) = parse_key(key)?;
+                    let (_, allocation, generation) = parse_key(key)?;
                     Some(ObservedAllocation {
                         allocation,
                         generation,
@@ -358,13 +396,16 @@ pub async fn run(
             apply(&config, &runtime, &uuids, &desired, &mut tasks, fenced).await;
             // Forget tasks the server no longer lists once their exit was
             // reported and their logs shipped.
-            let listed: std::collections::BTreeSet<String> = desired
+            let listed: std::collections::BTreeSet<(u64, u64)> = desired
                 .iter()
-                .map(|d| task_key(d.allocation, d.generation))
+                .map(|d| (d.allocation, d.generation))
                 .collect();
             let done: Vec<String> = tasks
                 .iter()
-                .filter(|(key, task)| !task.running && !listed.contains(*key))
+                .filter(|(key, task)| {
+                    !task.running
+                        && !parse_key(key).is_some_and(|(_, a, g)| listed.contains(&(a, g)))
+                })
                 .map(|(key, _)| key.clone())
                 .collect();
             for key in done {
@@ -389,16 +430,18 @@ async fn apply(
         .map(|d| Desired {
             allocation: d.allocation,
             generation: d.generation,
+            job: d.job,
             stop: d.stop,
         })
         .collect();
     let local: Vec<Local> = tasks
         .iter()
         .filter_map(|(key, task)| {
-            let (allocation, generation) = parse_key(key)?;
+            let (job, allocation, generation) = parse_key(key)?;
             Some(Local {
                 allocation,
                 generation,
+                job,
                 running: task.running,
                 stopping: task.stopping,
             })
@@ -416,7 +459,7 @@ async fn apply(
                 else {
                     continue;
                 };
-                let key = task_key(allocation, generation);
+                let key = task_key(spec.job, allocation, generation);
                 // A small shell between the agent and the command records the
                 // exit code in a file, so that an agent restarted while the
                 // task runs still learns how it ended. The trap keeps the shell
@@ -505,7 +548,9 @@ async fn apply(
                 allocation,
                 generation,
             } => {
-                let key = task_key(allocation, generation);
+                let Some(key) = local_key(tasks, allocation, generation) else {
+                    continue;
+                };
                 let (signal, mut grace) = desired
                     .iter()
                     .find(|d| d.allocation == allocation)
@@ -543,7 +588,7 @@ async fn ship_logs(
     tasks: &mut BTreeMap<String, Task>,
 ) {
     for (key, task) in tasks.iter_mut() {
-        let Some((allocation, _)) = parse_key(key) else {
+        let Some((_, allocation, _)) = parse_key(key) else {
             continue;
         };
         loop {
@@ -570,7 +615,11 @@ async fn ship_logs(
 mod tests {
     #[test]
     fn task_keys_round_trip() {
-        assert_eq!(super::parse_key(&super::task_key(12, 345)), Some((12, 345)));
+        assert_eq!(
+            super::parse_key(&super::task_key(7, 12, 345)),
+            Some((Some(7), 12, 345))
+        );
+        assert_eq!(super::parse_key("a12-g345"), Some((None, 12, 345)));
         assert_eq!(super::parse_key("junk"), None);
     }
 }

@@ -12,6 +12,7 @@ use std::collections::BTreeSet;
 pub struct Desired {
     pub allocation: u64,
     pub generation: u64,
+    pub job: u64,
     /// The control plane wants it stopped.
     pub stop: bool,
 }
@@ -21,6 +22,9 @@ pub struct Desired {
 pub struct Local {
     pub allocation: u64,
     pub generation: u64,
+    /// The job it belongs to; `None` when unknown (a task found again after
+    /// a restart whose job could not be read).
+    pub job: Option<u64>,
     /// Its process group still runs.
     pub running: bool,
     /// A stop was already issued.
@@ -43,14 +47,20 @@ pub fn must_fence(now_ms: u64, last_renewal_ms: u64, lease_ms: u64, margin_ms: u
 
 /// The actions that bring what runs here to what is desired. A fenced node
 /// stops everything and starts nothing. A task whose generation is not the
-/// desired one is stale and is stopped; the desired generation is started
-/// only once no other generation of the allocation runs.
+/// desired one is stale and is stopped; a desired task is started only once
+/// nothing else of its job runs here (no other generation of the allocation,
+/// no other attempt of the job, no task of unknown job that is on its way
+/// out), so two attempts of a job never overlap on a node.
 pub fn reconcile(desired: &[Desired], local: &[Local], fenced: bool) -> Vec<Action> {
     let mut actions = BTreeSet::new();
     let wanted: BTreeSet<(u64, u64)> = desired
         .iter()
         .filter(|d| !d.stop && !fenced)
         .map(|d| (d.allocation, d.generation))
+        .collect();
+    let job_of: std::collections::BTreeMap<(u64, u64), u64> = desired
+        .iter()
+        .map(|d| ((d.allocation, d.generation), d.job))
         .collect();
     for task in local {
         if task.running && !task.stopping && !wanted.contains(&(task.allocation, task.generation)) {
@@ -64,9 +74,14 @@ pub fn reconcile(desired: &[Desired], local: &[Local], fenced: bool) -> Vec<Acti
         let known = local
             .iter()
             .any(|t| t.allocation == allocation && t.generation == generation);
-        let other_running = local
-            .iter()
-            .any(|t| t.allocation == allocation && t.generation != generation && t.running);
+        let job = job_of.get(&(allocation, generation)).copied();
+        let other_running = local.iter().any(|t| {
+            t.running
+                && (t.allocation, t.generation) != (allocation, generation)
+                && (t.allocation == allocation
+                    || (!wanted.contains(&(t.allocation, t.generation))
+                        && (t.job.is_none() || t.job == job)))
+        });
         if !known && !other_running {
             actions.insert(Action::Start {
                 allocation,
@@ -85,6 +100,7 @@ mod tests {
         Desired {
             allocation,
             generation,
+            job: allocation * 100,
             stop,
         }
     }
@@ -93,9 +109,50 @@ mod tests {
         Local {
             allocation,
             generation,
+            job: Some(allocation * 100),
             running,
             stopping: false,
         }
+    }
+
+    #[test]
+    fn a_new_attempt_waits_for_the_old_attempt_of_its_job_to_end() {
+        // Allocation 7 (job 100's old attempt) still runs; allocation 9 is
+        // the job's new attempt.
+        let old = Local {
+            job: Some(100),
+            ..local(7, 3, true)
+        };
+        let new = Desired {
+            job: 100,
+            ..desired(9, 8, false)
+        };
+        assert_eq!(
+            reconcile(&[new], &[old], false),
+            vec![Action::Stop {
+                allocation: 7,
+                generation: 3
+            }],
+            "stop the old attempt; start the new one only once it is gone"
+        );
+        let gone = Local {
+            running: false,
+            ..old
+        };
+        assert_eq!(
+            reconcile(&[new], &[gone], false),
+            vec![Action::Start {
+                allocation: 9,
+                generation: 8
+            }]
+        );
+        // A task of unknown job on its way out holds back starts too.
+        let unknown = Local {
+            job: None,
+            stopping: true,
+            ..local(5, 1, true)
+        };
+        assert!(reconcile(&[new], &[unknown], false).is_empty());
     }
 
     #[test]

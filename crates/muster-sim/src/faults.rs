@@ -80,6 +80,10 @@ pub struct FaultConfig {
     /// disk across agent restarts, as `muster-agent` does. Off: the bug this
     /// simulation found in an earlier agent, whose register loop did not.
     pub fence_while_registering: bool,
+    /// Each task runs a watchdog that kills it once the lease deadline its
+    /// agent last wrote has passed (as `muster-agent`'s task shell does).
+    /// Off only to show what the agent's own fencing must then catch.
+    pub task_watchdog: bool,
     pub lease_ms: u64,
     pub fence_margin_ms: u64,
 }
@@ -102,6 +106,7 @@ impl Default for FaultConfig {
             gpu_failures: true,
             fencing: true,
             fence_while_registering: true,
+            task_watchdog: true,
             lease_ms: 10_000,
             fence_margin_ms: 3_000,
         }
@@ -303,6 +308,8 @@ impl Store {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct LocalTask {
+    /// Its job, as the real agent keeps it in the task's name.
+    job: Option<u64>,
     running: bool,
     stopping: bool,
     /// Exit code once exited (`None`: killed by a signal, or gone).
@@ -551,6 +558,7 @@ impl<'a> World<'a> {
             self.now = time;
             self.report.events += 1;
             self.apply(event)?;
+            self.watchdog();
             self.check()?;
             if self.healed && self.finished() {
                 return self.conclude();
@@ -782,6 +790,22 @@ impl<'a> World<'a> {
         if !agent.up || agent.incarnation != incarnation || agent.in_flight.is_some() {
             return;
         }
+        // As muster-agent: before (re-)registering, fence the tasks that
+        // would outlive the lease.
+        if !agent.registered
+            && self.config.fencing
+            && self.config.fence_while_registering
+            && must_fence(
+                self.now,
+                agent.last_renewal,
+                self.config.lease_ms,
+                self.config.fence_margin_ms,
+            )
+            && agent.tasks.values().any(|t| t.running && !t.stopping)
+        {
+            self.reconcile(node, true);
+        }
+        let agent = &self.agents[node];
         let seq = agent.next_seq;
         let (request, what, limit) = if agent.registered {
             let observed: Vec<Observed> = agent
@@ -819,7 +843,16 @@ impl<'a> World<'a> {
                     spec: agent.spec.clone(),
                 },
                 format!("register {seq} of node-{node} epoch {}", agent.epoch),
-                2_000,
+                {
+                    let remaining = (agent.last_renewal + self.config.lease_ms)
+                        .saturating_sub(self.config.fence_margin_ms)
+                        .saturating_sub(self.now);
+                    if remaining == 0 {
+                        2_000
+                    } else {
+                        remaining.min(2_000)
+                    }
+                },
             )
         };
         let agent = &mut self.agents[node];
@@ -1024,6 +1057,7 @@ impl<'a> World<'a> {
             .map(|d| Desired {
                 allocation: d.allocation.0,
                 generation: d.generation,
+                job: d.job.0,
                 stop: d.stop,
             })
             .collect();
@@ -1033,6 +1067,7 @@ impl<'a> World<'a> {
             .map(|(&(allocation, generation), task)| Local {
                 allocation,
                 generation,
+                job: task.job,
                 running: task.running,
                 stopping: task.stopping,
             })
@@ -1104,6 +1139,7 @@ impl<'a> World<'a> {
         agent.tasks.insert(
             (allocation, generation),
             LocalTask {
+                job: Some(task.job.0),
                 running: true,
                 stopping: false,
                 exit: None,
@@ -1150,6 +1186,32 @@ impl<'a> World<'a> {
                 code: None,
             },
         );
+    }
+
+    /// The watchdog in each task's process group (as `muster-agent` runs
+    /// it): once the lease deadline the agent last wrote to disk has passed,
+    /// the task kills itself, whether or not its agent is alive.
+    fn watchdog(&mut self) {
+        if !self.config.fencing || !self.config.task_watchdog {
+            return;
+        }
+        let lease = self.config.lease_ms;
+        let half_margin = self.config.fence_margin_ms / 2;
+        let expired: Vec<u64> = self
+            .processes
+            .iter()
+            .filter(|(_, process)| {
+                let disk = self.agents[process.node].last_renewal_on_disk;
+                (disk + lease).saturating_sub(half_margin) < self.now
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in expired {
+            self.log(format!(
+                "watchdog: process {id} kills itself (lease deadline passed)"
+            ));
+            self.task_exits(id, None);
+        }
     }
 
     fn task_exits(&mut self, id: u64, code: Option<i32>) {
@@ -1293,6 +1355,11 @@ impl<'a> World<'a> {
 
     fn agent_restart(&mut self, node: usize) {
         let now = self.now;
+        let jobs_of: BTreeMap<u64, u64> = self
+            .processes
+            .iter()
+            .map(|(&id, process)| (id, process.job.0))
+            .collect();
         let agent = &mut self.agents[node];
         if agent.up {
             return;
@@ -1308,17 +1375,20 @@ impl<'a> World<'a> {
             .iter()
             .map(|(key, record)| {
                 let task = match record {
-                    Record::Running(_) => LocalTask {
+                    Record::Running(id) => LocalTask {
+                        job: jobs_of.get(id).copied(),
                         running: true,
                         stopping: false,
                         exit: None,
                     },
                     Record::Exited(code) => LocalTask {
+                        job: None,
                         running: false,
                         stopping: false,
                         exit: *code,
                     },
                     Record::Gone => LocalTask {
+                        job: None,
                         running: false,
                         stopping: false,
                         exit: None,

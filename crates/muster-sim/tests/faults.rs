@@ -113,11 +113,13 @@ fn without_fencing_some_seed_runs_a_job_twice_and_is_named() {
 /// a restart, or when the server refused a heartbeat); partitioned in that
 /// loop, its recovered tasks outlived the lease. This simulation found it;
 /// the agent now fences there too (`fence_while_registering`, on by
-/// default). This keeps the regression visible.
+/// default), and each task's own watchdog would catch it as well. This keeps
+/// the regression visible, with the watchdog off.
 #[test]
 fn an_agent_that_does_not_fence_while_registering_runs_a_job_twice() {
     let config = FaultConfig {
         fence_while_registering: false,
+        task_watchdog: false,
         ..FaultConfig::default()
     };
     let failure = (0..100)

@@ -141,6 +141,10 @@ pub struct FaultsArgs {
     #[arg(long)]
     pub no_register_fencing: bool,
 
+    /// Tasks run without their lease watchdog.
+    #[arg(long)]
+    pub no_task_watchdog: bool,
+
     /// Agents never fence (a broken configuration: shows the checker fail).
     #[arg(long)]
     pub no_fencing: bool,

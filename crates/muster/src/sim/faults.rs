@@ -24,6 +24,7 @@ pub fn run(args: &FaultsArgs) -> anyhow::Result<()> {
         gpu_failures: !args.no_gpu_failures,
         fencing: !args.no_fencing,
         fence_while_registering: !args.no_register_fencing,
+        task_watchdog: !args.no_task_watchdog,
         ..FaultConfig::default()
     };
     let threads = args
@@ -138,6 +139,7 @@ fn replay_flags(args: &FaultsArgs) -> String {
         (args.no_server_crashes, " --no-server-crashes"),
         (args.no_gpu_failures, " --no-gpu-failures"),
         (args.no_register_fencing, " --no-register-fencing"),
+        (args.no_task_watchdog, " --no-task-watchdog"),
         (args.no_fencing, " --no-fencing"),
     ] {
         if on {
