@@ -37,13 +37,15 @@ pub struct AgentConfig {
 /// `$MUSTER_EXIT_FILE` (so an agent restarted meanwhile learns how the task
 /// ended), and runs a watchdog in the task's process group that kills the
 /// whole group once the time in `$MUSTER_FENCE_FILE` (milliseconds since the
-/// epoch) has passed; the agent moves it forward each time it renews the
-/// lease, to half a fence margin before the lease would end. A task fences
+/// epoch, then the polling interval in seconds) has passed; the agent moves
+/// it forward each time it renews the lease, to half a fence margin before
+/// the lease would end, and polls often enough to act before the lease ends. A task fences
 /// itself even when its agent is dead or hung. The trap keeps the shell
 /// alive on a stop signal until the command itself exits.
 const TASK_SHELL: &str = "trap 'true' TERM INT HUP QUIT USR1 USR2
-( while sleep 0.2; do
-    deadline=$(cat \"$MUSTER_FENCE_FILE\" 2>/dev/null) || continue
+( poll=0.2
+  while sleep \"${poll:-0.2}\"; do
+    read -r deadline poll < \"$MUSTER_FENCE_FILE\" 2>/dev/null || { poll=0.2; continue; }
     now=$(( $(date +%s%N) / 1000000 ))
     if [ \"$now\" -gt \"$deadline\" ]; then kill -KILL 0; fi
   done ) &
@@ -204,7 +206,13 @@ pub async fn run(
         let _ = std::fs::create_dir_all(&config.state_dir);
         let margin = (fence_margin.as_millis() as u64).min(lease / 4);
         let text = serde_json::json!({"last_renewal_ms": last, "lease_ms": lease}).to_string();
-        let deadline = (last + lease).saturating_sub(margin / 2).to_string();
+        let poll_ms = (margin / 4).clamp(200, 1_000);
+        let deadline = format!(
+            "{} {}.{:03}\n",
+            (last + lease).saturating_sub(margin / 2),
+            poll_ms / 1000,
+            poll_ms % 1000
+        );
         for (path, text) in [(&lease_file, text), (&fence_file, deadline)] {
             let temporary = path.with_extension("tmp");
             if std::fs::write(&temporary, text).is_ok() {
