@@ -100,6 +100,8 @@ pub struct ServerHandle {
     tasks: Vec<JoinHandle<()>>,
     writer_task: JoinHandle<()>,
     store: SqliteStore,
+    /// Held while the server runs (an exclusive lock on `server.lock`).
+    _lock: std::fs::File,
 }
 
 fn create_private_dir(path: &std::path::Path) -> std::io::Result<()> {
@@ -127,6 +129,16 @@ impl Server {
         })?;
         create_private_dir(&data_dir.join("logs"))
             .with_context(|| format!("cannot create {}", data_dir.join("logs").display()))?;
+        // One server per data directory: a second one would share the store.
+        let lock_path = data_dir.join("server.lock");
+        let lock = std::fs::File::create(&lock_path)
+            .with_context(|| format!("cannot create {}", lock_path.display()))?;
+        if lock.try_lock().is_err() {
+            anyhow::bail!(
+                "another muster server is using {}; stop it, or pass another --data-dir",
+                data_dir.display()
+            );
+        }
         let (admin_token, first_start) = auth::load_or_create(&data_dir.join("admin.token"))?;
         let (join_token, _) = auth::load_or_create(&data_dir.join("join.token"))?;
 
@@ -198,6 +210,7 @@ impl Server {
             tasks: vec![http, scheduler, ticker],
             writer_task,
             store,
+            _lock: lock,
         })
     }
 }

@@ -780,3 +780,23 @@ async fn an_unhealthy_gpu_reported_in_a_heartbeat_is_taken_out_of_service() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_server_on_the_same_data_directory_is_refused() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let first = start(dir.path()).await;
+        let mut config = ServerConfig::new(dir.path().to_path_buf());
+        config.listen = "127.0.0.1:0".parse().unwrap();
+        let error = match Server::start(config).await {
+            Ok(_) => panic!("a second server started on the same data directory"),
+            Err(error) => error.to_string(),
+        };
+        assert!(error.contains("another muster server is using"), "{error}");
+        first.shutdown().await;
+        // Once the first is gone, the directory is free again.
+        let again = start(dir.path()).await;
+        again.shutdown().await;
+    })
+    .await;
+}
