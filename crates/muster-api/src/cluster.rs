@@ -27,7 +27,7 @@
 //! node order. GPU `j` of node `n` has the UUID `GPU-n-j`: the same spec
 //! always gives the same nodes.
 
-use crate::error::{SpecError, SpecErrors, TextLocation, describe_value, quote};
+use crate::error::{SpecError, SpecErrors, describe_value, quote};
 use crate::quantity::{DecimalError, number_text, parse_memory_mib, parse_milli};
 use crate::validate::{MAX_CPUS_PER_NODE, MAX_GPUS_PER_NODE};
 use crate::wire::Quantity;
@@ -116,7 +116,7 @@ pub fn parse_cluster_spec_yaml(text: &str) -> Result<Vec<model::NodeSpec>, SpecE
             None,
         )));
     }
-    let value = yaml_value(text)?;
+    let value = crate::parse::yaml_value(text)?;
     let read = read_cluster_spec(&value);
     if !read.document_errors.is_empty() {
         return Err(SpecErrors(read.document_errors));
@@ -174,42 +174,6 @@ impl<'de> Deserialize<'de> for ClusterSpec {
         let value = Value::deserialize(deserializer)?;
         ClusterSpec::from_value(&value).map_err(serde::de::Error::custom)
     }
-}
-
-/// Limits for YAML: a cluster spec is small and shallow.
-fn yaml_options() -> serde_saphyr::Options {
-    serde_saphyr::options! {
-        budget: serde_saphyr::budget! {
-            max_depth: 32,
-            max_documents: 1,
-            max_nodes: 50_000,
-            max_events: 200_000,
-            max_aliases: 1_000,
-            max_anchors: 1_000,
-            max_total_scalar_bytes: MAX_CLUSTER_SPEC_BYTES,
-        },
-        alias_limits: serde_saphyr::alias_limits! {
-            max_total_replayed_events: 10_000,
-            max_replay_stack_depth: 16,
-        },
-    }
-}
-
-fn yaml_value(text: &str) -> Result<Value, SpecErrors> {
-    serde_saphyr::from_str_with_options::<Value>(text, yaml_options()).map_err(|error| {
-        let location = error.location().and_then(|location| {
-            (location.line() > 0).then(|| TextLocation {
-                line: location.line(),
-                column: location.column(),
-            })
-        });
-        let mut options = serde_saphyr::RenderOptions::new(&serde_saphyr::UserMessageFormatter);
-        options.snippets = serde_saphyr::SnippetMode::Off;
-        SpecErrors::single(SpecError::document(
-            format!("invalid yaml: {}", error.render_with_options(options)),
-            location,
-        ))
-    })
 }
 
 /// Whether a field (or the group it is part of) could not be read, so its

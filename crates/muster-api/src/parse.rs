@@ -94,8 +94,9 @@ fn check_size(text: &str) -> Result<(), SpecErrors> {
     Ok(())
 }
 
-/// Limits for YAML: a job spec is small and shallow, so anything deep, wide
-/// or built from many aliases (a "billion laughs" bomb) is refused early.
+/// Limits for YAML: job and cluster specs are small and shallow, so anything
+/// deep, wide or built from many aliases (a "billion laughs" bomb) is
+/// refused early.
 fn yaml_options() -> serde_saphyr::Options {
     serde_saphyr::options! {
         budget: serde_saphyr::budget! {
@@ -114,7 +115,9 @@ fn yaml_options() -> serde_saphyr::Options {
     }
 }
 
-fn yaml_value(text: &str) -> Result<Value, SpecErrors> {
+/// Parses YAML into a JSON value within [`yaml_options`]' limits; a syntax
+/// error names its line and column.
+pub(crate) fn yaml_value(text: &str) -> Result<Value, SpecErrors> {
     serde_saphyr::from_str_with_options::<Value>(text, yaml_options()).map_err(|error| {
         let location = error.location().and_then(|location| {
             (location.line() > 0).then(|| TextLocation {
