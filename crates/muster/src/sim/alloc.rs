@@ -4,16 +4,13 @@
 
 use crate::cli::AllocArgs;
 use anyhow::Context;
-use indicatif::{ProgressBar, ProgressStyle};
 use muster_sched::PlacementPolicy;
 use muster_sim::{
     AllocationCurve, AllocationExperiment, AllocationReport, PolicyResult, parse_openb_nodes,
     parse_openb_tasks, summarize,
 };
 use std::collections::BTreeMap;
-use std::io::IsTerminal;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 pub fn run(args: &AllocArgs) -> anyhow::Result<()> {
@@ -52,7 +49,14 @@ pub fn run(args: &AllocArgs) -> anyhow::Result<()> {
         threads
     );
     let started = Instant::now();
-    let curves = run_parallel(&experiment, &runs, threads);
+    let progress = super::progress_bar(
+        runs.len(),
+        "{bar:40} {pos}/{len} runs, {elapsed} elapsed, ~{eta} left",
+    );
+    let curves: Vec<AllocationCurve> =
+        super::parallel_map(&runs, threads, &progress, |&(policy, seed)| {
+            experiment.run(policy, seed)
+        });
     eprintln!("done in {:.1} s", started.elapsed().as_secs_f64());
 
     let mut by_policy: BTreeMap<PlacementPolicy, Vec<AllocationCurve>> = BTreeMap::new();
@@ -106,59 +110,6 @@ fn file_name(path: &Path) -> String {
         || path.display().to_string(),
         |name| name.to_string_lossy().into_owned(),
     )
-}
-
-fn progress_bar(len: usize) -> ProgressBar {
-    if !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(len as u64);
-    let style =
-        ProgressStyle::with_template("{bar:40} {pos}/{len} runs, {elapsed} elapsed, ~{eta} left")
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
-    bar.set_style(style);
-    bar
-}
-
-/// Runs every (policy, seed) on `threads` threads; results in `runs` order.
-fn run_parallel(
-    experiment: &AllocationExperiment,
-    runs: &[(PlacementPolicy, u64)],
-    threads: usize,
-) -> Vec<AllocationCurve> {
-    let progress = progress_bar(runs.len());
-    let next = AtomicUsize::new(0);
-    let mut slots: Vec<Option<AllocationCurve>> = vec![None; runs.len()];
-    std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let index = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&(policy, seed)) = runs.get(index) else {
-                            break;
-                        };
-                        done.push((index, experiment.run(policy, seed)));
-                        progress.inc(1);
-                    }
-                    done
-                })
-            })
-            .collect();
-        for worker in workers {
-            match worker.join() {
-                Ok(done) => {
-                    for (index, curve) in done {
-                        slots[index] = Some(curve);
-                    }
-                }
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-        }
-    });
-    progress.finish_and_clear();
-    slots.into_iter().flatten().collect()
 }
 
 /// The table printed on stdout: medians over seeds.

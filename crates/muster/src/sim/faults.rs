@@ -6,7 +6,6 @@
 use crate::cli::FaultsArgs;
 use anyhow::bail;
 use muster_sim::{FaultConfig, FaultFailure, FaultReport, run_faults};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 pub fn run(args: &FaultsArgs) -> anyhow::Result<()> {
@@ -41,29 +40,13 @@ pub fn run(args: &FaultsArgs) -> anyhow::Result<()> {
         args.duration
     );
     let started = Instant::now();
-    let next = AtomicU64::new(args.start);
-    let end = args.start + args.seeds;
-    let mut results: Vec<(u64, Result<FaultReport, FaultFailure>)> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let seed = next.fetch_add(1, Ordering::Relaxed);
-                        if seed >= end {
-                            return done;
-                        }
-                        done.push((seed, run_faults(seed, &config)));
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|worker| worker.join().unwrap_or_default())
-            .collect()
-    });
-    results.sort_by_key(|(seed, _)| *seed);
+    let seeds: Vec<u64> = (args.start..args.start + args.seeds).collect();
+    let results: Vec<(u64, Result<FaultReport, FaultFailure>)> = super::parallel_map(
+        &seeds,
+        threads,
+        &super::progress_bar(seeds.len(), "{bar:40} {pos}/{len} seeds, {elapsed} elapsed"),
+        |&seed| (seed, run_faults(seed, &config)),
+    );
     let reports: Vec<&FaultReport> = results
         .iter()
         .filter_map(|(_, r)| r.as_ref().ok())

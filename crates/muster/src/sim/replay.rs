@@ -5,17 +5,13 @@
 
 use crate::cli::{ReplayArgs, TraceFormat};
 use anyhow::{Context, bail};
-use indicatif::{ProgressBar, ProgressStyle};
 use muster_sched::NodeInput;
 use muster_sim::{
-    ReplayConfig, ReplayJob, ReplayPolicy, ReplayResult, parse_openb_nodes, parse_openb_timed,
-    parse_philly,
+    ReplayConfig, ReplayPolicy, ReplayResult, parse_openb_nodes, parse_openb_timed, parse_philly,
 };
 use serde::Serialize;
 use std::collections::BTreeSet;
-use std::io::IsTerminal;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// What the replay ran on, as `results.json` records it.
@@ -193,7 +189,16 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         if threads == 1 { "" } else { "s" },
     );
     let started = Instant::now();
-    let runs = run_parallel(&nodes, &jobs, &policies, &config, args.seed, threads);
+    let progress = super::progress_bar(
+        policies.len(),
+        "{bar:40} {pos}/{len} policies replayed, {elapsed} elapsed {msg}",
+    );
+    let runs: Vec<Run> = super::parallel_map(&policies, threads, &progress, |&policy| {
+        let started = Instant::now();
+        let result = muster_sim::replay(&nodes, &jobs, policy, &config, args.seed);
+        progress.set_message(format!("({policy} done)"));
+        (result, started.elapsed())
+    });
     let mut results = Vec::with_capacity(runs.len());
     for (policy, (result, elapsed)) in policies.iter().zip(runs) {
         let result = result.with_context(|| format!("cannot replay {policy} on this cluster"))?;
@@ -289,69 +294,7 @@ fn file_name(path: &Path) -> String {
     )
 }
 
-fn progress_bar(len: usize) -> ProgressBar {
-    if !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(len as u64);
-    let style = ProgressStyle::with_template(
-        "{bar:40} {pos}/{len} policies replayed, {elapsed} elapsed {msg}",
-    )
-    .unwrap_or_else(|_| ProgressStyle::default_bar());
-    bar.set_style(style);
-    bar.enable_steady_tick(Duration::from_millis(500));
-    bar
-}
-
 type Run = (Result<ReplayResult, muster_sched::ClusterError>, Duration);
-
-/// Replays every policy on `threads` threads; results in `policies` order,
-/// each with its wall time.
-fn run_parallel(
-    nodes: &[NodeInput],
-    jobs: &[ReplayJob],
-    policies: &[ReplayPolicy],
-    config: &ReplayConfig,
-    seed: u64,
-    threads: usize,
-) -> Vec<Run> {
-    let progress = progress_bar(policies.len());
-    let next = AtomicUsize::new(0);
-    let mut slots: Vec<Option<Run>> = vec![None; policies.len()];
-    std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let index = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&policy) = policies.get(index) else {
-                            break;
-                        };
-                        let started = Instant::now();
-                        let result = muster_sim::replay(nodes, jobs, policy, config, seed);
-                        done.push((index, (result, started.elapsed())));
-                        progress.inc(1);
-                        progress.set_message(format!("({policy} done)"));
-                    }
-                    done
-                })
-            })
-            .collect();
-        for worker in workers {
-            match worker.join() {
-                Ok(done) => {
-                    for (index, run) in done {
-                        slots[index] = Some(run);
-                    }
-                }
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-        }
-    });
-    progress.finish_and_clear();
-    slots.into_iter().flatten().collect()
-}
 
 /// How a policy is named in tables and plots: oracles are labelled.
 pub fn label(result: &ReplayResult) -> String {
