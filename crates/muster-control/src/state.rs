@@ -8,6 +8,9 @@ use muster_sched::{
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
+/// Free GPU thousandths per GPU, CPU and memory, per node.
+type FreeResources = BTreeMap<NodeName, (Vec<u32>, u64, u64)>;
+
 /// An allocation's id, unique for the life of the cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct AllocationId(pub u64);
@@ -853,13 +856,13 @@ impl ControlPlane {
 
     /// Free GPU thousandths per (node, GPU), CPU and memory per node, as the
     /// allocations holding resources leave them now.
-    fn free_now(&self) -> BTreeMap<&NodeName, (Vec<u32>, u64, u64)> {
-        let mut free: BTreeMap<&NodeName, (Vec<u32>, u64, u64)> = self
+    fn free_now(&self) -> FreeResources {
+        let mut free: FreeResources = self
             .nodes
             .values()
             .map(|n| {
                 (
-                    &n.spec.name,
+                    n.spec.name.clone(),
                     (vec![1000; n.spec.gpus.len()], n.spec.cpu.0, n.spec.memory.0),
                 )
             })
@@ -902,6 +905,9 @@ impl ControlPlane {
                 );
             }
         }
+        // Free resources as they are now, computed once and kept up to date
+        // as starts are applied.
+        let mut free = self.free_now();
         for start in &outcome.started {
             if !start.after_preempting.is_empty() {
                 continue;
@@ -910,7 +916,7 @@ impl ControlPlane {
                 .jobs
                 .get(&start.job)
                 .is_some_and(|j| j.state == JobState::Pending);
-            if !pending || !self.still_fits(&start.tasks) {
+            if !pending || !self.take_if_fits(&mut free, &start.tasks) {
                 continue;
             }
             self.start_job(now, start.job, &start.tasks, &mut outputs);
@@ -944,39 +950,45 @@ impl ControlPlane {
         outputs
     }
 
-    fn still_fits(&self, tasks: &[SchedAllocation]) -> bool {
-        let mut free = self.free_now();
-        for task in tasks {
-            let Some(node) = self.nodes.get(&task.node) else {
-                return false;
-            };
-            if node.state != NodeState::Ready || node.cordoned {
-                return false;
-            }
-            // A GPU may have gone bad since the snapshot.
-            if task
-                .gpus
-                .iter()
-                .any(|(index, _)| node.unhealthy_gpus.contains(index))
-            {
-                return false;
-            }
-            let Some((gpus, cpu, memory)) = free.get_mut(&task.node) else {
-                return false;
-            };
-            for &(index, milli) in &task.gpus {
-                match gpus.get_mut(index as usize) {
-                    Some(slot) if *slot >= u32::from(milli) => *slot -= u32::from(milli),
-                    _ => return false,
+    /// Whether `tasks` (one per node) still fit: nodes ready, uncordoned,
+    /// their GPUs healthy and free in `free`; if so, takes them from `free`.
+    fn take_if_fits(&self, free: &mut FreeResources, tasks: &[SchedAllocation]) -> bool {
+        let nodes: BTreeSet<&NodeName> = tasks.iter().map(|task| &task.node).collect();
+        let fits = nodes.len() == tasks.len()
+            && tasks.iter().all(|task| {
+                let (Some(node), Some((gpus, cpu, memory))) =
+                    (self.nodes.get(&task.node), free.get(&task.node))
+                else {
+                    return false;
+                };
+                node.state == NodeState::Ready
+                && !node.cordoned
+                // A GPU may have gone bad since the snapshot.
+                && !task
+                    .gpus
+                    .iter()
+                    .any(|(index, _)| node.unhealthy_gpus.contains(index))
+                && task.gpus.iter().all(|&(index, milli)| {
+                    gpus.get(index as usize)
+                        .is_some_and(|slot| *slot >= u32::from(milli))
+                })
+                && *cpu >= task.cpu.0
+                && *memory >= task.memory.0
+            });
+        if fits {
+            for task in tasks {
+                if let Some((gpus, cpu, memory)) = free.get_mut(&task.node) {
+                    for &(index, milli) in &task.gpus {
+                        if let Some(slot) = gpus.get_mut(index as usize) {
+                            *slot -= u32::from(milli);
+                        }
+                    }
+                    *cpu -= task.cpu.0;
+                    *memory -= task.memory.0;
                 }
             }
-            if *cpu < task.cpu.0 || *memory < task.memory.0 {
-                return false;
-            }
-            *cpu -= task.cpu.0;
-            *memory -= task.memory.0;
         }
-        true
+        fits
     }
 
     fn start_job(
