@@ -8,7 +8,7 @@
 
 use muster_model::{CpuMilli, GpuModel, GpuRequest, GpuSpec, MemoryMib, NodeName, NodeSpec};
 use muster_model::{PoolName, RackName};
-use muster_sched::{ClusterState, NodeInput, TaskShape};
+use muster_sched::{ClusterState, NodeInput, TaskRequest, TaskShape};
 use std::collections::BTreeMap;
 
 /// The pool every trace node is put in.
@@ -77,13 +77,18 @@ impl TraceTask {
     /// The task as the scheduler sees it, with models interned against
     /// `cluster` (models the cluster lacks are left out of the mask).
     pub fn shape(&self, cluster: &ClusterState) -> TaskShape {
-        TaskShape {
+        self.request().shape(cluster)
+    }
+
+    /// The task as a request: any pool, no GPU memory floor.
+    pub fn request(&self) -> TaskRequest {
+        TaskRequest {
             gpus: self.gpus,
-            cpu_milli: self.cpu.0,
-            memory_mib: self.memory.0,
-            models: cluster.model_mask(&self.gpu_models),
+            cpu: self.cpu,
+            memory: self.memory,
+            gpu_models: self.gpu_models.clone(),
+            min_gpu_memory: None,
             pool: None,
-            min_gpu_memory_mib: 0,
         }
     }
 }
