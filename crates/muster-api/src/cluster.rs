@@ -29,6 +29,7 @@
 
 use crate::error::{SpecError, SpecErrors, describe_value, quote};
 use crate::quantity::{DecimalError, number_text, parse_memory_mib, parse_milli};
+use crate::read::{closest_name, given, quantity_value, string_value};
 use crate::validate::{MAX_CPUS_PER_NODE, MAX_GPUS_PER_NODE};
 use crate::wire::Quantity;
 use muster_model as model;
@@ -214,18 +215,7 @@ fn suggest(unknown: &str, accepted: &[&str]) -> Option<String> {
     {
         return Some((*field).to_string());
     }
-    let mut best: Option<(f64, &str)> = None;
-    for candidate in accepted {
-        let score = strsim::jaro_winkler(&normalized, candidate);
-        if score >= 0.8 && best.is_none_or(|(best_score, _)| score > best_score) {
-            best = Some((score, candidate));
-        }
-    }
-    best.map(|(_, candidate)| candidate.to_string())
-}
-
-fn given<'v>(map: &'v Map<String, Value>, key: &str) -> Option<&'v Value> {
-    map.get(key).filter(|value| !value.is_null())
+    closest_name(&normalized, accepted.iter().map(|field| field.to_string()))
 }
 
 struct Read {
@@ -374,26 +364,9 @@ impl Reader {
     }
 
     fn string(&mut self, map: &Map<String, Value>, key: &str, path: String) -> Option<String> {
-        match given(map, key)? {
-            Value::String(text) => Some(text.clone()),
-            scalar @ (Value::Number(_) | Value::Bool(_)) => {
-                self.fail(
-                    path,
-                    format!(
-                        "expected a string, got {}; put it in quotes",
-                        describe_value(scalar)
-                    ),
-                );
-                None
-            }
-            other => {
-                self.fail(
-                    path,
-                    format!("expected a string, got {}", describe_value(other)),
-                );
-                None
-            }
-        }
+        string_value(given(map, key)?)
+            .map_err(|message| self.fail(path, message))
+            .ok()
     }
 
     fn quantity(
@@ -403,17 +376,9 @@ impl Reader {
         path: String,
         accepted: &str,
     ) -> Option<Quantity> {
-        match given(map, key)? {
-            Value::Number(number) => Some(Quantity::Number(number.clone())),
-            Value::String(text) => Some(Quantity::Text(text.clone())),
-            other => {
-                self.fail(
-                    path,
-                    format!("expected {accepted}, got {}", describe_value(other)),
-                );
-                None
-            }
-        }
+        quantity_value(given(map, key)?, accepted)
+            .map_err(|message| self.fail(path, message))
+            .ok()
     }
 }
 

@@ -135,30 +135,61 @@ fn suggest(unknown: &str, prefix: &str, accepted: &[&str]) -> Option<String> {
     {
         return Some((*field).to_string());
     }
-    let closest = |candidates: &mut dyn Iterator<Item = String>| {
-        let mut best: Option<(f64, String)> = None;
-        for candidate in candidates {
-            let leaf = candidate.rsplit('.').next().unwrap_or(&candidate);
-            let score = strsim::jaro_winkler(&normalized, leaf);
-            if score >= SUGGESTION_THRESHOLD
-                && best
-                    .as_ref()
-                    .is_none_or(|(best_score, _)| score > *best_score)
-            {
-                best = Some((score, candidate));
-            }
-        }
-        best.map(|(_, candidate)| candidate)
-    };
-    let same_level = closest(&mut accepted.iter().map(|field| field.to_string()));
+    let same_level = closest_name(&normalized, accepted.iter().map(|field| field.to_string()));
     if same_level.is_some() || !prefix.is_empty() {
         return same_level;
     }
-    closest(
-        &mut SECTIONS.iter().flat_map(|(section, fields)| {
+    closest_name(
+        &normalized,
+        SECTIONS.iter().flat_map(|(section, fields)| {
             fields.iter().map(move |field| format!("{section}.{field}"))
         }),
     )
+}
+
+/// Of `candidates` (dotted paths compare by their last part), the one most
+/// like `normalized` (lower case, `_` for `-` and spaces), if close enough.
+pub(crate) fn closest_name(
+    normalized: &str,
+    candidates: impl IntoIterator<Item = String>,
+) -> Option<String> {
+    let mut best: Option<(f64, String)> = None;
+    for candidate in candidates {
+        let leaf = candidate.rsplit('.').next().unwrap_or(&candidate);
+        let score = strsim::jaro_winkler(normalized, leaf);
+        if score >= SUGGESTION_THRESHOLD
+            && best
+                .as_ref()
+                .is_none_or(|(best_score, _)| score > *best_score)
+        {
+            best = Some((score, candidate));
+        }
+    }
+    best.map(|(_, candidate)| candidate)
+}
+
+/// A string field's value; numbers and booleans must be quoted.
+pub(crate) fn string_value(value: &Value) -> Result<String, String> {
+    match value {
+        Value::String(text) => Ok(text.clone()),
+        scalar @ (Value::Number(_) | Value::Bool(_)) => Err(format!(
+            "expected a string, got {}; put it in quotes",
+            describe_value(scalar)
+        )),
+        other => Err(format!("expected a string, got {}", describe_value(other))),
+    }
+}
+
+/// A quantity field's value, as written (checked later).
+pub(crate) fn quantity_value(value: &Value, accepted: &str) -> Result<Quantity, String> {
+    match value {
+        Value::Number(number) => Ok(Quantity::Number(number.clone())),
+        Value::String(text) => Ok(Quantity::Text(text.clone())),
+        other => Err(format!(
+            "expected {accepted}, got {}",
+            describe_value(other)
+        )),
+    }
 }
 
 /// A scalar as text, for command arguments, env values and model names:
@@ -177,7 +208,7 @@ fn scalar_text(value: &Value) -> Result<String, String> {
 }
 
 /// A present value: absent and null both mean "not given".
-fn given<'v>(map: &'v Map<String, Value>, key: &str) -> Option<&'v Value> {
+pub(crate) fn given<'v>(map: &'v Map<String, Value>, key: &str) -> Option<&'v Value> {
     map.get(key).filter(|value| !value.is_null())
 }
 
@@ -294,28 +325,9 @@ impl Reader {
     }
 
     fn string(&mut self, map: &Map<String, Value>, key: &str, path: &str) -> Option<String> {
-        match given(map, key)? {
-            Value::String(text) => Some(text.clone()),
-            scalar @ (Value::Number(_) | Value::Bool(_)) => {
-                self.fail(
-                    path,
-                    path.to_string(),
-                    format!(
-                        "expected a string, got {}; put it in quotes",
-                        describe_value(scalar)
-                    ),
-                );
-                None
-            }
-            other => {
-                self.fail(
-                    path,
-                    path.to_string(),
-                    format!("expected a string, got {}", describe_value(other)),
-                );
-                None
-            }
-        }
+        string_value(given(map, key)?)
+            .map_err(|message| self.fail(path, path.to_string(), message))
+            .ok()
     }
 
     fn quantity(
@@ -325,18 +337,9 @@ impl Reader {
         path: &str,
         accepted: &str,
     ) -> Option<Quantity> {
-        match given(map, key)? {
-            Value::Number(number) => Some(Quantity::Number(number.clone())),
-            Value::String(text) => Some(Quantity::Text(text.clone())),
-            other => {
-                self.fail(
-                    path,
-                    path.to_string(),
-                    format!("expected {accepted}, got {}", describe_value(other)),
-                );
-                None
-            }
-        }
+        quantity_value(given(map, key)?, accepted)
+            .map_err(|message| self.fail(path, path.to_string(), message))
+            .ok()
     }
 
     fn boolean(&mut self, map: &Map<String, Value>, key: &str, path: &str) -> Option<bool> {
