@@ -140,6 +140,13 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
+/// Waits until `count` nodes have registered.
+fn wait_for_nodes(rt: &tokio::runtime::Runtime, client: &Client, count: usize) {
+    wait_until("the nodes to register", Duration::from_secs(30), || {
+        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == count
+    });
+}
+
 fn state(rt: &tokio::runtime::Runtime, client: &Client, id: u64) -> String {
     rt.block_on(client.job(id))
         .map(|job| job.state)
@@ -200,9 +207,7 @@ fn a_killed_agent_s_job_is_requeued_and_completes_elsewhere() {
     let _b = cluster.agent("node-b", &url);
     let rt = runtime();
     let client = cluster.client();
-    wait_until("two nodes", Duration::from_secs(30), || {
-        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == 2
-    });
+    wait_for_nodes(&rt, &client, 2);
     // Keep node-b out at first, so the job lands on node-a.
     rt.block_on(client.node_action("node-b", "cordon"))
         .expect("cordon");
@@ -309,9 +314,7 @@ fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
     let _b = cluster.agent("node-b", &cluster.url());
     let rt = runtime();
     let client = cluster.client();
-    wait_until("two nodes", Duration::from_secs(30), || {
-        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == 2
-    });
+    wait_for_nodes(&rt, &client, 2);
     rt.block_on(client.node_action("node-b", "cordon"))
         .expect("cordon");
     let log = cluster.path("runs.log");
@@ -370,9 +373,7 @@ fn running_jobs_keep_running_across_a_server_restart() {
     let _a = cluster.agent("node-a", &url);
     let rt = runtime();
     let client = cluster.client();
-    wait_until("a node", Duration::from_secs(30), || {
-        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == 1
-    });
+    wait_for_nodes(&rt, &client, 1);
     let marker = cluster.path("done");
     let script = format!("sleep 3; touch {}", marker.display());
     let spec = serde_json::json!({"name": "survivor", "gpus": 1, "command": ["sh", "-c", script]});
@@ -400,9 +401,7 @@ fn a_restarted_agent_re_attaches_to_its_running_task() {
     let mut agent = Some(cluster.agent("node-a", &url));
     let rt = runtime();
     let client = cluster.client();
-    wait_until("a node", Duration::from_secs(30), || {
-        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == 1
-    });
+    wait_for_nodes(&rt, &client, 1);
     let spec = serde_json::json!({"name": "adopted", "gpus": 1, "command": ["sh", "-c", "sleep 3; exit 7"]});
     let id = rt.block_on(client.submit(spec)).expect("submitted");
     wait_until("the job to run", Duration::from_secs(30), || {
@@ -431,9 +430,7 @@ fn a_dead_agent_s_task_fences_itself_before_the_job_runs_elsewhere() {
     let _b = cluster.agent("node-b", &url);
     let rt = runtime();
     let client = cluster.client();
-    wait_until("two nodes", Duration::from_secs(30), || {
-        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == 2
-    });
+    wait_for_nodes(&rt, &client, 2);
     rt.block_on(client.node_action("node-b", "cordon"))
         .expect("cordon");
     let log = cluster.path("runs.log");
