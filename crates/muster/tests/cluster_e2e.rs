@@ -70,6 +70,25 @@ impl Env {
         self.command().args(args).output().expect("muster runs")
     }
 
+    /// `muster server` on this environment's address, up; and its data
+    /// directory.
+    fn start_server(&self) -> (Daemon, PathBuf) {
+        let listen = self.url.trim_start_matches("http://").to_string();
+        let data = self.path("server-data");
+        let mut server = self.spawn(
+            "server",
+            &[
+                "server",
+                "--listen",
+                &listen,
+                "--data-dir",
+                data.to_str().expect("a UTF-8 path"),
+            ],
+        );
+        self.wait_for_api(&mut server);
+        (server, data)
+    }
+
     fn wait_for_api(&self, daemon: &mut Daemon) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let address = self.url.trim_start_matches("http://").to_string();
@@ -187,19 +206,7 @@ fn muster_up_runs_jobs_end_to_end() {
 #[test]
 fn a_server_with_three_agents_runs_a_gang() {
     let env = Env::new();
-    let listen = env.url.trim_start_matches("http://").to_string();
-    let data = env.path("server-data");
-    let mut server = env.spawn(
-        "server",
-        &[
-            "server",
-            "--listen",
-            &listen,
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-    );
-    env.wait_for_api(&mut server);
+    let (_server, data) = env.start_server();
     let join = std::fs::read_to_string(data.join("join.token")).expect("join token");
     let token = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
     let mut agents = Vec::new();
@@ -333,19 +340,7 @@ fn a_server_with_three_agents_runs_a_gang() {
 #[test]
 fn bad_input_gets_clear_errors() {
     let env = Env::new();
-    let listen = env.url.trim_start_matches("http://").to_string();
-    let data = env.path("server-data");
-    let mut server = env.spawn(
-        "server",
-        &[
-            "server",
-            "--listen",
-            &listen,
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-    );
-    env.wait_for_api(&mut server);
+    let (mut server, data) = env.start_server();
     let token = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
     let with = |token: &str, args: &[&str]| {
         let mut all = args.to_vec();
