@@ -77,6 +77,19 @@ impl Api {
         body["id"].as_u64().expect("an id")
     }
 
+    /// Registers node `name` with the join token; it must succeed.
+    async fn register(&self, join_token: &str, name: &str, epoch: u64) -> RegisterResponse {
+        let (status, body) = self
+            .post(
+                "/v1/agents/register",
+                join_token,
+                serde_json::to_value(register_request(name, epoch)).expect("a request"),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        serde_json::from_value(body).expect("a registration")
+    }
+
     async fn job(&self, token: &str, id: u64) -> JobView {
         let (status, body) = self.get(&format!("/v1/jobs/{id}"), token).await;
         assert_eq!(status, StatusCode::OK, "{body}");
@@ -348,15 +361,7 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
         let api = Api::new(&server);
         let admin = server.admin_token().to_string();
 
-        let (status, body) = api
-            .post(
-                "/v1/agents/register",
-                server.join_token(),
-                serde_json::to_value(register_request("gpu-1", 1)).unwrap(),
-            )
-            .await;
-        assert_eq!(status, StatusCode::OK, "{body}");
-        let registered: RegisterResponse = serde_json::from_value(body).unwrap();
+        let registered = api.register(server.join_token(), "gpu-1", 1).await;
         let node_token = registered.node_token.clone();
         assert_eq!(registered.lease_ms, 10_000);
 
@@ -730,16 +735,10 @@ async fn an_unhealthy_gpu_reported_in_a_heartbeat_is_taken_out_of_service() {
         let server = start(dir.path()).await;
         let api = Api::new(&server);
         let admin = server.admin_token().to_string();
-        let (status, body) = api
-            .post(
-                "/v1/agents/register",
-                server.join_token(),
-                serde_json::to_value(register_request("gpu-1", 1)).unwrap(),
-            )
-            .await;
-        assert_eq!(status, StatusCode::OK, "{body}");
-        let registered: RegisterResponse = serde_json::from_value(body).unwrap();
-        let token = registered.node_token;
+        let token = api
+            .register(server.join_token(), "gpu-1", 1)
+            .await
+            .node_token;
         // GPU 0 is out of service from the start.
         let beat = |version: u64| {
             serde_json::to_value(HeartbeatRequest {
