@@ -336,7 +336,10 @@ pub async fn run(
                 .saturating_sub(sent);
             // GPU health, as the backend sees it now (a failed read keeps
             // the last answer).
-            if let Ok(telemetry) = config.backend.telemetry() {
+            // NVML calls block: off the async threads.
+            let backend = Arc::clone(&config.backend);
+            let telemetry = tokio::task::spawn_blocking(move || backend.telemetry()).await;
+            if let Ok(Ok(telemetry)) = telemetry {
                 unhealthy_gpus = telemetry
                     .iter()
                     .filter(|gpu| !gpu.healthy)
