@@ -4,6 +4,11 @@
 //! better); ties go to the node with the smallest name. This is what the
 //! published FGD simulator does, and it matters: coarse levels plus the
 //! name tie-break pack work onto the same nodes.
+//!
+//! muster's default, [`PlacementPolicy::FgdConsolidate`], makes that packing
+//! deliberate: among nodes at the same FGD level it takes one that already
+//! runs GPU work, then one that runs only CPU work, and only then an empty
+//! node, so whole nodes stay free for the large tasks that need them.
 
 use crate::cluster::{ClusterState, ModelMask, NodeFree, NodeIndex, NodeStatic, TaskShape};
 use muster_model::GpuRequest;
@@ -16,6 +21,10 @@ pub enum PlacementPolicy {
     /// Fragmentation Gradient Descent (ATC'23): the node whose fragmentation,
     /// measured against the typical workload, grows least.
     Fgd,
+    /// FGD's levels, and within a level the node already in use: one with
+    /// GPU work first, then one with only CPU work, then an empty one (then
+    /// the smallest name). Keeps whole nodes free for large tasks.
+    FgdConsolidate,
     /// The node left with the least CPU and GPU after placement.
     BestFit,
     /// The node whose GPUs are already the most allocated.
@@ -25,7 +34,8 @@ pub enum PlacementPolicy {
 }
 
 impl PlacementPolicy {
-    pub const ALL: [PlacementPolicy; 4] = [
+    pub const ALL: [PlacementPolicy; 5] = [
+        PlacementPolicy::FgdConsolidate,
         PlacementPolicy::Fgd,
         PlacementPolicy::BestFit,
         PlacementPolicy::Packing,
@@ -33,17 +43,18 @@ impl PlacementPolicy {
     ];
 
     /// muster's default: the best one measured (docs/scheduling-results.md).
-    pub const DEFAULT: PlacementPolicy = PlacementPolicy::Fgd;
+    pub const DEFAULT: PlacementPolicy = PlacementPolicy::FgdConsolidate;
 
     /// Whether the policy scores by fragmentation (and needs the typical
     /// workload).
     pub fn uses_fragmentation(self) -> bool {
-        matches!(self, PlacementPolicy::Fgd)
+        matches!(self, PlacementPolicy::Fgd | PlacementPolicy::FgdConsolidate)
     }
 
     pub fn name(self) -> &'static str {
         match self {
             PlacementPolicy::Fgd => "fgd",
+            PlacementPolicy::FgdConsolidate => "fgd-consolidate",
             PlacementPolicy::BestFit => "best-fit",
             PlacementPolicy::Packing => "packing",
             PlacementPolicy::Random => "random",
@@ -71,7 +82,7 @@ impl fmt::Display for UnknownPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "unknown placement policy {:?}; accepted: fgd, best-fit, packing, random, default",
+            "unknown placement policy {:?}; accepted: fgd-consolidate, fgd, best-fit, packing, random, default",
             self.0
         )
     }
@@ -86,7 +97,7 @@ impl FromStr for PlacementPolicy {
         match text.trim().to_ascii_lowercase().as_str() {
             "default" => Ok(PlacementPolicy::DEFAULT),
             "fgd" => Ok(PlacementPolicy::Fgd),
-
+            "fgd-consolidate" => Ok(PlacementPolicy::FgdConsolidate),
             "best-fit" | "bestfit" | "best_fit" => Ok(PlacementPolicy::BestFit),
             "packing" => Ok(PlacementPolicy::Packing),
             "random" => Ok(PlacementPolicy::Random),
@@ -367,8 +378,31 @@ impl ProfileCache {
     }
 }
 
-/// The highest score level any policy gives (levels are 0..=100).
-pub const MAX_LEVEL: u32 = 100;
+/// The highest score level any policy gives: FGD, best-fit and packing
+/// score 0..=100; `fgd-consolidate` splits each FGD level into
+/// [`CONSOLIDATION_TIERS`] tiers.
+pub const MAX_LEVEL: u32 = 100 * CONSOLIDATION_TIERS + CONSOLIDATION_TIERS - 1;
+
+/// Tiers within an FGD level for `fgd-consolidate`: empty node, node with
+/// only CPU work, node with GPU work.
+pub const CONSOLIDATION_TIERS: u32 = 3;
+
+/// How much of a node is already in use, for `fgd-consolidate`: 2 if any GPU
+/// is (partly) allocated, 1 if only CPU or memory is, 0 if it is empty.
+pub fn consolidation_tier(info: &NodeStatic, free: &NodeFree) -> u32 {
+    let gpu_in_use = free
+        .gpu
+        .iter()
+        .zip(&info.gpu_healthy)
+        .any(|(&slot, &healthy)| healthy && slot < 1000);
+    if gpu_in_use {
+        2
+    } else if free.cpu_milli < info.cpu_milli || free.memory_mib < info.memory_mib {
+        1
+    } else {
+        0
+    }
+}
 
 /// The GPUs chosen on a node: a bit per GPU index; each takes the task's
 /// per-GPU share.
@@ -566,69 +600,17 @@ impl Scorer {
         before: f64,
         cache: Option<&mut ProfileCache>,
     ) -> Evaluation {
-        let cpu_after = free.cpu_milli - shape.cpu_milli;
-        let memory_after = free.memory_mib - shape.memory_mib;
         match self.policy {
-            PlacementPolicy::Fgd => {
-                let mut local = ProfileCache::default();
-                let cache = match cache {
-                    Some(cache) => cache,
-                    None => &mut local,
-                };
-                match shape.gpus {
-                    GpuRequest::Shared(share) => {
-                        let need = share.0 as u16;
-                        let mut best: Option<(u32, usize)> = None;
-                        for (index, &slot) in free.gpu.iter().enumerate() {
-                            // GPUs with equal free capacity score the same:
-                            // the lowest-numbered one stands for them.
-                            if slot < need || free.gpu[..index].contains(&slot) {
-                                continue;
-                            }
-                            let profile = cache.get_or_compute(
-                                &self.workload,
-                                &free.gpu,
-                                info.model,
-                                need,
-                                1 << index,
-                            );
-                            let frag = self.workload.fragmentation_with(
-                                profile,
-                                info.model,
-                                cpu_after,
-                                memory_after,
-                            );
-                            // Integer levels, as for nodes: ties go to the
-                            // lowest-numbered GPU.
-                            let level = sigmoid_level(before - frag);
-                            if best.is_none_or(|(l, _)| level > l) {
-                                best = Some((level, index));
-                            }
-                        }
-                        let (level, index) = best.unwrap_or((sigmoid_level(0.0), 0));
-                        Evaluation {
-                            level,
-                            pick: 1 << index,
-                        }
-                    }
-                    GpuRequest::Whole(count) => {
-                        let pick = pick_whole_gpus(info, &free.gpu, count).unwrap_or_default();
-                        let profile =
-                            cache.get_or_compute(&self.workload, &free.gpu, info.model, 1000, pick);
-                        let after = self.workload.fragmentation_with(
-                            profile,
-                            info.model,
-                            cpu_after,
-                            memory_after,
-                        );
-                        Evaluation {
-                            level: sigmoid_level(before - after),
-                            pick,
-                        }
-                    }
+            PlacementPolicy::FgdConsolidate => {
+                let evaluation = self.evaluate_fgd(info, free, shape, before, cache);
+                Evaluation {
+                    level: evaluation.level * CONSOLIDATION_TIERS + consolidation_tier(info, free),
+                    pick: evaluation.pick,
                 }
             }
+            PlacementPolicy::Fgd => self.evaluate_fgd(info, free, shape, before, cache),
             PlacementPolicy::BestFit | PlacementPolicy::Packing | PlacementPolicy::Random => {
+                let cpu_after = free.cpu_milli - shape.cpu_milli;
                 let pick = match shape.gpus {
                     GpuRequest::Shared(share) => {
                         let need = share.0 as u16;
@@ -666,6 +648,75 @@ impl Scorer {
                     _ => 0,
                 };
                 Evaluation { level, pick }
+            }
+        }
+    }
+
+    /// FGD's score: the sigmoid level of the drop in fragmentation; a shared
+    /// task takes the GPU that scores best (lowest index on ties), whole GPUs
+    /// come from [`pick_whole_gpus`].
+    fn evaluate_fgd(
+        &self,
+        info: &NodeStatic,
+        free: &NodeFree,
+        shape: &TaskShape,
+        before: f64,
+        cache: Option<&mut ProfileCache>,
+    ) -> Evaluation {
+        let cpu_after = free.cpu_milli - shape.cpu_milli;
+        let memory_after = free.memory_mib - shape.memory_mib;
+        let mut local = ProfileCache::default();
+        let cache = match cache {
+            Some(cache) => cache,
+            None => &mut local,
+        };
+        match shape.gpus {
+            GpuRequest::Shared(share) => {
+                let need = share.0 as u16;
+                let mut best: Option<(u32, usize)> = None;
+                for (index, &slot) in free.gpu.iter().enumerate() {
+                    // GPUs with equal free capacity score the same:
+                    // the lowest-numbered one stands for them.
+                    if slot < need || free.gpu[..index].contains(&slot) {
+                        continue;
+                    }
+                    let profile = cache.get_or_compute(
+                        &self.workload,
+                        &free.gpu,
+                        info.model,
+                        need,
+                        1 << index,
+                    );
+                    let frag = self.workload.fragmentation_with(
+                        profile,
+                        info.model,
+                        cpu_after,
+                        memory_after,
+                    );
+                    // Integer levels, as for nodes: ties go to the
+                    // lowest-numbered GPU.
+                    let level = sigmoid_level(before - frag);
+                    if best.is_none_or(|(l, _)| level > l) {
+                        best = Some((level, index));
+                    }
+                }
+                let (level, index) = best.unwrap_or((sigmoid_level(0.0), 0));
+                Evaluation {
+                    level,
+                    pick: 1 << index,
+                }
+            }
+            GpuRequest::Whole(count) => {
+                let pick = pick_whole_gpus(info, &free.gpu, count).unwrap_or_default();
+                let profile =
+                    cache.get_or_compute(&self.workload, &free.gpu, info.model, 1000, pick);
+                let after =
+                    self.workload
+                        .fragmentation_with(profile, info.model, cpu_after, memory_after);
+                Evaluation {
+                    level: sigmoid_level(before - after),
+                    pick,
+                }
             }
         }
     }
@@ -831,5 +882,102 @@ mod tests {
         };
         let evaluation = scorer.evaluate_fitting(&node(2), &free, &task);
         assert_eq!(evaluation.pick, 1 << 0);
+    }
+
+    fn one_gpu_task(cpu_milli: u64) -> TaskShape {
+        TaskShape {
+            gpus: GpuRequest::Whole(1),
+            cpu_milli,
+            memory_mib: 0,
+            models: ModelMask::ANY,
+            pool: None,
+            min_gpu_memory_mib: 0,
+        }
+    }
+
+    #[test]
+    fn consolidation_tiers_count_healthy_gpus_cpu_and_memory() {
+        let info = node(2);
+        let empty = NodeFree {
+            gpu: vec![1000, 1000],
+            cpu_milli: info.cpu_milli,
+            memory_mib: info.memory_mib,
+        };
+        assert_eq!(consolidation_tier(&info, &empty), 0);
+        let cpu_only = NodeFree {
+            cpu_milli: info.cpu_milli - 1,
+            ..empty.clone()
+        };
+        assert_eq!(consolidation_tier(&info, &cpu_only), 1);
+        let memory_only = NodeFree {
+            memory_mib: info.memory_mib - 1,
+            ..empty.clone()
+        };
+        assert_eq!(consolidation_tier(&info, &memory_only), 1);
+        let gpu = NodeFree {
+            gpu: vec![1000, 700],
+            ..empty.clone()
+        };
+        assert_eq!(consolidation_tier(&info, &gpu), 2);
+        // An unhealthy GPU reads as 0 free but is not work.
+        let mut sick = node(2);
+        sick.gpu_healthy[1] = false;
+        let sick_free = NodeFree {
+            gpu: vec![1000, 0],
+            ..empty
+        };
+        assert_eq!(consolidation_tier(&sick, &sick_free), 0);
+    }
+
+    #[test]
+    fn consolidation_prefers_a_node_in_use_when_fgd_ties() {
+        // Typical: one-GPU tasks; no placement here makes a fragment, so FGD
+        // scores every node alike (and the name decides).
+        let workload = TypicalWorkload::new(vec![shape(GpuRequest::Whole(1), 0, 1.0)]);
+        let scale = Scale {
+            cpu_milli: 64_000.0,
+            gpus: 2.0,
+        };
+        let fgd = Scorer::new(PlacementPolicy::Fgd, workload.clone(), scale);
+        let consolidate = Scorer::new(PlacementPolicy::FgdConsolidate, workload, scale);
+        let info = node(2);
+        let empty = NodeFree {
+            gpu: vec![1000, 1000],
+            cpu_milli: info.cpu_milli,
+            memory_mib: info.memory_mib,
+        };
+        let cpu_work = NodeFree {
+            cpu_milli: info.cpu_milli - 8_000,
+            ..empty.clone()
+        };
+        let gpu_work = NodeFree {
+            gpu: vec![0, 1000],
+            ..cpu_work.clone()
+        };
+        let task = one_gpu_task(4_000);
+        let levels = |scorer: &Scorer| {
+            [&empty, &cpu_work, &gpu_work]
+                .map(|free| scorer.evaluate_fitting(&info, free, &task).level)
+        };
+        let [a, b, c] = levels(&fgd);
+        assert!(a == b && b == c, "FGD ties: {a} {b} {c}");
+        let [a, b, c] = levels(&consolidate);
+        assert!(a < b && b < c, "empty < CPU work < GPU work: {a} {b} {c}");
+        assert!(c <= MAX_LEVEL);
+        // A better FGD level still wins over consolidation.
+        let consolidate_level = |free: &NodeFree, task: &TaskShape| {
+            consolidate.evaluate_fitting(&info, free, task).level
+        };
+        let partial = NodeFree {
+            gpu: vec![500, 1000],
+            ..empty.clone()
+        };
+        let half = TaskShape {
+            gpus: GpuRequest::Shared(GpuMilli(500)),
+            ..one_gpu_task(0)
+        };
+        // The half-GPU task fills GPU 0 of `partial` (no fragment left) but
+        // splits a whole GPU of the empty node (a fragment for 1-GPU tasks).
+        assert!(consolidate_level(&partial, &half) > consolidate_level(&empty, &half));
     }
 }

@@ -90,6 +90,7 @@ fn policy_strategy() -> impl Strategy<Value = SchedulingPolicy> {
     (
         prop_oneof![
             Just(PlacementPolicy::Fgd),
+            Just(PlacementPolicy::FgdConsolidate),
             Just(PlacementPolicy::BestFit),
             Just(PlacementPolicy::Packing),
             Just(PlacementPolicy::Random),
@@ -159,7 +160,7 @@ proptest! {
     fn indexed_placer_decides_as_the_scan_does(
         raw_nodes in proptest::collection::vec(node_strategy(), 1..16),
         raw_tasks in proptest::collection::vec((0u8..3, 1u32..9, 1u32..1000, 1u64..30, 0usize..4), 1..80),
-        policy in prop_oneof![Just(PlacementPolicy::Fgd), Just(PlacementPolicy::BestFit), Just(PlacementPolicy::Packing)],
+        policy in prop_oneof![Just(PlacementPolicy::Fgd), Just(PlacementPolicy::FgdConsolidate), Just(PlacementPolicy::BestFit), Just(PlacementPolicy::Packing)],
     ) {
         let cluster = ClusterState::new(build_nodes(&raw_nodes)).unwrap();
         let shapes: Vec<TaskShape> = raw_tasks.iter().map(|&(kind, gpus, share, cpus, model)| {

@@ -600,7 +600,10 @@ mod policies {
             Ok(PlacementPolicy::DEFAULT)
         );
         let error = "tetris".parse::<PlacementPolicy>().unwrap_err().to_string();
-        assert!(error.contains("accepted: fgd, best-fit"), "{error}");
+        assert!(
+            error.contains("accepted: fgd-consolidate, fgd, best-fit"),
+            "{error}"
+        );
     }
 }
 

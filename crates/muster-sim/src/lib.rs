@@ -16,6 +16,7 @@
 pub mod alloc;
 pub mod faults;
 pub mod jobs;
+pub mod mix;
 pub mod replay;
 pub mod trace;
 
@@ -25,6 +26,7 @@ pub use alloc::{
 };
 pub use faults::{FaultConfig, FaultFailure, FaultReport, run_faults};
 pub use jobs::{parse_openb_timed, parse_philly};
+pub use mix::{MixChange, MixError, resample, write_openb_tasks};
 pub use replay::{
     QueueResult, ReplayConfig, ReplayJob, ReplayPolicy, ReplayResult, proportional_queues, replay,
 };

@@ -84,6 +84,58 @@ pub enum SimCommand {
     /// twice) and that every job finishes once healed. A failing seed is
     /// printed with its last events and a command to replay it.
     Faults(FaultsArgs),
+    /// Writes another task mix built from a pod list (more or fewer sharing,
+    /// multi-GPU or CPU-only tasks, GPU-model constraints, heavier CPU), to
+    /// check that a placement policy holds up beyond the published traces.
+    Mix(MixArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("change").required(true).multiple(false)))]
+pub struct MixArgs {
+    /// Pod list to draw from (openb format).
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "../shared/traces/openb/openb_pod_list_default.csv"
+    )]
+    pub tasks: PathBuf,
+
+    /// Node list (openb format), for --gpu-spec: models are drawn from its GPUs.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "../shared/traces/openb/openb_node_list_gpu_node.csv"
+    )]
+    pub nodes: PathBuf,
+
+    /// PCT of the GPU tasks share one GPU (redrawn from the list's sharing and whole-GPU tasks).
+    #[arg(long, value_name = "PCT", group = "change", value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub share: Option<u8>,
+
+    /// PCT of the GPU tasks ask for more than one GPU.
+    #[arg(long, value_name = "PCT", group = "change", value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub multi_gpu: Option<u8>,
+
+    /// PCT of all tasks are CPU-only.
+    #[arg(long, value_name = "PCT", group = "change", value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub cpu_only: Option<u8>,
+
+    /// PCT of the GPU tasks may run on one GPU model only (drawn in proportion to the GPUs that could hold the task).
+    #[arg(long, value_name = "PCT", group = "change", value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub gpu_spec: Option<u8>,
+
+    /// Scale every task's CPU request to PCT percent (200: twice).
+    #[arg(long, value_name = "PCT", group = "change", value_parser = clap::value_parser!(u32).range(1..=10000))]
+    pub cpu_scale: Option<u32>,
+
+    /// Seed for the draws.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+
+    /// Where to write the new pod list.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, Args)]

@@ -162,3 +162,98 @@ fn a_missing_file_is_named() {
         "{stderr}"
     );
 }
+
+#[test]
+fn sim_mix_writes_a_pod_list_that_sim_alloc_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("nodes.csv"), NODES).unwrap();
+    std::fs::write(dir.path().join("tasks.csv"), TASKS).unwrap();
+    let mix = |extra: &[&str], out: &str| {
+        let mut args = vec![
+            "sim",
+            "mix",
+            "--nodes",
+            "nodes.csv",
+            "--tasks",
+            "tasks.csv",
+            "--out",
+            out,
+        ];
+        args.extend_from_slice(extra);
+        muster(dir.path(), &args)
+    };
+    let output = mix(&["--gpu-spec", "100", "--seed", "4"], "spec.csv");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = std::fs::read_to_string(dir.path().join("spec.csv")).unwrap();
+    let rows: Vec<&str> = text.lines().skip(1).collect();
+    assert_eq!(rows.len(), 5);
+    for row in &rows {
+        let fields: Vec<&str> = row.split(',').collect();
+        let constrained = !fields[5].is_empty();
+        assert_eq!(
+            constrained,
+            fields[3] != "0",
+            "GPU tasks get a model: {row}"
+        );
+        if fields[3] == "4" {
+            assert_eq!(fields[5], "V100M32", "only n2 has 4 GPUs: {row}");
+        }
+    }
+    let again = mix(&["--gpu-spec", "100", "--seed", "4"], "again.csv");
+    assert!(again.status.success());
+    assert_eq!(
+        std::fs::read(dir.path().join("again.csv")).unwrap(),
+        text.as_bytes(),
+        "same seed, same list"
+    );
+    let alloc = muster(
+        dir.path(),
+        &[
+            "sim",
+            "alloc",
+            "--nodes",
+            "nodes.csv",
+            "--tasks",
+            "spec.csv",
+            "--seeds",
+            "1",
+            "--policies",
+            "default",
+            "--out",
+            "out",
+        ],
+    );
+    assert!(
+        alloc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&alloc.stderr)
+    );
+
+    // Nothing to draw from: a clear error, no file.
+    std::fs::write(
+        dir.path().join("whole.csv"),
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\na,1000,1024,1,1000\n",
+    )
+    .unwrap();
+    let output = muster(
+        dir.path(),
+        &[
+            "sim",
+            "mix",
+            "--tasks",
+            "whole.csv",
+            "--share",
+            "50",
+            "--out",
+            "bad.csv",
+        ],
+    );
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("no GPU-sharing tasks"), "{stderr}");
+    assert!(!dir.path().join("bad.csv").exists());
+}

@@ -2,6 +2,7 @@
 //! policies and seeds, in parallel; prints a table and writes
 //! `results.json` and `alloc.svg`.
 
+use super::{file_name, read};
 use crate::cli::AllocArgs;
 use anyhow::Context;
 use muster_sched::PlacementPolicy;
@@ -10,7 +11,6 @@ use muster_sim::{
     parse_openb_tasks, summarize,
 };
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::time::Instant;
 
 pub fn run(args: &AllocArgs) -> anyhow::Result<()> {
@@ -99,17 +99,6 @@ pub fn run(args: &AllocArgs) -> anyhow::Result<()> {
     print!("{}", table(&report, args.seeds));
     eprintln!("wrote {} and {}", json_path.display(), svg_path.display());
     Ok(())
-}
-
-fn read(path: &Path) -> anyhow::Result<String> {
-    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
-}
-
-fn file_name(path: &Path) -> String {
-    path.file_name().map_or_else(
-        || path.display().to_string(),
-        |name| name.to_string_lossy().into_owned(),
-    )
 }
 
 /// The table printed on stdout: medians over seeds.

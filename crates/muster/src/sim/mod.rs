@@ -4,12 +4,15 @@
 
 mod alloc;
 mod faults;
+mod mix;
 mod plot;
 mod replay;
 
 use crate::cli::{SimArgs, SimCommand};
+use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A progress bar on stderr, hidden when stderr is not a terminal.
@@ -73,5 +76,22 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         SimCommand::Alloc(args) => alloc::run(&args),
         SimCommand::Replay(args) => replay::run(&args),
         SimCommand::Faults(args) => faults::run(&args),
+        SimCommand::Mix(args) => mix::run(&args),
     }
+}
+
+fn read(path: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+fn write(path: &Path, text: &str) -> anyhow::Result<()> {
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// The last component of `path`, for reports.
+fn file_name(path: &Path) -> String {
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |name| name.to_string_lossy().into_owned(),
+    )
 }

@@ -3,6 +3,7 @@
 //! writes `results.json`, `jct_cdf.svg`, `utilization.svg` and
 //! `queue_length.svg`.
 
+use super::{file_name, read, write};
 use crate::cli::{ReplayArgs, TraceFormat};
 use anyhow::{Context, bail};
 use muster_sched::NodeInput;
@@ -11,7 +12,6 @@ use muster_sim::{
 };
 use serde::Serialize;
 use std::collections::BTreeSet;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// What the replay ran on, as `results.json` records it.
@@ -277,21 +277,6 @@ fn load_cluster(args: &ReplayArgs) -> anyhow::Result<(Vec<NodeInput>, ClusterSum
             .unwrap_or(0),
     };
     Ok((nodes, summary))
-}
-
-fn read(path: &Path) -> anyhow::Result<String> {
-    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
-}
-
-fn write(path: &Path, text: &str) -> anyhow::Result<()> {
-    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
-}
-
-fn file_name(path: &Path) -> String {
-    path.file_name().map_or_else(
-        || path.display().to_string(),
-        |name| name.to_string_lossy().into_owned(),
-    )
 }
 
 type Run = (Result<ReplayResult, muster_sched::ClusterError>, Duration);
