@@ -216,11 +216,12 @@ fn main() {
         .collect();
     println!();
     println!(
-        "indexed placer against the straightforward scan, {nodes} nodes, {} tasks (fgd)",
-        task_shapes.len()
+        "indexed placer against the straightforward scan, {nodes} nodes, {} tasks ({})",
+        task_shapes.len(),
+        PlacementPolicy::DEFAULT
     );
     let workload = TypicalWorkload::from_tasks(task_shapes.iter(), 0.95);
-    let scorer = Scorer::new(PlacementPolicy::Fgd, workload, Scale::of(&state));
+    let scorer = Scorer::new(PlacementPolicy::DEFAULT, workload, Scale::of(&state));
     let none = |_: u32| false;
     let mut results = Vec::new();
     for indexed in [true, false] {

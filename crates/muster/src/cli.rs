@@ -310,6 +310,11 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub seed: u64,
 
+    /// Node placement used under every policy (fgd-consolidate, fgd,
+    /// best-fit, packing, random, default).
+    #[arg(long, value_name = "POLICY", default_value = "default")]
+    pub placement: muster_sched::PlacementPolicy,
+
     /// How often jobs checkpoint: a preempted job loses the work since its
     /// last checkpoint. A duration like 30m, 1h, 90s or 1h30m; 0: never
     /// (a preemption loses everything).

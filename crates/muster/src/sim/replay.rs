@@ -168,6 +168,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     }
     let config = ReplayConfig {
         checkpoint_interval_s: args.checkpoint_interval,
+        placement: args.placement,
         ..ReplayConfig::default()
     };
     let threads = args
