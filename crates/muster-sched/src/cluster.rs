@@ -214,7 +214,14 @@ fn intern<T: Ord + Clone>(list: &mut Vec<T>, map: &mut BTreeMap<T, u16>, value: 
 
 impl ClusterState {
     /// Builds the cluster with every node empty. Nodes are sorted by name.
-    pub fn new(mut inputs: Vec<NodeInput>) -> Result<Self, ClusterError> {
+    pub fn new(inputs: Vec<NodeInput>) -> Result<Self, ClusterError> {
+        Self::from_inputs(&inputs)
+    }
+
+    /// [`ClusterState::new`] without taking (or copying) the inputs: a
+    /// scheduling cycle builds its cluster from the snapshot's nodes.
+    pub fn from_inputs(inputs: &[NodeInput]) -> Result<Self, ClusterError> {
+        let mut inputs: Vec<&NodeInput> = inputs.iter().collect();
         inputs.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
         let mut models = Vec::new();
         let mut model_map = BTreeMap::new();

@@ -268,8 +268,11 @@ pub struct Outcome {
 }
 
 /// A running job as the cycle tracks it.
-struct Live {
-    job: RunningJob,
+struct Live<'a> {
+    /// The snapshot's job, or one started in this cycle.
+    job: std::borrow::Cow<'a, RunningJob>,
+    /// The job's queue's slot in [`Queues`].
+    queue: usize,
     placements: Vec<TaskPlacement>,
     preempted: bool,
 }
@@ -278,6 +281,34 @@ struct QueueState {
     spec: QueueSpec,
     in_use: u64,
     usage: f64,
+}
+
+/// The cycle's queues, each in a slot: running jobs and the preemption search
+/// refer to queues by slot instead of comparing names.
+#[derive(Default)]
+struct Queues {
+    slots: BTreeMap<QueueName, usize>,
+    states: Vec<QueueState>,
+}
+
+impl Queues {
+    fn slot(&self, name: &QueueName) -> Option<usize> {
+        self.slots.get(name).copied()
+    }
+
+    fn get(&self, name: &QueueName) -> Option<&QueueState> {
+        self.slot(name).map(|slot| &self.states[slot])
+    }
+
+    /// The queue's slot, adding it with `make` if it is new.
+    fn slot_or_insert(&mut self, name: &QueueName, make: impl FnOnce() -> QueueState) -> usize {
+        if let Some(slot) = self.slot(name) {
+            return slot;
+        }
+        self.states.push(make());
+        self.slots.insert(name.clone(), self.states.len() - 1);
+        self.states.len() - 1
+    }
 }
 
 impl QueueState {
@@ -325,32 +356,21 @@ pub fn schedule<R: Rng>(
     rng: &mut R,
 ) -> Result<Outcome, ClusterError> {
     let now = snapshot.now;
-    let mut cluster = ClusterState::new(snapshot.nodes.clone())?;
-    let mut queues: BTreeMap<QueueName, QueueState> = snapshot
-        .queues
-        .iter()
-        .map(|spec| {
-            (
-                spec.name.clone(),
-                QueueState {
-                    spec: spec.clone(),
-                    in_use: 0,
-                    usage: snapshot.usage.get(&spec.name).copied().unwrap_or(0.0),
-                },
-            )
+    let mut cluster = ClusterState::from_inputs(&snapshot.nodes)?;
+    let mut queues = Queues::default();
+    for spec in &snapshot.queues {
+        queues.slot_or_insert(&spec.name, || QueueState {
+            spec: spec.clone(),
+            in_use: 0,
+            usage: snapshot.usage.get(&spec.name).copied().unwrap_or(0.0),
+        });
+    }
+    let queue_entry = |queues: &mut Queues, name: &QueueName| {
+        queues.slot_or_insert(name, || QueueState {
+            spec: QueueSpec::best_effort(name.0.clone()),
+            in_use: 0,
+            usage: snapshot.usage.get(name).copied().unwrap_or(0.0),
         })
-        .collect();
-    let queue_entry = |queues: &mut BTreeMap<QueueName, QueueState>, name: &QueueName| {
-        if !queues.contains_key(name) {
-            queues.insert(
-                name.clone(),
-                QueueState {
-                    spec: QueueSpec::best_effort(name.0.clone()),
-                    in_use: 0,
-                    usage: snapshot.usage.get(name).copied().unwrap_or(0.0),
-                },
-            );
-        }
     };
 
     let mut live: Vec<Live> = Vec::with_capacity(snapshot.running.len());
@@ -363,12 +383,11 @@ pub fn schedule<R: Rng>(
         for placement in &placements {
             cluster.take(placement);
         }
-        queue_entry(&mut queues, &job.queue);
-        if let Some(state) = queues.get_mut(&job.queue) {
-            state.in_use += job.total_gpu();
-        }
+        let queue = queue_entry(&mut queues, &job.queue);
+        queues.states[queue].in_use += job.total_gpu();
         live.push(Live {
-            job: job.clone(),
+            job: std::borrow::Cow::Borrowed(job),
+            queue,
             placements,
             preempted: false,
         });
@@ -476,8 +495,8 @@ struct Cycle<'a> {
     now: Time,
     policy: &'a SchedulingPolicy,
     placer: Placer,
-    queues: BTreeMap<QueueName, QueueState>,
-    live: Vec<Live>,
+    queues: Queues,
+    live: Vec<Live<'a>>,
     outcome: Outcome,
     /// The reservation's holder, shadow time, and node set.
     reservation: Option<(JobId, Option<Time>, BTreeSet<NodeIndex>)>,
@@ -612,16 +631,20 @@ impl Cycle<'_> {
         for placement in &placements {
             self.placer.commit(placement);
         }
-        if let Some(state) = self.queues.get_mut(&job.queue) {
-            state.in_use += job.total_gpu();
-        }
+        // Every pending job's queue has a slot already (see `schedule`).
+        let queue = self.queues.slot_or_insert(&job.queue, || QueueState {
+            spec: QueueSpec::best_effort(job.queue.0.clone()),
+            in_use: 0,
+            usage: 0.0,
+        });
+        self.queues.states[queue].in_use += job.total_gpu();
         let cluster = self.placer.cluster();
         let tasks: Vec<Allocation> = placements
             .iter()
             .map(|placement| to_allocation(cluster, placement))
             .collect();
         self.live.push(Live {
-            job: RunningJob {
+            job: std::borrow::Cow::Owned(RunningJob {
                 id: job.id,
                 queue: job.queue.clone(),
                 priority: job.priority,
@@ -632,7 +655,8 @@ impl Cycle<'_> {
                     .map(|estimate| self.now.plus_millis(estimate)),
                 preemptible: false, // not a victim within its own cycle
                 checkpoint_interval_ms: None,
-            },
+            }),
+            queue,
             placements,
             preempted: false,
         });
@@ -650,17 +674,19 @@ impl Cycle<'_> {
     fn eligible(
         &self,
         job: &PendingJob,
-        victim: &RunningJob,
+        job_queue: usize,
+        live: &Live,
         already_taken: u64,
     ) -> Option<PreemptionCause> {
+        let victim = &live.job;
         if !victim.preemptible {
             return None;
         }
-        if victim.queue == job.queue {
+        if live.queue == job_queue {
             return (victim.priority < job.priority).then_some(PreemptionCause::Priority);
         }
-        let preemptor = self.queues.get(&job.queue)?;
-        let owner = self.queues.get(&victim.queue)?;
+        let preemptor = &self.queues.states[job_queue];
+        let owner = &self.queues.states[live.queue];
         let preemptor_after = preemptor.in_use + job.total_gpu();
         let preemptor_within = preemptor_after <= preemptor.guaranteed();
         let owner_in_use = owner.in_use.saturating_sub(already_taken);
@@ -688,9 +714,12 @@ impl Cycle<'_> {
     /// placed (lowest priority, then least work lost since a checkpoint, then
     /// fewest victims), and if there is one, preempts them and starts `job`.
     fn try_preempt<R: Rng>(&mut self, job: &PendingJob, shape: &TaskShape, rng: &mut R) -> bool {
+        let Some(job_queue) = self.queues.slot(&job.queue) else {
+            return false;
+        };
         let mut candidates: Vec<usize> = (0..self.live.len())
             .filter(|&i| !self.live[i].preempted)
-            .filter(|&i| self.eligible(job, &self.live[i].job, 0).is_some())
+            .filter(|&i| self.eligible(job, job_queue, &self.live[i], 0).is_some())
             .collect();
         if candidates.is_empty() {
             return false;
@@ -702,13 +731,13 @@ impl Cycle<'_> {
         let mut trial =
             Placer::new_scanning(self.placer.cluster().clone(), self.placer.scorer().clone());
         let mut chosen: Vec<usize> = Vec::new();
-        let mut taken_per_queue: BTreeMap<QueueName, u64> = BTreeMap::new();
+        let mut taken_per_queue: Vec<u64> = vec![0; self.queues.states.len()];
         let none = |_: NodeIndex| false;
         let mut fits = false;
         for &candidate in &candidates {
-            let victim = &self.live[candidate].job;
-            let taken = taken_per_queue.get(&victim.queue).copied().unwrap_or(0);
-            if self.eligible(job, victim, taken).is_none() {
+            let entry = &self.live[candidate];
+            let taken = taken_per_queue[entry.queue];
+            if self.eligible(job, job_queue, entry, taken).is_none() {
                 continue;
             }
             let relevant = self.live[candidate]
@@ -721,7 +750,7 @@ impl Cycle<'_> {
             for placement in &self.live[candidate].placements {
                 trial.release(placement);
             }
-            *taken_per_queue.entry(victim.queue.clone()).or_default() += victim.total_gpu();
+            taken_per_queue[entry.queue] += entry.job.total_gpu();
             chosen.push(candidate);
             if trial
                 .choose_gang(shape, job.tasks, job.same_rack, &none, rng)
@@ -754,20 +783,17 @@ impl Cycle<'_> {
         // Apply: release the victims for real, then place with the policy.
         let mut victims = Vec::new();
         for &candidate in &chosen {
-            let cause = {
-                let victim = &self.live[candidate].job;
-                self.eligible(job, victim, 0)
-                    .unwrap_or(PreemptionCause::Priority)
-            };
+            let cause = self
+                .eligible(job, job_queue, &self.live[candidate], 0)
+                .unwrap_or(PreemptionCause::Priority);
             let entry = &mut self.live[candidate];
             entry.preempted = true;
             for placement in &entry.placements {
                 self.placer.release(placement);
             }
-            let victim = entry.job.clone();
-            if let Some(state) = self.queues.get_mut(&victim.queue) {
-                state.in_use = state.in_use.saturating_sub(victim.total_gpu());
-            }
+            let victim: &RunningJob = &entry.job;
+            let owner = &mut self.queues.states[entry.queue];
+            owner.in_use = owner.in_use.saturating_sub(victim.total_gpu());
             self.outcome.preemptions.push(Preemption {
                 victim: victim.id,
                 for_job: job.id,
