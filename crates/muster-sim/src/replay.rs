@@ -11,7 +11,9 @@
 //!   durations. An oracle: it reads what no real scheduler knows.
 //! - `default`: muster's default: a queue per team with guaranteed shares,
 //!   fair share by decayed usage, quota reclaim by preemption, EASY backfill
-//!   on runtime estimates learned from the team's finished jobs.
+//!   on runtime estimates learned from the team's finished jobs: a job that
+//!   has run for a while is expected to take the mean of the team's finished
+//!   jobs that ran longer than that (see `LearnedDurations`).
 //!
 //! A preempted job loses the work since its last checkpoint
 //! ([`ReplayConfig::checkpoint_interval_s`]) and waits again.
@@ -203,6 +205,69 @@ pub fn proportional_queues(jobs: &[ReplayJob], capacity_milli: u64) -> Vec<Queue
         .collect()
 }
 
+/// Durations of a queue's finished jobs, in log-spaced buckets (ratio 1.25,
+/// 1 s to about 113 days), for runtime estimates that never read a job's own
+/// duration.
+#[derive(Debug, Clone)]
+struct LearnedDurations {
+    count: [u64; DURATION_BUCKETS],
+    sum: [f64; DURATION_BUCKETS],
+    /// Per bucket, the count and sum of it and every longer bucket.
+    count_from: [u64; DURATION_BUCKETS + 1],
+    sum_from: [f64; DURATION_BUCKETS + 1],
+}
+
+const DURATION_BUCKETS: usize = 72;
+
+impl Default for LearnedDurations {
+    fn default() -> Self {
+        LearnedDurations {
+            count: [0; DURATION_BUCKETS],
+            sum: [0.0; DURATION_BUCKETS],
+            count_from: [0; DURATION_BUCKETS + 1],
+            sum_from: [0.0; DURATION_BUCKETS + 1],
+        }
+    }
+}
+
+impl LearnedDurations {
+    fn bucket(seconds: u64) -> usize {
+        let bucket = (seconds.max(1) as f64).ln() / 1.25f64.ln();
+        (bucket as usize).min(DURATION_BUCKETS - 1)
+    }
+
+    fn add(&mut self, seconds: u64) {
+        let bucket = Self::bucket(seconds);
+        self.count[bucket] += 1;
+        self.sum[bucket] += seconds as f64;
+        for from in (0..=bucket).rev() {
+            self.count_from[from] += 1;
+            self.sum_from[from] += seconds as f64;
+        }
+    }
+
+    /// The expected total duration of a job that has run `elapsed` seconds:
+    /// the mean of the finished durations longer than that (bucket by bucket;
+    /// at 0, the mean of all), at least `elapsed` + 60 s; twice `elapsed` if
+    /// none ran that long. `None` before any job of the queue finished.
+    fn expected_total(&self, elapsed: u64) -> Option<u64> {
+        if self.count_from[0] == 0 {
+            return None;
+        }
+        let mut from = Self::bucket(elapsed);
+        if self.count[from] > 0 && self.sum[from] / self.count[from] as f64 <= elapsed as f64 {
+            from += 1;
+        }
+        let count = self.count_from[from];
+        let mean = if count == 0 {
+            2 * elapsed
+        } else {
+            (self.sum_from[from] / count as f64) as u64
+        };
+        Some(mean.max(elapsed + 60))
+    }
+}
+
 fn percentile(sorted: &[f64], fraction: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -299,7 +364,7 @@ pub fn replay(
     let mut running: BTreeMap<usize, Run> = BTreeMap::new();
     let mut ends: BinaryHeap<Reverse<(u64, usize, u64)>> = BinaryHeap::new();
     // Learned runtime estimates (default policy): per queue (sum, count).
-    let mut learned: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+    let mut learned: BTreeMap<String, LearnedDurations> = BTreeMap::new();
     let mut next_arrival = 0;
     let mut now: u64 = order.first().map_or(0, |&i| jobs[i].submit_s);
     let start_s = now;
@@ -387,9 +452,10 @@ pub fn replay(
             busy_milli -= jobs[index].gpu_milli();
             states[index].finish_s = Some(t);
             states[index].remaining_s = 0;
-            let entry = learned.entry(jobs[index].queue.clone()).or_default();
-            entry.0 += jobs[index].duration_s as f64;
-            entry.1 += 1;
+            learned
+                .entry(jobs[index].queue.clone())
+                .or_default()
+                .add(jobs[index].duration_s);
         }
         while let Some(&index) = order.get(next_arrival) {
             if jobs[index].submit_s > t {
@@ -414,10 +480,13 @@ pub fn replay(
             let job = &jobs[index];
             let estimate = match policy {
                 ReplayPolicy::SjfOracle => Some(run.remaining_s),
-                ReplayPolicy::Default => learned
-                    .get(&job.queue)
-                    .map(|(sum, count)| (sum / *count as f64) as u64)
-                    .map(|mean| mean.max(t - run.started_s + 60)),
+                ReplayPolicy::Default => learned.get(&job.queue).and_then(|durations| {
+                    let elapsed = t - run.started_s;
+                    let done = job.duration_s - run.remaining_s;
+                    durations
+                        .expected_total(done + elapsed)
+                        .map(|total| total - done)
+                }),
                 _ => None,
             };
             running_job.priority = match policy {
@@ -438,7 +507,10 @@ pub fn replay(
                 ReplayPolicy::SjfOracle => Some(states[index].remaining_s * 1000),
                 ReplayPolicy::Default => learned
                     .get(&job.queue)
-                    .map(|(sum, count)| (sum / *count as f64 * 1000.0) as u64),
+                    .and_then(|durations| {
+                        durations.expected_total(job.duration_s - states[index].remaining_s)
+                    })
+                    .map(|total| (total - (job.duration_s - states[index].remaining_s)) * 1000),
                 _ => None,
             };
         }
@@ -606,6 +678,23 @@ pub fn replay(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn learned_durations_expect_the_mean_of_longer_jobs() {
+        let mut durations = LearnedDurations::default();
+        assert_eq!(durations.expected_total(0), None, "nothing learned yet");
+        for seconds in [60, 60, 60, 36_000] {
+            durations.add(seconds);
+        }
+        // A new job: the mean of all, 9,045 s.
+        assert_eq!(durations.expected_total(0), Some(9_045));
+        // One that ran 10 minutes outlived the short ones: expect the long one.
+        assert_eq!(durations.expected_total(600), Some(36_000));
+        // Past every job seen: twice its running time so far.
+        assert_eq!(durations.expected_total(50_000), Some(100_000));
+        // Never less than a minute ahead.
+        assert_eq!(durations.expected_total(35_990), Some(36_050));
+    }
     use muster_model::{GpuModel, GpuSpec, NodeName, NodeSpec, PoolName, RackName};
 
     fn node(gpus: u32) -> Vec<NodeInput> {
