@@ -222,7 +222,10 @@ impl ClusterState {
     /// scheduling cycle builds its cluster from the snapshot's nodes.
     pub fn from_inputs(inputs: &[NodeInput]) -> Result<Self, ClusterError> {
         let mut inputs: Vec<&NodeInput> = inputs.iter().collect();
-        inputs.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+        // Snapshots usually come sorted already (the check is cheaper).
+        if !inputs.is_sorted_by(|a, b| a.spec.name <= b.spec.name) {
+            inputs.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+        }
         let mut models = Vec::new();
         let mut model_map = BTreeMap::new();
         let mut pools = Vec::new();

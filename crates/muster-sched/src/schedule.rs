@@ -431,12 +431,17 @@ pub fn schedule<R: Rng>(
         blocker: None,
     };
 
-    // Per queue, by effective priority, then submit time, then id.
-    let mut per_queue: BTreeMap<QueueName, Vec<&PendingJob>> = BTreeMap::new();
+    // Per queue (in name order, with the queue's slot), by effective
+    // priority, then submit time, then id.
+    let mut by_name: BTreeMap<&QueueName, Vec<&PendingJob>> = BTreeMap::new();
     for job in pending {
-        per_queue.entry(job.queue.clone()).or_default().push(job);
+        by_name.entry(&job.queue).or_default().push(job);
     }
-    for jobs in per_queue.values_mut() {
+    let mut per_queue: Vec<(usize, Vec<&PendingJob>)> = by_name
+        .into_iter()
+        .filter_map(|(name, jobs)| Some((cycle.queues.slot(name)?, jobs)))
+        .collect();
+    for (_, jobs) in &mut per_queue {
         jobs.sort_by(|a, b| {
             policy
                 .effective_priority(b, now)
@@ -447,14 +452,13 @@ pub fn schedule<R: Rng>(
         jobs.reverse(); // pop from the back
     }
     loop {
-        let mut best: Option<(&QueueName, (i64, f64, Time))> = None;
-        for (name, jobs) in &per_queue {
+        let mut best: Option<(usize, (i64, f64, Time))> = None;
+        for (position, (slot, jobs)) in per_queue.iter().enumerate() {
             let Some(head) = jobs.last() else { continue };
             let share = if policy.fair_share {
-                cycle.queues.get(name).map_or(0.0, |state| {
-                    (state.usage + state.in_use as f64 / 1000.0 * policy.fair_share_horizon_s)
-                        / f64::from(state.spec.weight.max(1))
-                })
+                let state = &cycle.queues.states[*slot];
+                (state.usage + state.in_use as f64 / 1000.0 * policy.fair_share_horizon_s)
+                    / f64::from(state.spec.weight.max(1))
             } else {
                 0.0
             };
@@ -469,12 +473,11 @@ pub fn schedule<R: Rng>(
                 }
             };
             if better {
-                best = Some((name, key));
+                best = Some((position, key));
             }
         }
-        let Some((name, _)) = best else { break };
-        let name = name.clone();
-        let Some(job) = per_queue.get_mut(&name).and_then(Vec::pop) else {
+        let Some((position, _)) = best else { break };
+        let Some(job) = per_queue[position].1.pop() else {
             break;
         };
         cycle.outcome.order.push(job.id);
