@@ -127,7 +127,7 @@ pub fn resample(
             tasks
                 .iter()
                 .map(|task| TraceTask {
-                    cpu: CpuMilli(task.cpu.0 * u64::from(pct) / 100),
+                    cpu: CpuMilli(task.cpu.0.saturating_mul(u64::from(pct)) / 100),
                     ..task.clone()
                 })
                 .collect()
