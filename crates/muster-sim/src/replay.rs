@@ -364,7 +364,16 @@ pub fn replay(
     let mut running: BTreeMap<usize, Run> = BTreeMap::new();
     let mut ends: BinaryHeap<Reverse<(u64, usize, u64)>> = BinaryHeap::new();
     // Learned runtime estimates (default policy): per queue (sum, count).
-    let mut learned: BTreeMap<String, LearnedDurations> = BTreeMap::new();
+    // Per team, by a slot fixed up front (no name lookups in the loop).
+    let mut team_slots: BTreeMap<&str, usize> = BTreeMap::new();
+    let team_of: Vec<usize> = jobs
+        .iter()
+        .map(|job| {
+            let next = team_slots.len();
+            *team_slots.entry(job.queue.as_str()).or_insert(next)
+        })
+        .collect();
+    let mut learned: Vec<LearnedDurations> = vec![LearnedDurations::default(); team_slots.len()];
     let mut next_arrival = 0;
     let mut now: u64 = order.first().map_or(0, |&i| jobs[i].submit_s);
     let start_s = now;
@@ -452,10 +461,7 @@ pub fn replay(
             busy_milli -= jobs[index].gpu_milli();
             states[index].finish_s = Some(t);
             states[index].remaining_s = 0;
-            learned
-                .entry(jobs[index].queue.clone())
-                .or_default()
-                .add(jobs[index].duration_s);
+            learned[team_of[index]].add(jobs[index].duration_s);
         }
         while let Some(&index) = order.get(next_arrival) {
             if jobs[index].submit_s > t {
@@ -480,13 +486,13 @@ pub fn replay(
             let job = &jobs[index];
             let estimate = match policy {
                 ReplayPolicy::SjfOracle => Some(run.remaining_s),
-                ReplayPolicy::Default => learned.get(&job.queue).and_then(|durations| {
+                ReplayPolicy::Default => {
                     let elapsed = t - run.started_s;
                     let done = job.duration_s - run.remaining_s;
-                    durations
+                    learned[team_of[index]]
                         .expected_total(done + elapsed)
                         .map(|total| total - done)
-                }),
+                }
                 _ => None,
             };
             running_job.priority = match policy {
@@ -505,12 +511,12 @@ pub fn replay(
             };
             pending_job.estimated_runtime_ms = match policy {
                 ReplayPolicy::SjfOracle => Some(states[index].remaining_s * 1000),
-                ReplayPolicy::Default => learned
-                    .get(&job.queue)
-                    .and_then(|durations| {
-                        durations.expected_total(job.duration_s - states[index].remaining_s)
-                    })
-                    .map(|total| (total - (job.duration_s - states[index].remaining_s)) * 1000),
+                ReplayPolicy::Default => {
+                    let done = job.duration_s - states[index].remaining_s;
+                    learned[team_of[index]]
+                        .expected_total(done)
+                        .map(|total| (total - done) * 1000)
+                }
                 _ => None,
             };
         }
