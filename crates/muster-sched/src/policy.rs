@@ -27,7 +27,10 @@ pub enum PlacementPolicy {
     FgdConsolidate,
     /// The node left with the least CPU and GPU after placement.
     BestFit,
-    /// The node whose GPUs are already the most allocated.
+    /// GPU packing as the published simulator scores it: shared GPUs that
+    /// already run work first (the fuller the better), then whole free GPUs
+    /// on a node in use (the fewer the better), then an empty node (the
+    /// fewer GPUs the better).
     Packing,
     /// A node drawn uniformly at random among those the task fits.
     Random,
@@ -635,16 +638,7 @@ impl Scorer {
                             + 0.5 * gpu_idle_after as f64 / (self.scale.gpus * 1000.0);
                         (100.0 * (1.0 - left)).clamp(0.0, 100.0) as u32
                     }
-                    PlacementPolicy::Packing => {
-                        let capacity = info.gpu_healthy.iter().filter(|&&ok| ok).count() as f64;
-                        if capacity == 0.0 || shape.gpus.total().0 == 0 {
-                            let used = info.cpu_milli - cpu_after;
-                            (100.0 * used as f64 / info.cpu_milli.max(1) as f64) as u32
-                        } else {
-                            let used = capacity * 1000.0 - gpu_idle_after as f64;
-                            (100.0 * used / (capacity * 1000.0)).clamp(0.0, 100.0) as u32
-                        }
-                    }
+                    PlacementPolicy::Packing => packing_level(info, free, shape.gpus),
                     _ => 0,
                 };
                 Evaluation { level, pick }
@@ -721,6 +715,49 @@ impl Scorer {
         }
     }
 }
+
+/// The published simulator's GPU packing score (levels 0..=100): a task
+/// that fits on GPUs already in use scores 100 minus a tenth of their free
+/// percentage (at least 50); one that needs fully free GPUs of a node in use
+/// scores 50 minus how many (at least 33); on a node with every GPU free,
+/// 33 minus the node's GPU count (at least that count). CPU-only tasks score
+/// 0 everywhere, so the name decides.
+fn packing_level(info: &NodeStatic, free: &NodeFree, gpus: GpuRequest) -> u32 {
+    if gpus.total().0 == 0 {
+        return 0;
+    }
+    let mut slots: Vec<u16> = free
+        .gpu
+        .iter()
+        .zip(&info.gpu_healthy)
+        .filter(|(_, healthy)| **healthy)
+        .map(|(&slot, _)| slot)
+        .collect();
+    let fully_free = slots.iter().filter(|&&slot| slot == 1000).count() as u32;
+    if fully_free == slots.len() as u32 {
+        return (MAX_PACKING / 3).saturating_sub(fully_free).max(fully_free);
+    }
+    slots.sort_unstable();
+    let need = gpus.per_gpu().0 as u16;
+    let chosen: Vec<u16> = slots
+        .into_iter()
+        .filter(|&slot| slot >= need)
+        .take(gpus.gpu_count() as usize)
+        .collect();
+    let whole_used = chosen.iter().filter(|&&slot| slot == 1000).count() as u32;
+    if whole_used > 0 {
+        return (MAX_PACKING / 2)
+            .saturating_sub(whole_used)
+            .max(MAX_PACKING / 3);
+    }
+    let free_percent: u32 = chosen
+        .iter()
+        .map(|&slot| u32::from(slot) * 100 / 1000)
+        .sum();
+    (MAX_PACKING.saturating_sub(free_percent / 10)).max(MAX_PACKING / 2)
+}
+
+const MAX_PACKING: u32 = 100;
 
 /// Subtracts `milli` from each picked GPU.
 pub fn apply_pick(gpu: &mut [u16], pick: GpuPick, milli: u16) {
@@ -979,5 +1016,37 @@ mod tests {
         // The half-GPU task fills GPU 0 of `partial` (no fragment left) but
         // splits a whole GPU of the empty node (a fragment for 1-GPU tasks).
         assert!(consolidate_level(&partial, &half) > consolidate_level(&empty, &half));
+    }
+
+    #[test]
+    fn packing_scores_follow_the_published_rule() {
+        let info = node(4);
+        let empty = NodeFree {
+            gpu: vec![1000; 4],
+            cpu_milli: info.cpu_milli,
+            memory_mib: info.memory_mib,
+        };
+        let used = NodeFree {
+            gpu: vec![200, 1000, 1000, 500],
+            ..empty.clone()
+        };
+        let share = |milli| GpuRequest::Shared(GpuMilli(milli));
+        // Every GPU free: 33 minus the GPU count.
+        assert_eq!(packing_level(&info, &empty, GpuRequest::Whole(1)), 29);
+        // Fits on the GPU with 500 free (the tightest): 100 - 50 / 10.
+        assert_eq!(packing_level(&info, &used, share(300)), 95);
+        // Needs a fully free GPU of a node in use: 50 - 1.
+        assert_eq!(packing_level(&info, &used, share(600)), 49);
+        assert_eq!(packing_level(&info, &used, GpuRequest::Whole(2)), 48);
+        // CPU-only tasks: 0 everywhere.
+        assert_eq!(packing_level(&info, &used, GpuRequest::Whole(0)), 0);
+        // An unhealthy GPU is not counted as one in use.
+        let mut sick = node(4);
+        sick.gpu_healthy[0] = false;
+        let sick_free = NodeFree {
+            gpu: vec![0, 1000, 1000, 1000],
+            ..empty
+        };
+        assert_eq!(packing_level(&sick, &sick_free, GpuRequest::Whole(1)), 30);
     }
 }
