@@ -726,34 +726,37 @@ fn packing_level(info: &NodeStatic, free: &NodeFree, gpus: GpuRequest) -> u32 {
     if gpus.total().0 == 0 {
         return 0;
     }
-    let mut slots: Vec<u16> = free
-        .gpu
-        .iter()
-        .zip(&info.gpu_healthy)
-        .filter(|(_, healthy)| **healthy)
-        .map(|(&slot, _)| slot)
-        .collect();
+    // Healthy GPUs' free capacity, on the stack (a node has at most 64).
+    let mut buffer = [0u16; 64];
+    let mut len = 0;
+    for (&slot, &healthy) in free.gpu.iter().zip(&info.gpu_healthy) {
+        if healthy && len < buffer.len() {
+            buffer[len] = slot;
+            len += 1;
+        }
+    }
+    let slots = &mut buffer[..len];
     let fully_free = slots.iter().filter(|&&slot| slot == 1000).count() as u32;
-    if fully_free == slots.len() as u32 {
+    if fully_free == len as u32 {
         return (MAX_PACKING / 3).saturating_sub(fully_free).max(fully_free);
     }
+    // The task takes the tightest GPUs that fit.
     slots.sort_unstable();
     let need = gpus.per_gpu().0 as u16;
-    let chosen: Vec<u16> = slots
-        .into_iter()
-        .filter(|&slot| slot >= need)
+    let (mut whole_used, mut free_percent) = (0u32, 0u32);
+    for &slot in slots
+        .iter()
+        .filter(|&&slot| slot >= need)
         .take(gpus.gpu_count() as usize)
-        .collect();
-    let whole_used = chosen.iter().filter(|&&slot| slot == 1000).count() as u32;
+    {
+        whole_used += u32::from(slot == 1000);
+        free_percent += u32::from(slot) * 100 / 1000;
+    }
     if whole_used > 0 {
         return (MAX_PACKING / 2)
             .saturating_sub(whole_used)
             .max(MAX_PACKING / 3);
     }
-    let free_percent: u32 = chosen
-        .iter()
-        .map(|&slot| u32::from(slot) * 100 / 1000)
-        .sum();
     (MAX_PACKING.saturating_sub(free_percent / 10)).max(MAX_PACKING / 2)
 }
 
