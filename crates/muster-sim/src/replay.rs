@@ -207,12 +207,10 @@ pub fn proportional_queues(jobs: &[ReplayJob], capacity_milli: u64) -> Vec<Queue
 
 /// Durations of a queue's finished jobs, in log-spaced buckets (ratio 1.25,
 /// 1 s to about 113 days), for runtime estimates that never read a job's own
-/// duration.
+/// duration. Kept as counts and sums from each bucket up: a bucket's own is
+/// the difference with the next.
 #[derive(Debug, Clone)]
 struct LearnedDurations {
-    count: [u64; DURATION_BUCKETS],
-    sum: [f64; DURATION_BUCKETS],
-    /// Per bucket, the count and sum of it and every longer bucket.
     count_from: [u64; DURATION_BUCKETS + 1],
     sum_from: [f64; DURATION_BUCKETS + 1],
 }
@@ -222,8 +220,6 @@ const DURATION_BUCKETS: usize = 72;
 impl Default for LearnedDurations {
     fn default() -> Self {
         LearnedDurations {
-            count: [0; DURATION_BUCKETS],
-            sum: [0.0; DURATION_BUCKETS],
             count_from: [0; DURATION_BUCKETS + 1],
             sum_from: [0.0; DURATION_BUCKETS + 1],
         }
@@ -237,10 +233,7 @@ impl LearnedDurations {
     }
 
     fn add(&mut self, seconds: u64) {
-        let bucket = Self::bucket(seconds);
-        self.count[bucket] += 1;
-        self.sum[bucket] += seconds as f64;
-        for from in (0..=bucket).rev() {
+        for from in 0..=Self::bucket(seconds) {
             self.count_from[from] += 1;
             self.sum_from[from] += seconds as f64;
         }
@@ -255,7 +248,9 @@ impl LearnedDurations {
             return None;
         }
         let mut from = Self::bucket(elapsed);
-        if self.count[from] > 0 && self.sum[from] / self.count[from] as f64 <= elapsed as f64 {
+        let own_count = self.count_from[from] - self.count_from[from + 1];
+        let own_sum = self.sum_from[from] - self.sum_from[from + 1];
+        if own_count > 0 && own_sum / own_count as f64 <= elapsed as f64 {
             from += 1;
         }
         let count = self.count_from[from];
