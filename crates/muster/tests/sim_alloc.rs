@@ -1,8 +1,11 @@
 //! `muster sim alloc` as a user runs it: the built binary on tiny traces
 //! written to a temporary folder.
 
+mod common;
+
+use common::{failure, muster, success};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 const NODES: &str = "sn,cpu_milli,memory_mib,gpu,model\n\
                      n0,16000,65536,2,T4\n\
@@ -16,12 +19,20 @@ const TASKS: &str = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos\n\
                      d,1000,2048,0,0,,BE\n\
                      e,2000,4096,1,250,T4,LS\n";
 
-fn muster(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_muster"))
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("the muster binary runs")
+/// `muster sim alloc --nodes nodes.csv --tasks TASKS --out OUT` and `extra`.
+fn alloc(dir: &Path, tasks: &str, out: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "sim",
+        "alloc",
+        "--nodes",
+        "nodes.csv",
+        "--tasks",
+        tasks,
+        "--out",
+        out,
+    ];
+    args.extend_from_slice(extra);
+    muster(dir, &args)
 }
 
 #[test]
@@ -29,27 +40,7 @@ fn sim_alloc_writes_results_and_a_plot() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("nodes.csv"), NODES).unwrap();
     std::fs::write(dir.path().join("tasks.csv"), TASKS).unwrap();
-    let output = muster(
-        dir.path(),
-        &[
-            "sim",
-            "alloc",
-            "--nodes",
-            "nodes.csv",
-            "--tasks",
-            "tasks.csv",
-            "--seeds",
-            "2",
-            "--out",
-            "out",
-        ],
-    );
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = success(&alloc(dir.path(), "tasks.csv", "out", &["--seeds", "2"]));
     for policy in ["fgd", "best-fit", "packing", "random", "default"] {
         assert!(
             stdout.contains(policy),
@@ -86,7 +77,24 @@ fn sim_alloc_writes_results_and_a_plot() {
     }
     assert_eq!(
         policies[0]["alloc_ratio_pct"], policies[4]["alloc_ratio_pct"],
-        "default is fgd"
+        "on this slice the consolidating default places as fgd does"
+    );
+    // `default` is `fgd-consolidate`, reported under its own name.
+    let named = success(&alloc(
+        dir.path(),
+        "tasks.csv",
+        "named",
+        &["--seeds", "2", "--policies", "fgd-consolidate,default"],
+    ));
+    assert!(named.contains("fgd-consolidate"), "{named}");
+    let named: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("named/results.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(named["policies"][1]["policy"], "default");
+    assert_eq!(
+        named["policies"][0]["alloc_ratio_pct"],
+        named["policies"][1]["alloc_ratio_pct"]
     );
 
     let svg = std::fs::read_to_string(dir.path().join("out/alloc.svg")).unwrap();
@@ -94,24 +102,12 @@ fn sim_alloc_writes_results_and_a_plot() {
     assert!(svg.contains("best-fit"));
 
     // Same inputs and seeds: byte-identical results.
-    let again = muster(
+    success(&alloc(
         dir.path(),
-        &[
-            "sim",
-            "alloc",
-            "--nodes",
-            "nodes.csv",
-            "--tasks",
-            "tasks.csv",
-            "--seeds",
-            "2",
-            "--out",
-            "again",
-            "--jobs",
-            "1",
-        ],
-    );
-    assert!(again.status.success());
+        "tasks.csv",
+        "again",
+        &["--seeds", "2", "--jobs", "1"],
+    ));
     let text_again = std::fs::read_to_string(dir.path().join("again/results.json")).unwrap();
     assert_eq!(text, text_again);
 }
@@ -122,41 +118,22 @@ fn a_malformed_trace_names_file_line_and_column() {
     std::fs::write(dir.path().join("nodes.csv"), NODES).unwrap();
     let bad = TASKS.replace("b,2000,4096,1,500", "b,2000,4096,1,half");
     std::fs::write(dir.path().join("tasks.csv"), bad).unwrap();
-    let output = muster(
-        dir.path(),
-        &[
-            "sim",
-            "alloc",
-            "--nodes",
-            "nodes.csv",
-            "--tasks",
-            "tasks.csv",
-            "--seeds",
-            "1",
-            "--out",
-            "out",
-        ],
-    );
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = failure(&alloc(dir.path(), "tasks.csv", "out", &["--seeds", "1"]));
     assert!(
         stderr
             .contains("tasks.csv:3: column gpu_milli: expected an integer 0..=1000, got \"half\""),
         "{stderr}"
     );
-    assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(!dir.path().join("out").exists(), "nothing is written");
 }
 
 #[test]
 fn a_missing_file_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let output = muster(
+    let stderr = failure(&muster(
         dir.path(),
         &["sim", "alloc", "--nodes", "missing.csv", "--out", "out"],
-    );
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    ));
     assert!(
         stderr.contains("error: cannot read missing.csv"),
         "{stderr}"
@@ -182,12 +159,7 @@ fn sim_mix_writes_a_pod_list_that_sim_alloc_reads() {
         args.extend_from_slice(extra);
         muster(dir.path(), &args)
     };
-    let output = mix(&["--gpu-spec", "100", "--seed", "4"], "spec.csv");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    success(&mix(&["--gpu-spec", "100", "--seed", "4"], "spec.csv"));
     let text = std::fs::read_to_string(dir.path().join("spec.csv")).unwrap();
     let rows: Vec<&str> = text.lines().skip(1).collect();
     assert_eq!(rows.len(), 5);
@@ -203,35 +175,18 @@ fn sim_mix_writes_a_pod_list_that_sim_alloc_reads() {
             assert_eq!(fields[5], "V100M32", "only n2 has 4 GPUs: {row}");
         }
     }
-    let again = mix(&["--gpu-spec", "100", "--seed", "4"], "again.csv");
-    assert!(again.status.success());
+    success(&mix(&["--gpu-spec", "100", "--seed", "4"], "again.csv"));
     assert_eq!(
         std::fs::read(dir.path().join("again.csv")).unwrap(),
         text.as_bytes(),
         "same seed, same list"
     );
-    let alloc = muster(
+    success(&alloc(
         dir.path(),
-        &[
-            "sim",
-            "alloc",
-            "--nodes",
-            "nodes.csv",
-            "--tasks",
-            "spec.csv",
-            "--seeds",
-            "1",
-            "--policies",
-            "default",
-            "--out",
-            "out",
-        ],
-    );
-    assert!(
-        alloc.status.success(),
-        "{}",
-        String::from_utf8_lossy(&alloc.stderr)
-    );
+        "spec.csv",
+        "out",
+        &["--seeds", "1", "--policies", "default"],
+    ));
 
     // Nothing to draw from: a clear error, no file.
     std::fs::write(
@@ -253,7 +208,7 @@ fn sim_mix_writes_a_pod_list_that_sim_alloc_reads() {
         ],
     );
     assert_eq!(output.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = failure(&output);
     assert!(stderr.contains("no GPU-sharing tasks"), "{stderr}");
     assert!(!dir.path().join("bad.csv").exists());
 }

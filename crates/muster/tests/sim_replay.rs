@@ -1,8 +1,11 @@
 //! `muster sim replay` as a user runs it: the built binary on a tiny Philly
 //! slice written to a temporary folder and the shipped small cluster spec.
 
+mod common;
+
+use common::{failure, muster, success};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 /// 12 jobs from 3 teams on `examples/clusters/small.yaml` (2 nodes x 8 GPUs,
 /// 2 x 4): enough to queue; the 32-GPU job needs 4 nodes of 8 GPUs and
@@ -26,14 +29,6 @@ const SMALL_CLUSTER: &str = concat!(
     "/../../examples/clusters/small.yaml"
 );
 
-fn muster(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_muster"))
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("the muster binary runs")
-}
-
 fn replay(dir: &Path, extra: &[&str]) -> Output {
     let mut args = vec![
         "sim",
@@ -45,23 +40,6 @@ fn replay(dir: &Path, extra: &[&str]) -> Output {
     ];
     args.extend_from_slice(extra);
     muster(dir, &args)
-}
-
-fn success(output: &Output) -> String {
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
-}
-
-fn failure(output: &Output) -> String {
-    assert!(!output.status.success(), "expected a failure");
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    stderr
 }
 
 #[test]

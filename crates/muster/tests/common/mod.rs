@@ -42,3 +42,31 @@ pub fn processes_with(marker: &str) -> usize {
         })
         .count()
 }
+
+/// Runs the built `muster` binary in `dir` and waits for it.
+pub fn muster(dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_muster"))
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("the muster binary runs")
+}
+
+/// The stdout of a run that must have succeeded.
+pub fn success(output: &std::process::Output) -> String {
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// The stderr of a run that must have failed cleanly (no panic).
+pub fn failure(output: &std::process::Output) -> String {
+    assert!(!output.status.success(), "expected a failure");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
