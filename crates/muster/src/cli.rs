@@ -93,21 +93,10 @@ pub enum SimCommand {
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("change").required(true).multiple(false)))]
 pub struct MixArgs {
-    /// Pod list to draw from (openb format).
-    #[arg(
-        long,
-        value_name = "FILE",
-        default_value = "../shared/traces/openb/openb_pod_list_default.csv"
-    )]
-    pub tasks: PathBuf,
-
-    /// Node list (openb format), for --gpu-spec: models are drawn from its GPUs.
-    #[arg(
-        long,
-        value_name = "FILE",
-        default_value = "../shared/traces/openb/openb_node_list_gpu_node.csv"
-    )]
-    pub nodes: PathBuf,
+    /// The pod list to draw from; the node list is read for --gpu-spec only
+    /// (models are drawn from its GPUs).
+    #[command(flatten)]
+    pub files: OpenbFiles,
 
     /// PCT of the GPU tasks share one GPU (redrawn from the list's sharing and whole-GPU tasks).
     #[arg(long, value_name = "PCT", group = "change", value_parser = clap::value_parser!(u8).range(0..=100))]
@@ -206,8 +195,9 @@ pub struct FaultsArgs {
     pub jobs: Option<u64>,
 }
 
+/// An openb node list and pod list (traces/README.md).
 #[derive(Debug, Args)]
-pub struct AllocArgs {
+pub struct OpenbFiles {
     /// Node list (openb format: sn,cpu_milli,memory_mib,gpu,model).
     #[arg(
         long,
@@ -223,6 +213,12 @@ pub struct AllocArgs {
         default_value = "../shared/traces/openb/openb_pod_list_default.csv"
     )]
     pub tasks: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct AllocArgs {
+    #[command(flatten)]
+    pub files: OpenbFiles,
 
     /// Placement policies to compare, comma-separated.
     #[arg(

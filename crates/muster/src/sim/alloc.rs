@@ -2,24 +2,22 @@
 //! policies and seeds, in parallel; prints a table and writes
 //! `results.json` and `alloc.svg`.
 
-use super::{file_name, read};
+use super::{file_name, read_openb_nodes, read_openb_tasks};
 use crate::cli::AllocArgs;
 use anyhow::Context;
 use muster_sched::PlacementPolicy;
 use muster_sim::{
-    AllocationCurve, AllocationExperiment, AllocationReport, PolicyResult, parse_openb_nodes,
-    parse_openb_tasks, summarize,
+    AllocationCurve, AllocationExperiment, AllocationReport, PolicyResult, summarize,
 };
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 pub fn run(args: &AllocArgs) -> anyhow::Result<()> {
-    let nodes_text = read(&args.nodes)?;
-    let tasks_text = read(&args.tasks)?;
-    let nodes = parse_openb_nodes(&nodes_text, &args.nodes.display().to_string())?;
-    let tasks = parse_openb_tasks(&tasks_text, &args.tasks.display().to_string())?;
+    let files = &args.files;
+    let nodes = read_openb_nodes(&files.nodes)?;
+    let tasks = read_openb_tasks(&files.tasks)?;
     let experiment = AllocationExperiment::new(nodes, &tasks)
-        .with_context(|| format!("cannot simulate {}", args.nodes.display()))?;
+        .with_context(|| format!("cannot simulate {}", files.nodes.display()))?;
 
     // `default` is one of the others: each distinct policy runs once per seed.
     let seeds: Vec<u64> = (0..args.seeds).collect();
@@ -81,8 +79,8 @@ pub fn run(args: &AllocArgs) -> anyhow::Result<()> {
 
     let report = AllocationReport::new(
         &experiment,
-        &file_name(&args.nodes),
-        &file_name(&args.tasks),
+        &file_name(&files.nodes),
+        &file_name(&files.tasks),
         results,
     );
     std::fs::create_dir_all(&args.out)

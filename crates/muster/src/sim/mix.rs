@@ -1,8 +1,8 @@
 //! `muster sim mix`: writes another task mix built from a pod list.
 
-use super::{read, write};
+use super::{read_openb_nodes, read_openb_tasks, write};
 use crate::cli::MixArgs;
-use muster_sim::{MixChange, parse_openb_nodes, parse_openb_tasks, resample, write_openb_tasks};
+use muster_sim::{MixChange, resample, write_openb_tasks};
 
 pub fn run(args: &MixArgs) -> anyhow::Result<()> {
     let change = if let Some(pct) = args.share {
@@ -20,14 +20,12 @@ pub fn run(args: &MixArgs) -> anyhow::Result<()> {
             "say what to change: --share, --multi-gpu, --cpu-only, --gpu-spec or --cpu-scale"
         );
     };
-    let tasks = parse_openb_tasks(&read(&args.tasks)?, &args.tasks.display().to_string())?;
+    let tasks = read_openb_tasks(&args.files.tasks)?;
     let nodes = match change {
-        MixChange::GpuSpec(_) => {
-            parse_openb_nodes(&read(&args.nodes)?, &args.nodes.display().to_string())?
-                .into_iter()
-                .map(|node| node.spec)
-                .collect()
-        }
+        MixChange::GpuSpec(_) => read_openb_nodes(&args.files.nodes)?
+            .into_iter()
+            .map(|node| node.spec)
+            .collect(),
         _ => Vec::new(),
     };
     let mixed = resample(&tasks, &nodes, change, args.seed)?;

@@ -88,6 +88,22 @@ fn write(path: &Path, text: &str) -> anyhow::Result<()> {
     std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// Reads and parses an openb node list.
+fn read_openb_nodes(path: &Path) -> anyhow::Result<Vec<muster_sched::NodeInput>> {
+    Ok(muster_sim::parse_openb_nodes(
+        &read(path)?,
+        &path.display().to_string(),
+    )?)
+}
+
+/// Reads and parses an openb pod list.
+fn read_openb_tasks(path: &Path) -> anyhow::Result<Vec<muster_sim::TraceTask>> {
+    Ok(muster_sim::parse_openb_tasks(
+        &read(path)?,
+        &path.display().to_string(),
+    )?)
+}
+
 /// The last component of `path`, for reports.
 fn file_name(path: &Path) -> String {
     path.file_name().map_or_else(

@@ -3,13 +3,11 @@
 //! writes `results.json`, `jct_cdf.svg`, `utilization.svg` and
 //! `queue_length.svg`.
 
-use super::{file_name, read, write};
+use super::{file_name, read, read_openb_nodes, write};
 use crate::cli::{ReplayArgs, TraceFormat};
 use anyhow::{Context, bail};
 use muster_sched::NodeInput;
-use muster_sim::{
-    ReplayConfig, ReplayPolicy, ReplayResult, parse_openb_nodes, parse_openb_timed, parse_philly,
-};
+use muster_sim::{ReplayConfig, ReplayPolicy, ReplayResult, parse_openb_timed, parse_philly};
 use serde::Serialize;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -249,11 +247,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
 
 fn load_cluster(args: &ReplayArgs) -> anyhow::Result<(Vec<NodeInput>, ClusterSummary)> {
     let (nodes, path, kind) = match &args.nodes_csv {
-        Some(path) => {
-            let text = read(path)?;
-            let nodes = parse_openb_nodes(&text, &path.display().to_string())?;
-            (nodes, path, "openb node list")
-        }
+        Some(path) => (read_openb_nodes(path)?, path, "openb node list"),
         None => {
             let path = &args.cluster;
             let text = read(path)?;
