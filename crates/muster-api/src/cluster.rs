@@ -29,7 +29,7 @@
 
 use crate::error::{SpecError, SpecErrors, describe_value, quote};
 use crate::quantity::{DecimalError, number_text, parse_memory_mib, parse_milli};
-use crate::read::{closest_name, given, quantity_value, string_value};
+use crate::read::{Read, closest_name, given, quantity_value, string_value, unknown_field_errors};
 use crate::validate::{MAX_CPUS_PER_NODE, MAX_GPUS_PER_NODE};
 use crate::wire::Quantity;
 use muster_model as model;
@@ -118,19 +118,19 @@ pub fn parse_cluster_spec_yaml(text: &str) -> Result<Vec<model::NodeSpec>, SpecE
         )));
     }
     let value = crate::parse::yaml_value(text)?;
-    let read = read_cluster_spec(&value);
+    let mut read = read_cluster_spec(&value);
     if !read.document_errors.is_empty() {
         return Err(SpecErrors(read.document_errors));
     }
-    let mut errors = read.unknown_fields;
-    let mut field_errors = read.field_errors;
+    let mut errors = std::mem::take(&mut read.unknown_fields);
+    let mut field_errors = std::mem::take(&mut read.field_errors);
     match read.spec.to_nodes() {
         Ok(nodes) if errors.is_empty() && field_errors.is_empty() => return Ok(nodes),
         Ok(_) => {}
         Err(validation) => field_errors.extend(
             validation
                 .into_iter()
-                .filter(|error| !already_reported(&read.bad_paths, &error.path)),
+                .filter(|error| !read.already_reported(&error.path)),
         ),
     }
     // Stable: within a field, errors keep the order they were found in.
@@ -144,18 +144,7 @@ impl ClusterSpec {
     /// checking field names and the kinds of values; every problem is
     /// reported.
     pub fn from_value(value: &Value) -> Result<ClusterSpec, SpecErrors> {
-        let read = read_cluster_spec(value);
-        let errors: Vec<SpecError> = read
-            .document_errors
-            .into_iter()
-            .chain(read.unknown_fields)
-            .chain(read.field_errors)
-            .collect();
-        if errors.is_empty() {
-            Ok(read.spec)
-        } else {
-            Err(SpecErrors(errors))
-        }
+        read_cluster_spec(value).into_result()
     }
 
     /// Checks every value and builds the nodes, group by group in order.
@@ -175,17 +164,6 @@ impl<'de> Deserialize<'de> for ClusterSpec {
         let value = Value::deserialize(deserializer)?;
         ClusterSpec::from_value(&value).map_err(serde::de::Error::custom)
     }
-}
-
-/// Whether a field (or the group it is part of) could not be read, so its
-/// problem has been reported already.
-fn already_reported(bad_paths: &std::collections::BTreeSet<String>, path: &str) -> bool {
-    bad_paths.iter().any(|bad| {
-        path == bad
-            || path
-                .strip_prefix(bad.as_str())
-                .is_some_and(|rest| rest.starts_with('.'))
-    })
 }
 
 /// Sort key of an error path: (group index, field position).
@@ -218,18 +196,9 @@ fn suggest(unknown: &str, accepted: &[&str]) -> Option<String> {
     closest_name(&normalized, accepted.iter().map(|field| field.to_string()))
 }
 
-struct Read {
-    spec: ClusterSpec,
-    document_errors: Vec<SpecError>,
-    unknown_fields: Vec<SpecError>,
-    field_errors: Vec<SpecError>,
-    /// Paths of fields that could not be read (reported already).
-    bad_paths: std::collections::BTreeSet<String>,
-}
-
 const DOCUMENT_ACCEPTED: &str = "a mapping with node_groups, a list of groups of identical nodes";
 
-fn read_cluster_spec(value: &Value) -> Read {
+fn read_cluster_spec(value: &Value) -> Read<ClusterSpec> {
     let mut reader = Reader::default();
     let spec = match value {
         Value::Object(map) => reader.cluster(map),
@@ -275,19 +244,10 @@ impl Reader {
     }
 
     fn check_field_names(&mut self, map: &Map<String, Value>, prefix: &str, accepted: &[&str]) {
-        for key in map.keys() {
-            if accepted.contains(&key.as_str()) {
-                continue;
-            }
-            let message = match suggest(key, accepted) {
-                Some(suggestion) => format!("unknown field; did you mean {suggestion:?}?"),
-                None => format!("unknown field; accepted: {}", accepted.join(", ")),
-            };
-            self.unknown_fields.push(SpecError::new(
-                crate::read::field_path(prefix, key),
-                message,
-            ));
-        }
+        self.unknown_fields
+            .extend(unknown_field_errors(map, prefix, accepted, |key| {
+                suggest(key, accepted)
+            }));
     }
 
     fn cluster(&mut self, map: &Map<String, Value>) -> ClusterSpec {

@@ -38,11 +38,11 @@ pub fn parse_job_spec_json(text: &str) -> Result<model::JobSpec, SpecErrors> {
 /// or JSON). Unknown fields, values of the wrong kind and invalid values are
 /// all reported together, in the order of the spec's fields.
 pub fn parse_job_spec_value(value: &Value) -> Result<model::JobSpec, SpecErrors> {
-    let read = read_job_spec(value);
+    let mut read = read_job_spec(value);
     if !read.document_errors.is_empty() {
         return Err(SpecErrors(read.document_errors));
     }
-    let mut field_errors = read.field_errors;
+    let mut field_errors = std::mem::take(&mut read.field_errors);
     match validate(&read.spec) {
         Ok(spec) if read.unknown_fields.is_empty() && field_errors.is_empty() => {
             return Ok(spec);
@@ -51,7 +51,7 @@ pub fn parse_job_spec_value(value: &Value) -> Result<model::JobSpec, SpecErrors>
         Err(errors) => field_errors.extend(
             errors
                 .into_iter()
-                .filter(|error| !already_reported(&read.bad_paths, &error.path)),
+                .filter(|error| !read.already_reported(&error.path)),
         ),
     }
     // Stable: within a field, errors keep the order they were found in.
@@ -59,17 +59,6 @@ pub fn parse_job_spec_value(value: &Value) -> Result<model::JobSpec, SpecErrors>
     let mut errors = read.unknown_fields;
     errors.extend(field_errors);
     Err(SpecErrors(errors))
-}
-
-/// Whether a field (or the field it is part of) could not be read, so its
-/// problem has been reported already.
-fn already_reported(bad_paths: &std::collections::BTreeSet<String>, path: &str) -> bool {
-    bad_paths.iter().any(|bad| {
-        path == bad
-            || path
-                .strip_prefix(bad.as_str())
-                .is_some_and(|rest| rest.starts_with('.') || rest.starts_with('['))
-    })
 }
 
 /// Position of a path's top-level field in the spec.

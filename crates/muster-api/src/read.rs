@@ -67,10 +67,10 @@ const CPUS_ACCEPTED: &str = "a number of CPUs like 4 or 0.5";
 const MEMORY_ACCEPTED: &str = "a size like \"16GiB\" or \"512MiB\", or a whole number of MiB";
 const ATTEMPTS_ACCEPTED: &str = "a whole number like 3";
 
-/// What reading found: the spec (fields with problems left unset) and the
-/// problems, by kind.
-pub(crate) struct Read {
-    pub(crate) spec: JobSpec,
+/// What a spec reader found: the spec (fields with problems left unset) and
+/// the problems, by kind. Shared by the job spec and the cluster spec.
+pub(crate) struct Read<T> {
+    pub(crate) spec: T,
     /// The document is not a mapping at all.
     pub(crate) document_errors: Vec<SpecError>,
     pub(crate) unknown_fields: Vec<SpecError>,
@@ -81,7 +81,55 @@ pub(crate) struct Read {
     pub(crate) bad_paths: BTreeSet<String>,
 }
 
-pub(crate) fn read_job_spec(value: &Value) -> Read {
+impl<T> Read<T> {
+    /// The spec, or every problem found (document, unknown fields, values).
+    pub(crate) fn into_result(self) -> Result<T, crate::SpecErrors> {
+        let errors: Vec<SpecError> = self
+            .document_errors
+            .into_iter()
+            .chain(self.unknown_fields)
+            .chain(self.field_errors)
+            .collect();
+        if errors.is_empty() {
+            Ok(self.spec)
+        } else {
+            Err(crate::SpecErrors(errors))
+        }
+    }
+
+    /// Whether a field (or the field or list it is part of) could not be
+    /// read, so its problem has been reported already.
+    pub(crate) fn already_reported(&self, path: &str) -> bool {
+        self.bad_paths.iter().any(|bad| {
+            path == bad
+                || path
+                    .strip_prefix(bad.as_str())
+                    .is_some_and(|rest| rest.starts_with('.') || rest.starts_with('['))
+        })
+    }
+}
+
+/// An "unknown field" error for each key of `map` not in `accepted`, with
+/// `suggest`'s closest known name when it has one.
+pub(crate) fn unknown_field_errors(
+    map: &Map<String, Value>,
+    prefix: &str,
+    accepted: &[&str],
+    suggest: impl Fn(&str) -> Option<String>,
+) -> Vec<SpecError> {
+    map.keys()
+        .filter(|key| !accepted.contains(&key.as_str()))
+        .map(|key| {
+            let message = match suggest(key) {
+                Some(suggestion) => format!("unknown field; did you mean {suggestion:?}?"),
+                None => format!("unknown field; accepted: {}", accepted.join(", ")),
+            };
+            SpecError::new(field_path(prefix, key), message)
+        })
+        .collect()
+}
+
+pub(crate) fn read_job_spec(value: &Value) -> Read<JobSpec> {
     let mut reader = Reader::default();
     let spec = match value {
         Value::Object(map) => reader.job_spec(map),
@@ -227,19 +275,10 @@ impl Reader {
     }
 
     fn check_field_names(&mut self, map: &Map<String, Value>, prefix: &str, accepted: &[&str]) {
-        for key in map.keys() {
-            if accepted.contains(&key.as_str()) {
-                continue;
-            }
-            let message = match suggest(key, prefix, accepted) {
-                Some(suggestion) => {
-                    format!("unknown field; did you mean {suggestion:?}?")
-                }
-                None => format!("unknown field; accepted: {}", accepted.join(", ")),
-            };
-            self.unknown_fields
-                .push(SpecError::new(field_path(prefix, key), message));
-        }
+        self.unknown_fields
+            .extend(unknown_field_errors(map, prefix, accepted, |key| {
+                suggest(key, prefix, accepted)
+            }));
     }
 
     fn job_spec(&mut self, map: &Map<String, Value>) -> JobSpec {

@@ -141,18 +141,7 @@ impl JobSpec {
     /// Reads a spec from a generic value (parsed YAML or JSON), checking
     /// field names and the kinds of values; every problem is reported.
     pub fn from_value(value: &serde_json::Value) -> Result<JobSpec, crate::SpecErrors> {
-        let read = crate::read::read_job_spec(value);
-        let errors: Vec<_> = read
-            .document_errors
-            .into_iter()
-            .chain(read.unknown_fields)
-            .chain(read.field_errors)
-            .collect();
-        if errors.is_empty() {
-            Ok(read.spec)
-        } else {
-            Err(crate::SpecErrors(errors))
-        }
+        crate::read::read_job_spec(value).into_result()
     }
 }
 
