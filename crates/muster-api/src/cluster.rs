@@ -29,7 +29,9 @@
 
 use crate::error::{SpecError, SpecErrors, describe_value, quote};
 use crate::quantity::{DecimalError, number_text, parse_memory_mib, parse_milli};
-use crate::read::{Read, closest_name, given, quantity_value, string_value, unknown_field_errors};
+use crate::read::{
+    Read, as_document, closest_name, given, quantity_value, string_value, unknown_field_errors,
+};
 use crate::validate::{MAX_CPUS_PER_NODE, MAX_GPUS_PER_NODE};
 use crate::wire::Quantity;
 use muster_model as model;
@@ -200,23 +202,10 @@ const DOCUMENT_ACCEPTED: &str = "a mapping with node_groups, a list of groups of
 
 fn read_cluster_spec(value: &Value) -> Read<ClusterSpec> {
     let mut reader = Reader::default();
-    let spec = match value {
-        Value::Object(map) => reader.cluster(map),
-        Value::Null => {
-            reader.document_errors.push(SpecError::new(
-                "",
-                format!("the cluster spec is empty; expected {DOCUMENT_ACCEPTED}"),
-            ));
-            ClusterSpec::default()
-        }
-        other => {
-            reader.document_errors.push(SpecError::new(
-                "",
-                format!(
-                    "expected {DOCUMENT_ACCEPTED}, got {}",
-                    describe_value(other)
-                ),
-            ));
+    let spec = match as_document(value, "cluster spec", DOCUMENT_ACCEPTED) {
+        Ok(map) => reader.cluster(map),
+        Err(error) => {
+            reader.document_errors.push(error);
             ClusterSpec::default()
         }
     };

@@ -109,6 +109,26 @@ impl<T> Read<T> {
     }
 }
 
+/// The document as a mapping, or the error saying it is empty (`what` names
+/// it) or not a mapping; `expected` says what it should be.
+pub(crate) fn as_document<'v>(
+    value: &'v Value,
+    what: &str,
+    expected: &str,
+) -> Result<&'v Map<String, Value>, SpecError> {
+    match value {
+        Value::Object(map) => Ok(map),
+        Value::Null => Err(SpecError::new(
+            "",
+            format!("the {what} is empty; expected {expected}"),
+        )),
+        other => Err(SpecError::new(
+            "",
+            format!("expected {expected}, got {}", describe_value(other)),
+        )),
+    }
+}
+
 /// An "unknown field" error for each key of `map` not in `accepted`, with
 /// `suggest`'s closest known name when it has one.
 pub(crate) fn unknown_field_errors(
@@ -131,23 +151,14 @@ pub(crate) fn unknown_field_errors(
 
 pub(crate) fn read_job_spec(value: &Value) -> Read<JobSpec> {
     let mut reader = Reader::default();
-    let spec = match value {
-        Value::Object(map) => reader.job_spec(map),
-        Value::Null => {
-            reader.document_errors.push(SpecError::new(
-                "",
-                "the spec is empty; expected a mapping of fields with at least name and command",
-            ));
-            JobSpec::default()
-        }
-        other => {
-            reader.document_errors.push(SpecError::new(
-                "",
-                format!(
-                    "expected a mapping of fields with at least name and command, got {}",
-                    describe_value(other)
-                ),
-            ));
+    let spec = match as_document(
+        value,
+        "spec",
+        "a mapping of fields with at least name and command",
+    ) {
+        Ok(map) => reader.job_spec(map),
+        Err(error) => {
+            reader.document_errors.push(error);
             JobSpec::default()
         }
     };
