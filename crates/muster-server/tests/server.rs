@@ -35,6 +35,20 @@ impl Api {
         }
     }
 
+    /// The same server through a client that never reuses a connection: for
+    /// a request the server answers before reading it all (and then closes
+    /// the connection), so later requests do not land on the closed one.
+    fn unpooled(&self) -> Self {
+        Api {
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(20))
+                .pool_max_idle_per_host(0)
+                .build()
+                .expect("an HTTP client"),
+            base: self.base.clone(),
+        }
+    }
+
     fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }
@@ -300,6 +314,7 @@ async fn bad_requests_are_refused_with_every_problem() {
 
         let huge = "x".repeat(2 * 1024 * 1024);
         let (status, body) = api
+            .unpooled()
             .post("/v1/jobs", &token, json!({ "spec": { "name": huge } }))
             .await;
         assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
