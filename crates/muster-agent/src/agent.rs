@@ -56,9 +56,6 @@ kill $watchdog 2>/dev/null
 echo $code > \"$MUSTER_EXIT_FILE\"
 exit $code";
 
-/// How long a fenced task gets between its stop signal and the kill.
-const FENCED_GRACE: Duration = Duration::from_millis(500);
-
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -562,26 +559,19 @@ async fn apply(
                 let Some(key) = local_key(tasks, allocation, generation) else {
                     continue;
                 };
-                let (signal, mut grace) = desired
-                    .iter()
-                    .find(|d| d.allocation == allocation)
-                    .map_or((Signal::Term, Duration::from_secs(10)), |d| {
-                        (
-                            Signal::parse(&d.stop_signal).unwrap_or(Signal::Term),
-                            Duration::from_millis(d.grace_period_ms),
-                        )
-                    });
-                if fenced {
-                    // The lease is about to run out: no time for the job's
-                    // grace period; the server may place the work elsewhere.
-                    grace = grace.min(FENCED_GRACE);
-                }
+                let wanted = desired.iter().find(|d| d.allocation == allocation);
+                let signal = wanted
+                    .and_then(|d| Signal::parse(&d.stop_signal))
+                    .unwrap_or(Signal::Term);
+                let grace = Duration::from_millis(muster_node::stop_grace_ms(
+                    wanted.map(|d| d.grace_period_ms),
+                    fenced,
+                ));
                 if let Some(task) = tasks.get_mut(&key) {
                     task.stopping = true;
                     task.fenced |= fenced;
                 }
                 let runtime = Arc::clone(runtime);
-                let _ = config;
                 tokio::spawn(async move {
                     if let Err(error) = runtime.stop(&key, signal, grace).await {
                         tracing::warn!("cannot stop {key}: {error}");

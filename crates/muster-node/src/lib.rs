@@ -45,6 +45,27 @@ pub fn must_fence(now_ms: u64, last_renewal_ms: u64, lease_ms: u64, margin_ms: u
     now_ms.saturating_sub(last_renewal_ms) + margin_ms >= lease_ms
 }
 
+/// How long a stopping task gets between its stop signal and the kill, in
+/// ms, when the control plane did not say (the allocation is no longer
+/// desired at all).
+pub const DEFAULT_GRACE_MS: u64 = 10_000;
+
+/// The most a task gets when the node fences itself: the lease is about to
+/// run out and the work may be placed elsewhere, so the job's own grace
+/// period cannot be honoured.
+pub const FENCED_GRACE_MS: u64 = 500;
+
+/// The grace period of a stop: the job's own (`None`: not known here, see
+/// [`DEFAULT_GRACE_MS`]), cut to [`FENCED_GRACE_MS`] when fenced.
+pub fn stop_grace_ms(job_grace_ms: Option<u64>, fenced: bool) -> u64 {
+    let grace = job_grace_ms.unwrap_or(DEFAULT_GRACE_MS);
+    if fenced {
+        grace.min(FENCED_GRACE_MS)
+    } else {
+        grace
+    }
+}
+
 /// The actions that bring what runs here to what is desired. A fenced node
 /// stops everything and starts nothing. A task whose generation is not the
 /// desired one is stale and is stopped; a desired task is started only once
@@ -95,6 +116,15 @@ pub fn reconcile(desired: &[Desired], local: &[Local], fenced: bool) -> Vec<Acti
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fenced_stop_cuts_the_grace_period() {
+        assert_eq!(stop_grace_ms(Some(30_000), false), 30_000);
+        assert_eq!(stop_grace_ms(Some(30_000), true), FENCED_GRACE_MS);
+        assert_eq!(stop_grace_ms(Some(100), true), 100, "never longer");
+        assert_eq!(stop_grace_ms(None, false), DEFAULT_GRACE_MS);
+        assert_eq!(stop_grace_ms(None, true), FENCED_GRACE_MS);
+    }
 
     fn desired(allocation: u64, generation: u64, stop: bool) -> Desired {
         Desired {
