@@ -349,6 +349,7 @@ pub async fn run(
                 unhealthy_gpus: unhealthy_gpus.clone(),
                 wait_ms: wait_ms.min(remaining / 3),
                 known_version: version,
+                sequence: 0,
             };
             let limit = if remaining == 0 {
                 Duration::from_secs(5)

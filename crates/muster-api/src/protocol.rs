@@ -204,6 +204,12 @@ pub struct HeartbeatRequest {
     /// GPU indices the agent's health checks found out of service.
     #[serde(default)]
     pub unhealthy_gpus: Vec<u32>,
+    /// Strictly increasing within the agent's epoch. The server applies
+    /// nothing from a heartbeat that is not newer than the last one it
+    /// applied for the epoch (a duplicate, or one overtaken by a later one),
+    /// and still answers it. 0 (absent): not numbered, always applied.
+    #[serde(default)]
+    pub sequence: u64,
 }
 
 /// A task the node must run, or stop when `stop` is set.

@@ -184,6 +184,10 @@ pub struct DesiredTask {
     pub stop_signal: muster_model::Signal,
     pub grace_period_ms: u64,
     pub stop: bool,
+    /// The job's user (the task runs as this user where it exists).
+    pub user: String,
+    /// The job's memory per node, the task's memory limit (0: none asked).
+    pub memory_mib: u64,
 }
 
 /// What an agent reports about one allocation.
@@ -217,6 +221,11 @@ pub enum Input {
     Heartbeat {
         node: NodeName,
         epoch: u64,
+        /// Strictly increasing per agent epoch; a heartbeat not newer than
+        /// the last one applied for the epoch (a duplicate, or one overtaken
+        /// by a later one) renews nothing and reports nothing. 0: an agent
+        /// that does not number its heartbeats (always applied).
+        sequence: u64,
         observed: Vec<Observed>,
     },
     /// An agent's view of its GPUs' health: the indices out of service.
@@ -303,7 +312,16 @@ pub struct ControlPlane {
     /// Decayed GPU-seconds per queue, for fair share; advanced by ticks (not
     /// persisted: a restarted server starts its fair-share history anew).
     pub usage: muster_sched::UsageLedger,
+    /// Per node, the newest heartbeat sequence applied for each of its
+    /// last [`SEQUENCE_EPOCHS`] epochs (in memory only: a restarted server
+    /// has no connection left from before, so no old request reaches it).
+    heartbeat_sequences: BTreeMap<NodeName, Vec<(u64, u64)>>,
 }
+
+/// How many epochs of a node the control plane remembers the last
+/// heartbeat sequence of (a late registration of an earlier epoch must not
+/// make the current epoch's old heartbeats new again).
+pub const SEQUENCE_EPOCHS: usize = 4;
 
 fn changed(outputs: &mut Vec<Output>, output: Output) {
     if !outputs.contains(&output) {
@@ -323,6 +341,7 @@ impl ControlPlane {
             next_generation: 1,
             last_reasons: BTreeMap::new(),
             usage: muster_sched::UsageLedger::new(USAGE_HALF_LIFE_MS, Time(0)),
+            heartbeat_sequences: BTreeMap::new(),
         }
     }
 
@@ -388,8 +407,14 @@ impl ControlPlane {
             Input::Heartbeat {
                 node,
                 epoch,
+                sequence,
                 observed,
-            } => self.heartbeat(now, &node, epoch, &observed, &mut outputs)?,
+            } => {
+                if self.newer_heartbeat(&node, epoch, sequence)? {
+                    self.heartbeat(now, &node, epoch, &observed, &mut outputs)?;
+                    self.record_sequence(&node, epoch, sequence);
+                }
+            }
             Input::GpuHealth {
                 node,
                 epoch,
@@ -611,6 +636,50 @@ impl ControlPlane {
             job.finished = Some(now);
         }
         changed(outputs, Output::JobChanged(id));
+    }
+
+    /// Whether a heartbeat of `node` at `epoch` numbered `sequence` is newer
+    /// than every one applied for that epoch (an error for an unknown node
+    /// or another epoch, as the heartbeat itself would give).
+    pub fn newer_heartbeat(
+        &self,
+        node: &NodeName,
+        epoch: u64,
+        sequence: u64,
+    ) -> Result<bool, ControlError> {
+        let entry = self
+            .nodes
+            .get(node)
+            .ok_or_else(|| ControlError::NodeNotFound(node.clone()))?;
+        if entry.epoch != epoch {
+            return Err(ControlError::Conflict(format!(
+                "node {node} registered again since (epoch {} is current, not {epoch}); \
+                 register before sending heartbeats",
+                entry.epoch
+            )));
+        }
+        if sequence == 0 {
+            return Ok(true);
+        }
+        let last = self
+            .heartbeat_sequences
+            .get(node)
+            .and_then(|epochs| epochs.iter().find(|(e, _)| *e == epoch))
+            .map_or(0, |&(_, last)| last);
+        Ok(sequence > last)
+    }
+
+    fn record_sequence(&mut self, node: &NodeName, epoch: u64, sequence: u64) {
+        if sequence == 0 {
+            return;
+        }
+        let epochs = self.heartbeat_sequences.entry(node.clone()).or_default();
+        epochs.retain(|(e, _)| *e != epoch);
+        epochs.push((epoch, sequence));
+        if epochs.len() > SEQUENCE_EPOCHS {
+            epochs.remove(0);
+        }
+        debug_assert!(epochs.len() <= SEQUENCE_EPOCHS);
     }
 
     fn heartbeat(
@@ -1079,6 +1148,8 @@ impl ControlPlane {
                     stop_signal: job.spec.checkpoint.signal,
                     grace_period_ms: job.spec.checkpoint.grace_period.as_millis() as u64,
                     stop: a.state == AllocationState::Stopping,
+                    user: job.user.clone(),
+                    memory_mib: job.spec.memory_per_node.0,
                 })
             })
             .collect()

@@ -71,11 +71,20 @@ impl World {
     }
 
     fn report(&mut self, node: &str, observed: Vec<Observed>) {
+        self.report_numbered(node, 0, observed);
+    }
+
+    fn report_numbered(&mut self, node: &str, sequence: u64, observed: Vec<Observed>) {
         self.step(Input::Heartbeat {
             node: NodeName::from(node),
             epoch: 1,
+            sequence,
             observed,
         });
+    }
+
+    fn allocation_state(&self, task: &DesiredTask) -> AllocationState {
+        self.control.allocations[&task.allocation].state
     }
 
     fn state(&self, id: u64) -> JobState {
@@ -243,6 +252,7 @@ fn a_heartbeat_from_an_old_epoch_is_refused() {
             Input::Heartbeat {
                 node: NodeName::from("a"),
                 epoch: 0,
+                sequence: 1,
                 observed: vec![],
             },
         )
@@ -358,4 +368,62 @@ fn fair_share_favours_the_queue_that_used_less() {
         "the light queue goes first"
     );
     assert_eq!(world.state(2), JobState::Pending);
+}
+
+/// Issue 9 (fault-simulation seeds 63111 and 66200): a duplicated
+/// heartbeat, sent before its node started a task, arrived after the job
+/// was stopped; the server took the missing report for an exit, released
+/// the GPUs and placed the job again while the task still ran. A heartbeat
+/// not newer than the last one applied now applies nothing.
+#[test]
+fn an_old_or_duplicated_heartbeat_applies_nothing() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 4);
+    world.cycle();
+    let task = world.desired("a")[0].clone();
+    // Sent before the node started the task (and duplicated on the way).
+    world.report_numbered("a", 5, vec![]);
+    assert_eq!(world.allocation_state(&task), AllocationState::Assigned);
+    world.step(Input::Cancel { job: JobId(1) });
+    assert_eq!(world.allocation_state(&task), AllocationState::Stopping);
+    let before = world.control.clone();
+    world.advance(3_000);
+    world.report_numbered("a", 5, vec![]);
+    world.report_numbered("a", 4, vec![]);
+    assert_eq!(world.allocation_state(&task), AllocationState::Stopping);
+    assert_eq!(world.state(1), JobState::Stopping);
+    assert_eq!(
+        world.control.nodes[&NodeName::from("a")].last_heartbeat,
+        before.nodes[&NodeName::from("a")].last_heartbeat,
+        "an old heartbeat renews no lease"
+    );
+    assert!(world.desired("a")[0].stop, "still told to stop");
+    // A newer one applies.
+    world.report_numbered("a", 6, vec![running(&task)]);
+    world.report_numbered("a", 7, vec![exited(&task, 143)]);
+    assert_eq!(world.state(1), JobState::Cancelled);
+}
+
+#[test]
+fn sequences_are_kept_per_epoch_across_registrations() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 4);
+    world.cycle();
+    let task = world.desired("a")[0].clone();
+    world.report_numbered("a", 9, vec![running(&task)]);
+    let register = |epoch| Input::Register {
+        spec: MakeNode::new("a").gpus(4, "H100-80GB").build().spec,
+        address: "10.0.0.1".to_string(),
+        epoch,
+        software: Software::default(),
+    };
+    // An agent of another epoch registers, then a late registration of
+    // epoch 1 arrives: epoch 1's old heartbeats stay old.
+    world.step(register(2));
+    world.step(register(1));
+    world.step(Input::Cancel { job: JobId(1) });
+    world.report_numbered("a", 8, vec![]);
+    assert_eq!(world.allocation_state(&task), AllocationState::Stopping);
+    world.report_numbered("a", 10, vec![exited(&task, 143)]);
+    assert_eq!(world.state(1), JobState::Cancelled);
 }

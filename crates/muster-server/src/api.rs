@@ -889,12 +889,19 @@ async fn heartbeat(
         })
         .collect();
     // Its own changes become durable with the barrier below.
-    let known_unhealthy = shared
-        .lock()
-        .control
-        .nodes
-        .get(&name)
-        .map(|node| node.unhealthy_gpus.clone());
+    // The health report of an old or duplicated heartbeat is old too.
+    let known_unhealthy = {
+        let core = shared.lock();
+        let newer = core
+            .control
+            .newer_heartbeat(&name, request.epoch, request.sequence)
+            .unwrap_or(true);
+        core.control
+            .nodes
+            .get(&name)
+            .filter(|_| newer)
+            .map(|node| node.unhealthy_gpus.clone())
+    };
     if known_unhealthy.is_some_and(|known| known != request.unhealthy_gpus) {
         let _ = shared.apply(
             Input::GpuHealth {
@@ -909,6 +916,7 @@ async fn heartbeat(
         Input::Heartbeat {
             node: name.clone(),
             epoch: request.epoch,
+            sequence: request.sequence,
             observed,
         },
         Batch::default(),

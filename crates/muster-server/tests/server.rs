@@ -390,6 +390,7 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
                 wait_ms,
                 known_version,
                 unhealthy_gpus: Vec::new(),
+                sequence: 0,
             })
             .unwrap()
         };
@@ -569,6 +570,7 @@ fn heartbeat_body(
         wait_ms,
         known_version,
         unhealthy_gpus: Vec::new(),
+        sequence: 0,
     })
     .expect("a heartbeat")
 }
@@ -762,6 +764,7 @@ async fn an_unhealthy_gpu_reported_in_a_heartbeat_is_taken_out_of_service() {
                 wait_ms: 2_000,
                 known_version: version,
                 unhealthy_gpus: vec![0],
+                sequence: 0,
             })
             .unwrap()
         };

@@ -943,6 +943,7 @@ impl<'a> World<'a> {
                 let input = Input::Heartbeat {
                     node: name.clone(),
                     epoch,
+                    sequence: seq + 1,
                     observed,
                 };
                 match self.server_step(input) {

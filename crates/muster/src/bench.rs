@@ -730,6 +730,7 @@ async fn agents(args: AgentsBench) -> Result<()> {
                     wait_ms,
                     known_version: version,
                     unhealthy_gpus: Vec::new(),
+                    sequence: 0,
                 };
                 let sent = Instant::now();
                 let answer = tokio::select! {
