@@ -6,10 +6,11 @@
 //!   (the driver library is loaded at run time, so the agent builds and
 //!   starts anywhere) and a simulated backend (`--simulate-gpus 8xH100-80GB`)
 //!   for tests and demos;
-//! - [`runtime`]: the process runtime, which runs each task as its own
-//!   process group with its GPUs in `CUDA_VISIBLE_DEVICES`, logs to files,
-//!   stops it with a signal and a grace period, and finds its tasks again
-//!   after a restart through pid files;
+//! - [`runtime`]: the process runtime, which runs each task under a
+//!   supervisor ([`supervise`]) in a cgroup of its own, as an unprivileged
+//!   user, with its GPUs in `CUDA_VISIBLE_DEVICES`, logs to files, stops it
+//!   with a signal and a grace period, fences it at the node's deadline even
+//!   when the agent is gone, and finds its tasks again after a restart;
 //! - later, the agent's main loop: registration, heartbeats and lease
 //!   renewal, watching desired allocations, reporting what runs.
 //!
@@ -22,12 +23,13 @@
 pub mod agent;
 pub mod gpu;
 pub mod runtime;
+pub mod supervise;
 
 pub use agent::{AgentConfig, run};
 pub use gpu::{
     GpuBackend, GpuError, GpuInfo, GpuInventory, GpuTelemetry, NvmlBackend, SimulatedBackend,
 };
 pub use runtime::{
-    ProcessRuntime, RecoveredStatus, RecoveredTask, Recovery, RuntimeError, StopOutcome, TaskExit,
-    TaskLaunch,
+    CgroupChoice, CgroupPlan, EndReason, ProcessRuntime, RecoveredStatus, RecoveredTask, Recovery,
+    RuntimeConfig, RuntimeError, StopOutcome, TaskExit, TaskLaunch,
 };

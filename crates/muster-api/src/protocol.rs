@@ -227,6 +227,13 @@ pub struct DesiredAllocation {
     pub stop_signal: String,
     pub grace_period_ms: u64,
     pub stop: bool,
+    /// The job's user: the task runs as this user where it exists on the
+    /// node (else as the agent's task user).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// The task's memory limit, in MiB (the job's memory per node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -237,24 +244,95 @@ pub struct HeartbeatResponse {
     pub desired: Vec<DesiredAllocation>,
 }
 
-/// `POST /v1/agents/{node}/logs`: output of one allocation, appended.
+/// `POST /v1/agents/{node}/logs`: output of one allocation, at a byte
+/// offset of the task's output.
+///
+/// The bytes are exactly what the task wrote (no character conversion); on
+/// the wire they are base64 (standard alphabet, padded) in `data_base64`.
+/// A chunk that overlaps what the server has is written from the server's
+/// end on (a retry is harmless); one that starts past the end is refused
+/// with a conflict naming the byte to resume from, unless `omit_gap` is set.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LogChunk {
     pub allocation: u64,
-    /// Byte offset of `data` in the allocation's log.
+    /// Byte offset of `data` in the task's output.
     pub offset: u64,
-    pub data: String,
+    /// The bytes (at most [`MAX_LOG_CHUNK_BYTES`]).
+    #[serde(rename = "data_base64", with = "bytes_as_base64")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = Byte))]
+    pub data: Vec<u8>,
+    /// The bytes between the server's end and `offset` are left out on
+    /// purpose. Only accepted once the log's head is full (see
+    /// [`LogAck::tail_bytes`]): the server then drops its kept tail, which
+    /// is older than `offset`, and starts the tail at `offset`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub omit_gap: bool,
+    /// The task has exited and `offset + data.len()` is the whole output:
+    /// followers can stop once they have read it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub eof: bool,
 }
 
-/// `GET /v1/jobs/{id}/logs?offset=N&follow=true`.
+/// The most bytes one [`LogChunk`] carries (its base64 must fit in a
+/// request body).
+pub const MAX_LOG_CHUNK_BYTES: usize = 512 * 1024;
+
+/// The answer to `POST /v1/agents/{node}/logs`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct LogAck {
+    /// The end of what the server has of the log: where the next chunk
+    /// starts. An empty chunk at offset 0 asks for it.
+    pub next_offset: u64,
+    /// Set once the log's head is full: the server keeps only the last
+    /// `tail_bytes` bytes past the head, so a sender that is further than
+    /// that behind may skip ahead (`omit_gap`) to its output's length minus
+    /// `tail_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tail_bytes: Option<u64>,
+}
+
+/// `GET /v1/jobs/{id}/logs?rank=R&offset=N&limit=L&follow=true`: a task's
+/// output from byte `offset` of what it wrote.
+///
+/// Where the server left bytes out (the log passed its size limit), `data`
+/// holds a marker line instead, `\n[muster: N bytes omitted]\n`, and
+/// `next_offset` jumps past them: offsets always count the task's own bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LogsResponse {
-    pub data: String,
+    /// The bytes, exactly as written; base64 on the wire (`data_base64`).
+    #[serde(rename = "data_base64", with = "bytes_as_base64")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = Byte))]
+    pub data: Vec<u8>,
+    /// Where to read next.
     pub next_offset: u64,
+    /// More bytes are stored past `next_offset` now: read again at once.
+    #[serde(default)]
+    pub more: bool,
     /// True once the job has ended and every byte was returned.
     pub complete: bool,
+}
+
+/// Bytes as a base64 string (standard alphabet, padded).
+mod bytes_as_base64 {
+    use base64::Engine;
+    use base64::engine::general_purpose::STANDARD;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        STANDARD.decode(text.as_bytes()).map_err(|error| {
+            serde::de::Error::custom(format!(
+                "data_base64 is not valid base64 (standard alphabet, padded): {error}"
+            ))
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -276,6 +354,10 @@ pub struct NodeView {
     pub driver_version: Option<String>,
     pub cuda_version: Option<String>,
     pub last_heartbeat_ms: u64,
+    /// Milliseconds between the latest heartbeats the server received from
+    /// this node (up to 32, oldest first; kept in memory only).
+    #[serde(default)]
+    pub recent_heartbeat_gaps_ms: Vec<u64>,
     pub allocations: Vec<u64>,
     /// GPU indices out of service.
     #[serde(default)]
@@ -337,14 +419,6 @@ pub struct QueueUpdate {
     pub weight: u32,
 }
 
-/// The answer to `POST /v1/agents/{node}/logs`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-pub struct LogAck {
-    /// The log's length after the chunk: where the next chunk starts.
-    pub next_offset: u64,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,5 +436,27 @@ mod tests {
             let back: ObservedAllocation = serde_json::from_str(&text).unwrap();
             assert_eq!(back, observed, "{text}");
         }
+    }
+
+    #[test]
+    fn log_bytes_travel_exactly() {
+        let data: Vec<u8> = (0..=255u8).chain([0xe2, 0x82]).collect();
+        let chunk = LogChunk {
+            allocation: 3,
+            offset: 65_535,
+            data: data.clone(),
+            omit_gap: false,
+            eof: true,
+        };
+        let text = serde_json::to_string(&chunk).unwrap();
+        assert!(text.contains("\"data_base64\":\""), "{text}");
+        assert!(!text.contains("omit_gap"), "{text}");
+        let back: LogChunk = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, chunk);
+        let error = serde_json::from_str::<LogsResponse>(
+            r#"{"data_base64":"not base64!","next_offset":0,"complete":false}"#,
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("not valid base64"), "{error}");
     }
 }

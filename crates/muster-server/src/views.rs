@@ -116,6 +116,7 @@ pub fn node_view(core: &Core, node: &Node) -> NodeView {
         driver_version: node.software.driver.clone(),
         cuda_version: node.software.cuda.clone(),
         last_heartbeat_ms: node.last_heartbeat.0,
+        recent_heartbeat_gaps_ms: core.heartbeat_gaps(&node.spec.name),
         allocations,
     }
 }
@@ -178,6 +179,8 @@ pub fn desired_view(task: DesiredTask) -> DesiredAllocation {
         stop_signal: task.stop_signal.name().to_string(),
         grace_period_ms: task.grace_period_ms,
         stop: task.stop,
+        user: Some(task.user),
+        memory_mib: (task.memory_mib > 0).then_some(task.memory_mib),
     }
 }
 

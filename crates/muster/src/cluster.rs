@@ -24,6 +24,11 @@ pub struct ServerArgs {
     /// Placement policy: fgd, best-fit, packing, random or default.
     #[arg(long, default_value = "default")]
     pub placement: muster_sched::PlacementPolicy,
+    /// The most bytes kept of each task's log (e.g. 1GiB, 64MiB, 4096): the
+    /// first half and the latest bytes, with a line saying how many were
+    /// left out between them.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
+    pub max_log_bytes: u64,
 }
 
 #[derive(Debug, Args)]
@@ -50,6 +55,68 @@ pub struct AgentArgs {
     /// Where task logs and pid files live (default: DATA_DIR/agent-NAME).
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
+}
+
+/// How tasks are kept apart from the agent and from each other.
+#[derive(Debug, Args)]
+pub struct IsolationArgs {
+    /// Task cgroups: auto (v2 where it has the memory controller, else v1,
+    /// else none), v2, v1, or none (process groups and a subreaper only).
+    #[arg(long, value_name = "KIND", default_value = "auto", value_parser = parse_cgroups)]
+    pub cgroups: muster_agent::CgroupChoice,
+    /// The cgroup v2 hierarchy to use (default: the first cgroup2 mount).
+    #[arg(long, value_name = "PATH")]
+    pub cgroup_v2_root: Option<PathBuf>,
+    /// Whom tasks run as when the agent runs as root and the job's user
+    /// does not exist on this node.
+    #[arg(long, value_name = "USER", default_value = "nobody")]
+    pub task_user: String,
+    /// Let tasks run as root on this node (a job submitted as root, or a
+    /// root --task-user). Off by default.
+    #[arg(long)]
+    pub allow_root_tasks: bool,
+}
+
+fn parse_cgroups(text: &str) -> Result<muster_agent::CgroupChoice, String> {
+    muster_agent::CgroupChoice::parse(text)
+        .ok_or_else(|| format!("unknown cgroup kind {text:?}; use auto, v2, v1 or none"))
+}
+
+/// The node's task isolation, said once at start: which cgroups, as whom.
+fn isolation(args: &IsolationArgs, name: &str) -> Result<(muster_agent::CgroupPlan, PathBuf)> {
+    let supervisor = std::env::current_exe()
+        .context("cannot find this program's own path (to start task supervisors)")?;
+    let (plan, skipped) =
+        muster_agent::runtime::cgroup::detect(args.cgroups, name, args.cgroup_v2_root.as_deref())
+            .map_err(|why| {
+            anyhow!(
+                "cannot use the cgroups asked for ({why}); run the agent as root, or pass \
+                     --cgroups auto or none"
+            )
+        })?;
+    for why in skipped {
+        eprintln!("task isolation: not using {why}");
+    }
+    eprintln!("task isolation: {}", plan.describe());
+    if muster_agent::supervise::running_as_root() {
+        eprintln!(
+            "task isolation: tasks run as the job's user where it exists here, else as `{}`{}",
+            args.task_user,
+            if args.allow_root_tasks {
+                "; root is allowed (--allow-root-tasks)"
+            } else {
+                "; never as root"
+            }
+        );
+    } else {
+        eprintln!(
+            "task isolation: the agent is not root, so tasks run as its own user and can read \
+             what it can (its state directory, tokens); run the agent as root to isolate them"
+        );
+    }
+    Ok((plan, supervisor))
 }
 
 #[derive(Debug, Args)]
@@ -67,6 +134,45 @@ pub struct UpArgs {
     pub simulate_gpus: Option<String>,
     #[arg(long, default_value = "default")]
     pub placement: muster_sched::PlacementPolicy,
+    /// The most bytes kept of each task's log (see `muster server --help`).
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
+    pub max_log_bytes: u64,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
+}
+
+/// A size in bytes: a whole number with an optional binary unit (B, KiB,
+/// MiB, GiB, TiB), at least the server's smallest log limit.
+fn parse_size(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let split = trimmed
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?}; use B, KiB, MiB, GiB or TiB (e.g. 64MiB)"
+            ));
+        }
+    };
+    let bytes = number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .ok_or_else(|| format!("{text:?} is not a size; write e.g. 1GiB, 64MiB or 4096"))?;
+    if bytes < muster_server::MIN_LOG_BYTES {
+        return Err(format!(
+            "{text:?} is too small; give at least {} bytes",
+            muster_server::MIN_LOG_BYTES
+        ));
+    }
+    Ok(bytes)
 }
 
 fn parse_duration_ms(text: &str) -> Result<u64, String> {
@@ -116,11 +222,13 @@ fn server_config(
     data_dir: PathBuf,
     lease_ms: u64,
     placement: muster_sched::PlacementPolicy,
+    max_log_bytes: u64,
 ) -> muster_server::ServerConfig {
     muster_server::ServerConfig {
         listen,
         lease_ms,
         placement,
+        max_log_bytes,
         ..muster_server::ServerConfig::new(data_dir)
     }
 }
@@ -134,6 +242,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
             data_dir.clone(),
             args.lease,
             args.placement,
+            args.max_log_bytes,
         ))
         .await?;
         eprintln!("muster server listening on http://{}", handle.addr());
@@ -172,6 +281,7 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         .state_dir
         .clone()
         .unwrap_or_else(|| default_data_dir().join(format!("agent-{name}")));
+    let (cgroups, supervisor) = isolation(&args.isolation, &name)?;
     let config = AgentConfig {
         server: args.server.clone(),
         join_token: args.join_token.clone(),
@@ -182,6 +292,10 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         rack: args.rack.clone(),
         backend,
         fence_margin: Duration::from_secs(3),
+        supervisor,
+        cgroups,
+        task_user: args.isolation.task_user.clone(),
+        allow_root_tasks: args.isolation.allow_root_tasks,
     };
     runtime()?.block_on(async {
         eprintln!("muster agent {name} joining {}", args.server);
@@ -209,12 +323,14 @@ pub fn up(args: UpArgs) -> Result<()> {
             ),
         },
     };
+    let (cgroups, supervisor) = isolation(&args.isolation, &name)?;
     runtime()?.block_on(async {
         let handle = muster_server::Server::start(server_config(
             args.listen,
             data_dir.clone(),
             10_000,
             args.placement,
+            args.max_log_bytes,
         ))
         .await?;
         let url = format!("http://{}", handle.addr());
@@ -243,6 +359,10 @@ pub fn up(args: UpArgs) -> Result<()> {
             rack: None,
             backend,
             fence_margin: Duration::from_secs(3),
+            supervisor,
+            cgroups,
+            task_user: args.isolation.task_user.clone(),
+            allow_root_tasks: args.isolation.allow_root_tasks,
         };
         let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();
         let agent_task = tokio::spawn(async move {

@@ -15,6 +15,15 @@ use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // `muster supervise STATE_DIR KEY`: a task's supervisor, started by the
+    // agent by absolute path for each task. Dispatched before the CLI is
+    // built: it is started once per task and must be small and quick.
+    let mut args = std::env::args();
+    if args.nth(1).as_deref() == Some("supervise") {
+        let rest: Vec<String> = args.collect();
+        let code = muster_agent::supervise::main(&rest);
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let cli = cli::Cli::parse();
     let status: Result<u8, commands::Failure> = match cli.command {
         cli::Command::Sim(args) => sim::run(args).map(|()| 0).map_err(Into::into),

@@ -6,7 +6,7 @@ use nix::sys::signal::{self, killpg};
 use nix::unistd::{Pid, getpgrp};
 
 /// The nix signal for a job's stop signal.
-pub(super) fn to_nix(signal: muster_model::Signal) -> signal::Signal {
+pub(crate) fn to_nix(signal: muster_model::Signal) -> signal::Signal {
     use muster_model::Signal;
     match signal {
         Signal::Term => signal::Signal::SIGTERM,

@@ -1,17 +1,26 @@
-//! The process runtime: runs a task as a process group on this host.
+//! The process runtime: runs each task under a supervisor on this host.
 //!
-//! Layout of the state directory:
-//! - `logs/<allocation>.log`: the task's stdout and stderr, both appended to
-//!   this one file (opened by the agent and handed to the task, so nothing is
-//!   lost when the agent restarts);
-//! - `tasks/<allocation>.json`: the pid file (pid, process group, start time,
-//!   boot id, GPUs, stop signal, and the exit once seen), so a restarted
-//!   agent can find its tasks again with [`ProcessRuntime::recover`].
+//! A task is started as `SUPERVISOR supervise STATE_DIR KEY` (the `muster`
+//! binary itself, by absolute path; see [`crate::supervise`]): the
+//! supervisor puts the task in a cgroup of its own (see [`cgroup`]), drops to
+//! the task's user, runs the command, enforces the node's fence deadline
+//! even when the agent is dead or hung, kills everything the task left when
+//! it ends, and writes how it ended. The agent talks to it only through
+//! files in its state directory, which tasks cannot reach.
+//!
+//! Layout of the state directory (mode 0700, like `logs/` and `tasks/`):
+//! - `logs/<key>.log` (mode 0600): the task's stdout and stderr, both
+//!   appended to this one file;
+//! - `tasks/<key>.{json,pid,stop,exit}`: see [`record`];
+//! - `fence_at`: the node's fence deadline ([`ProcessRuntime::set_fence_deadline`]);
+//! - `supervisor.log`: what supervisors print on stderr (their errors).
 //!
 //! Exits are reported on a channel: [`ProcessRuntime::next_exit`] waits for
-//! the next one (the agent's main loop selects on it). A task's pid file stays
-//! after it exits, with the exit recorded, until [`ProcessRuntime::forget`]
-//! removes it, so an exit seen just before an agent crash is not lost.
+//! the next one (the agent's main loop selects on it), for tasks this
+//! runtime started and for running tasks a [`recover`](ProcessRuntime::recover)
+//! found. A task's files stay after it exits until
+//! [`forget`](ProcessRuntime::forget), so an exit seen just before an agent
+//! crash is not lost.
 //!
 //! The task's environment is not the agent's (which may hold the node's join
 //! token): it is a short allowlist taken from the agent ([`PASSED_THROUGH`],
@@ -19,52 +28,77 @@
 //! which the launch cannot override: `CUDA_VISIBLE_DEVICES` and
 //! `NVIDIA_VISIBLE_DEVICES` (the GPU indices, comma-separated; empty for no
 //! GPU, so CUDA sees none), `CUDA_DEVICE_ORDER=PCI_BUS_ID` (so CUDA numbers
-//! GPUs as NVML does) and `MUSTER_GPU_UUIDS`.
+//! GPUs as NVML does) and `MUSTER_GPU_UUIDS`. `HOME`, `USER` and `LOGNAME`
+//! are the task user's (set by the supervisor) unless the job sets them.
 
+pub mod cgroup;
 mod group;
-mod record;
-#[cfg(test)]
-mod tests;
+pub(crate) mod record;
 
+pub use cgroup::{CgroupChoice, CgroupPlan, Usage};
 pub use group::group_alive;
+pub(crate) use group::to_nix;
+pub use record::EndReason;
 
 use muster_model::{Signal, Time};
-use record::{ExitRecord, TaskRecord};
+use record::{ExitRecord, PidRecord, StopRequest, TaskRecord, UserPlan};
 use std::collections::BTreeMap;
 use std::io::SeekFrom;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncSeekExt};
 use tokio::sync::{mpsc, watch};
 
 /// Variables passed from the agent's environment to every task.
-pub const PASSED_THROUGH: &[&str] = &[
-    "HOME",
-    "LANG",
-    "LC_ALL",
-    "LD_LIBRARY_PATH",
-    "LOGNAME",
-    "PATH",
-    "SHELL",
-    "TMPDIR",
-    "TZ",
-    "USER",
-];
+pub const PASSED_THROUGH: &[&str] = &["LANG", "LC_ALL", "LD_LIBRARY_PATH", "PATH", "TMPDIR", "TZ"];
 
 /// `PATH` when the agent has none.
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-/// How long to wait for a group to vanish after SIGKILL.
+/// How long a stop may take past its grace period before the agent kills
+/// the task's cgroup itself (the supervisor kills within milliseconds).
 const KILL_WAIT: Duration = Duration::from_secs(5);
 
-/// How often to look at a group we cannot wait on (a recovered task's).
-const POLL_INTERVAL: Duration = Duration::from_millis(20);
+/// How long a supervisor may take to start its task.
+const START_WAIT: Duration = Duration::from_secs(10);
+
+/// How often to look at a task whose supervisor is not this process's child
+/// (a recovered task's).
+const POLL_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Longest allocation id accepted.
 const MAX_ALLOCATION_LEN: usize = 128;
+
+/// How tasks run on this node.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    pub state_dir: PathBuf,
+    /// The program started as `PROGRAM supervise STATE_DIR KEY` for each
+    /// task: the `muster` binary, by absolute path.
+    pub supervisor: PathBuf,
+    pub cgroups: CgroupPlan,
+    /// Whom tasks run as when the job's user does not exist here (when the
+    /// agent runs as root).
+    pub task_user: String,
+    /// Tasks may run as root (the job's user is root, or `task_user` is).
+    pub allow_root: bool,
+}
+
+impl RuntimeConfig {
+    /// No cgroups, tasks as `nobody` (when run as root).
+    pub fn new(state_dir: PathBuf, supervisor: PathBuf) -> Self {
+        RuntimeConfig {
+            state_dir,
+            supervisor,
+            cgroups: CgroupPlan::None,
+            task_user: "nobody".to_string(),
+            allow_root: false,
+        }
+    }
+}
 
 /// What to run for one allocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,12 +115,17 @@ pub struct TaskLaunch {
     pub gpu_indices: Vec<u32>,
     pub gpu_uuids: Vec<String>,
     /// What [`ProcessRuntime::stop`] sends first when the caller has no
-    /// better idea (kept in the pid file for recovered tasks).
+    /// better idea (kept in the record for recovered tasks).
     pub stop_signal: Signal,
     pub grace_period: Duration,
+    /// The job's user: the task runs as this user when it exists here.
+    pub user: Option<String>,
+    /// The task's memory limit (the job's memory per node), where the node's
+    /// cgroups can hold one.
+    pub memory_limit_mib: Option<u64>,
 }
 
-/// A task's leader exited.
+/// A task ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskExit {
     pub allocation: String,
@@ -94,15 +133,39 @@ pub struct TaskExit {
     pub exit_code: Option<i32>,
     /// The signal number, when a signal ended it.
     pub signal: Option<i32>,
+    pub reason: EndReason,
+    pub usage: Usage,
+}
+
+impl TaskExit {
+    fn from_record(allocation: &str, record: ExitRecord) -> Self {
+        TaskExit {
+            allocation: allocation.to_string(),
+            exit_code: record.exit_code,
+            signal: record.signal,
+            reason: record.reason,
+            usage: record.usage,
+        }
+    }
+
+    fn lost(allocation: &str) -> Self {
+        TaskExit {
+            allocation: allocation.to_string(),
+            exit_code: None,
+            signal: None,
+            reason: EndReason::Lost,
+            usage: Usage::default(),
+        }
+    }
 }
 
 /// How a stop ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopOutcome {
-    /// The task exited within the grace period (anything left of its group
-    /// was then killed).
+    /// The task exited within the grace period (anything left of it was
+    /// then killed).
     Exited,
-    /// The grace period ran out; the group was killed.
+    /// The grace period ran out; the task was killed.
     Killed,
     /// Nothing was running.
     NotRunning,
@@ -112,6 +175,7 @@ pub enum StopOutcome {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecoveredTask {
     pub allocation: String,
+    /// The task's leader (0 when it never started).
     pub pid: i32,
     pub pgid: i32,
     pub started_at: Time,
@@ -125,12 +189,13 @@ pub struct RecoveredTask {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecoveredStatus {
-    /// Some process of its group is still running.
+    /// Its supervisor still runs; its exit will come through
+    /// [`ProcessRuntime::next_exit`].
     Running,
-    /// An agent saw it exit, and nobody has called `forget` since.
+    /// It ended, and nobody has called `forget` since.
     Exited(TaskExit),
-    /// No process is left (or the host rebooted since), and its exit was not
-    /// seen.
+    /// Its supervisor is gone (or the host rebooted since) without an exit
+    /// record; whatever was left of the task has been killed.
     Gone,
 }
 
@@ -139,7 +204,7 @@ pub enum RecoveredStatus {
 pub struct Recovery {
     /// Ordered by allocation.
     pub tasks: Vec<RecoveredTask>,
-    /// Pid files that could not be read, with why; left in place.
+    /// Records that could not be read, with why; left in place.
     pub unreadable: Vec<(PathBuf, String)>,
 }
 
@@ -156,15 +221,10 @@ pub enum RuntimeError {
         path.display()
     )]
     WorkingDir { allocation: String, path: PathBuf },
-    #[error("allocation {allocation} is already running (process group {pgid}); stop it first")]
-    AlreadyRunning { allocation: String, pgid: i32 },
-    #[error("cannot start `{program}` for allocation {allocation}: {source}")]
-    Spawn {
-        allocation: String,
-        program: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("allocation {allocation} is already running (supervisor {pid}); stop it first")]
+    AlreadyRunning { allocation: String, pid: i32 },
+    #[error("cannot start allocation {allocation}: {message}")]
+    Start { allocation: String, message: String },
     #[error(
         "cannot use the agent state at `{}`: {source}; check that the state directory is writable",
         path.display()
@@ -193,59 +253,144 @@ pub enum RuntimeError {
     NoLog { allocation: String, path: PathBuf },
 }
 
-/// A task this runtime started (and so can wait on).
+/// A task whose exit this runtime watches.
 #[derive(Debug)]
-struct OwnTask {
-    pgid: i32,
+struct Watched {
     exit: watch::Receiver<Option<TaskExit>>,
 }
 
-/// Runs tasks as process groups, with their state under one directory.
+/// Runs tasks under supervisors, with their state under one directory.
 #[derive(Debug)]
 pub struct ProcessRuntime {
-    state_dir: PathBuf,
-    tasks: Mutex<BTreeMap<String, OwnTask>>,
+    config: RuntimeConfig,
+    tasks: Mutex<BTreeMap<String, Watched>>,
     /// Serializes starts, so two starts of one allocation cannot race.
     starting: tokio::sync::Mutex<()>,
     exits_sender: mpsc::UnboundedSender<TaskExit>,
     exits: tokio::sync::Mutex<mpsc::UnboundedReceiver<TaskExit>>,
+    /// The fence deadline last written.
+    fence_deadline: Mutex<Option<u64>>,
 }
 
-/// Where the task's target is known from.
-enum Target {
-    Own(i32, watch::Receiver<Option<TaskExit>>),
-    Recovered(i32),
+fn state_error(path: &Path) -> impl Fn(std::io::Error) -> RuntimeError + '_ {
+    move |source| RuntimeError::State {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Creates `dir` (and its parents) and makes it private to the agent's user.
+fn private_dir(dir: &Path) -> Result<(), RuntimeError> {
+    std::fs::create_dir_all(dir).map_err(state_error(dir))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(state_error(dir))
+}
+
+/// Whether `pid` is the supervisor of `key` (and not a process that reused
+/// its pid).
+fn is_supervisor(pid: i32, key: &str) -> bool {
+    if pid <= 1 {
+        return false;
+    }
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let arguments: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let zombie = stat
+        .rsplit_once(')')
+        .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
+    !zombie && arguments.contains(&b"supervise".as_slice()) && arguments.contains(&key.as_bytes())
 }
 
 impl ProcessRuntime {
-    /// A runtime keeping its files under `state_dir` (created on first
-    /// start).
-    pub fn new(state_dir: PathBuf) -> Self {
+    pub fn new(config: RuntimeConfig) -> Self {
         let (exits_sender, exits) = mpsc::unbounded_channel();
         ProcessRuntime {
-            state_dir,
+            config,
             tasks: Mutex::new(BTreeMap::new()),
             starting: tokio::sync::Mutex::new(()),
             exits_sender,
             exits: tokio::sync::Mutex::new(exits),
+            fence_deadline: Mutex::new(None),
         }
     }
 
     pub fn state_dir(&self) -> &Path {
-        &self.state_dir
+        &self.config.state_dir
+    }
+
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.config
     }
 
     /// Where the task's output goes (stdout and stderr together).
     pub fn log_path(&self, allocation: &str) -> PathBuf {
-        self.state_dir
+        self.config
+            .state_dir
             .join("logs")
             .join(format!("{allocation}.log"))
     }
 
-    fn record_path(&self, allocation: &str) -> PathBuf {
-        self.state_dir
-            .join("tasks")
-            .join(format!("{allocation}.json"))
+    fn tasks_dir(&self) -> PathBuf {
+        self.config.state_dir.join("tasks")
+    }
+
+    fn file(&self, allocation: &str, extension: &str) -> PathBuf {
+        record::path(&self.tasks_dir(), allocation, extension)
+    }
+
+    fn fence_file(&self) -> PathBuf {
+        self.config.state_dir.join("fence_at")
+    }
+
+    /// Sets the node's fence deadline (milliseconds since the epoch): every
+    /// supervisor kills its task once it has passed. Call it each time the
+    /// lease is renewed, before the first start. Supervisors read the file
+    /// when the deadline they know is reached; a deadline moved earlier (a
+    /// shorter lease) wakes them at once.
+    pub fn set_fence_deadline(&self, deadline_ms: u64) -> Result<(), RuntimeError> {
+        private_dir(&self.config.state_dir)?;
+        let path = self.fence_file();
+        let earlier = {
+            let mut last = self
+                .fence_deadline
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let earlier = last.is_none_or(|last| deadline_ms < last);
+            *last = Some(deadline_ms);
+            earlier
+        };
+        let temporary = path.with_extension("tmp");
+        std::fs::write(&temporary, format!("{deadline_ms}\n")).map_err(state_error(&temporary))?;
+        std::fs::rename(&temporary, &path).map_err(state_error(&path))?;
+        if earlier {
+            self.wake_supervisors();
+        }
+        Ok(())
+    }
+
+    /// Sends SIGUSR1 (a wake-up) to every running supervisor of this node.
+    fn wake_supervisors(&self) {
+        let Ok(entries) = std::fs::read_dir(self.tasks_dir()) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_none_or(|e| e != "pid") {
+                continue;
+            }
+            let Some(key) = path.file_stem().and_then(|s| s.to_str()) else {
+                continue;
+            };
+            if let Ok(pids) = record::read_json::<PidRecord>(&path)
+                && is_supervisor(pids.supervisor, key)
+            {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pids.supervisor),
+                    nix::sys::signal::Signal::SIGUSR1,
+                );
+            }
+        }
     }
 
     /// Starts the task, with the clock read now as its start time.
@@ -256,15 +401,16 @@ impl ProcessRuntime {
         self.start_at(launch, Time(now)).await
     }
 
-    /// Starts the task in a process group of its own; `started_at` goes into
-    /// the pid file. Returns once the process runs and its pid file is
-    /// written; its exit comes later through [`next_exit`](Self::next_exit).
+    /// Starts the task under a supervisor; `started_at` goes into its record.
+    /// Returns once the command runs; its exit comes later through
+    /// [`next_exit`](Self::next_exit). A command that cannot be started is
+    /// an error (and its log says why).
     pub async fn start_at(&self, launch: TaskLaunch, started_at: Time) -> Result<(), RuntimeError> {
         check_allocation(&launch.allocation)?;
         let allocation = launch.allocation.clone();
-        let Some((program, arguments)) = launch.command.split_first() else {
+        if launch.command.is_empty() {
             return Err(RuntimeError::EmptyCommand { allocation });
-        };
+        }
         if let Some(path) = &launch.working_dir {
             let is_dir = tokio::fs::metadata(path)
                 .await
@@ -277,111 +423,115 @@ impl ProcessRuntime {
             }
         }
         let _starting = self.starting.lock().await;
-        self.check_not_running(&allocation).await?;
-
-        let log_path = self.log_path(&allocation);
-        let record_path = self.record_path(&allocation);
-        for dir in [log_path.parent(), record_path.parent()]
-            .into_iter()
-            .flatten()
-        {
-            tokio::fs::create_dir_all(dir)
-                .await
-                .map_err(|source| RuntimeError::State {
-                    path: dir.to_path_buf(),
-                    source,
-                })?;
+        self.check_not_running(&allocation)?;
+        private_dir(&self.config.state_dir)?;
+        private_dir(&self.config.state_dir.join("logs"))?;
+        private_dir(&self.tasks_dir())?;
+        for extension in ["exit", "pid", "stop"] {
+            let path = self.file(&allocation, extension);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => return Err(RuntimeError::State { path, source }),
+            }
         }
-        let log_error = |source| RuntimeError::State {
-            path: log_path.clone(),
-            source,
-        };
-        let stdout = tokio::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .await
-            .map_err(log_error)?
-            .into_std()
-            .await;
-        let stderr = stdout.try_clone().map_err(log_error)?;
-
-        let mut command = tokio::process::Command::new(program);
-        command
-            .args(arguments)
-            .env_clear()
-            .envs(task_environment(&launch, |name| std::env::var(name).ok()))
-            .stdin(Stdio::null())
-            .stdout(stdout)
-            .stderr(stderr)
-            .process_group(0)
-            .kill_on_drop(false);
-        if let Some(path) = &launch.working_dir {
-            command.current_dir(path);
-        }
-        let mut child = command.spawn().map_err(|source| RuntimeError::Spawn {
-            allocation: allocation.clone(),
-            program: program.clone(),
-            source,
-        })?;
-        let Some(pid) = child.id().and_then(|pid| i32::try_from(pid).ok()) else {
-            // Only possible once the child was reaped, which nothing did.
-            return Err(RuntimeError::Spawn {
-                allocation,
-                program: program.clone(),
-                source: std::io::Error::other("the process vanished as it started"),
-            });
-        };
-
-        let mut record = TaskRecord {
+        let record = TaskRecord {
             format: record::FORMAT,
             allocation: allocation.clone(),
-            pid,
-            pgid: pid,
             started_at_ms: started_at.0,
             boot_id: record::boot_id(),
             command: launch.command.clone(),
+            env: task_environment(&launch, |name| std::env::var(name).ok()),
+            working_dir: launch.working_dir.clone(),
             gpu_indices: launch.gpu_indices.clone(),
             gpu_uuids: launch.gpu_uuids.clone(),
             stop_signal: launch.stop_signal.name().to_string(),
             grace_period_ms: launch.grace_period.as_millis() as u64,
-            exit: None,
+            log_path: self.log_path(&allocation),
+            fence_file: self.fence_file(),
+            cgroup: self.config.cgroups.clone(),
+            memory_limit_bytes: launch.memory_limit_mib.map(|mib| mib << 20),
+            user: UserPlan {
+                job_user: launch.user.clone(),
+                fallback: self.config.task_user.clone(),
+                allow_root: self.config.allow_root,
+            },
         };
-        if let Err(error) = record::write(&record_path, &record).await {
-            // A task nobody could find after a restart must not run.
-            let _ = group::signal_group(pid, nix::sys::signal::Signal::SIGKILL);
+        let record_path = self.file(&allocation, "json");
+        record::write_json(&record_path, &record).map_err(state_error(&record_path))?;
+
+        let supervisor_log = self.config.state_dir.join("supervisor.log");
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&supervisor_log)
+            .map_err(state_error(&supervisor_log))?;
+        let mut child = tokio::process::Command::new(&self.config.supervisor)
+            .arg("supervise")
+            .arg(&self.config.state_dir)
+            .arg(&allocation)
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(|error| RuntimeError::Start {
+                allocation: allocation.clone(),
+                message: format!(
+                    "cannot run the supervisor {}: {error}",
+                    self.config.supervisor.display()
+                ),
+            })?;
+        let Some(stdout) = child.stdout.take() else {
+            return Err(RuntimeError::Start {
+                allocation,
+                message: "the supervisor has no stdout".to_string(),
+            });
+        };
+        let mut line = String::new();
+        let mut reader = tokio::io::BufReader::new(stdout);
+        let read = tokio::time::timeout(START_WAIT, reader.read_line(&mut line)).await;
+        let line = line.trim();
+        if !matches!(read, Ok(Ok(n)) if n > 0) || !line.starts_with("started ") {
+            let message = match line.strip_prefix("failed ") {
+                Some(message) => message.to_string(),
+                None => format!(
+                    "the supervisor did not start the task (see {})",
+                    supervisor_log.display()
+                ),
+            };
+            let _ = child.start_kill();
             let _ = child.wait().await;
-            return Err(error);
+            return Err(RuntimeError::Start {
+                allocation,
+                message,
+            });
         }
 
         let (exit_sender, exit_receiver) = watch::channel(None);
         let exits = self.exits_sender.clone();
+        let exit_path = self.file(&allocation, "exit");
+        let cgroup = self.config.cgroups.task(&allocation);
+        let pid_path = self.file(&allocation, "pid");
+        let key = allocation.clone();
         tokio::spawn(async move {
-            let exit = match child.wait().await {
-                Ok(status) => TaskExit {
-                    allocation: record.allocation.clone(),
-                    exit_code: status.code(),
-                    signal: status.signal(),
-                },
-                Err(_) => TaskExit {
-                    allocation: record.allocation.clone(),
-                    exit_code: None,
-                    signal: None,
-                },
+            let _ = child.wait().await;
+            let exit = match record::read_json::<ExitRecord>(&exit_path) {
+                Ok(exit) => TaskExit::from_record(&key, exit),
+                Err(_) => {
+                    // The supervisor was killed: nothing of the task may be
+                    // left running unsupervised.
+                    kill_remains(&pid_path, &cgroup).await;
+                    TaskExit::lost(&key)
+                }
             };
-            record.exit = Some(ExitRecord {
-                exit_code: exit.exit_code,
-                signal: exit.signal,
-            });
-            // Best effort: if this fails, a recovery reports the task gone.
-            let _ = record::write(&record_path, &record).await;
             let _ = exit_sender.send(Some(exit.clone()));
             let _ = exits.send(exit);
         });
         self.lock_tasks().insert(
             allocation,
-            OwnTask {
-                pgid: pid,
+            Watched {
                 exit: exit_receiver,
             },
         );
@@ -390,29 +540,27 @@ impl ProcessRuntime {
 
     /// Errors when the allocation runs, here or (after a restart) from a
     /// previous agent's start.
-    async fn check_not_running(&self, allocation: &str) -> Result<(), RuntimeError> {
+    fn check_not_running(&self, allocation: &str) -> Result<(), RuntimeError> {
         if let Some(task) = self.lock_tasks().get(allocation)
             && task.exit.borrow().is_none()
         {
             return Err(RuntimeError::AlreadyRunning {
                 allocation: allocation.to_string(),
-                pgid: task.pgid,
+                pid: 0,
             });
         }
-        if let Ok(record) = record::read(&self.record_path(allocation)).await
-            && record.exit.is_none()
-            && same_boot(&record)
-            && group_alive_off_thread(record.pgid).await
+        if let Ok(pids) = record::read_json::<PidRecord>(&self.file(allocation, "pid"))
+            && is_supervisor(pids.supervisor, allocation)
         {
             return Err(RuntimeError::AlreadyRunning {
                 allocation: allocation.to_string(),
-                pgid: record.pgid,
+                pid: pids.supervisor,
             });
         }
         Ok(())
     }
 
-    fn lock_tasks(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, OwnTask>> {
+    fn lock_tasks(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Watched>> {
         self.tasks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -433,85 +581,103 @@ impl ProcessRuntime {
         self.exits.try_lock().ok()?.try_recv().ok()
     }
 
-    /// Stops the task: sends `signal` to its whole process group, waits up
-    /// to `grace` for it to exit, then sends SIGKILL to the group (which also
-    /// ends children it left behind). Works for tasks this runtime started
-    /// and for tasks found by [`recover`](Self::recover); for the latter,
-    /// "exited" means every process of the group is gone.
+    /// Stops the task: its supervisor sends `signal` to every process of
+    /// the task, waits up to `grace` for the task to exit, then kills all of
+    /// them. Works for tasks this runtime started and for running tasks
+    /// found by [`recover`](Self::recover).
     pub async fn stop(
         &self,
         allocation: &str,
         signal: Signal,
         grace: Duration,
     ) -> Result<StopOutcome, RuntimeError> {
-        check_allocation(allocation)?;
-        let target = self
-            .lock_tasks()
-            .get(allocation)
-            .map(|task| Target::Own(task.pgid, task.exit.clone()));
-        let target = match target {
-            Some(target) => target,
-            None => match record::read(&self.record_path(allocation)).await {
-                Ok(record) if record.exit.is_none() && same_boot(&record) => {
-                    Target::Recovered(record.pgid)
-                }
-                Ok(_) => return Ok(StopOutcome::NotRunning),
-                Err(_) => {
-                    return Err(RuntimeError::NotFound {
-                        allocation: allocation.to_string(),
-                    });
-                }
-            },
-        };
-        match target {
-            Target::Own(pgid, mut exit) => {
-                if exit.borrow().is_some() {
-                    // The leader is gone; children it left may not be.
-                    if group_alive_off_thread(pgid).await {
-                        group::signal_group(pgid, nix::sys::signal::Signal::SIGKILL)?;
-                    }
-                    return Ok(StopOutcome::NotRunning);
-                }
-                group::signal_group(pgid, group::to_nix(signal))?;
-                let exited = tokio::time::timeout(grace, exit.wait_for(Option::is_some))
-                    .await
-                    .is_ok_and(|waited| waited.is_ok());
-                group::signal_group(pgid, nix::sys::signal::Signal::SIGKILL)?;
-                if !exited {
-                    let _ = tokio::time::timeout(KILL_WAIT, exit.wait_for(Option::is_some)).await;
-                }
-                Ok(if exited {
-                    StopOutcome::Exited
-                } else {
-                    StopOutcome::Killed
-                })
-            }
-            Target::Recovered(pgid) => {
-                group::check_pgid(pgid)?;
-                if !group_alive_off_thread(pgid).await {
-                    return Ok(StopOutcome::NotRunning);
-                }
-                group::signal_group(pgid, group::to_nix(signal))?;
-                let exited = wait_group_gone(pgid, grace).await;
-                if !exited {
-                    group::signal_group(pgid, nix::sys::signal::Signal::SIGKILL)?;
-                    wait_group_gone(pgid, KILL_WAIT).await;
-                }
-                Ok(if exited {
-                    StopOutcome::Exited
-                } else {
-                    StopOutcome::Killed
-                })
-            }
-        }
+        self.stop_as(allocation, signal, grace, false).await
     }
 
-    /// Reads every pid file and tells, for each task, whether its process
-    /// group still runs. Reads only: the agent decides what to do with what
-    /// it finds (report, [`stop`](Self::stop), [`kill_orphan`](Self::kill_orphan),
-    /// [`forget`](Self::forget)).
+    /// [`stop`](Self::stop), saying whether the node fenced itself (the
+    /// task's end is then reported as fenced).
+    pub async fn stop_as(
+        &self,
+        allocation: &str,
+        signal: Signal,
+        grace: Duration,
+        fenced: bool,
+    ) -> Result<StopOutcome, RuntimeError> {
+        check_allocation(allocation)?;
+        let watched = self
+            .lock_tasks()
+            .get(allocation)
+            .map(|task| task.exit.clone());
+        if watched.as_ref().is_some_and(|exit| exit.borrow().is_some())
+            || self.file(allocation, "exit").exists()
+        {
+            return Ok(StopOutcome::NotRunning);
+        }
+        let pid_path = self.file(allocation, "pid");
+        let pids = match record::read_json::<PidRecord>(&pid_path) {
+            Ok(pids) => pids,
+            Err(_) if watched.is_none() => {
+                return Err(RuntimeError::NotFound {
+                    allocation: allocation.to_string(),
+                });
+            }
+            Err(_) => return Ok(StopOutcome::NotRunning),
+        };
+        let request = StopRequest {
+            signal: signal.name().to_string(),
+            grace_ms: grace.as_millis() as u64,
+            fenced,
+        };
+        let stop_path = self.file(allocation, "stop");
+        record::write_json(&stop_path, &request).map_err(state_error(&stop_path))?;
+        if is_supervisor(pids.supervisor, allocation) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pids.supervisor),
+                nix::sys::signal::Signal::SIGUSR1,
+            );
+        } else if watched.is_none() {
+            // Its supervisor is gone: the agent kills what is left.
+            kill_remains(&pid_path, &self.config.cgroups.task(allocation)).await;
+            return Ok(StopOutcome::NotRunning);
+        }
+        let limit = grace + KILL_WAIT;
+        let exit_path = self.file(allocation, "exit");
+        let ended = match watched {
+            Some(mut exit) => tokio::time::timeout(limit, exit.wait_for(Option::is_some))
+                .await
+                .is_ok(),
+            None => {
+                let deadline = tokio::time::Instant::now() + limit;
+                loop {
+                    if exit_path.exists() || !is_supervisor(pids.supervisor, allocation) {
+                        break true;
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        break false;
+                    }
+                    tokio::time::sleep(POLL_INTERVAL).await;
+                }
+            }
+        };
+        if !ended {
+            // The supervisor did not finish in time (hung, or frozen): the
+            // agent kills the task itself.
+            kill_remains(&pid_path, &self.config.cgroups.task(allocation)).await;
+            return Ok(StopOutcome::Killed);
+        }
+        Ok(match record::read_json::<ExitRecord>(&exit_path) {
+            Ok(exit) if !exit.killed_after_grace => StopOutcome::Exited,
+            _ => StopOutcome::Killed,
+        })
+    }
+
+    /// Reads every task record and tells, for each task, whether it still
+    /// runs. Running ones are watched from now on: their exits come through
+    /// [`next_exit`](Self::next_exit). A task whose supervisor is gone
+    /// without an exit record is killed (nothing runs unsupervised) and
+    /// reported as gone.
     pub async fn recover(&self) -> Result<Recovery, RuntimeError> {
-        let dir = self.state_dir.join("tasks");
+        let dir = self.tasks_dir();
         let mut entries = match tokio::fs::read_dir(&dir).await {
             Ok(entries) => entries,
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
@@ -538,39 +704,56 @@ impl ProcessRuntime {
         paths.sort();
         let mut recovery = Recovery::default();
         for path in paths {
-            let record = match record::read(&path).await {
-                Ok(record) => record,
+            let task = match record::read_task(&path) {
+                Ok(task) => task,
                 Err(reason) => {
                     recovery.unreadable.push((path, reason));
                     continue;
                 }
             };
-            let Some(stop_signal) = Signal::parse(&record.stop_signal) else {
-                let reason = format!("unknown stop signal `{}`", record.stop_signal);
+            let Some(stop_signal) = Signal::parse(&task.stop_signal) else {
+                let reason = format!("unknown stop signal `{}`", task.stop_signal);
                 recovery.unreadable.push((path, reason));
                 continue;
             };
-            let status = match record.exit {
-                Some(exit) => RecoveredStatus::Exited(TaskExit {
-                    allocation: record.allocation.clone(),
-                    exit_code: exit.exit_code,
-                    signal: exit.signal,
-                }),
-                None if same_boot(&record) && group_alive_off_thread(record.pgid).await => {
-                    RecoveredStatus::Running
-                }
-                None => RecoveredStatus::Gone,
+            let key = task.allocation.clone();
+            if check_allocation(&key).is_err() || path != self.file(&key, "json") {
+                recovery
+                    .unreadable
+                    .push((path, "its allocation does not match its name".to_string()));
+                continue;
+            }
+            let pids = record::read_json::<PidRecord>(&self.file(&key, "pid")).ok();
+            let same_boot = match (&task.boot_id, record::boot_id()) {
+                (Some(then), Some(now)) => *then == now,
+                _ => true,
             };
+            let status = match record::read_json::<ExitRecord>(&self.file(&key, "exit")) {
+                Ok(exit) => RecoveredStatus::Exited(TaskExit::from_record(&key, exit)),
+                Err(_) => match &pids {
+                    Some(pids) if same_boot && is_supervisor(pids.supervisor, &key) => {
+                        self.watch_recovered(&key, pids.supervisor);
+                        RecoveredStatus::Running
+                    }
+                    _ => {
+                        if same_boot {
+                            kill_remains(&self.file(&key, "pid"), &task.cgroup.task(&key)).await;
+                        }
+                        RecoveredStatus::Gone
+                    }
+                },
+            };
+            let pid = pids.as_ref().map_or(0, |p| p.pid);
             recovery.tasks.push(RecoveredTask {
-                allocation: record.allocation,
-                pid: record.pid,
-                pgid: record.pgid,
-                started_at: Time(record.started_at_ms),
-                command: record.command,
-                gpu_indices: record.gpu_indices,
-                gpu_uuids: record.gpu_uuids,
+                allocation: key,
+                pid,
+                pgid: pid,
+                started_at: Time(task.started_at_ms),
+                command: task.command,
+                gpu_indices: task.gpu_indices,
+                gpu_uuids: task.gpu_uuids,
                 stop_signal,
-                grace_period: Duration::from_millis(record.grace_period_ms),
+                grace_period: Duration::from_millis(task.grace_period_ms),
                 status,
             });
         }
@@ -580,17 +763,53 @@ impl ProcessRuntime {
         Ok(recovery)
     }
 
-    /// Kills a process group found by a recovery (SIGKILL, no grace), and
-    /// waits up to 5 s for it to be gone. A group already gone is fine.
-    pub async fn kill_orphan(&self, pgid: i32) -> Result<(), RuntimeError> {
-        group::signal_group(pgid, nix::sys::signal::Signal::SIGKILL)?;
-        wait_group_gone(pgid, KILL_WAIT).await;
-        Ok(())
+    /// Watches a running task of an earlier agent until its supervisor
+    /// writes the exit record or vanishes.
+    fn watch_recovered(&self, key: &str, supervisor: i32) {
+        if self.lock_tasks().contains_key(key) {
+            return;
+        }
+        let (exit_sender, exit_receiver) = watch::channel(None);
+        let exits = self.exits_sender.clone();
+        let exit_path = self.file(key, "exit");
+        let pid_path = self.file(key, "pid");
+        let cgroup = self.config.cgroups.task(key);
+        let key = key.to_string();
+        self.lock_tasks().insert(
+            key.clone(),
+            Watched {
+                exit: exit_receiver,
+            },
+        );
+        tokio::spawn(async move {
+            loop {
+                if let Ok(exit) = record::read_json::<ExitRecord>(&exit_path) {
+                    let exit = TaskExit::from_record(&key, exit);
+                    let _ = exit_sender.send(Some(exit.clone()));
+                    let _ = exits.send(exit);
+                    return;
+                }
+                if !is_supervisor(supervisor, &key) {
+                    // One last look: it may have written the record and exited.
+                    let exit = match record::read_json::<ExitRecord>(&exit_path) {
+                        Ok(exit) => TaskExit::from_record(&key, exit),
+                        Err(_) => {
+                            kill_remains(&pid_path, &cgroup).await;
+                            TaskExit::lost(&key)
+                        }
+                    };
+                    let _ = exit_sender.send(Some(exit.clone()));
+                    let _ = exits.send(exit);
+                    return;
+                }
+                tokio::time::sleep(POLL_INTERVAL).await;
+            }
+        });
     }
 
-    /// Drops an exited (or gone) task: its pid file and what this runtime
-    /// remembers of it. The log stays. Call it once the control plane has
-    /// the exit.
+    /// Drops an ended task: its records and what this runtime remembers of
+    /// it. The log stays (the log shipper removes it once shipped). Call it
+    /// once the control plane has the exit.
     pub async fn forget(&self, allocation: &str) -> Result<(), RuntimeError> {
         check_allocation(allocation)?;
         {
@@ -603,22 +822,24 @@ impl ProcessRuntime {
                 });
             }
         }
-        let path = self.record_path(allocation);
-        if let Ok(record) = record::read(&path).await
-            && record.exit.is_none()
-            && same_boot(&record)
-            && group_alive_off_thread(record.pgid).await
+        if let Ok(pids) = record::read_json::<PidRecord>(&self.file(allocation, "pid"))
+            && !self.file(allocation, "exit").exists()
+            && is_supervisor(pids.supervisor, allocation)
         {
             return Err(RuntimeError::StillRunning {
                 allocation: allocation.to_string(),
             });
         }
         self.lock_tasks().remove(allocation);
-        match tokio::fs::remove_file(&path).await {
-            Ok(()) => Ok(()),
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(RuntimeError::State { path, source }),
+        for extension in ["json", "pid", "stop", "exit"] {
+            let path = self.file(allocation, extension);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => return Err(RuntimeError::State { path, source }),
+            }
         }
+        Ok(())
     }
 
     /// Up to `max_bytes` of the task's log from byte `offset`, and the offset
@@ -642,21 +863,32 @@ impl ProcessRuntime {
             }
             Err(source) => return Err(RuntimeError::State { path, source }),
         };
-        let state_error = |source| RuntimeError::State {
-            path: path.clone(),
-            source,
-        };
         file.seek(SeekFrom::Start(offset))
             .await
-            .map_err(state_error)?;
+            .map_err(state_error(&path))?;
         let mut bytes = Vec::new();
         file.take(max_bytes as u64)
             .read_to_end(&mut bytes)
             .await
-            .map_err(state_error)?;
+            .map_err(state_error(&path))?;
         let next = offset + bytes.len() as u64;
         Ok((bytes, next))
     }
+}
+
+/// Kills whatever is left of a task whose supervisor is gone: its cgroup's
+/// members, and its process group.
+async fn kill_remains(pid_path: &Path, cgroup: &cgroup::TaskCgroup) {
+    let pid = record::read_json::<PidRecord>(pid_path).ok().map(|p| p.pid);
+    let cgroup = cgroup.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Some(pid) = pid {
+            let _ = group::signal_group(pid, nix::sys::signal::Signal::SIGKILL);
+        }
+        cgroup.kill_all(Duration::from_secs(2));
+        let _ = cgroup.remove();
+    })
+    .await;
 }
 
 /// The task's environment (see the module doc); `agent_var` reads the
@@ -711,32 +943,48 @@ fn check_allocation(allocation: &str) -> Result<(), RuntimeError> {
     }
 }
 
-/// False when the pid file is from before the last reboot.
-fn same_boot(record: &TaskRecord) -> bool {
-    match (&record.boot_id, record::boot_id()) {
-        (Some(then), Some(now)) => *then == now,
-        _ => true,
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch() -> TaskLaunch {
+        TaskLaunch {
+            allocation: "x".to_string(),
+            command: vec!["true".to_string()],
+            env: BTreeMap::new(),
+            working_dir: None,
+            gpu_indices: vec![0],
+            gpu_uuids: Vec::new(),
+            stop_signal: Signal::Term,
+            grace_period: Duration::from_secs(1),
+            user: None,
+            memory_limit_mib: None,
+        }
     }
-}
 
-/// [`group_alive`] on a blocking thread: it may scan `/proc`.
-async fn group_alive_off_thread(pgid: i32) -> bool {
-    tokio::task::spawn_blocking(move || group_alive(pgid))
-        .await
-        .unwrap_or(true)
-}
-
-/// Polls until no process of the group runs; `true` if that happened within
-/// `limit`.
-async fn wait_group_gone(pgid: i32, limit: Duration) -> bool {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if !group_alive_off_thread(pgid).await {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(POLL_INTERVAL).await;
+    #[test]
+    fn environment_keeps_only_the_allowlist_and_gpu_variables_win() {
+        let mut task = launch();
+        task.env.insert("HOME".to_string(), "/job".to_string());
+        task.env
+            .insert("NVIDIA_VISIBLE_DEVICES".to_string(), "all".to_string());
+        let agent = |name: &str| match name {
+            "HOME" => Some("/root".to_string()),
+            "LANG" => Some("C.UTF-8".to_string()),
+            "MUSTER_JOIN_TOKEN" => Some("secret".to_string()),
+            _ => None,
+        };
+        let env = task_environment(&task, agent);
+        assert_eq!(env["HOME"], "/job", "the launch sets it, not the agent");
+        assert_eq!(env["LANG"], "C.UTF-8");
+        assert_eq!(env["PATH"], DEFAULT_PATH);
+        assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], "0");
+        assert!(!env.contains_key("MUSTER_JOIN_TOKEN"));
+        task.env.clear();
+        let env = task_environment(&task, agent);
+        assert!(
+            !env.contains_key("HOME"),
+            "the agent's HOME is not the task's (the supervisor sets the task user's)"
+        );
     }
 }

@@ -1,78 +1,170 @@
-//! The pid file of a task, `STATE_DIR/tasks/<allocation>.json`: what a
-//! restarted agent needs to find the task's processes again.
+//! A task's files under `STATE_DIR/tasks/` (a directory only the agent's
+//! user can enter):
+//! - `<key>.json` ([`TaskRecord`]): what to run and how, written once by the
+//!   agent before it starts the supervisor, which reads it;
+//! - `<key>.pid` ([`PidRecord`]): written by the supervisor once the task
+//!   runs (the supervisor's pid, the task's pid and user);
+//! - `<key>.stop` ([`StopRequest`]): written by the agent to ask the
+//!   supervisor to stop the task (then it wakes the supervisor with SIGUSR1);
+//! - `<key>.exit` ([`ExitRecord`]): written by the supervisor when the task
+//!   and everything it started are gone.
+//!
+//! Every file is written through a temporary file and a rename, so a reader
+//! never sees half of one.
 
-use super::RuntimeError;
+use super::cgroup::{CgroupPlan, Usage};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 /// Bumped when a field changes meaning; older agents refuse newer files.
-pub(super) const FORMAT: u32 = 1;
+pub const FORMAT: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(super) struct TaskRecord {
+pub struct TaskRecord {
     pub format: u32,
     pub allocation: String,
-    pub pid: i32,
-    /// Equal to `pid`: the task leads its own group.
-    pub pgid: i32,
     /// Milliseconds since the Unix epoch.
     pub started_at_ms: u64,
     /// The kernel's boot id when the task started: after a reboot the pid
     /// file's numbers name other processes, if any.
     pub boot_id: Option<String>,
     pub command: Vec<String>,
+    /// The task's whole environment.
+    pub env: BTreeMap<String, String>,
+    pub working_dir: Option<PathBuf>,
     pub gpu_indices: Vec<u32>,
     pub gpu_uuids: Vec<String>,
     /// `TERM`, `INT`, ...
     pub stop_signal: String,
     pub grace_period_ms: u64,
-    /// Set when the agent saw the task's leader exit.
-    pub exit: Option<ExitRecord>,
+    pub log_path: PathBuf,
+    /// The node's fence deadline (milliseconds since the epoch, first word
+    /// of the file), kept by the agent: past it the supervisor kills the
+    /// task.
+    pub fence_file: PathBuf,
+    pub cgroup: CgroupPlan,
+    pub memory_limit_bytes: Option<u64>,
+    pub user: UserPlan,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(super) struct ExitRecord {
+/// Whom the task runs as (decided by the supervisor, which runs as root
+/// when the agent does).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserPlan {
+    /// The job's user: used when it exists on this node and is not root.
+    pub job_user: Option<String>,
+    /// Otherwise this one (`muster agent --task-user`, default `nobody`).
+    pub fallback: String,
+    /// The operator allows tasks to run as root on this node.
+    pub allow_root: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PidRecord {
+    pub supervisor: i32,
+    /// The task's leader; it leads its own process group.
+    pub pid: i32,
+    pub user: String,
+    pub uid: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopRequest {
+    /// `TERM`, `INT`, ...: sent to every process of the task first.
+    pub signal: String,
+    /// Then, after this long, everything is killed.
+    pub grace_ms: u64,
+    /// The node fenced itself (the lease could not be renewed).
+    pub fenced: bool,
+}
+
+/// How a task ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum EndReason {
+    /// By itself: its exit code or the signal that ended it.
+    Exited,
+    /// Stopped on request (cancelled, preempted, no longer wanted).
+    Stopped,
+    /// Killed because the node's lease ran out (or the node fenced itself).
+    Fenced,
+    /// The kernel killed a process of the task at its memory limit.
+    MemoryLimit,
+    /// The command could not be started.
+    StartFailed { message: String },
+    /// Its supervisor vanished without a word (killed from outside): how
+    /// the task ended is not known.
+    Lost,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitRecord {
     pub exit_code: Option<i32>,
     pub signal: Option<i32>,
+    pub reason: EndReason,
+    /// The stop's grace period ran out and the task was killed.
+    #[serde(default)]
+    pub killed_after_grace: bool,
+    #[serde(default)]
+    pub usage: Usage,
+    /// Milliseconds since the epoch.
+    pub ended_at_ms: u64,
 }
 
-/// Writes the record through a temporary file and a rename, so a reader (or
-/// an agent restarted after a crash) never sees half a file.
-pub(super) async fn write(path: &Path, record: &TaskRecord) -> Result<(), RuntimeError> {
-    let state_error = |source| RuntimeError::State {
-        path: path.to_path_buf(),
-        source,
-    };
-    let text = serde_json::to_vec_pretty(record).map_err(|error| state_error(error.into()))?;
-    let temporary = path.with_extension("json.tmp");
-    tokio::fs::write(&temporary, text)
-        .await
-        .map_err(state_error)?;
-    tokio::fs::rename(&temporary, path)
-        .await
-        .map_err(state_error)
+pub fn path(tasks_dir: &Path, key: &str, extension: &str) -> PathBuf {
+    tasks_dir.join(format!("{key}.{extension}"))
 }
 
-/// Reads a record; the error is a sentence for the report of a recovery.
-pub(super) async fn read(path: &Path) -> Result<TaskRecord, String> {
-    let text = tokio::fs::read(path)
-        .await
-        .map_err(|error| format!("cannot read it: {error}"))?;
-    let record: TaskRecord =
-        serde_json::from_slice(&text).map_err(|error| format!("it is not a pid file: {error}"))?;
-    if record.format != FORMAT {
+/// Writes `value` as JSON through a temporary file and a rename.
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let text = serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?;
+    let mut name = path.as_os_str().to_os_string();
+    name.push(".tmp");
+    let temporary = PathBuf::from(name);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&temporary)?;
+    file.write_all(&text)?;
+    drop(file);
+    std::fs::rename(&temporary, path)
+}
+
+/// Reads a JSON file; the error is a sentence for a report.
+pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, String> {
+    let text = std::fs::read(path).map_err(|error| format!("cannot read it: {error}"))?;
+    serde_json::from_slice(&text).map_err(|error| format!("it is not what muster wrote: {error}"))
+}
+
+/// Reads a task record and checks its format.
+pub fn read_task(path: &Path) -> Result<TaskRecord, String> {
+    let value: serde_json::Value = read_json(path)?;
+    let format = value.get("format").and_then(serde_json::Value::as_u64);
+    if format != Some(u64::from(FORMAT)) {
         return Err(format!(
-            "it has format {}, and this agent reads format {FORMAT}; upgrade the agent",
-            record.format
+            "it has format {}, and this agent reads format {FORMAT}; it was written by another \
+             version of muster",
+            format.map_or("none".to_string(), |f| f.to_string())
         ));
     }
-    Ok(record)
+    serde_json::from_value(value).map_err(|error| format!("it is not a task record: {error}"))
 }
 
 /// The kernel's boot id, where the host has one.
-pub(super) fn boot_id() -> Option<String> {
+pub fn boot_id() -> Option<String> {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .ok()
         .map(|id| id.trim().to_string())
         .filter(|id| !id.is_empty())
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

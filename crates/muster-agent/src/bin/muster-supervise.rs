@@ -1,0 +1,11 @@
+//! `muster-supervise supervise STATE_DIR KEY`: the task supervisor alone,
+//! for the runtime's tests; `muster supervise` runs the same code.
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args = match args.split_first() {
+        Some((first, rest)) if first == "supervise" => rest.to_vec(),
+        _ => args,
+    };
+    std::process::exit(muster_agent::supervise::main(&args));
+}

@@ -1,0 +1,664 @@
+//! The task supervisor: `muster supervise STATE_DIR KEY`, one small process
+//! per task, started by the agent by absolute path and outliving it.
+//!
+//! It reads the task's record (`tasks/KEY.json`), puts the task in a cgroup
+//! of its own (or, with none, becomes the child subreaper of everything the
+//! task starts), drops to the task's user, starts the command with its
+//! output appended to the task's log, and then waits, forking nothing:
+//! - for the task's leader to exit; then it kills whatever the task left
+//!   behind, so no process outlives its task;
+//! - for a stop request (`tasks/KEY.stop`, written only by the agent, which
+//!   wakes it with SIGUSR1): the job's signal to every process of the task,
+//!   then, after the grace period, a kill of all of them;
+//! - for the node's fence deadline (`fence_at`, written only by the agent
+//!   each time it renews its lease) to pass: then it kills the task at once,
+//!   whether or not the agent is alive. It reads the file only when the
+//!   deadline it last read is reached.
+//!
+//! Signals are only wake-ups: what to do comes from files under the agent's
+//! state directory, which tasks (running as another user) can neither read
+//! nor write. When the task and all its processes are gone it writes
+//! `tasks/KEY.exit` (the exit code or signal, why it ended, its CPU time and
+//! peak memory) and exits.
+//!
+//! It uses no async runtime and no threads (it forks after start-up), and
+//! reports its start on stdout: `started PID` or `failed MESSAGE`.
+
+use crate::runtime::cgroup::TaskCgroup;
+use crate::runtime::record::{
+    self, EndReason, ExitRecord, PidRecord, StopRequest, TaskRecord, UserPlan,
+};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, killpg, sigprocmask};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{Gid, Pid, Uid};
+use std::io::Write;
+use std::os::fd::AsFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+/// The longest the supervisor sleeps without looking at the fence file.
+const LONGEST_SLEEP_MS: u64 = 5_000;
+
+/// How long a kill may take before the supervisor tries again.
+const KILL_WAIT: Duration = Duration::from_secs(2);
+
+/// Runs the supervisor; `args` are what follows `supervise`. Returns the
+/// process's exit code (0 once the exit record is written).
+pub fn main(args: &[String]) -> i32 {
+    let [state_dir, key] = args else {
+        eprintln!("usage: muster supervise STATE_DIR KEY (started by muster agent, not by hand)");
+        return 2;
+    };
+    match supervise(Path::new(state_dir), key) {
+        Ok(()) => 0,
+        Err(message) => {
+            // Before the task started: the agent reads this line.
+            println!("failed {message}");
+            let _ = std::io::stdout().flush();
+            1
+        }
+    }
+}
+
+/// Whether this process runs as root (and so can give tasks another user
+/// and create cgroups).
+pub fn running_as_root() -> bool {
+    Uid::effective().is_root()
+}
+
+/// Whom to run a task as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskUser {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub home: PathBuf,
+}
+
+/// The user a task runs as: the job's user when it exists here and is not
+/// root (or root is allowed), else the fallback user, which may not be root
+/// either unless allowed. `None`: the supervisor is not root and so cannot
+/// switch (the task runs as the agent's user). `lookup` finds a user by
+/// name.
+pub fn choose_user(
+    running_as_root: bool,
+    plan: &UserPlan,
+    lookup: impl Fn(&str) -> Option<TaskUser>,
+) -> Result<Option<TaskUser>, String> {
+    if !running_as_root {
+        return Ok(None);
+    }
+    if let Some(user) = plan.job_user.as_deref().and_then(&lookup)
+        && (user.uid != 0 || plan.allow_root)
+    {
+        return Ok(Some(user));
+    }
+    let fallback = lookup(&plan.fallback).ok_or_else(|| {
+        format!(
+            "the task user `{}` does not exist on this node; create it or start the agent with \
+             --task-user NAME",
+            plan.fallback
+        )
+    })?;
+    if fallback.uid == 0 && !plan.allow_root {
+        return Err(format!(
+            "the task user `{}` is root, and this node does not allow tasks to run as root; \
+             name an unprivileged --task-user, or start the agent with --allow-root-tasks",
+            plan.fallback
+        ));
+    }
+    Ok(Some(fallback))
+}
+
+fn lookup_user(name: &str) -> Option<TaskUser> {
+    let user = nix::unistd::User::from_name(name).ok()??;
+    Some(TaskUser {
+        name: user.name,
+        uid: user.uid.as_raw(),
+        gid: user.gid.as_raw(),
+        home: user.dir,
+    })
+}
+
+/// The decimal digits of `n`, for writing in a forked child (no
+/// allocation there).
+fn digits(n: i32, buffer: &mut [u8; 16]) -> &[u8] {
+    let mut n = n.unsigned_abs();
+    let mut at = buffer.len();
+    loop {
+        at -= 1;
+        buffer[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    &buffer[at..]
+}
+
+fn supervise(state_dir: &Path, key: &str) -> Result<(), String> {
+    let tasks_dir = state_dir.join("tasks");
+    let record_path = record::path(&tasks_dir, key, "json");
+    let task = record::read_task(&record_path)
+        .map_err(|why| format!("cannot read {}: {why}", record_path.display()))?;
+
+    // Out of the agent's session (a terminal's Ctrl-C is not for tasks),
+    // and the reaper of every orphan the task makes.
+    let _ = nix::unistd::setsid();
+    nix::sys::prctl::set_child_subreaper(true)
+        .map_err(|e| format!("cannot become a child subreaper: {e}"))?;
+    let mut wake = SigSet::empty();
+    for signal in [
+        Signal::SIGCHLD,
+        Signal::SIGUSR1,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+        Signal::SIGPIPE,
+    ] {
+        wake.add(signal);
+    }
+    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&wake), None)
+        .map_err(|e| format!("cannot block signals: {e}"))?;
+    let signals = SignalFd::with_flags(&wake, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(|e| format!("cannot create a signalfd: {e}"))?;
+
+    let user = choose_user(Uid::effective().is_root(), &task.user, lookup_user)?;
+    let cgroup = task.cgroup.task(key);
+    cgroup
+        .create(task.memory_limit_bytes)
+        .map_err(|why| format!("cannot create the task's cgroup: {why}"))?;
+
+    let started = start(&task, &cgroup, user.as_ref());
+    let (child, user_name, uid) = match started {
+        Ok(started) => started,
+        Err(message) => {
+            let _ = cgroup.remove();
+            // The task's own log says why it never ran.
+            if let Ok(mut log) = open_log(&task.log_path) {
+                let _ = writeln!(log, "muster: {message}");
+            }
+            let exit = ExitRecord {
+                exit_code: Some(127),
+                signal: None,
+                reason: EndReason::StartFailed {
+                    message: message.clone(),
+                },
+                killed_after_grace: false,
+                usage: Default::default(),
+                ended_at_ms: record::now_ms(),
+            };
+            let _ = record::write_json(&record::path(&tasks_dir, key, "exit"), &exit);
+            return Err(message);
+        }
+    };
+    let pid = Pid::from_raw(child as i32);
+    let pid_record = PidRecord {
+        supervisor: std::process::id() as i32,
+        pid: pid.as_raw(),
+        user: user_name,
+        uid,
+    };
+    if let Err(error) = record::write_json(&record::path(&tasks_dir, key, "pid"), &pid_record) {
+        // Nobody could find this task again: it must not run.
+        let _ = killpg(pid, Signal::SIGKILL);
+        cgroup.kill_all(KILL_WAIT);
+        let _ = cgroup.remove();
+        return Err(format!("cannot write the pid file: {error}"));
+    }
+    println!("started {}", pid.as_raw());
+    let _ = std::io::stdout().flush();
+
+    let exit = watch(&task, &tasks_dir, key, pid, &cgroup, &signals);
+    record::write_json(&record::path(&tasks_dir, key, "exit"), &exit)
+        .map_err(|e| format!("cannot write the exit record: {e}"))
+}
+
+fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)
+}
+
+/// Starts the command in its cgroup, as its user. Returns its pid, and the
+/// user's name and uid.
+fn start(
+    task: &TaskRecord,
+    cgroup: &TaskCgroup,
+    user: Option<&TaskUser>,
+) -> Result<(u32, String, u32), String> {
+    let Some((program, arguments)) = task.command.split_first() else {
+        return Err("the command is empty".to_string());
+    };
+    let log = open_log(&task.log_path)
+        .map_err(|e| format!("cannot open the log {}: {e}", task.log_path.display()))?;
+    let log_too = log
+        .try_clone()
+        .map_err(|e| format!("cannot open the log {}: {e}", task.log_path.display()))?;
+    let procs: Vec<std::fs::File> = cgroup
+        .procs_files()
+        .iter()
+        .map(|path| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map_err(|e| format!("cannot open {}: {e}", path.display()))
+        })
+        .collect::<Result<_, _>>()?;
+    let mut env = task.env.clone();
+    let (name, uid) = match user {
+        Some(user) => {
+            for (variable, value) in [
+                ("HOME", user.home.to_string_lossy().into_owned()),
+                ("USER", user.name.clone()),
+                ("LOGNAME", user.name.clone()),
+            ] {
+                env.entry(variable.to_string()).or_insert(value);
+            }
+            (user.name.clone(), user.uid)
+        }
+        None => {
+            let uid = Uid::effective();
+            let name = nix::unistd::User::from_uid(uid)
+                .ok()
+                .flatten()
+                .map_or_else(|| uid.to_string(), |u| u.name);
+            (name, uid.as_raw())
+        }
+    };
+    let switch = match user {
+        Some(user) => {
+            let name = std::ffi::CString::new(user.name.clone())
+                .map_err(|_| format!("the user name `{}` holds a NUL byte", user.name))?;
+            let groups = nix::unistd::getgrouplist(&name, Gid::from_raw(user.gid))
+                .unwrap_or_else(|_| vec![Gid::from_raw(user.gid)]);
+            Some((Uid::from_raw(user.uid), Gid::from_raw(user.gid), groups))
+        }
+        None => None,
+    };
+    let mut command = std::process::Command::new(program);
+    command
+        .args(arguments)
+        .env_clear()
+        .envs(&env)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log_too)
+        .process_group(0);
+    if let Some(dir) = &task.working_dir {
+        command.current_dir(dir);
+    }
+    // SAFETY (the crate's one allowed unsafe block): the closure runs in the forked child before exec; it only makes
+    // async-signal-safe system calls (write, sigprocmask, setgroups, setgid,
+    // setuid) on values prepared before the fork, and allocates nothing.
+    #[allow(unsafe_code)]
+    unsafe {
+        command.pre_exec(move || {
+            let mut buffer = [0u8; 16];
+            let me = digits(nix::unistd::getpid().as_raw(), &mut buffer);
+            for file in &procs {
+                nix::unistd::write(file.as_fd(), me)?;
+            }
+            sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+            if let Some((uid, gid, groups)) = &switch {
+                nix::unistd::setgroups(groups)?;
+                nix::unistd::setgid(*gid)?;
+                nix::unistd::setuid(*uid)?;
+            }
+            Ok(())
+        });
+    }
+    let child = command
+        .spawn()
+        .map_err(|e| format!("cannot start `{program}`: {e}"))?;
+    Ok((child.id(), name, uid))
+}
+
+/// The node's fence deadline, or `None` when the file cannot be read (which
+/// fences: the agent writes it before it starts any task).
+fn fence_deadline(path: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
+fn parse_signal(name: &str) -> Signal {
+    match muster_model::Signal::parse(name) {
+        Some(signal) => crate::runtime::to_nix(signal),
+        None => Signal::SIGTERM,
+    }
+}
+
+/// Every process descending from this one (the supervisor), found through
+/// `/proc`: with the supervisor as subreaper, that is everything the task
+/// started that is still alive.
+fn descendants() -> Vec<Pid> {
+    let me = std::process::id() as i32;
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut parent_of = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let mut fields = rest.split_whitespace();
+        let state = fields.next().unwrap_or("Z");
+        let Some(parent) = fields.next().and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        if state != "Z" && state != "X" {
+            parent_of.push((pid, parent));
+        }
+    }
+    let mut found = vec![me];
+    let mut at = 0;
+    while at < found.len() {
+        let parent = found[at];
+        for &(pid, p) in &parent_of {
+            if p == parent && !found.contains(&pid) {
+                found.push(pid);
+            }
+        }
+        at += 1;
+    }
+    found
+        .into_iter()
+        .skip(1)
+        .map(Pid::from_raw)
+        .collect::<Vec<_>>()
+}
+
+/// Sends `signal` to every process of the task: its cgroup's members, its
+/// process group, and (with no cgroup) every descendant.
+fn signal_everything(cgroup: &TaskCgroup, pgid: Pid, signal: Signal) {
+    let _ = killpg(pgid, signal);
+    match cgroup {
+        TaskCgroup::None => {
+            for pid in descendants() {
+                let _ = kill(pid, signal);
+            }
+        }
+        _ => cgroup.signal_all(signal),
+    }
+}
+
+/// Kills every process of the task and waits (up to [`KILL_WAIT`]) until
+/// none is left.
+fn kill_everything(cgroup: &TaskCgroup, pgid: Pid, reaper: &mut Reaper) {
+    let _ = killpg(pgid, Signal::SIGKILL);
+    match cgroup {
+        TaskCgroup::None => {
+            let until = Instant::now() + KILL_WAIT;
+            loop {
+                let left = descendants();
+                if left.is_empty() || Instant::now() >= until {
+                    break;
+                }
+                // Stop them all first, so none forks while the others die.
+                for pid in &left {
+                    let _ = kill(*pid, Signal::SIGSTOP);
+                }
+                for pid in &left {
+                    let _ = kill(*pid, Signal::SIGKILL);
+                }
+                reaper.reap();
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        _ => {
+            cgroup.kill_all(KILL_WAIT);
+        }
+    }
+}
+
+/// Reaps the supervisor's children (the task's leader, and every orphan of
+/// the task, since the supervisor is their subreaper), keeping the leader's
+/// status.
+struct Reaper {
+    leader: Pid,
+    status: Option<WaitStatus>,
+}
+
+impl Reaper {
+    /// Reaps every child that has ended.
+    fn reap(&mut self) {
+        loop {
+            match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) | Err(_) => return,
+                Ok(status) => {
+                    if status.pid() == Some(self.leader) {
+                        self.status = Some(status);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether no child is left at all.
+    fn childless(&self) -> bool {
+        matches!(
+            waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)),
+            Err(nix::errno::Errno::ECHILD)
+        )
+    }
+}
+
+struct Stopping {
+    kill_at: Instant,
+    killed: bool,
+}
+
+/// Waits for the task to end (by itself, stopped or fenced), then kills
+/// what it left behind and says how it ended.
+fn watch(
+    task: &TaskRecord,
+    tasks_dir: &Path,
+    key: &str,
+    pid: Pid,
+    cgroup: &TaskCgroup,
+    signals: &SignalFd,
+) -> ExitRecord {
+    let stop_path = record::path(tasks_dir, key, "stop");
+    let mut reason: Option<EndReason> = None;
+    let mut stopping: Option<Stopping> = None;
+    let mut killed_after_grace = false;
+    let mut reaper = Reaper {
+        leader: pid,
+        status: None,
+    };
+    let status = loop {
+        reaper.reap();
+        if let Some(status) = reaper.status {
+            break status;
+        }
+        let now = record::now_ms();
+        let deadline = fence_deadline(&task.fence_file);
+        let fenced = deadline.is_none_or(|deadline| now >= deadline);
+        if fenced && !stopping.as_ref().is_some_and(|s| s.killed) {
+            reason.get_or_insert(EndReason::Fenced);
+            kill_everything(cgroup, pid, &mut reaper);
+            stopping = Some(Stopping {
+                kill_at: Instant::now(),
+                killed: true,
+            });
+            continue;
+        }
+        if stopping.is_none()
+            && let Ok(request) = record::read_json::<StopRequest>(&stop_path)
+        {
+            reason = Some(if request.fenced {
+                EndReason::Fenced
+            } else {
+                EndReason::Stopped
+            });
+            signal_everything(cgroup, pid, parse_signal(&request.signal));
+            stopping = Some(Stopping {
+                kill_at: Instant::now() + Duration::from_millis(request.grace_ms),
+                killed: false,
+            });
+        }
+        if let Some(stop) = &mut stopping
+            && !stop.killed
+            && Instant::now() >= stop.kill_at
+        {
+            killed_after_grace = true;
+            kill_everything(cgroup, pid, &mut reaper);
+            stop.killed = true;
+        }
+        // Sleep until something can have changed: a signal (a child ended,
+        // the agent asks to stop), the fence deadline, the end of a grace
+        // period; at most LONGEST_SLEEP_MS.
+        let mut sleep_ms = LONGEST_SLEEP_MS;
+        if let Some(deadline) = deadline {
+            sleep_ms = sleep_ms.min(deadline.saturating_sub(now) + 1);
+        }
+        if let Some(stop) = &stopping {
+            let left = stop.kill_at.saturating_duration_since(Instant::now());
+            sleep_ms = sleep_ms.min(if stop.killed {
+                50
+            } else {
+                left.as_millis() as u64 + 1
+            });
+        }
+        let mut fds = [nix::poll::PollFd::new(
+            signals.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        let timeout = nix::poll::PollTimeout::try_from(sleep_ms.max(1))
+            .unwrap_or(nix::poll::PollTimeout::MAX);
+        let _ = nix::poll::poll(&mut fds, timeout);
+        while let Ok(Some(_)) = signals.read_signal() {}
+    };
+    // Whatever the task left behind goes with it.
+    kill_everything(cgroup, pid, &mut reaper);
+    let until = Instant::now() + KILL_WAIT;
+    while Instant::now() < until {
+        reaper.reap();
+        if reaper.childless() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let usage = cgroup.usage();
+    let _ = cgroup.remove();
+    let (exit_code, signal) = match status {
+        WaitStatus::Exited(_, code) => (Some(code), None),
+        WaitStatus::Signaled(_, signal, _) => (None, Some(signal as i32)),
+        _ => (None, None),
+    };
+    let reason = match reason {
+        Some(reason) => reason,
+        None if usage.oom_killed && exit_code != Some(0) => EndReason::MemoryLimit,
+        None => EndReason::Exited,
+    };
+    ExitRecord {
+        exit_code,
+        signal,
+        reason,
+        killed_after_grace,
+        usage,
+        ended_at_ms: record::now_ms(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn user(name: &str, uid: u32) -> TaskUser {
+        TaskUser {
+            name: name.to_string(),
+            uid,
+            gid: uid,
+            home: PathBuf::from("/home").join(name),
+        }
+    }
+
+    fn lookup(name: &str) -> Option<TaskUser> {
+        match name {
+            "root" => Some(user("root", 0)),
+            "alice" => Some(user("alice", 1000)),
+            "nobody" => Some(user("nobody", 65534)),
+            _ => None,
+        }
+    }
+
+    fn plan(job_user: Option<&str>, fallback: &str, allow_root: bool) -> UserPlan {
+        UserPlan {
+            job_user: job_user.map(str::to_string),
+            fallback: fallback.to_string(),
+            allow_root,
+        }
+    }
+
+    #[test]
+    fn a_task_runs_as_its_user_else_the_task_user_and_never_as_root_unless_allowed() {
+        let chosen = |plan: UserPlan| choose_user(true, &plan, lookup);
+        assert_eq!(
+            chosen(plan(Some("alice"), "nobody", false))
+                .unwrap()
+                .unwrap()
+                .uid,
+            1000
+        );
+        // Unknown here: the task user.
+        assert_eq!(
+            chosen(plan(Some("bob"), "nobody", false))
+                .unwrap()
+                .unwrap()
+                .name,
+            "nobody"
+        );
+        assert_eq!(
+            chosen(plan(None, "nobody", false)).unwrap().unwrap().name,
+            "nobody"
+        );
+        // The job says root: not without the operator's word.
+        assert_eq!(
+            chosen(plan(Some("root"), "nobody", false))
+                .unwrap()
+                .unwrap()
+                .name,
+            "nobody"
+        );
+        assert_eq!(
+            chosen(plan(Some("root"), "nobody", true))
+                .unwrap()
+                .unwrap()
+                .uid,
+            0
+        );
+        // A root task user is refused with what to do.
+        let error = chosen(plan(None, "root", false)).unwrap_err();
+        assert!(error.contains("--allow-root-tasks"), "{error}");
+        let error = chosen(plan(None, "nosuchuser", false)).unwrap_err();
+        assert!(error.contains("--task-user"), "{error}");
+        // An agent that is not root cannot switch at all.
+        assert_eq!(
+            choose_user(false, &plan(Some("alice"), "nobody", false), lookup),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn pids_are_written_in_decimal() {
+        let mut buffer = [0u8; 16];
+        assert_eq!(digits(0, &mut buffer), b"0");
+        assert_eq!(digits(4_194_304, &mut buffer), b"4194304");
+        assert_eq!(digits(i32::MAX, &mut buffer), b"2147483647");
+    }
+}
