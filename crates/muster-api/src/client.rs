@@ -172,15 +172,20 @@ impl Client {
         .await
     }
 
+    /// Up to `limit` bytes (the server's cap when `None`) of a task's output
+    /// from byte `offset`; with `follow`, the server waits a while for new
+    /// output when there is none yet.
     pub async fn logs(
         &self,
         id: u64,
         rank: u32,
         offset: u64,
+        limit: Option<u64>,
         follow: bool,
     ) -> Result<LogsResponse, ClientError> {
+        let limit = limit.map_or(String::new(), |limit| format!("&limit={limit}"));
         let url = format!(
-            "{}/v1/jobs/{id}/logs?rank={rank}&offset={offset}&follow={follow}",
+            "{}/v1/jobs/{id}/logs?rank={rank}&offset={offset}{limit}&follow={follow}",
             self.base
         );
         self.send(self.http.get(&url).timeout(Duration::from_secs(60)), &url)
@@ -243,15 +248,15 @@ impl Client {
         .await
     }
 
-    pub async fn push_logs(&self, node: &str, chunk: &LogChunk) -> Result<(), ClientError> {
-        let _: serde_json::Value = self
-            .post(
-                &format!("/v1/agents/{}/logs", encode(node)),
-                chunk,
-                Some(Duration::from_secs(30)),
-            )
-            .await?;
-        Ok(())
+    /// Sends one chunk of a task's output; the answer says where the
+    /// server's copy ends.
+    pub async fn push_logs(&self, node: &str, chunk: &LogChunk) -> Result<LogAck, ClientError> {
+        self.post(
+            &format!("/v1/agents/{}/logs", encode(node)),
+            chunk,
+            Some(Duration::from_secs(30)),
+        )
+        .await
     }
 }
 

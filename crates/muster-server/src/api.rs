@@ -3,7 +3,7 @@
 //! they decide nothing themselves.
 
 use crate::auth::{bearer, new_token, same_token};
-use crate::core::{Core, Shared};
+use crate::core::{Core, Shared, now};
 use crate::error::{ApiError, Body, MAX_BODY_BYTES, Params, PathParams};
 use crate::records::QueueRecord;
 use crate::store::Batch;
@@ -21,10 +21,8 @@ use muster_model::{
     QueueName, QueueSpec, RackName,
 };
 use serde::Deserialize;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use utoipa::OpenApi;
 
 type Shared_ = State<Arc<Shared>>;
@@ -386,13 +384,21 @@ async fn cancel_job(
 pub struct LogsQuery {
     /// The task (node rank); 0 by default.
     rank: Option<u32>,
-    /// The byte offset to read from; 0 by default.
+    /// The byte offset of the task's output to read from; 0 by default.
     offset: Option<u64>,
+    /// The most bytes to return (1 MiB at most, and by default).
+    limit: Option<u64>,
     /// Wait up to 10 s for new output before answering.
     follow: Option<bool>,
 }
 
-/// A task's output, from a byte offset.
+/// How long after its job ended, and after the last byte arrived, a task's
+/// log counts as whole without the agent saying so (an agent that died, or
+/// a task that never started).
+const LOG_SETTLE: Duration = Duration::from_secs(5);
+
+/// A task's output, from a byte offset: the exact bytes it wrote (base64 on
+/// the wire), the offset to read next, and whether that is all.
 #[utoipa::path(
     get, path = "/v1/jobs/{id}/logs", tag = "jobs",
     params(("id" = u64, Path, description = "the job's id"), LogsQuery),
@@ -407,12 +413,18 @@ async fn job_logs(
     let id = parse_job_id(&id)?;
     let rank = query.rank.unwrap_or(0);
     let offset = query.offset.unwrap_or(0);
+    let limit = query
+        .limit
+        .map_or(MAX_LOG_READ, |limit| {
+            usize::try_from(limit).unwrap_or(MAX_LOG_READ)
+        })
+        .clamp(1, MAX_LOG_READ);
     let deadline = tokio::time::Instant::now() + LOG_FOLLOW_WAIT;
     let mut changes = shared.changes.subscribe();
     let mut shutdown = shared.shutdown.clone();
     loop {
         changes.borrow_and_update();
-        let (allocation, final_state) = {
+        let (allocation, finished) = {
             let core = shared.lock();
             let job = core
                 .control
@@ -434,93 +446,64 @@ async fn job_logs(
                 .filter(|a| a.rank == rank)
                 .map(|a| a.id)
                 .next_back();
-            (allocation, job.state.is_final())
+            let finished = job
+                .state
+                .is_final()
+                .then(|| job.finished.map_or(0, |at| at.0));
+            (allocation, finished)
         };
-        let (data, consumed, length) = match allocation {
-            Some(allocation) => read_log(&log_path(&shared, allocation), offset).await?,
-            None => (String::new(), 0, 0),
+        let read = match allocation {
+            Some(allocation) => {
+                let logs = Arc::clone(&shared.logs);
+                tokio::task::spawn_blocking(move || logs.read(allocation.0, offset, limit))
+                    .await
+                    .map_err(|error| {
+                        ApiError::new(ErrorCode::Internal, format!("the log read failed: {error}"))
+                    })?
+                    .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?
+            }
+            None => crate::logstore::LogRead {
+                data: Vec::new(),
+                next_offset: offset,
+                end: 0,
+                eof: true,
+                modified: None,
+            },
         };
-        let next_offset = offset + consumed;
-        let complete = final_state && next_offset >= length;
+        // Whole once the job ended and the agent sent the last byte, or
+        // when nothing arrived for a while after the end (an agent that
+        // died cannot send it).
+        let settled =
+            |since_ms: u64| now().0.saturating_sub(since_ms) >= LOG_SETTLE.as_millis() as u64;
+        let last_write_ms = read.modified.map_or(0, |at| {
+            at.duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64)
+        });
+        let whole =
+            finished.is_some_and(|ended| read.eof || (settled(ended) && settled(last_write_ms)));
+        let more = read.next_offset < read.end;
+        let complete = whole && !more;
         let follow = query.follow.unwrap_or(false);
-        if !follow || !data.is_empty() || complete || tokio::time::Instant::now() >= deadline {
+        if !follow || !read.data.is_empty() || complete || tokio::time::Instant::now() >= deadline {
             return Ok(Json(LogsResponse {
-                data,
-                next_offset,
+                data: read.data,
+                next_offset: read.next_offset,
+                more,
                 complete,
             }));
         }
+        // Wake on a change, or in time to notice that the log settled.
+        let recheck = tokio::time::Instant::now() + Duration::from_secs(1);
         tokio::select! {
-            _ = tokio::time::sleep_until(deadline) => {}
+            _ = tokio::time::sleep_until(deadline.min(recheck)) => {}
             _ = changes.changed() => {}
             _ = shutdown.wait_for(|stop| *stop) => {
-                return Ok(Json(LogsResponse { data, next_offset, complete }));
-            }
-        }
-    }
-}
-
-fn log_path(shared: &Shared, allocation: AllocationId) -> std::path::PathBuf {
-    shared.logs_dir().join(format!("{}.log", allocation.0))
-}
-
-/// Up to [`MAX_LOG_READ`] bytes from `offset`, cut at a character
-/// boundary: the text, the bytes it stands for, and the file's length.
-async fn read_log(path: &Path, offset: u64) -> Result<(String, u64, u64), ApiError> {
-    let internal = |error: std::io::Error| {
-        ApiError::new(
-            ErrorCode::Internal,
-            format!("cannot read the log {}: {error}", path.display()),
-        )
-    };
-    let mut file = match tokio::fs::File::open(path).await {
-        Ok(file) => file,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-            return Ok((String::new(), 0, 0));
-        }
-        Err(error) => return Err(internal(error)),
-    };
-    let length = file.metadata().await.map_err(internal)?.len();
-    if offset >= length {
-        return Ok((String::new(), 0, length));
-    }
-    file.seek(std::io::SeekFrom::Start(offset))
-        .await
-        .map_err(internal)?;
-    let want = usize::try_from(length - offset)
-        .unwrap_or(MAX_LOG_READ)
-        .min(MAX_LOG_READ);
-    let mut bytes = vec![0u8; want];
-    let mut read = 0;
-    while read < want {
-        let n = file.read(&mut bytes[read..]).await.map_err(internal)?;
-        if n == 0 {
-            break;
-        }
-        read += n;
-    }
-    bytes.truncate(read);
-    match String::from_utf8(bytes) {
-        Ok(text) => {
-            let consumed = text.len() as u64;
-            Ok((text, consumed, length))
-        }
-        Err(error) => {
-            let valid = error.utf8_error().valid_up_to();
-            let mut bytes = error.into_bytes();
-            if valid > 0 {
-                // A character cut at the end of the read: the rest comes next.
-                bytes.truncate(valid);
-                let text = String::from_utf8(bytes).unwrap_or_default();
-                Ok((text, valid as u64, length))
-            } else {
-                // Not text at this offset: pass it on, replaced.
-                let consumed = bytes.len() as u64;
-                Ok((
-                    String::from_utf8_lossy(&bytes).into_owned(),
-                    consumed,
-                    length,
-                ))
+                return Ok(Json(LogsResponse {
+                    data: read.data,
+                    next_offset: read.next_offset,
+                    more,
+                    complete,
+                }));
             }
         }
     }
@@ -878,6 +861,9 @@ async fn heartbeat(
     Body(request): Body<HeartbeatRequest>,
 ) -> Result<Json<HeartbeatResponse>, ApiError> {
     let name = NodeName(node);
+    shared
+        .lock()
+        .note_heartbeat(&name, std::time::Instant::now());
     let observed = request
         .observed
         .iter()
@@ -956,16 +942,18 @@ async fn heartbeat(
     }))
 }
 
-/// Append an allocation's output at a byte offset (bytes already there are
-/// skipped, so retries are harmless).
+/// Store an allocation's output at a byte offset of what the task wrote
+/// (bytes already stored are skipped, so retries are harmless). An empty
+/// chunk at offset 0 asks where the server's copy ends.
 #[utoipa::path(
     post, path = "/v1/agents/{node}/logs", tag = "agents",
     params(("node" = String, Path, description = "the node's name")),
     request_body = LogChunk,
     responses(
         (status = 200, body = LogAck),
+        (status = 400, description = "the chunk is too large or not base64", body = ErrorBody),
         (status = 404, body = ErrorBody),
-        (status = 409, description = "the chunk starts past the end of the log", body = ErrorBody),
+        (status = 409, description = "the chunk starts past the end of the log; the message names the byte to send from", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -992,44 +980,40 @@ async fn push_logs(
             ));
         }
     }
-    let path = log_path(&shared, allocation);
-    let internal = |error: std::io::Error| {
+    if chunk.data.len() > MAX_LOG_CHUNK_BYTES {
+        return Err(ApiError::invalid(format!(
+            "the chunk has {} bytes; send at most {MAX_LOG_CHUNK_BYTES} per chunk",
+            chunk.data.len()
+        )));
+    }
+    let logs = Arc::clone(&shared.logs);
+    let appended = tokio::task::spawn_blocking(move || {
+        logs.append(
+            chunk.allocation,
+            chunk.offset,
+            &chunk.data,
+            chunk.omit_gap,
+            chunk.eof,
+        )
+    })
+    .await
+    .map_err(|error| {
         ApiError::new(
             ErrorCode::Internal,
-            format!("cannot write the log {}: {error}", path.display()),
+            format!("the log write failed: {error}"),
         )
-    };
-    let next_offset = {
-        let _guard = shared.log_lock.lock().await;
-        let mut file = tokio::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .await
-            .map_err(internal)?;
-        let length = file.metadata().await.map_err(internal)?.len();
-        if chunk.offset > length {
-            return Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!(
-                    "the chunk starts at byte {} but the log of allocation {allocation} has {length} \
-                     bytes; send from byte {length}",
-                    chunk.offset
-                ),
-            ));
+    })?
+    .map_err(|error| match error {
+        crate::logstore::AppendError::Io { .. } => {
+            ApiError::new(ErrorCode::Internal, error.to_string())
         }
-        let bytes = chunk.data.as_bytes();
-        let skip = usize::try_from(length - chunk.offset).unwrap_or(usize::MAX);
-        if skip < bytes.len() {
-            file.write_all(&bytes[skip..]).await.map_err(internal)?;
-            file.flush().await.map_err(internal)?;
-            length + (bytes.len() - skip) as u64
-        } else {
-            length
-        }
-    };
+        _ => ApiError::new(ErrorCode::Conflict, error.to_string()),
+    })?;
     shared.changes.send_modify(|version| *version += 1);
-    Ok(Json(LogAck { next_offset }))
+    Ok(Json(LogAck {
+        next_offset: appended.end,
+        tail_bytes: appended.tail_bytes,
+    }))
 }
 
 // ---------------------------------------------------------------- openapi

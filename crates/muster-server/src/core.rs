@@ -42,6 +42,21 @@ pub struct Core {
     /// Per node, the version of its desired allocations.
     versions: BTreeMap<NodeName, watch::Sender<u64>>,
     version_counter: u64,
+    /// Per node, when its last heartbeat arrived and the latest gaps
+    /// between heartbeats (for operators and the heartbeat tests).
+    heartbeats: BTreeMap<NodeName, HeartbeatGaps>,
+}
+
+/// How many gaps between heartbeats are kept per node.
+pub const HEARTBEAT_GAPS_KEPT: usize = 32;
+
+/// When a node's heartbeats arrived lately.
+#[derive(Debug)]
+struct HeartbeatGaps {
+    last: std::time::Instant,
+    /// Milliseconds between consecutive heartbeats, oldest first, at most
+    /// [`HEARTBEAT_GAPS_KEPT`].
+    gaps: std::collections::VecDeque<u64>,
 }
 
 impl Core {
@@ -99,7 +114,42 @@ impl Core {
             job_allocations,
             versions,
             version_counter,
+            heartbeats: BTreeMap::new(),
         })
+    }
+
+    /// Notes that a heartbeat from `node` arrived at `at` (a monotonic
+    /// clock: gaps must not jump with the wall clock).
+    pub fn note_heartbeat(&mut self, node: &NodeName, at: std::time::Instant) {
+        match self.heartbeats.get_mut(node) {
+            Some(seen) => {
+                let gap = at.saturating_duration_since(seen.last);
+                seen.last = at;
+                if seen.gaps.len() == HEARTBEAT_GAPS_KEPT {
+                    seen.gaps.pop_front();
+                }
+                seen.gaps
+                    .push_back(u64::try_from(gap.as_millis()).unwrap_or(u64::MAX));
+            }
+            None => {
+                self.heartbeats.insert(
+                    node.clone(),
+                    HeartbeatGaps {
+                        last: at,
+                        gaps: std::collections::VecDeque::new(),
+                    },
+                );
+            }
+        }
+    }
+
+    /// The latest gaps between `node`'s heartbeats, in milliseconds,
+    /// oldest first.
+    pub fn heartbeat_gaps(&self, node: &NodeName) -> Vec<u64> {
+        self.heartbeats
+            .get(node)
+            .map(|seen| seen.gaps.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     pub fn counters(&self) -> Counters {
@@ -203,8 +253,8 @@ pub struct Shared {
     pub changes: watch::Sender<u64>,
     pub admin_token: String,
     pub join_token: String,
-    /// Serialises appends to log files.
-    pub log_lock: tokio::sync::Mutex<()>,
+    /// Task logs, bounded per task.
+    pub logs: std::sync::Arc<crate::logstore::LogStore>,
     /// Becomes true when the server shuts down (ends long polls).
     pub shutdown: watch::Receiver<bool>,
 }
@@ -216,6 +266,7 @@ impl Shared {
         writer: Writer,
         admin_token: String,
         join_token: String,
+        logs: crate::logstore::LogStore,
         shutdown: watch::Receiver<bool>,
     ) -> Shared {
         Shared {
@@ -226,7 +277,7 @@ impl Shared {
             changes: watch::channel(0).0,
             admin_token,
             join_token,
-            log_lock: tokio::sync::Mutex::new(()),
+            logs: std::sync::Arc::new(logs),
             shutdown,
         }
     }
@@ -236,10 +287,6 @@ impl Shared {
         self.core
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    pub fn logs_dir(&self) -> PathBuf {
-        self.settings.data_dir.join("logs")
     }
 
     /// Feeds one input to the control plane and queues what changed, with

@@ -31,6 +31,7 @@ mod api;
 mod auth;
 mod core;
 mod error;
+mod logstore;
 mod loops;
 mod records;
 pub mod store;
@@ -66,7 +67,14 @@ pub struct ServerConfig {
     /// How often the scheduler runs when nothing wakes it.
     pub schedule_interval_ms: u64,
     pub placement: PlacementPolicy,
+    /// The most bytes kept of one task's log: the first half and the latest
+    /// bytes, with a marker for what is left out (see [`DEFAULT_MAX_LOG_BYTES`]).
+    pub max_log_bytes: u64,
 }
+
+/// The default per-task log limit: 1 GiB.
+pub const DEFAULT_MAX_LOG_BYTES: u64 = 1 << 30;
+pub use logstore::MIN_LOG_BYTES;
 
 impl ServerConfig {
     /// The defaults, listening on 127.0.0.1:7070.
@@ -78,6 +86,7 @@ impl ServerConfig {
             heartbeat_ms: 2_000,
             schedule_interval_ms: 200,
             placement: PlacementPolicy::default(),
+            max_log_bytes: DEFAULT_MAX_LOG_BYTES,
         }
     }
 }
@@ -166,6 +175,7 @@ impl Server {
             writer,
             admin_token.clone(),
             join_token.clone(),
+            logstore::LogStore::new(data_dir.join("logs"), config.max_log_bytes),
             shutdown_receiver.clone(),
         ));
 

@@ -472,31 +472,56 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
         assert_eq!(job.tasks[0].gpus.len(), 2);
         assert_eq!(job.tasks[0].state, "running");
 
-        // Logs: appended at offsets; a retried chunk is not written twice.
-        let chunk = |offset: u64, data: &str| {
+        // Logs: exact bytes (here not UTF-8) appended at offsets; a retried
+        // chunk is not written twice, an overlapping one only in part.
+        let chunk_of = |offset: u64, data: &[u8], eof: bool| {
             serde_json::to_value(LogChunk {
                 allocation: task.allocation,
                 offset,
-                data: data.to_string(),
+                data: data.to_vec(),
+                omit_gap: false,
+                eof,
             })
             .unwrap()
         };
-        for (offset, data) in [(0, "hello\n"), (0, "hello\n"), (6, "world\n")] {
+        let chunk = |offset: u64, data: &[u8]| chunk_of(offset, data, false);
+        for (offset, data) in [
+            (0, &b"he\xffo\n"[..]),
+            (0, b"he\xffo\n"),
+            (3, b"o\nw\xe2\x82"),
+            (8, b"\xacld\n"),
+        ] {
             let (status, body) = api
                 .post("/v1/agents/gpu-1/logs", &node_token, chunk(offset, data))
                 .await;
             assert_eq!(status, StatusCode::OK, "{body}");
         }
-        let (status, _) = api
-            .post("/v1/agents/gpu-1/logs", &node_token, chunk(100, "gap"))
+        let (status, body) = api
+            .post("/v1/agents/gpu-1/logs", &node_token, chunk(100, b"gap"))
             .await;
         assert_eq!(status, StatusCode::CONFLICT);
+        assert!(
+            body["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("send from byte 12")),
+            "the refusal says where to resume: {body}"
+        );
         let (_, body) = api
             .get(&format!("/v1/jobs/{id}/logs?rank=0&offset=0"), &admin)
             .await;
         let logs: LogsResponse = serde_json::from_value(body).unwrap();
-        assert_eq!(logs.data, "hello\nworld\n");
+        assert_eq!(logs.data, b"he\xffo\nw\xe2\x82\xacld\n");
         assert!(!logs.complete, "the job still runs");
+        assert!(!logs.more);
+        // Paging: a limit cuts anywhere, even inside a character.
+        let (_, body) = api
+            .get(&format!("/v1/jobs/{id}/logs?offset=5&limit=2"), &admin)
+            .await;
+        let page: LogsResponse = serde_json::from_value(body).unwrap();
+        assert_eq!(
+            (&page.data[..], page.next_offset, page.more),
+            (&b"w\xe2"[..], 7, true)
+        );
 
         // A follower waits for the next output.
         let follow = {
@@ -513,11 +538,15 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
         };
         tokio::time::sleep(Duration::from_millis(200)).await;
         let (status, _) = api
-            .post("/v1/agents/gpu-1/logs", &node_token, chunk(12, "done\n"))
+            .post(
+                "/v1/agents/gpu-1/logs",
+                &node_token,
+                chunk_of(12, b"done\n", true),
+            )
             .await;
         assert_eq!(status, StatusCode::OK);
         let followed = follow.await.unwrap();
-        assert_eq!(followed.data, "done\n");
+        assert_eq!(followed.data, b"done\n");
 
         let exited = ObservedAllocation {
             exited: Some(Some(0)),
@@ -541,7 +570,7 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
             .get(&format!("/v1/jobs/{id}/logs?offset=0&follow=true"), &admin)
             .await;
         let logs: LogsResponse = serde_json::from_value(body).unwrap();
-        assert_eq!(logs.data, "hello\nworld\ndone\n");
+        assert_eq!(logs.data, b"he\xffo\nw\xe2\x82\xacld\ndone\n");
         assert!(logs.complete);
 
         let (_, body) = api.get("/v1/nodes/gpu-1", &admin).await;

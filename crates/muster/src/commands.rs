@@ -21,8 +21,14 @@ fn write_out(args: std::fmt::Arguments<'_>) {
     }
 }
 
-macro_rules! out {
-    ($($arg:tt)*) => { write_out(format_args!($($arg)*)) };
+/// Writes a task's output exactly as it is (bytes, not text).
+fn write_bytes(bytes: &[u8]) {
+    let mut stdout = std::io::stdout().lock();
+    if let Err(error) = stdout.write_all(bytes).and_then(|()| stdout.flush())
+        && error.kind() == std::io::ErrorKind::BrokenPipe
+    {
+        std::process::exit(0);
+    }
 }
 
 macro_rules! outln {
@@ -329,18 +335,30 @@ fn job_exit_status(job: &JobView) -> u8 {
     }
 }
 
-async fn follow_logs(client: &Client, id: u64, rank: u32, mut offset: u64) -> Result<u64> {
+/// Prints a task's output from `offset`, page by page, until the job has
+/// ended and every byte was printed (`follow`), or until the end of what
+/// the server has now; returns the offset reached.
+async fn print_logs(
+    client: &Client,
+    id: u64,
+    rank: u32,
+    mut offset: u64,
+    follow: bool,
+) -> Result<u64> {
     loop {
-        let chunk = client.logs(id, rank, offset, true).await?;
-        if !chunk.data.is_empty() {
-            out!("{}", chunk.data);
-            let _ = std::io::stdout().flush();
+        let page = client.logs(id, rank, offset, None, follow).await?;
+        if !page.data.is_empty() {
+            write_bytes(&page.data);
         }
-        offset = chunk.next_offset;
-        if chunk.complete {
+        offset = page.next_offset;
+        if page.complete || (!follow && !page.more) {
             return Ok(offset);
         }
     }
+}
+
+async fn follow_logs(client: &Client, id: u64, rank: u32, offset: u64) -> Result<u64> {
+    print_logs(client, id, rank, offset, true).await
 }
 
 fn ask_to_cancel(id: u64) -> bool {
@@ -602,15 +620,7 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
     runtime()?
         .block_on(async {
-            if args.follow {
-                follow_logs(&client, args.job, args.rank, 0).await?;
-            } else {
-                let chunk = client
-                    .logs(args.job, args.rank, 0, false)
-                    .await
-                    .map_err(anyhow::Error::from)?;
-                out!("{}", chunk.data);
-            }
+            print_logs(&client, args.job, args.rank, 0, args.follow).await?;
             Ok::<(), anyhow::Error>(())
         })
         .map_err(Failure::from)?;
