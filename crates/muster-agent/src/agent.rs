@@ -4,7 +4,7 @@
 //! cannot be renewed.
 
 use crate::gpu::GpuBackend;
-use crate::runtime::{ProcessRuntime, TaskExit, TaskLaunch};
+use crate::runtime::{CgroupPlan, EndReason, ProcessRuntime, RuntimeConfig, TaskExit, TaskLaunch};
 use muster_api::client::Client;
 use muster_api::protocol::{
     DesiredAllocation, GpuView, HeartbeatRequest, LogChunk, ObservedAllocation, RegisterRequest,
@@ -31,40 +31,21 @@ pub struct AgentConfig {
     pub backend: Arc<dyn GpuBackend>,
     /// Stop tasks this long before the lease would run out.
     pub fence_margin: Duration,
+    /// The program each task's supervisor runs as (`PROGRAM supervise ...`):
+    /// the `muster` binary, by absolute path.
+    pub supervisor: PathBuf,
+    /// The node's task cgroups (see `runtime::cgroup::detect`).
+    pub cgroups: CgroupPlan,
+    /// Whom tasks run as when the job's user does not exist here.
+    pub task_user: String,
+    /// Tasks may run as root on this node.
+    pub allow_root_tasks: bool,
 }
-
-/// The shell every task runs under. It keeps the command's exit code in
-/// `$MUSTER_EXIT_FILE` (so an agent restarted meanwhile learns how the task
-/// ended), and runs a watchdog in the task's process group that kills the
-/// whole group once the time in `$MUSTER_FENCE_FILE` (milliseconds since the
-/// epoch, then the polling interval in seconds) has passed; the agent moves
-/// it forward each time it renews the lease, to half a fence margin before
-/// the lease would end, and polls often enough to act before the lease ends. A task fences
-/// itself even when its agent is dead or hung. The trap keeps the shell
-/// alive on a stop signal until the command itself exits.
-const TASK_SHELL: &str = "trap 'true' TERM INT HUP QUIT USR1 USR2
-( poll=0.2
-  while sleep \"${poll:-0.2}\"; do
-    read -r deadline poll < \"$MUSTER_FENCE_FILE\" 2>/dev/null || { poll=0.2; continue; }
-    now=$(( $(date +%s%N) / 1000000 ))
-    if [ \"$now\" -gt \"$deadline\" ]; then kill -KILL 0; fi
-  done ) &
-watchdog=$!
-\"$@\"
-code=$?
-kill $watchdog 2>/dev/null
-echo $code > \"$MUSTER_EXIT_FILE\"
-exit $code";
 
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
-}
-
-/// Where a task's wrapper writes its exit code.
-fn exit_file(state_dir: &std::path::Path, key: &str) -> PathBuf {
-    state_dir.join("exits").join(key)
 }
 
 /// A task's name on this node (its files are named after it): the job, the
@@ -98,9 +79,6 @@ struct Task {
     stopping: bool,
     /// Stopped because the lease could not be renewed.
     fenced: bool,
-    /// The process group of a task found again after an agent restart: it
-    /// is not this process's child, so its end is noticed by polling.
-    adopted_group: Option<i32>,
     exit: Option<TaskExit>,
     log_offset: u64,
 }
@@ -133,7 +111,13 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), String> {
     tokio::pin!(shutdown);
-    let runtime = Arc::new(ProcessRuntime::new(config.state_dir.clone()));
+    let runtime = Arc::new(ProcessRuntime::new(RuntimeConfig {
+        state_dir: config.state_dir.clone(),
+        supervisor: config.supervisor.clone(),
+        cgroups: config.cgroups.clone(),
+        task_user: config.task_user.clone(),
+        allow_root: config.allow_root_tasks,
+    }));
     let inventory = config.backend.inventory().map_err(|e| e.to_string())?;
     let gpus: Vec<GpuView> = inventory
         .gpus
@@ -167,8 +151,6 @@ pub async fn run(
     let mut tasks: BTreeMap<String, Task> = BTreeMap::new();
     if let Ok(recovery) = runtime.recover().await {
         for found in recovery.tasks {
-            let adopted_group = matches!(found.status, crate::runtime::RecoveredStatus::Running)
-                .then_some(found.pgid);
             let (running, exit) = match found.status {
                 crate::runtime::RecoveredStatus::Running => (true, None),
                 crate::runtime::RecoveredStatus::Exited(exit) => (false, Some(exit)),
@@ -180,7 +162,6 @@ pub async fn run(
                     running,
                     stopping: false,
                     fenced: false,
-                    adopted_group,
                     exit,
                     log_offset: 0,
                 },
@@ -197,24 +178,18 @@ pub async fn run(
         .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
         .and_then(|v| Some((v["last_renewal_ms"].as_u64()?, v["lease_ms"].as_u64()?)))
         .unwrap_or((now_ms(), 10_000));
-    let fence_file = config.state_dir.join("fence_at");
     let fence_margin = config.fence_margin;
     let save_renewal = |last: u64, lease: u64| {
-        let _ = std::fs::create_dir_all(&config.state_dir);
         let margin = (fence_margin.as_millis() as u64).min(lease / 4);
+        // Every task's supervisor kills its task past this deadline, half a
+        // margin before the lease ends, whether or not this agent is alive.
+        if let Err(error) = runtime.set_fence_deadline((last + lease).saturating_sub(margin / 2)) {
+            tracing::error!("cannot write the fence deadline: {error}");
+        }
         let text = serde_json::json!({"last_renewal_ms": last, "lease_ms": lease}).to_string();
-        let poll_ms = (margin / 4).clamp(200, 1_000);
-        let deadline = format!(
-            "{} {}.{:03}\n",
-            (last + lease).saturating_sub(margin / 2),
-            poll_ms / 1000,
-            poll_ms % 1000
-        );
-        for (path, text) in [(&lease_file, text), (&fence_file, deadline)] {
-            let temporary = path.with_extension("tmp");
-            if std::fs::write(&temporary, text).is_ok() {
-                let _ = std::fs::rename(&temporary, path);
-            }
+        let temporary = lease_file.with_extension("tmp");
+        if std::fs::write(&temporary, text).is_ok() {
+            let _ = std::fs::rename(&temporary, &lease_file);
         }
     };
     let mut unhealthy_gpus: Vec<u32> = Vec::new();
@@ -227,7 +202,7 @@ pub async fn run(
             && tasks.values().any(|t| t.running && !t.stopping)
         {
             tracing::warn!("lease not renewed in time: stopping every task (fenced)");
-            apply(&config, &runtime, &uuids, &[], &mut tasks, true).await;
+            apply(&runtime, &uuids, &[], &mut tasks, true).await;
         }
         let sent = now_ms();
         let remaining = (last_renewal + lease_ms)
@@ -259,7 +234,7 @@ pub async fn run(
                     && tasks.values().any(|t| t.running && !t.stopping)
                 {
                     tracing::warn!("lease not renewed in time: stopping every task (fenced)");
-                    apply(&config, &runtime, &uuids, &[], &mut tasks, true).await;
+                    apply(&runtime, &uuids, &[], &mut tasks, true).await;
                 }
                 tokio::select! {
                     _ = &mut shutdown => return Ok(()),
@@ -284,27 +259,6 @@ pub async fn run(
                     task.exit = Some(exit);
                 }
             }
-            // Adopted tasks end without telling us: their exit code is not
-            // known (reported as ended by a signal).
-            for (key, task) in tasks.iter_mut() {
-                if let (true, Some(pgid)) = (task.running, task.adopted_group) {
-                    let alive =
-                        tokio::task::spawn_blocking(move || crate::runtime::group_alive(pgid))
-                            .await
-                            .unwrap_or(true);
-                    if !alive {
-                        let code = std::fs::read_to_string(exit_file(&config.state_dir, key))
-                            .ok()
-                            .and_then(|text| text.trim().parse::<i32>().ok());
-                        task.running = false;
-                        task.exit = Some(TaskExit {
-                            allocation: key.clone(),
-                            exit_code: code,
-                            signal: None,
-                        });
-                    }
-                }
-            }
             ship_logs(&runtime, &client, &config.name, &mut tasks).await;
             let observed: Vec<ObservedAllocation> = tasks
                 .iter()
@@ -318,7 +272,11 @@ pub async fn run(
                         } else {
                             Some(task.exit.as_ref().and_then(|e| e.exit_code))
                         },
-                        fenced: task.fenced,
+                        fenced: task.fenced
+                            || task
+                                .exit
+                                .as_ref()
+                                .is_some_and(|e| e.reason == EndReason::Fenced),
                     })
                 })
                 .collect();
@@ -402,7 +360,7 @@ pub async fn run(
             if fenced {
                 tracing::warn!("lease not renewed in time: stopping every task (fenced)");
             }
-            apply(&config, &runtime, &uuids, &desired, &mut tasks, fenced).await;
+            apply(&runtime, &uuids, &desired, &mut tasks, fenced).await;
             // Forget tasks the server no longer lists once their exit was
             // reported and their logs shipped.
             let listed: std::collections::BTreeSet<(u64, u64)> = desired
@@ -420,14 +378,12 @@ pub async fn run(
             for key in done {
                 tasks.remove(&key);
                 let _ = runtime.forget(&key).await;
-                let _ = std::fs::remove_file(exit_file(&config.state_dir, &key));
             }
         }
     }
 }
 
 async fn apply(
-    config: &AgentConfig,
     runtime: &Arc<ProcessRuntime>,
     uuids: &BTreeMap<u32, String>,
     desired: &[DesiredAllocation],
@@ -469,39 +425,10 @@ async fn apply(
                     continue;
                 };
                 let key = task_key(spec.job, allocation, generation);
-                // A small shell between the agent and the command records the
-                // exit code in a file, so that an agent restarted while the
-                // task runs still learns how it ended. The trap keeps the shell
-                // alive on the stop signal until the command itself exits.
-                let exit_file = exit_file(&config.state_dir, &key);
-                let mut command = vec![
-                    "/bin/sh".to_string(),
-                    "-c".to_string(),
-                    TASK_SHELL.to_string(),
-                    "muster-task".to_string(),
-                ];
-                command.extend(spec.command.iter().cloned());
-                let mut env = spec.env.clone();
-                env.insert(
-                    "MUSTER_EXIT_FILE".to_string(),
-                    exit_file.to_string_lossy().into_owned(),
-                );
-                env.insert(
-                    "MUSTER_FENCE_FILE".to_string(),
-                    config
-                        .state_dir
-                        .join("fence_at")
-                        .to_string_lossy()
-                        .into_owned(),
-                );
-                if let Some(parent) = exit_file.parent() {
-                    let _ = std::fs::create_dir_all(parent);
-                }
-                let _ = std::fs::remove_file(&exit_file);
                 let launch = TaskLaunch {
                     allocation: key.clone(),
-                    command,
-                    env,
+                    command: spec.command.clone(),
+                    env: spec.env.clone(),
                     working_dir: spec.working_dir.as_ref().map(PathBuf::from),
                     gpu_indices: spec.gpus.clone(),
                     gpu_uuids: spec
@@ -511,6 +438,8 @@ async fn apply(
                         .collect(),
                     stop_signal: Signal::parse(&spec.stop_signal).unwrap_or(Signal::Term),
                     grace_period: Duration::from_millis(spec.grace_period_ms),
+                    user: spec.user.clone(),
+                    memory_limit_mib: spec.memory_mib,
                 };
                 match runtime.start(launch).await {
                     Ok(()) => {
@@ -520,7 +449,6 @@ async fn apply(
                                 running: true,
                                 stopping: false,
                                 fenced: false,
-                                adopted_group: None,
                                 exit: None,
                                 log_offset: 0,
                             },
@@ -530,22 +458,29 @@ async fn apply(
                         // Reported as a failed task (exit code 127, as a
                         // shell would for a missing command).
                         tracing::warn!("cannot start {key}: {error}");
+                        // The supervisor wrote why into the task's log when
+                        // it got that far; otherwise the agent does.
                         let log = runtime.log_path(&key);
-                        if let Some(parent) = log.parent() {
-                            let _ = std::fs::create_dir_all(parent);
+                        if !log.exists() {
+                            if let Some(parent) = log.parent() {
+                                let _ = std::fs::create_dir_all(parent);
+                            }
+                            let _ = std::fs::write(&log, format!("muster: {error}\n"));
                         }
-                        let _ = std::fs::write(&log, format!("muster: {error}\n"));
                         tasks.insert(
                             key.clone(),
                             Task {
                                 running: false,
                                 stopping: false,
                                 fenced: false,
-                                adopted_group: None,
                                 exit: Some(TaskExit {
                                     allocation: key,
                                     exit_code: Some(127),
                                     signal: None,
+                                    reason: EndReason::StartFailed {
+                                        message: error.to_string(),
+                                    },
+                                    usage: Default::default(),
                                 }),
                                 log_offset: 0,
                             },
@@ -574,7 +509,7 @@ async fn apply(
                 }
                 let runtime = Arc::clone(runtime);
                 tokio::spawn(async move {
-                    if let Err(error) = runtime.stop(&key, signal, grace).await {
+                    if let Err(error) = runtime.stop_as(&key, signal, grace, fenced).await {
                         tracing::warn!("cannot stop {key}: {error}");
                     }
                 });

@@ -227,6 +227,13 @@ pub struct DesiredAllocation {
     pub stop_signal: String,
     pub grace_period_ms: u64,
     pub stop: bool,
+    /// The job's user: the task runs as this user where it exists on the
+    /// node (else as the agent's task user).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// The task's memory limit, in MiB (the job's memory per node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -179,6 +179,8 @@ pub fn desired_view(task: DesiredTask) -> DesiredAllocation {
         stop_signal: task.stop_signal.name().to_string(),
         grace_period_ms: task.grace_period_ms,
         stop: task.stop,
+        user: Some(task.user),
+        memory_mib: (task.memory_mib > 0).then_some(task.memory_mib),
     }
 }
 

@@ -55,6 +55,68 @@ pub struct AgentArgs {
     /// Where task logs and pid files live (default: DATA_DIR/agent-NAME).
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
+}
+
+/// How tasks are kept apart from the agent and from each other.
+#[derive(Debug, Args)]
+pub struct IsolationArgs {
+    /// Task cgroups: auto (v2 where it has the memory controller, else v1,
+    /// else none), v2, v1, or none (process groups and a subreaper only).
+    #[arg(long, value_name = "KIND", default_value = "auto", value_parser = parse_cgroups)]
+    pub cgroups: muster_agent::CgroupChoice,
+    /// The cgroup v2 hierarchy to use (default: the first cgroup2 mount).
+    #[arg(long, value_name = "PATH")]
+    pub cgroup_v2_root: Option<PathBuf>,
+    /// Whom tasks run as when the agent runs as root and the job's user
+    /// does not exist on this node.
+    #[arg(long, value_name = "USER", default_value = "nobody")]
+    pub task_user: String,
+    /// Let tasks run as root on this node (a job submitted as root, or a
+    /// root --task-user). Off by default.
+    #[arg(long)]
+    pub allow_root_tasks: bool,
+}
+
+fn parse_cgroups(text: &str) -> Result<muster_agent::CgroupChoice, String> {
+    muster_agent::CgroupChoice::parse(text)
+        .ok_or_else(|| format!("unknown cgroup kind {text:?}; use auto, v2, v1 or none"))
+}
+
+/// The node's task isolation, said once at start: which cgroups, as whom.
+fn isolation(args: &IsolationArgs, name: &str) -> Result<(muster_agent::CgroupPlan, PathBuf)> {
+    let supervisor = std::env::current_exe()
+        .context("cannot find this program's own path (to start task supervisors)")?;
+    let (plan, skipped) =
+        muster_agent::runtime::cgroup::detect(args.cgroups, name, args.cgroup_v2_root.as_deref())
+            .map_err(|why| {
+            anyhow!(
+                "cannot use the cgroups asked for ({why}); run the agent as root, or pass \
+                     --cgroups auto or none"
+            )
+        })?;
+    for why in skipped {
+        eprintln!("task isolation: not using {why}");
+    }
+    eprintln!("task isolation: {}", plan.describe());
+    if muster_agent::supervise::running_as_root() {
+        eprintln!(
+            "task isolation: tasks run as the job's user where it exists here, else as `{}`{}",
+            args.task_user,
+            if args.allow_root_tasks {
+                "; root is allowed (--allow-root-tasks)"
+            } else {
+                "; never as root"
+            }
+        );
+    } else {
+        eprintln!(
+            "task isolation: the agent is not root, so tasks run as its own user and can read \
+             what it can (its state directory, tokens); run the agent as root to isolate them"
+        );
+    }
+    Ok((plan, supervisor))
 }
 
 #[derive(Debug, Args)]
@@ -75,6 +137,8 @@ pub struct UpArgs {
     /// The most bytes kept of each task's log (see `muster server --help`).
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     pub max_log_bytes: u64,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
 }
 
 /// A size in bytes: a whole number with an optional binary unit (B, KiB,
@@ -217,6 +281,7 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         .state_dir
         .clone()
         .unwrap_or_else(|| default_data_dir().join(format!("agent-{name}")));
+    let (cgroups, supervisor) = isolation(&args.isolation, &name)?;
     let config = AgentConfig {
         server: args.server.clone(),
         join_token: args.join_token.clone(),
@@ -227,6 +292,10 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         rack: args.rack.clone(),
         backend,
         fence_margin: Duration::from_secs(3),
+        supervisor,
+        cgroups,
+        task_user: args.isolation.task_user.clone(),
+        allow_root_tasks: args.isolation.allow_root_tasks,
     };
     runtime()?.block_on(async {
         eprintln!("muster agent {name} joining {}", args.server);
@@ -254,6 +323,7 @@ pub fn up(args: UpArgs) -> Result<()> {
             ),
         },
     };
+    let (cgroups, supervisor) = isolation(&args.isolation, &name)?;
     runtime()?.block_on(async {
         let handle = muster_server::Server::start(server_config(
             args.listen,
@@ -289,6 +359,10 @@ pub fn up(args: UpArgs) -> Result<()> {
             rack: None,
             backend,
             fence_margin: Duration::from_secs(3),
+            supervisor,
+            cgroups,
+            task_user: args.isolation.task_user.clone(),
+            allow_root_tasks: args.isolation.allow_root_tasks,
         };
         let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();
         let agent_task = tokio::spawn(async move {
