@@ -1,11 +1,44 @@
-//! muster's node-agent decisions, pure: which allocations to start and stop
-//! given what the control plane wants and what runs here, and when the node
-//! must fence itself because it could not renew its lease.
+//! muster's node agent, pure: [`AgentCore`] makes every decision of an
+//! agent (registration, heartbeats and their sequence numbers, the lease,
+//! fencing, which tasks to start, stop and forget, and in which order) as a
+//! state machine with typed inputs and outputs.
 //!
 //! No tokio, HTTP, clock or processes here: the agent shell
-//! (`muster-agent`) passes values in and carries the actions out.
+//! (`muster-agent`) and the fault simulation (`muster-sim`) pass values in
+//! and carry the outputs out. Depends only on `muster-model`.
 
+mod core;
+
+pub use crate::core::{
+    AdoptedTask, AgentCore, CoreConfig, DEFAULT_HEARTBEAT_MS, DEFAULT_LEASE_MS, DesiredTask,
+    HEARTBEAT_RETRY_MS, HeartbeatFailure, Input, LeaseRecord, ObservedTask, Output,
+    REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS, REQUEST_LIMIT_MS, Report, TaskId,
+};
 use std::collections::BTreeSet;
+
+/// How a task ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskExit {
+    /// It exited with this code.
+    Code(i32),
+    /// A signal killed it (a stop, or something else).
+    Signal(i32),
+    /// The runtime killed it at the fence deadline (the lease was not
+    /// renewed in time).
+    Fenced,
+    /// It is gone and nothing says how (its host restarted).
+    Vanished,
+}
+
+impl TaskExit {
+    /// The exit code as the control plane takes it (`None`: no code).
+    pub fn code(self) -> Option<i32> {
+        match self {
+            TaskExit::Code(code) => Some(code),
+            TaskExit::Signal(_) | TaskExit::Fenced | TaskExit::Vanished => None,
+        }
+    }
+}
 
 /// An allocation the control plane wants on this node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -3,21 +3,24 @@
 //! loop from a seed.
 //!
 //! The control plane is the real [`ControlPlane`], scheduled by the real
-//! [`muster_sched::schedule`]; the agents decide with the real
-//! [`muster_node::reconcile`] and [`muster_node::must_fence`]. Everything
-//! else (network, processes, crashes, the store) is modelled here, from one
-//! [`ChaCha8Rng`]: the same seed gives the same run and the same event-log
-//! hash.
+//! [`muster_sched::schedule`]; each agent is the real
+//! [`muster_node::AgentCore`], the same state machine `muster-agent` runs:
+//! this file only carries its outputs out (messages, processes, the lease
+//! file, the runtime's fence deadline) and feeds it inputs; it decides
+//! nothing for the agent. Everything else (network, processes, crashes,
+//! the store) is modelled here, from one [`ChaCha8Rng`]: the same seed gives
+//! the same run and the same event-log hash.
 //!
 //! Faults: message loss, duplication, random latency (so reordering),
 //! partitions of one node from the server, agent crashes (the agent forgets,
 //! its tasks keep running), host crashes (the tasks die too), server crashes
-//! (a restart rebuilds from the store, giving every node a fresh lease).
-//! After every event the run checks the control plane's invariants, that
-//! every acknowledged job is known, that no GPU runs two tasks, and that no
-//! job ever runs two attempts at once (the ground truth of fencing). At the
-//! end everything heals, and every job must have succeeded with nothing left
-//! running.
+//! (a restart rebuilds from the store, giving every node a fresh lease; the
+//! crash closes every connection, so no request sent before it arrives
+//! after it). After every event the run checks the control plane's
+//! invariants, every agent core's, that every acknowledged job is known,
+//! that no GPU runs two tasks, and that no job ever runs two attempts at
+//! once (the ground truth of fencing). At the end everything heals, and
+//! every job must have succeeded with nothing left running.
 
 use muster_control::{
     Allocation, AllocationId, ControlConfig, ControlError, ControlPlane, DesiredTask, Input, Job,
@@ -25,9 +28,13 @@ use muster_control::{
 };
 use muster_model::{
     CpuMilli, GpuModel, GpuRequest, GpuSpec, JobId, JobSpec, MemoryMib, NodeName, NodeSpec,
-    PoolName, RackName, Time,
+    PoolName, RackName, Signal, Time,
 };
-use muster_node::{Action, Desired, Local, must_fence, reconcile};
+use muster_node::{
+    AdoptedTask, AgentCore, CoreConfig, DesiredTask as NodeDesired, HeartbeatFailure,
+    Input as AgentInput, LeaseRecord, ObservedTask, Output as AgentOutput, Report, TaskExit,
+    TaskId,
+};
 use muster_sched::{SchedulingPolicy, schedule};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -35,8 +42,10 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::Duration;
 
-/// Heartbeat period of an agent, milliseconds.
+/// Heartbeat period the server gives agents, milliseconds.
 const HEARTBEAT_MS: u64 = 1_000;
+/// The signal a stop delivers to a simulated task.
+const SIGTERM: i32 = 15;
 /// Scheduling cycle period.
 const CYCLE_MS: u64 = 200;
 /// Lease ticker period.
@@ -73,16 +82,15 @@ pub struct FaultConfig {
     /// GPUs turn unhealthy for a while (the agent reports it in its next
     /// heartbeat; the server moves the work off them and places none there).
     pub gpu_failures: bool,
-    /// Agents fence themselves when they cannot renew their lease. Off only
-    /// to prove that the checker catches a job running twice.
+    /// The node's runtime carries out the stops of a fencing agent. Off
+    /// (with `task_watchdog`) only to prove that the checker catches a job
+    /// running twice: the agent core still decides to fence, but nothing
+    /// happens.
     pub fencing: bool,
-    /// Agents also fence while (re-)registering, from a last renewal kept on
-    /// disk across agent restarts, as `muster-agent` does. Off: the bug this
-    /// simulation found in an earlier agent, whose register loop did not.
-    pub fence_while_registering: bool,
-    /// Each task runs a watchdog that kills it once the lease deadline its
-    /// agent last wrote has passed (as `muster-agent`'s task shell does).
-    /// Off only to show what the agent's own fencing must then catch.
+    /// The runtime kills every task once the fence deadline its agent last
+    /// wrote has passed, whether or not the agent is alive (as
+    /// `muster-agent`'s runtime supervisors do). Off only to show what the
+    /// agent's own fencing must then catch.
     pub task_watchdog: bool,
     pub lease_ms: u64,
     pub fence_margin_ms: u64,
@@ -105,7 +113,6 @@ impl Default for FaultConfig {
             server_crashes: true,
             gpu_failures: true,
             fencing: true,
-            fence_while_registering: true,
             task_watchdog: true,
             lease_ms: 10_000,
             fence_margin_ms: 3_000,
@@ -178,10 +185,12 @@ impl Fnv {
 #[derive(Debug, Clone)]
 enum Request {
     Register {
+        sequence: u64,
         epoch: u64,
         spec: NodeSpec,
     },
     Heartbeat {
+        sequence: u64,
         epoch: u64,
         observed: Vec<Observed>,
         unhealthy: Vec<u32>,
@@ -190,10 +199,17 @@ enum Request {
 
 #[derive(Debug, Clone)]
 enum Reply {
-    Registered,
-    Desired(Vec<DesiredTask>),
+    Registered {
+        sequence: u64,
+    },
+    Desired {
+        sequence: u64,
+        desired: Vec<DesiredTask>,
+    },
     /// The server refused the heartbeat (an unknown node or an old epoch).
-    Reregister,
+    Refused {
+        sequence: u64,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -209,30 +225,28 @@ enum Event {
     },
     Cycle,
     Tick,
-    HeartbeatDue {
+    /// The agent core asked to be woken now.
+    AgentWake {
         node: usize,
         incarnation: u64,
-    },
-    HeartbeatTimeout {
-        node: usize,
-        incarnation: u64,
-        seq: u64,
     },
     ToServer {
         node: usize,
+        /// The sending agent's incarnation (its reply goes back there).
         incarnation: u64,
-        seq: u64,
+        /// The server's incarnation when it was sent: a server crash closes
+        /// the connection it travels on.
+        server_incarnation: u64,
         request: Request,
     },
     ToAgent {
         node: usize,
         incarnation: u64,
-        seq: u64,
         reply: Reply,
     },
     TaskExit {
         process: u64,
-        code: Option<i32>,
+        exit: TaskExit,
     },
     Fault,
     PartitionEnd {
@@ -306,48 +320,39 @@ impl Store {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct LocalTask {
-    /// Its job, as the real agent keeps it in the task's name.
-    job: Option<u64>,
-    running: bool,
-    stopping: bool,
-    /// Exit code once exited (`None`: killed by a signal, or gone).
-    exit: Option<i32>,
-}
-
-/// What the node's disk knows about a task (the runtime's pid files).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Record {
-    Running(u64),
-    Exited(Option<i32>),
-    /// The host restarted under it.
-    Gone,
+/// What the node's disk knows about a task (the runtime's records).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Record {
+    job: u64,
+    gpus: Vec<u32>,
+    stop_signal: Signal,
+    grace_period_ms: u64,
+    /// The process while it runs, else how it ended.
+    state: Result<u64, TaskExit>,
 }
 
 #[derive(Debug, Clone)]
 struct Agent {
     spec: NodeSpec,
-    up: bool,
-    /// Bumped at every crash: messages and timers of an older incarnation
+    /// The agent process: `None` while it is down.
+    core: Option<AgentCore<DesiredTask>>,
+    /// Bumped at every crash: replies and wake-ups of an older incarnation
     /// are dropped.
     incarnation: u64,
     epoch: u64,
-    registered: bool,
-    next_seq: u64,
-    in_flight: Option<(u64, u64)>,
-    last_renewal: u64,
-    /// Kept on disk: survives agent restarts.
-    last_renewal_on_disk: u64,
-    desired: Vec<DesiredTask>,
-    tasks: BTreeMap<(u64, u64), LocalTask>,
-    records: BTreeMap<(u64, u64), Record>,
+    /// The lease file: survives agent restarts.
+    lease_on_disk: Option<LeaseRecord>,
+    /// The fence deadline the runtime enforces (the last one written).
+    fence_deadline: Option<u64>,
+    /// The runtime's records, by task.
+    records: BTreeMap<TaskId, Record>,
     partitioned: bool,
-    fenced: bool,
     /// GPU indices the node's health checks report out of service.
     unhealthy: Vec<u32>,
     /// When the fault that cut this node off began.
     fault_since: Option<u64>,
+    /// The wake-up of the core that is scheduled.
+    wake_at: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -381,6 +386,8 @@ struct World<'a> {
     hash: Fnv,
     recent: VecDeque<String>,
     server_up: bool,
+    /// Bumped at every server crash.
+    server_incarnation: u64,
     control: ControlPlane,
     store: Store,
     agents: Vec<Agent>,
@@ -424,21 +431,16 @@ impl<'a> World<'a> {
                 let gpus = if rng.random_bool(0.5) { 8 } else { 4 };
                 Agent {
                     spec: node_spec(i, gpus),
-                    up: true,
+                    core: None,
                     incarnation: 0,
-                    epoch: 1,
-                    registered: false,
-                    next_seq: 0,
-                    in_flight: None,
-                    last_renewal: 0,
-                    last_renewal_on_disk: 0,
-                    desired: Vec::new(),
-                    tasks: BTreeMap::new(),
+                    epoch: 0,
+                    lease_on_disk: None,
+                    fence_deadline: None,
                     records: BTreeMap::new(),
                     partitioned: false,
-                    fenced: false,
                     unhealthy: Vec::new(),
                     fault_since: None,
+                    wake_at: None,
                 }
             })
             .collect();
@@ -484,6 +486,7 @@ impl<'a> World<'a> {
             hash: Fnv::new(),
             recent: VecDeque::new(),
             server_up: true,
+            server_incarnation: 0,
             control: ControlPlane::new(control_config),
             store: Store::default(),
             agents,
@@ -530,13 +533,7 @@ impl<'a> World<'a> {
     fn run(mut self) -> Result<FaultReport, FaultFailure> {
         for node in 0..self.agents.len() {
             let start = self.rng.random_range(0..HEARTBEAT_MS);
-            self.at(
-                start,
-                Event::HeartbeatDue {
-                    node,
-                    incarnation: 0,
-                },
-            );
+            self.at(start, Event::AgentRestart { node });
         }
         for job in 0..self.workload.len() {
             let at = self.workload[job].submit_at;
@@ -637,25 +634,25 @@ impl<'a> World<'a> {
                 self.tick();
                 self.at(self.now + TICK_MS, Event::Tick);
             }
-            Event::HeartbeatDue { node, incarnation } => self.heartbeat_due(node, incarnation),
-            Event::HeartbeatTimeout {
-                node,
-                incarnation,
-                seq,
-            } => self.heartbeat_timeout(node, incarnation, seq),
+            Event::AgentWake { node, incarnation } => {
+                let agent = &self.agents[node];
+                if agent.incarnation == incarnation && agent.wake_at == Some(self.now) {
+                    self.agents[node].wake_at = None;
+                    self.drive(node, AgentInput::Tick);
+                }
+            }
             Event::ToServer {
                 node,
                 incarnation,
-                seq,
+                server_incarnation,
                 request,
-            } => self.server_receives(node, incarnation, seq, request)?,
+            } => self.server_receives(node, incarnation, server_incarnation, request)?,
             Event::ToAgent {
                 node,
                 incarnation,
-                seq,
                 reply,
-            } => self.agent_receives(node, incarnation, seq, reply),
-            Event::TaskExit { process, code } => self.task_exits(process, code),
+            } => self.agent_receives(node, incarnation, reply),
+            Event::TaskExit { process, exit } => self.task_exits(process, exit),
             Event::Fault => {
                 if !self.healed {
                     self.inject_fault();
@@ -674,14 +671,28 @@ impl<'a> World<'a> {
             Event::GpuHealed { node } => {
                 self.agents[node].unhealthy.clear();
                 self.log(format!("node-{node} GPUs healthy again"));
+                self.drive(
+                    node,
+                    AgentInput::GpuHealth {
+                        unhealthy: Vec::new(),
+                    },
+                );
             }
             Event::Heal => {
                 self.healed = true;
                 self.log("heal: no more faults".to_string());
                 for node in 0..self.agents.len() {
                     self.agents[node].partitioned = false;
-                    self.agents[node].unhealthy.clear();
-                    if !self.agents[node].up {
+                    if !self.agents[node].unhealthy.is_empty() {
+                        self.agents[node].unhealthy.clear();
+                        self.drive(
+                            node,
+                            AgentInput::GpuHealth {
+                                unhealthy: Vec::new(),
+                            },
+                        );
+                    }
+                    if self.agents[node].core.is_none() {
                         self.agent_restart(node);
                     }
                 }
@@ -785,124 +796,148 @@ impl<'a> World<'a> {
         }
     }
 
-    fn heartbeat_due(&mut self, node: usize, incarnation: u64) {
-        let agent = &self.agents[node];
-        if !agent.up || agent.incarnation != incarnation || agent.in_flight.is_some() {
+    /// Feeds the agent core of `node` one input (nothing while the agent
+    /// is down) and carries its outputs out.
+    fn drive(&mut self, node: usize, input: AgentInput<DesiredTask>) {
+        let Some(core) = self.agents[node].core.as_mut() else {
             return;
-        }
-        // As muster-agent: before (re-)registering, fence the tasks that
-        // would outlive the lease.
-        if !agent.registered
-            && self.config.fencing
-            && self.config.fence_while_registering
-            && must_fence(
-                self.now,
-                agent.last_renewal,
-                self.config.lease_ms,
-                self.config.fence_margin_ms,
-            )
-            && agent.tasks.values().any(|t| t.running && !t.stopping)
-        {
-            self.reconcile(node, true);
+        };
+        let outputs = core.handle(self.now, input);
+        self.carry_out(node, outputs);
+    }
+
+    /// Does what the agent core asks, as `muster-agent` does with real
+    /// messages, processes and files; then schedules its next wake-up.
+    fn carry_out(&mut self, node: usize, outputs: Vec<AgentOutput<DesiredTask>>) {
+        for output in outputs {
+            match output {
+                AgentOutput::SendRegister {
+                    sequence, epoch, ..
+                } => {
+                    let what = format!("register {sequence} of node-{node} epoch {epoch}");
+                    let spec = self.agents[node].spec.clone();
+                    self.send_to_server(
+                        node,
+                        what,
+                        Request::Register {
+                            sequence,
+                            epoch,
+                            spec,
+                        },
+                    );
+                }
+                AgentOutput::SendHeartbeat {
+                    sequence,
+                    epoch,
+                    observed,
+                    unhealthy_gpus,
+                    ..
+                } => {
+                    let what = format!(
+                        "heartbeat {sequence} of node-{node} ({} tasks)",
+                        observed.len()
+                    );
+                    let observed = observed.iter().map(observed_of).collect();
+                    self.send_to_server(
+                        node,
+                        what,
+                        Request::Heartbeat {
+                            sequence,
+                            epoch,
+                            observed,
+                            unhealthy: unhealthy_gpus,
+                        },
+                    );
+                }
+                AgentOutput::StartTask { task, launch, .. } => self.start(node, task, &launch),
+                AgentOutput::StopTask {
+                    task,
+                    grace_ms,
+                    fenced,
+                    ..
+                } => self.stop(node, task, grace_ms, fenced),
+                AgentOutput::WriteLease {
+                    last_renewal_ms,
+                    lease_ms,
+                    fence_deadline_ms,
+                } => {
+                    let agent = &mut self.agents[node];
+                    agent.lease_on_disk = Some(LeaseRecord {
+                        last_renewal_ms,
+                        lease_ms,
+                    });
+                    agent.fence_deadline = Some(fence_deadline_ms);
+                    agent.fault_since = None;
+                    self.log(format!(
+                        "node-{node} renewed its lease (sent at {last_renewal_ms}); tasks die at {fence_deadline_ms} unless renewed"
+                    ));
+                }
+                AgentOutput::ForgetTask { task } => {
+                    self.agents[node].records.remove(&task);
+                }
+                AgentOutput::Report(Report::Fenced) => {
+                    self.report.fences += 1;
+                    self.log(format!("node-{node} fences itself: stopping every task"));
+                }
+                AgentOutput::Report(Report::RegisterAgain) => {
+                    self.log(format!("node-{node} must register again"));
+                }
+                AgentOutput::Report(Report::NoAnswer { sequence }) => {
+                    self.log(format!("node-{node}: no answer to {sequence}"));
+                }
+            }
         }
         let agent = &self.agents[node];
-        let seq = agent.next_seq;
-        let (request, what, limit) = if agent.registered {
-            let observed: Vec<Observed> = agent
-                .tasks
-                .iter()
-                .map(|(&(allocation, generation), task)| Observed {
-                    allocation: AllocationId(allocation),
-                    generation,
-                    exited: if task.running { None } else { Some(task.exit) },
-                    // The simulated jobs retry on a non-zero exit instead.
-                    fenced: false,
-                })
-                .collect();
-            // As muster-agent: give up on an answer once the lease could
-            // have run out (less the margin).
-            let margin = self.config.fence_margin_ms;
-            let remaining = (agent.last_renewal + self.config.lease_ms)
-                .saturating_sub(margin)
-                .saturating_sub(self.now);
-            let limit = if remaining == 0 { 5_000 } else { remaining };
-            let what = format!("heartbeat {seq} of node-{node} ({} tasks)", observed.len());
-            (
-                Request::Heartbeat {
-                    epoch: agent.epoch,
-                    observed,
-                    unhealthy: agent.unhealthy.clone(),
-                },
-                what,
-                limit,
-            )
-        } else {
-            (
-                Request::Register {
-                    epoch: agent.epoch,
-                    spec: agent.spec.clone(),
-                },
-                format!("register {seq} of node-{node} epoch {}", agent.epoch),
-                {
-                    let remaining = (agent.last_renewal + self.config.lease_ms)
-                        .saturating_sub(self.config.fence_margin_ms)
-                        .saturating_sub(self.now);
-                    if remaining == 0 {
-                        2_000
-                    } else {
-                        remaining.min(2_000)
-                    }
-                },
-            )
+        let Some(core) = &agent.core else {
+            return;
         };
-        let agent = &mut self.agents[node];
-        agent.next_seq += 1;
-        agent.in_flight = Some((seq, self.now));
-        let partitioned = agent.partitioned;
+        let wake = core.next_wake_ms().max(self.now + 1);
+        if agent.wake_at != Some(wake) {
+            let incarnation = agent.incarnation;
+            self.agents[node].wake_at = Some(wake);
+            self.at(wake, Event::AgentWake { node, incarnation });
+        }
+    }
+
+    fn send_to_server(&mut self, node: usize, what: String, request: Request) {
         self.log(format!("node-{node} sends {what}"));
-        self.at(
-            self.now + limit,
-            Event::HeartbeatTimeout {
-                node,
-                incarnation,
-                seq,
-            },
-        );
-        if partitioned {
+        if self.agents[node].partitioned {
             self.log(format!("net: node-{node} partitioned, {what} dropped"));
             return;
         }
-        self.send(
-            &what,
-            Event::ToServer {
-                node,
-                incarnation,
-                seq,
-                request,
-            },
-        );
+        let event = Event::ToServer {
+            node,
+            incarnation: self.agents[node].incarnation,
+            server_incarnation: self.server_incarnation,
+            request,
+        };
+        self.send(&what, event);
     }
 
     fn server_receives(
         &mut self,
         node: usize,
         incarnation: u64,
-        seq: u64,
+        server_incarnation: u64,
         request: Request,
     ) -> Result<(), FaultFailure> {
-        if !self.server_up {
-            self.log(format!("server down: request {seq} of node-{node} dropped"));
+        if !self.server_up || server_incarnation != self.server_incarnation {
+            self.log(format!(
+                "server down or restarted: a request of node-{node} is dropped"
+            ));
             return Ok(());
         }
         if self.agents[node].partitioned {
-            self.log(format!(
-                "net: node-{node} partitioned, request {seq} dropped"
-            ));
+            self.log(format!("net: node-{node} partitioned, request dropped"));
             return Ok(());
         }
         let name = self.agents[node].spec.name.clone();
         let reply = match request {
-            Request::Register { epoch, spec } => {
+            Request::Register {
+                sequence,
+                epoch,
+                spec,
+            } => {
                 let input = Input::Register {
                     spec,
                     address: format!("10.0.0.{}", node + 1),
@@ -912,21 +947,28 @@ impl<'a> World<'a> {
                 match self.server_step(input) {
                     Ok(_) => {
                         self.log(format!("server registers {name} epoch {epoch}"));
-                        Reply::Registered
+                        Reply::Registered { sequence }
                     }
                     Err(error) => return Err(self.fail(format!("register refused: {error}"))),
                 }
             }
             Request::Heartbeat {
+                sequence,
                 epoch,
                 observed,
                 unhealthy,
             } => {
-                // As muster-server does: a changed health report first.
+                // As muster-server does: a changed health report first,
+                // unless the heartbeat is an old one.
+                let newer = self
+                    .control
+                    .newer_heartbeat(&name, epoch, sequence)
+                    .unwrap_or(true);
                 let known = self
                     .control
                     .nodes
                     .get(&name)
+                    .filter(|_| newer)
                     .map(|n| n.unhealthy_gpus.clone());
                 if known.is_some_and(|known| known != unhealthy) {
                     let health = Input::GpuHealth {
@@ -943,228 +985,138 @@ impl<'a> World<'a> {
                 let input = Input::Heartbeat {
                     node: name.clone(),
                     epoch,
-                    sequence: seq + 1,
+                    sequence,
                     observed,
                 };
                 match self.server_step(input) {
                     Ok(_) => {
                         let desired = self.control.desired(&name);
                         self.log(format!(
-                            "server renews {name} (heartbeat {seq}); desired {}",
+                            "server {} {name} (heartbeat {sequence}); desired {}",
+                            if newer {
+                                "renews"
+                            } else {
+                                "answers an old heartbeat of"
+                            },
                             describe(&desired)
                         ));
-                        Reply::Desired(desired)
+                        Reply::Desired { sequence, desired }
                     }
                     Err(error) => {
-                        self.log(format!("server refuses heartbeat {seq} of {name}: {error}"));
-                        Reply::Reregister
+                        self.log(format!(
+                            "server refuses heartbeat {sequence} of {name}: {error}"
+                        ));
+                        Reply::Refused { sequence }
                     }
                 }
             }
         };
+        let sequence = match &reply {
+            Reply::Registered { sequence }
+            | Reply::Desired { sequence, .. }
+            | Reply::Refused { sequence } => *sequence,
+        };
         self.send(
-            &format!("reply {seq} to node-{node}"),
+            &format!("reply {sequence} to node-{node}"),
             Event::ToAgent {
                 node,
                 incarnation,
-                seq,
                 reply,
             },
         );
         Ok(())
     }
 
-    fn agent_receives(&mut self, node: usize, incarnation: u64, seq: u64, reply: Reply) {
+    fn agent_receives(&mut self, node: usize, incarnation: u64, reply: Reply) {
         let agent = &self.agents[node];
         if agent.partitioned {
-            self.log(format!("net: node-{node} partitioned, reply {seq} dropped"));
+            self.log(format!("net: node-{node} partitioned, reply dropped"));
             return;
         }
-        let Some((in_flight, sent)) = agent.in_flight else {
+        // A reply to an agent process that has since crashed has no
+        // connection left to arrive on.
+        if agent.core.is_none() || agent.incarnation != incarnation {
             return;
+        }
+        let lease_ms = self.config.lease_ms;
+        let input = match reply {
+            Reply::Registered { sequence } => AgentInput::Registered {
+                sequence,
+                lease_ms,
+                heartbeat_ms: HEARTBEAT_MS,
+            },
+            Reply::Desired { sequence, desired } => AgentInput::HeartbeatReply {
+                sequence,
+                version: 0,
+                lease_ms,
+                desired: desired.into_iter().map(desired_of).collect(),
+            },
+            Reply::Refused { sequence } => AgentInput::HeartbeatFailed {
+                sequence,
+                failure: HeartbeatFailure::Refused,
+            },
         };
-        if !agent.up || agent.incarnation != incarnation || in_flight != seq {
-            return;
-        }
-        let agent = &mut self.agents[node];
-        agent.in_flight = None;
-        match reply {
-            Reply::Registered => {
-                agent.registered = true;
-                agent.last_renewal = self.now;
-                agent.last_renewal_on_disk = self.now;
-                self.log(format!("node-{node} registered"));
-                self.at(self.now + 1, Event::HeartbeatDue { node, incarnation });
-            }
-            Reply::Desired(desired) => {
-                agent.last_renewal = sent;
-                agent.last_renewal_on_disk = sent;
-                agent.fault_since = None;
-                agent.desired = desired;
-                self.log(format!("node-{node} renewed its lease (sent at {sent})"));
-                self.reconcile(node, false);
-                self.at(
-                    self.now + HEARTBEAT_MS,
-                    Event::HeartbeatDue { node, incarnation },
-                );
-            }
-            Reply::Reregister => {
-                agent.registered = false;
-                self.log(format!("node-{node} must register again"));
-                self.at(self.now + 1, Event::HeartbeatDue { node, incarnation });
-            }
-        }
+        self.drive(node, input);
     }
 
-    fn heartbeat_timeout(&mut self, node: usize, incarnation: u64, seq: u64) {
-        let agent = &self.agents[node];
-        if !agent.up
-            || agent.incarnation != incarnation
-            || agent.in_flight.map(|f| f.0) != Some(seq)
-        {
-            return;
-        }
-        let registered = agent.registered;
-        let fence_now = self.config.fencing
-            && (registered || self.config.fence_while_registering)
-            && must_fence(
-                self.now,
-                agent.last_renewal,
-                self.config.lease_ms,
-                self.config.fence_margin_ms,
-            );
-        self.agents[node].in_flight = None;
-        self.log(format!("node-{node}: no answer to {seq}"));
-        if registered || fence_now {
-            self.reconcile(node, fence_now);
-        }
-        let wait = if registered { 250 } else { 1_000 };
-        self.at(self.now + wait, Event::HeartbeatDue { node, incarnation });
-    }
-
-    /// The agent's `apply`: reconcile, carry the actions out, forget what
-    /// is done.
-    fn reconcile(&mut self, node: usize, fenced: bool) {
-        let agent = &self.agents[node];
-        if fenced && !agent.fenced {
-            self.report.fences += 1;
-            self.log(format!("node-{node} fences itself: stopping every task"));
-        }
-        self.agents[node].fenced = fenced;
-        let agent = &self.agents[node];
-        let wanted: Vec<Desired> = agent
-            .desired
-            .iter()
-            .map(|d| Desired {
-                allocation: d.allocation.0,
-                generation: d.generation,
-                job: d.job.0,
-                stop: d.stop,
-            })
-            .collect();
-        let local: Vec<Local> = agent
-            .tasks
-            .iter()
-            .map(|(&(allocation, generation), task)| Local {
-                allocation,
-                generation,
-                job: task.job,
-                running: task.running,
-                stopping: task.stopping,
-            })
-            .collect();
-        for action in reconcile(&wanted, &local, fenced) {
-            match action {
-                Action::Start {
-                    allocation,
-                    generation,
-                } => self.start(node, allocation, generation),
-                Action::Stop {
-                    allocation,
-                    generation,
-                } => self.stop(node, allocation, generation),
-            }
-        }
-        let agent = &mut self.agents[node];
-        let listed: BTreeSet<(u64, u64)> = agent
-            .desired
-            .iter()
-            .map(|d| (d.allocation.0, d.generation))
-            .collect();
-        let done: Vec<(u64, u64)> = agent
-            .tasks
-            .iter()
-            .filter(|(key, task)| !task.running && !listed.contains(key))
-            .map(|(key, _)| *key)
-            .collect();
-        for key in done {
-            agent.tasks.remove(&key);
-            agent.records.remove(&key);
-        }
-    }
-
-    fn start(&mut self, node: usize, allocation: u64, generation: u64) {
-        let Some(task) = self.agents[node]
-            .desired
-            .iter()
-            .find(|d| d.allocation.0 == allocation && d.generation == generation)
-            .cloned()
-        else {
-            return;
-        };
+    /// The runtime starts a task: a process that ends with code 0 after
+    /// its job's run time.
+    fn start(&mut self, node: usize, task: TaskId, launch: &DesiredTask) {
         let id = self.next_process;
         self.next_process += 1;
-        let attempt = self.attempt_of.get(&allocation).copied().unwrap_or(0);
+        let attempt = self.attempt_of.get(&task.allocation).copied().unwrap_or(0);
         let run_ms = self
             .workload
-            .get((task.job.0 as usize).wrapping_sub(1))
+            .get((launch.job.0 as usize).wrapping_sub(1))
             .map_or(1_000, |w| w.run_ms);
         self.processes.insert(
             id,
             Process {
                 node,
-                allocation,
-                generation,
-                job: task.job,
+                allocation: task.allocation,
+                generation: task.generation,
+                job: launch.job,
                 attempt,
-                rank: task.rank,
-                gpus: task.gpus.clone(),
+                rank: launch.rank,
+                gpus: launch.gpus.clone(),
                 started: self.now,
                 stopping: false,
             },
         );
-        let agent = &mut self.agents[node];
-        agent
-            .records
-            .insert((allocation, generation), Record::Running(id));
-        agent.tasks.insert(
-            (allocation, generation),
-            LocalTask {
-                job: Some(task.job.0),
-                running: true,
-                stopping: false,
-                exit: None,
+        self.agents[node].records.insert(
+            task,
+            Record {
+                job: launch.job.0,
+                gpus: launch.gpus.clone(),
+                stop_signal: launch.stop_signal,
+                grace_period_ms: launch.grace_period_ms,
+                state: Ok(id),
             },
         );
         self.log(format!(
-            "node-{node} starts job {} attempt {attempt} rank {} (allocation {allocation} generation {generation}, process {id})",
-            task.job, task.rank
+            "node-{node} starts job {} attempt {attempt} rank {} (allocation {} generation {}, process {id})",
+            launch.job, launch.rank, task.allocation, task.generation
         ));
         self.at(
             self.now + run_ms,
             Event::TaskExit {
                 process: id,
-                code: Some(0),
+                exit: TaskExit::Code(0),
             },
         );
     }
 
-    fn stop(&mut self, node: usize, allocation: u64, generation: u64) {
-        let agent = &mut self.agents[node];
-        if let Some(task) = agent.tasks.get_mut(&(allocation, generation)) {
-            task.stopping = true;
+    /// The runtime stops a task: it honours the signal within 50 ms to 1 s,
+    /// and is killed at the end of its grace period.
+    fn stop(&mut self, node: usize, task: TaskId, grace_ms: u64, fenced: bool) {
+        if fenced && !self.config.fencing {
+            self.log(format!(
+                "node-{node}: the runtime ignores the fencing stop of allocation {}",
+                task.allocation
+            ));
+            return;
         }
-        let Some(Record::Running(id)) = agent.records.get(&(allocation, generation)).copied()
+        let Some(Record { state: Ok(id), .. }) = self.agents[node].records.get(&task).cloned()
         else {
             return;
         };
@@ -1175,69 +1127,67 @@ impl<'a> World<'a> {
             return;
         }
         process.stopping = true;
-        // Tasks here honour the stop signal within their grace (1 s).
-        let after = self.rng.random_range(50..=1_000);
+        let after = self.rng.random_range(50..=1_000).min(grace_ms.max(1));
         self.log(format!(
-            "node-{node} stops allocation {allocation} generation {generation} (process {id})"
+            "node-{node} stops allocation {} generation {} (process {id}, grace {grace_ms} ms)",
+            task.allocation, task.generation
         ));
         self.at(
             self.now + after,
             Event::TaskExit {
                 process: id,
-                code: None,
+                exit: TaskExit::Signal(SIGTERM),
             },
         );
     }
 
-    /// The watchdog in each task's process group (as `muster-agent` runs
-    /// it): once the lease deadline the agent last wrote to disk has passed,
-    /// the task kills itself, whether or not its agent is alive.
+    /// The runtime's supervisors: once the fence deadline the agent last
+    /// wrote has passed, every task of the node is killed, whether or not
+    /// its agent is alive.
     fn watchdog(&mut self) {
         if !self.config.fencing || !self.config.task_watchdog {
             return;
         }
-        let lease = self.config.lease_ms;
-        let half_margin = self.config.fence_margin_ms / 2;
         let expired: Vec<u64> = self
             .processes
             .iter()
             .filter(|(_, process)| {
-                let disk = self.agents[process.node].last_renewal_on_disk;
-                (disk + lease).saturating_sub(half_margin) < self.now
+                self.agents[process.node]
+                    .fence_deadline
+                    .is_some_and(|deadline| deadline < self.now)
             })
             .map(|(&id, _)| id)
             .collect();
         for id in expired {
             self.log(format!(
-                "watchdog: process {id} kills itself (lease deadline passed)"
+                "runtime: process {id} killed (fence deadline passed)"
             ));
-            self.task_exits(id, None);
+            self.task_exits(id, TaskExit::Fenced);
         }
     }
 
-    fn task_exits(&mut self, id: u64, code: Option<i32>) {
+    fn task_exits(&mut self, id: u64, exit: TaskExit) {
         let Some(process) = self.processes.remove(&id) else {
             return;
         };
-        let key = (process.allocation, process.generation);
+        let task = TaskId {
+            allocation: process.allocation,
+            generation: process.generation,
+        };
         self.log(format!(
-            "process {id} of job {} attempt {} rank {} on node-{} exits {code:?} (ran {} ms)",
+            "process {id} of job {} attempt {} rank {} on node-{} exits {exit:?} (ran {} ms)",
             process.job,
             process.attempt,
             process.rank,
             process.node,
             self.now - process.started
         ));
-        let agent = &mut self.agents[process.node];
-        if agent.records.get(&key) == Some(&Record::Running(id)) {
-            agent.records.insert(key, Record::Exited(code));
-        }
-        if agent.up
-            && let Some(task) = agent.tasks.get_mut(&key)
+        if let Some(record) = self.agents[process.node].records.get_mut(&task)
+            && record.state == Ok(id)
         {
-            task.running = false;
-            task.exit = code;
+            record.state = Err(exit);
         }
+        self.drive(process.node, AgentInput::TaskExited { task, exit });
     }
 
     fn inject_fault(&mut self) {
@@ -1277,7 +1227,7 @@ impl<'a> World<'a> {
                 self.at(self.now + heal, Event::PartitionEnd { node });
             }
             1 | 2 => {
-                if !self.agents[node].up {
+                if self.agents[node].core.is_none() {
                     return;
                 }
                 let host = kind == 2;
@@ -1289,13 +1239,9 @@ impl<'a> World<'a> {
                     self.rng.random_range(500..4_000)
                 };
                 let agent = &mut self.agents[node];
-                agent.up = false;
+                agent.core = None;
                 agent.incarnation += 1;
-                agent.registered = false;
-                agent.in_flight = None;
-                agent.tasks.clear();
-                agent.desired.clear();
-                agent.fenced = false;
+                agent.wake_at = None;
                 if agent.fault_since.is_none() {
                     agent.fault_since = Some(self.now);
                 }
@@ -1314,9 +1260,13 @@ impl<'a> World<'a> {
                                 "process {id} of job {} dies with its host",
                                 process.job
                             ));
-                            self.agents[node]
-                                .records
-                                .insert((process.allocation, process.generation), Record::Gone);
+                            let task = TaskId {
+                                allocation: process.allocation,
+                                generation: process.generation,
+                            };
+                            if let Some(record) = self.agents[node].records.get_mut(&task) {
+                                record.state = Err(TaskExit::Vanished);
+                            }
                         }
                     }
                 } else {
@@ -1335,6 +1285,12 @@ impl<'a> World<'a> {
                 let gpu = self.rng.random_range(0..gpus);
                 let back = self.rng.random_range(2_000..20_000);
                 self.agents[node].unhealthy = vec![gpu];
+                self.drive(
+                    node,
+                    AgentInput::GpuHealth {
+                        unhealthy: vec![gpu],
+                    },
+                );
                 self.report.gpu_failures += 1;
                 self.log(format!(
                     "fault: GPU {gpu} of node-{node} unhealthy for {back} ms"
@@ -1347,6 +1303,7 @@ impl<'a> World<'a> {
                 }
                 let back = self.rng.random_range(1_000..15_000);
                 self.server_up = false;
+                self.server_incarnation += 1;
                 self.report.server_crashes += 1;
                 self.log(format!("fault: server crashes for {back} ms"));
                 self.at(self.now + back, Event::ServerRestart);
@@ -1354,57 +1311,44 @@ impl<'a> World<'a> {
         }
     }
 
+    /// A new agent process on the node: a new epoch, the lease kept on
+    /// disk, the tasks the runtime's records list.
     fn agent_restart(&mut self, node: usize) {
         let now = self.now;
-        let jobs_of: BTreeMap<u64, u64> = self
-            .processes
-            .iter()
-            .map(|(&id, process)| (id, process.job.0))
-            .collect();
         let agent = &mut self.agents[node];
-        if agent.up {
+        if agent.core.is_some() {
             return;
         }
-        agent.up = true;
         agent.epoch = (agent.epoch + 1).max(now);
-        agent.registered = false;
-        agent.in_flight = None;
-        agent.last_renewal = agent.last_renewal_on_disk;
         agent.fault_since = None;
-        let recovered: Vec<((u64, u64), LocalTask)> = agent
+        let adopted: Vec<AdoptedTask> = agent
             .records
             .iter()
-            .map(|(key, record)| {
-                let task = match record {
-                    Record::Running(id) => LocalTask {
-                        job: jobs_of.get(id).copied(),
-                        running: true,
-                        stopping: false,
-                        exit: None,
-                    },
-                    Record::Exited(code) => LocalTask {
-                        job: None,
-                        running: false,
-                        stopping: false,
-                        exit: *code,
-                    },
-                    Record::Gone => LocalTask {
-                        job: None,
-                        running: false,
-                        stopping: false,
-                        exit: None,
-                    },
-                };
-                (*key, task)
+            .map(|(&task, record)| AdoptedTask {
+                task,
+                job: Some(record.job),
+                gpus: Some(record.gpus.clone()),
+                stop_signal: record.stop_signal,
+                grace_period_ms: record.grace_period_ms,
+                exit: record.state.err(),
             })
             .collect();
-        agent.tasks = recovered.into_iter().collect();
-        let incarnation = agent.incarnation;
-        let (epoch, count) = (agent.epoch, agent.tasks.len());
+        let count = adopted.len();
+        let config = CoreConfig {
+            fence_margin_ms: self.config.fence_margin_ms,
+        };
+        let (core, outputs) =
+            AgentCore::new(config, agent.epoch, now, agent.lease_on_disk, adopted);
+        agent.core = Some(core);
+        let epoch = agent.epoch;
         self.log(format!(
-            "agent of node-{node} restarts: epoch {epoch}, {count} tasks recovered"
+            "agent of node-{node} starts: epoch {epoch}, {count} tasks recovered"
         ));
-        self.at(now + 1, Event::HeartbeatDue { node, incarnation });
+        self.carry_out(node, outputs);
+        let unhealthy = self.agents[node].unhealthy.clone();
+        if !unhealthy.is_empty() {
+            self.drive(node, AgentInput::GpuHealth { unhealthy });
+        }
     }
 
     fn server_restart(&mut self) {
@@ -1435,6 +1379,12 @@ impl<'a> World<'a> {
                         job + 1
                     )));
                 }
+            }
+        }
+        for (node, agent) in self.agents.iter().enumerate() {
+            if let Some(core) = &agent.core {
+                core.check_invariants()
+                    .map_err(|problem| self.fail(format!("node-{node} agent core: {problem}")))?;
             }
         }
         // Ground truth: one attempt of a job at a time; one task per GPU.
@@ -1531,6 +1481,32 @@ fn job_rank_zero(control: &ControlPlane, allocation: u64) -> bool {
         .allocations
         .get(&AllocationId(allocation))
         .is_some_and(|a| a.rank == 0)
+}
+
+/// A control-plane task as the agent core takes it.
+fn desired_of(desired: DesiredTask) -> NodeDesired<DesiredTask> {
+    NodeDesired {
+        task: TaskId {
+            allocation: desired.allocation.0,
+            generation: desired.generation,
+        },
+        job: desired.job.0,
+        gpus: desired.gpus.clone(),
+        stop: desired.stop,
+        stop_signal: desired.stop_signal,
+        grace_period_ms: desired.grace_period_ms,
+        launch: desired,
+    }
+}
+
+/// What the agent core reports, as the control plane takes it.
+fn observed_of(observed: &ObservedTask) -> Observed {
+    Observed {
+        allocation: AllocationId(observed.task.allocation),
+        generation: observed.task.generation,
+        exited: observed.exited,
+        fenced: observed.fenced,
+    }
 }
 
 fn describe(desired: &[DesiredTask]) -> String {

@@ -109,21 +109,37 @@ fn without_fencing_some_seed_runs_a_job_twice_and_is_named() {
     assert_eq!(run_faults(failure.seed, &config).err(), Some(failure));
 }
 
-/// An earlier `muster-agent` did not fence while it registered again (after
-/// a restart, or when the server refused a heartbeat); partitioned in that
-/// loop, its recovered tasks outlived the lease. This simulation found it;
-/// the agent now fences there too (`fence_while_registering`, on by
-/// default), and each task's own watchdog would catch it as well. This keeps
-/// the regression visible, with the watchdog off.
+/// Issue 9: a heartbeat duplicated on the way, sent before node-0 started
+/// a task, reached the server after the job was stopped; the server took
+/// the missing report for an exit and placed allocation 14 on the GPU that
+/// allocation 7 still held, and node-0 started 14 before stopping 7, in one
+/// step (a GPU ran two tasks). Fixed by heartbeat sequence numbers and by
+/// the agent core starting a task only once its GPUs are free.
 #[test]
-fn an_agent_that_does_not_fence_while_registering_runs_a_job_twice() {
+fn seed_63111_no_gpu_runs_two_tasks() {
+    check_seed(63_111);
+}
+
+/// Issue 9: the same duplicated-heartbeat race let a gang's new attempt
+/// start on another node while its old attempt still ran (a job ran twice).
+#[test]
+fn seed_66200_no_job_runs_twice() {
+    check_seed(66_200);
+}
+
+/// `muster sim faults --start SEED --seeds 1 --nodes 4 --sim-jobs 12
+/// --duration 60 --loss 0.05 --duplicate 0.03 --max-delay-ms 400`.
+fn check_seed(seed: u64) {
     let config = FaultConfig {
-        fence_while_registering: false,
-        task_watchdog: false,
+        nodes: 4,
+        jobs: 12,
+        duration_ms: 60_000,
+        loss: 0.05,
+        duplicate: 0.03,
+        max_delay_ms: 400,
         ..FaultConfig::default()
     };
-    let failure = (0..100)
-        .find_map(|seed| run_faults(seed, &config).err())
-        .expect("some seed restarts an agent into a partition");
-    assert!(failure.message.contains("runs twice"), "{failure}");
+    if let Err(failure) = run_faults(seed, &config) {
+        panic!("{failure}");
+    }
 }

@@ -177,16 +177,13 @@ pub struct FaultsArgs {
     #[arg(long)]
     pub no_gpu_failures: bool,
 
-    /// Agents do not fence while registering again (the bug an earlier
-    /// `muster-agent` had; shows the checker catching it).
-    #[arg(long)]
-    pub no_register_fencing: bool,
-
-    /// Tasks run without their lease watchdog.
+    /// The runtime does not kill tasks at the fence deadline their agent
+    /// wrote (only the agent's own fencing remains).
     #[arg(long)]
     pub no_task_watchdog: bool,
 
-    /// Agents never fence (a broken configuration: shows the checker fail).
+    /// The runtime ignores fencing altogether: the agent core's fencing
+    /// stops and the fence deadline (a broken node: shows the checker fail).
     #[arg(long)]
     pub no_fencing: bool,
 

@@ -22,7 +22,6 @@ pub fn run(args: &FaultsArgs) -> anyhow::Result<()> {
         server_crashes: !args.no_server_crashes,
         gpu_failures: !args.no_gpu_failures,
         fencing: !args.no_fencing,
-        fence_while_registering: !args.no_register_fencing,
         task_watchdog: !args.no_task_watchdog,
         ..FaultConfig::default()
     };
@@ -121,7 +120,6 @@ fn replay_flags(args: &FaultsArgs) -> String {
         (args.no_agent_crashes, " --no-agent-crashes"),
         (args.no_server_crashes, " --no-server-crashes"),
         (args.no_gpu_failures, " --no-gpu-failures"),
-        (args.no_register_fencing, " --no-register-fencing"),
         (args.no_task_watchdog, " --no-task-watchdog"),
         (args.no_fencing, " --no-fencing"),
     ] {
