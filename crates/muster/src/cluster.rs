@@ -57,6 +57,10 @@ pub struct AgentArgs {
     pub state_dir: Option<PathBuf>,
     #[command(flatten)]
     pub isolation: IsolationArgs,
+    /// Task logs are sent to the server at most this fast, per second, for
+    /// the whole node (e.g. 8MiB); heartbeats never wait for them.
+    #[arg(long, value_name = "SIZE", default_value = "8MiB", value_parser = parse_rate)]
+    pub log_rate: u64,
 }
 
 /// How tasks are kept apart from the agent and from each other.
@@ -85,17 +89,24 @@ fn parse_cgroups(text: &str) -> Result<muster_agent::CgroupChoice, String> {
 }
 
 /// The node's task isolation, said once at start: which cgroups, as whom.
-fn isolation(args: &IsolationArgs, name: &str) -> Result<(muster_agent::CgroupPlan, PathBuf)> {
+fn isolation(
+    args: &IsolationArgs,
+    name: &str,
+    state_dir: &std::path::Path,
+) -> Result<(muster_agent::CgroupPlan, PathBuf)> {
     let supervisor = std::env::current_exe()
         .context("cannot find this program's own path (to start task supervisors)")?;
-    let (plan, skipped) =
-        muster_agent::runtime::cgroup::detect(args.cgroups, name, args.cgroup_v2_root.as_deref())
-            .map_err(|why| {
-            anyhow!(
-                "cannot use the cgroups asked for ({why}); run the agent as root, or pass \
+    let (plan, skipped) = muster_agent::runtime::cgroup::detect(
+        args.cgroups,
+        &muster_agent::runtime::cgroup::agent_dir_name(name, state_dir),
+        args.cgroup_v2_root.as_deref(),
+    )
+    .map_err(|why| {
+        anyhow!(
+            "cannot use the cgroups asked for ({why}); run the agent as root, or pass \
                      --cgroups auto or none"
-            )
-        })?;
+        )
+    })?;
     for why in skipped {
         eprintln!("task isolation: not using {why}");
     }
@@ -144,6 +155,18 @@ pub struct UpArgs {
 /// A size in bytes: a whole number with an optional binary unit (B, KiB,
 /// MiB, GiB, TiB), at least the server's smallest log limit.
 fn parse_size(text: &str) -> Result<u64, String> {
+    let bytes = parse_bytes(text)?;
+    if bytes < muster_server::MIN_LOG_BYTES {
+        return Err(format!(
+            "{text:?} is too small; give at least {} bytes",
+            muster_server::MIN_LOG_BYTES
+        ));
+    }
+    Ok(bytes)
+}
+
+/// A whole number of bytes with an optional binary unit.
+fn parse_bytes(text: &str) -> Result<u64, String> {
     let trimmed = text.trim();
     let split = trimmed
         .find(|c: char| !c.is_ascii_digit())
@@ -161,15 +184,19 @@ fn parse_size(text: &str) -> Result<u64, String> {
             ));
         }
     };
-    let bytes = number
+    number
         .parse::<u64>()
         .ok()
         .and_then(|n| n.checked_mul(scale))
-        .ok_or_else(|| format!("{text:?} is not a size; write e.g. 1GiB, 64MiB or 4096"))?;
-    if bytes < muster_server::MIN_LOG_BYTES {
+        .ok_or_else(|| format!("{text:?} is not a size; write e.g. 1GiB, 64MiB or 4096"))
+}
+
+/// A rate in bytes per second, written as a size (e.g. 8MiB).
+fn parse_rate(text: &str) -> Result<u64, String> {
+    let bytes = parse_bytes(text)?;
+    if bytes == 0 {
         return Err(format!(
-            "{text:?} is too small; give at least {} bytes",
-            muster_server::MIN_LOG_BYTES
+            "{text:?} would ship nothing; give at least 1 byte per second"
         ));
     }
     Ok(bytes)
@@ -281,7 +308,7 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         .state_dir
         .clone()
         .unwrap_or_else(|| default_data_dir().join(format!("agent-{name}")));
-    let (cgroups, supervisor) = isolation(&args.isolation, &name)?;
+    let (cgroups, supervisor) = isolation(&args.isolation, &name, &state_dir)?;
     let config = AgentConfig {
         server: args.server.clone(),
         join_token: args.join_token.clone(),
@@ -296,6 +323,10 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         cgroups,
         task_user: args.isolation.task_user.clone(),
         allow_root_tasks: args.isolation.allow_root_tasks,
+        log_shipping: muster_agent::logship::LogShipConfig {
+            rate_bytes_per_s: args.log_rate,
+            ..muster_agent::logship::LogShipConfig::default()
+        },
     };
     runtime()?.block_on(async {
         eprintln!("muster agent {name} joining {}", args.server);
@@ -323,7 +354,7 @@ pub fn up(args: UpArgs) -> Result<()> {
             ),
         },
     };
-    let (cgroups, supervisor) = isolation(&args.isolation, &name)?;
+    let (cgroups, supervisor) = isolation(&args.isolation, &name, &data_dir.join("agent"))?;
     runtime()?.block_on(async {
         let handle = muster_server::Server::start(server_config(
             args.listen,
@@ -363,6 +394,7 @@ pub fn up(args: UpArgs) -> Result<()> {
             cgroups,
             task_user: args.isolation.task_user.clone(),
             allow_root_tasks: args.isolation.allow_root_tasks,
+            log_shipping: muster_agent::logship::LogShipConfig::default(),
         };
         let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();
         let agent_task = tokio::spawn(async move {

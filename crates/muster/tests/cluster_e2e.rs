@@ -257,8 +257,7 @@ fn a_server_with_three_agents_runs_a_gang() {
     assert_eq!(node["gpus"].as_array().map(Vec::len), Some(4));
 
     // A 2-node gang: consistent environments, tasks running at once.
-    let out = env.path("gang");
-    std::fs::create_dir_all(&out).unwrap();
+    let out = common::task_writable(env.dir.path(), "gang");
     let script = format!(
         "env | grep -E '^(MUSTER|PET)_' | sort > {dir}/rank-$MUSTER_NODE_RANK.env; \
          date +%s%N > {dir}/start-$MUSTER_NODE_RANK; sleep 1; date +%s%N > {dir}/end-$MUSTER_NODE_RANK",

@@ -317,7 +317,7 @@ fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
     wait_for_nodes(&rt, &client, 2);
     rt.block_on(client.node_action("node-b", "cordon"))
         .expect("cordon");
-    let log = cluster.path("runs.log");
+    let log = common::task_writable(cluster.dir.path(), "out").join("runs.log");
     let script = format!(
         "echo start $(date +%s%N) >> {log}; \
          trap 'echo stop $(date +%s%N) >> {log}; exit 143' TERM; \
@@ -374,7 +374,7 @@ fn running_jobs_keep_running_across_a_server_restart() {
     let rt = runtime();
     let client = cluster.client();
     wait_for_nodes(&rt, &client, 1);
-    let marker = cluster.path("done");
+    let marker = common::task_writable(cluster.dir.path(), "out").join("done");
     let script = format!("sleep 3; touch {}", marker.display());
     let spec = serde_json::json!({"name": "survivor", "gpus": 1, "command": ["sh", "-c", script]});
     let id = rt.block_on(client.submit(spec)).expect("submitted");
@@ -433,7 +433,7 @@ fn a_dead_agent_s_task_fences_itself_before_the_job_runs_elsewhere() {
     wait_for_nodes(&rt, &client, 2);
     rt.block_on(client.node_action("node-b", "cordon"))
         .expect("cordon");
-    let log = cluster.path("runs.log");
+    let log = common::task_writable(cluster.dir.path(), "out").join("runs.log");
     let marker = format!("muster-orphan-{}", std::process::id());
     let script = format!(
         "echo start $(date +%s%N) >> {log}; exec -a {marker} sleep 8",

@@ -458,6 +458,21 @@ pub fn node_dir_name(node: &str) -> String {
     }
 }
 
+/// The directory of one agent's task cgroups: its node name and a hash of
+/// its state directory, so two agents on one host (tests, or a node
+/// re-registered under another state directory) never share task cgroups
+/// (task names repeat across clusters), while a restarted agent finds its
+/// own again.
+pub fn agent_dir_name(node: &str, state_dir: &Path) -> String {
+    // FNV-1a, 32 bits: stable across builds and platforms.
+    let mut hash: u32 = 0x811c_9dc5;
+    for byte in state_dir.as_os_str().as_encoded_bytes() {
+        hash ^= u32::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0193);
+    }
+    format!("{}-{hash:08x}", node_dir_name(node))
+}
+
 /// Tries to set up a plan of the given version under `mounts`, creating the
 /// node's parent directories and a probe task cgroup (removed again).
 fn try_v2(mount: &Path, node: &str) -> Result<CgroupPlan, String> {
@@ -542,8 +557,9 @@ fn probe(plan: &CgroupPlan) -> Result<(), String> {
 }
 
 /// The plan for `choice` on this host, and why the kinds before it were not
-/// used (for the start message). `v2_root` overrides where the v2 hierarchy
-/// is (by default the first `cgroup2` mount).
+/// used (for the start message). Task cgroups go under `muster/NAME` in each
+/// hierarchy (see [`agent_dir_name`]). `v2_root` overrides where the v2
+/// hierarchy is (by default the first `cgroup2` mount).
 pub fn detect(
     choice: CgroupChoice,
     node: &str,
@@ -622,6 +638,16 @@ mod tests {
         assert_eq!(node_dir_name("../etc"), "n.._etc");
         assert_eq!(node_dir_name("a/b c"), "a_b_c");
         assert_eq!(node_dir_name(""), "n");
+        let one = agent_dir_name("node-a", Path::new("/var/lib/muster/a"));
+        assert!(
+            one.starts_with("node-a-") && one.len() == "node-a-".len() + 8,
+            "{one}"
+        );
+        assert_eq!(
+            one,
+            agent_dir_name("node-a", Path::new("/var/lib/muster/a"))
+        );
+        assert_ne!(one, agent_dir_name("node-a", Path::new("/tmp/other")));
     }
 
     /// The file writes of each kind, against a temporary directory standing

@@ -70,3 +70,16 @@ pub fn failure(output: &std::process::Output) -> String {
     assert!(!stderr.contains("panicked"), "{stderr}");
     stderr
 }
+
+/// A directory that tasks can write into. When the tests run as root (as CI
+/// does), tasks run as `nobody`, and a temporary directory is private: this
+/// opens `root` for traversal only (0711) and creates `root/name` writable
+/// by everyone (0777).
+pub fn task_writable(root: &std::path::Path, name: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    dir
+}
