@@ -9,7 +9,11 @@
 //!   [`REGISTER_BACKOFF_MIN_MS`] to [`REGISTER_BACKOFF_MAX_MS`] after a
 //!   failure.
 //! - **Heartbeats**: one request at a time, each with the next sequence
-//!   number of this epoch. Only the answer to the newest request counts;
+//!   number of this epoch; a heartbeat period after the last one was sent,
+//!   at once after a short one or a changed desired set (a long poll then
+//!   waits at the server), and at once with news (a start or exit not yet
+//!   reported, a GPU health change: a long poll in flight is abandoned for
+//!   it, and the request asks for no wait). Only the answer to the newest request counts;
 //!   the answer to an older one (late, duplicated, or abandoned) is
 //!   ignored. The lease counts from when the answered request was sent. A
 //!   request is given up once the lease could have run out (less the fence
@@ -453,12 +457,21 @@ impl<L: Clone> AgentCore<L> {
                 desired,
             } => {
                 if let Some(request) = self.answered_heartbeat(sequence) {
+                    // The next heartbeat goes a period after this one was
+                    // sent; at once (a long poll) after a short request or
+                    // when the desired set changed, so that a server that
+                    // holds heartbeats always has one to answer with news.
+                    let long_poll = request.kind == RequestKind::Heartbeat { long_poll: true };
+                    self.next_send_ms = if long_poll && version == self.version {
+                        request.sent_ms + self.heartbeat_ms
+                    } else {
+                        now_ms
+                    };
                     self.lease_ms = lease_ms.max(1);
                     self.version = version;
                     self.renew(request.sent_ms, &mut outputs);
                     self.fenced = false;
                     self.desired = desired.into_iter().map(|d| (d.task, d)).collect();
-                    self.next_send_ms = request.sent_ms + self.heartbeat_ms;
                     self.reconcile(&mut outputs);
                     self.forget(sequence, &mut outputs);
                 }

@@ -220,13 +220,22 @@ fn registers_first_then_heartbeats_with_increasing_sequences() {
     let remaining = 1_000 + LEASE_MS - EFFECTIVE_MARGIN_MS - 1_000;
     assert_eq!(*wait_ms, HEARTBEAT_MS.min(remaining / 3));
     assert_eq!(*deadline_ms, 1_000 + remaining);
-    node.reply(Vec::new());
-    // The next one goes a heartbeat period after the last was sent.
+    // A changed desired set (version 0 to 1): the next long poll goes at
+    // once.
+    let outputs = node.reply(Vec::new());
+    assert!(matches!(
+        heartbeat(&outputs),
+        Some(Output::SendHeartbeat { sequence: 3, wait_ms, .. }) if *wait_ms > 0
+    ));
+    // Unchanged: the next one goes a heartbeat period after the last was
+    // sent.
+    let outputs = node.reply(Vec::new());
+    assert!(heartbeat(&outputs).is_none());
     assert!(heartbeat(&node.advance(HEARTBEAT_MS - 1)).is_none());
     let outputs = node.advance(1);
     assert!(matches!(
         heartbeat(&outputs),
-        Some(Output::SendHeartbeat { sequence: 3, .. })
+        Some(Output::SendHeartbeat { sequence: 4, .. })
     ));
 }
 
