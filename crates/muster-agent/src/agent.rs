@@ -7,7 +7,7 @@ use crate::gpu::GpuBackend;
 use crate::runtime::{CgroupPlan, EndReason, ProcessRuntime, RuntimeConfig, TaskExit, TaskLaunch};
 use muster_api::client::Client;
 use muster_api::protocol::{
-    DesiredAllocation, GpuView, HeartbeatRequest, LogChunk, ObservedAllocation, RegisterRequest,
+    DesiredAllocation, GpuView, HeartbeatRequest, ObservedAllocation, RegisterRequest,
 };
 use muster_model::Signal;
 use muster_node::{Action, Desired, Local};
@@ -31,6 +31,8 @@ pub struct AgentConfig {
     pub backend: Arc<dyn GpuBackend>,
     /// Stop tasks this long before the lease would run out.
     pub fence_margin: Duration,
+    /// How task logs are shipped (a rate cap for the node, a chunk size).
+    pub log_shipping: crate::logship::LogShipConfig,
     /// The program each task's supervisor runs as (`PROGRAM supervise ...`):
     /// the `muster` binary, by absolute path.
     pub supervisor: PathBuf,
@@ -80,7 +82,6 @@ struct Task {
     /// Stopped because the lease could not be renewed.
     fenced: bool,
     exit: Option<TaskExit>,
-    log_offset: u64,
 }
 
 fn machine_cpu_milli() -> u64 {
@@ -146,6 +147,14 @@ pub async fn run(
         cuda_version: inventory.cuda_version.clone(),
     };
     let joiner = Client::new(&config.server, &config.join_token);
+    // Task logs go out on their own task and connection, never in the way
+    // of a heartbeat; a task is forgotten only once its log is shipped.
+    let logs = crate::logship::LogShipper::start(
+        &config.server,
+        &config.name,
+        Arc::clone(&runtime),
+        config.log_shipping.clone(),
+    );
 
     // Tasks of an earlier agent on this node.
     let mut tasks: BTreeMap<String, Task> = BTreeMap::new();
@@ -163,7 +172,6 @@ pub async fn run(
                     stopping: false,
                     fenced: false,
                     exit,
-                    log_offset: 0,
                 },
             );
         }
@@ -245,6 +253,7 @@ pub async fn run(
             }
         };
         let client = Client::new(&config.server, &registered.node_token);
+        logs.set_token(&registered.node_token);
         lease_ms = registered.lease_ms;
         let wait_ms = registered.heartbeat_ms;
         last_renewal = sent;
@@ -259,7 +268,7 @@ pub async fn run(
                     task.exit = Some(exit);
                 }
             }
-            ship_logs(&runtime, &client, &config.name, &mut tasks).await;
+            logs.update(tasks.iter().map(|(key, task)| (key.as_str(), task.running)));
             let observed: Vec<ObservedAllocation> = tasks
                 .iter()
                 .filter_map(|(key, task)| {
@@ -372,6 +381,7 @@ pub async fn run(
                 .filter(|(key, task)| {
                     !task.running
                         && !parse_key(key).is_some_and(|(_, a, g)| listed.contains(&(a, g)))
+                        && logs.shipped_all(key)
                 })
                 .map(|(key, _)| key.clone())
                 .collect();
@@ -450,7 +460,6 @@ async fn apply(
                                 stopping: false,
                                 fenced: false,
                                 exit: None,
-                                log_offset: 0,
                             },
                         );
                     }
@@ -482,7 +491,6 @@ async fn apply(
                                     },
                                     usage: Default::default(),
                                 }),
-                                log_offset: 0,
                             },
                         );
                     }
@@ -514,38 +522,6 @@ async fn apply(
                     }
                 });
             }
-        }
-    }
-}
-
-async fn ship_logs(
-    runtime: &ProcessRuntime,
-    client: &Client,
-    node: &str,
-    tasks: &mut BTreeMap<String, Task>,
-) {
-    for (key, task) in tasks.iter_mut() {
-        let Some((_, allocation, _)) = parse_key(key) else {
-            continue;
-        };
-        loop {
-            let Ok((data, next)) = runtime.read_log(key, task.log_offset, 64 * 1024).await else {
-                break;
-            };
-            if data.is_empty() {
-                break;
-            }
-            let chunk = LogChunk {
-                allocation,
-                offset: task.log_offset,
-                data,
-                omit_gap: false,
-                eof: false,
-            };
-            if client.push_logs(node, &chunk).await.is_err() {
-                break;
-            }
-            task.log_offset = next;
         }
     }
 }

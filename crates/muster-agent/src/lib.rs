@@ -22,6 +22,7 @@
 
 pub mod agent;
 pub mod gpu;
+pub mod logship;
 pub mod runtime;
 pub mod supervise;
 
