@@ -3,155 +3,16 @@
 //! job, and an agent cut off from the server by a TCP proxy that stops
 //! forwarding (a partition of its traffic). Every wait is bounded.
 
-use muster_api::client::Client;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{free_port, processes_with, wait_until};
-
-const BIN: &str = env!("CARGO_BIN_EXE_muster");
-
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn(dir: &Path, log: &str, args: &[&str]) -> Daemon {
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(dir.join(log))
-        .expect("log file");
-    Daemon(
-        Command::new(BIN)
-            .args(args)
-            .env("HOME", dir)
-            .env("XDG_CONFIG_HOME", dir.join("config"))
-            .env("XDG_DATA_HOME", dir.join("data"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("muster starts"),
-    )
-}
-
-struct Cluster {
-    dir: tempfile::TempDir,
-    address: String,
-    server: Option<Daemon>,
-    lease: &'static str,
-}
-
-impl Cluster {
-    fn start(lease: &'static str) -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let address = format!("127.0.0.1:{}", free_port());
-        let mut cluster = Cluster {
-            dir,
-            address,
-            server: None,
-            lease,
-        };
-        cluster.start_server();
-        cluster
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn url(&self) -> String {
-        format!("http://{}", self.address)
-    }
-
-    fn start_server(&mut self) {
-        let data = self.path("server");
-        self.server = Some(spawn(
-            self.dir.path(),
-            "server.log",
-            &[
-                "server",
-                "--listen",
-                &self.address,
-                "--data-dir",
-                data.to_str().expect("utf-8 path"),
-                "--lease",
-                self.lease,
-            ],
-        ));
-        let address = self.address.clone();
-        wait_until("the server", Duration::from_secs(30), || {
-            TcpStream::connect(&address).is_ok()
-        });
-    }
-
-    fn token(&self, name: &str) -> String {
-        std::fs::read_to_string(self.path("server").join(name))
-            .expect("token file")
-            .trim()
-            .to_string()
-    }
-
-    fn client(&self) -> Client {
-        Client::new(&self.url(), &self.token("admin.token"))
-    }
-
-    fn agent(&self, name: &str, server_url: &str) -> Daemon {
-        let state = self.path(name);
-        spawn(
-            self.dir.path(),
-            &format!("{name}.log"),
-            &[
-                "agent",
-                "--server",
-                server_url,
-                "--join-token",
-                &self.token("join.token"),
-                "--name",
-                name,
-                "--address",
-                "127.0.0.1",
-                "--simulate-gpus",
-                "1xH100-80GB",
-                "--state-dir",
-                state.to_str().expect("utf-8 path"),
-            ],
-        )
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-/// Waits until `count` nodes have registered.
-fn wait_for_nodes(rt: &tokio::runtime::Runtime, client: &Client, count: usize) {
-    wait_until("the nodes to register", Duration::from_secs(30), || {
-        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == count
-    });
-}
-
-fn state(rt: &tokio::runtime::Runtime, client: &Client, id: u64) -> String {
-    rt.block_on(client.job(id))
-        .map(|job| job.state)
-        .unwrap_or_default()
-}
+use common::cluster::{Cluster, runtime, state, wait_for_nodes};
+use common::{processes_with, wait_until};
 
 #[test]
 fn a_server_killed_during_a_burst_loses_no_acknowledged_job() {

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod cluster;
+
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 

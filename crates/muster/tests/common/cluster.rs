@@ -1,0 +1,163 @@
+//! A server and agents as real child processes on loopback, for the
+//! end-to-end tests. Everything lives in one temporary directory; every
+//! process is killed (SIGKILL) when its handle drops.
+
+use muster_api::client::Client;
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::{free_port, wait_until};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_muster");
+
+/// A child process, killed when dropped.
+pub struct Daemon(pub Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Daemon {
+    pub fn pid(&self) -> i32 {
+        self.0.id() as i32
+    }
+}
+
+/// Starts `muster ARGS` in `dir`, its output appended to `dir/LOG`.
+pub fn spawn(dir: &Path, log: &str, args: &[&str]) -> Daemon {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(log))
+        .expect("log file");
+    Daemon(
+        Command::new(BIN)
+            .args(args)
+            .env("HOME", dir)
+            .env("XDG_CONFIG_HOME", dir.join("config"))
+            .env("XDG_DATA_HOME", dir.join("data"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("muster starts"),
+    )
+}
+
+/// A server (and the agents started from it) in a temporary directory.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub address: String,
+    pub server: Option<Daemon>,
+    pub lease: &'static str,
+}
+
+impl Cluster {
+    pub fn start(lease: &'static str) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let address = format!("127.0.0.1:{}", free_port());
+        let mut cluster = Cluster {
+            dir,
+            address,
+            server: None,
+            lease,
+        };
+        cluster.start_server();
+        cluster
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    pub fn start_server(&mut self) {
+        let data = self.path("server");
+        self.server = Some(spawn(
+            self.dir.path(),
+            "server.log",
+            &[
+                "server",
+                "--listen",
+                &self.address,
+                "--data-dir",
+                data.to_str().expect("utf-8 path"),
+                "--lease",
+                self.lease,
+            ],
+        ));
+        let address = self.address.clone();
+        wait_until("the server", Duration::from_secs(30), || {
+            TcpStream::connect(&address).is_ok()
+        });
+    }
+
+    pub fn token(&self, name: &str) -> String {
+        std::fs::read_to_string(self.path("server").join(name))
+            .expect("token file")
+            .trim()
+            .to_string()
+    }
+
+    pub fn client(&self) -> Client {
+        Client::new(&self.url(), &self.token("admin.token"))
+    }
+
+    /// An agent with `gpus` (a `--simulate-gpus` spec) and `extra` flags;
+    /// its state under `dir/NAME`, its output in `dir/NAME.log`.
+    pub fn agent_with(&self, name: &str, server_url: &str, gpus: &str, extra: &[&str]) -> Daemon {
+        let state = self.path(name);
+        let join_token = self.token("join.token");
+        let mut args = vec![
+            "agent",
+            "--server",
+            server_url,
+            "--join-token",
+            &join_token,
+            "--name",
+            name,
+            "--address",
+            "127.0.0.1",
+            "--simulate-gpus",
+            gpus,
+            "--state-dir",
+            state.to_str().expect("utf-8 path"),
+        ];
+        args.extend_from_slice(extra);
+        spawn(self.dir.path(), &format!("{name}.log"), &args)
+    }
+
+    pub fn agent(&self, name: &str, server_url: &str) -> Daemon {
+        self.agent_with(name, server_url, "1xH100-80GB", &[])
+    }
+}
+
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Waits until `count` nodes have registered.
+pub fn wait_for_nodes(rt: &tokio::runtime::Runtime, client: &Client, count: usize) {
+    wait_until("the nodes to register", Duration::from_secs(30), || {
+        rt.block_on(client.nodes()).map_or(0, |n| n.nodes.len()) == count
+    });
+}
+
+/// The job's state, or "" when it cannot be read.
+pub fn state(rt: &tokio::runtime::Runtime, client: &Client, id: u64) -> String {
+    rt.block_on(client.job(id))
+        .map(|job| job.state)
+        .unwrap_or_default()
+}

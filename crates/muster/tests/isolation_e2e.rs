@@ -1,0 +1,327 @@
+//! The task runtime as a hostile tenant meets it, with the real binary on
+//! loopback: hundreds of short jobs leave no process behind, a job that
+//! writes into everything it is given and signals everything it can harms
+//! no neighbour, escaped children die with a cancel and with fencing, a
+//! frozen agent's tasks are fenced whatever their `PATH`, and a task cannot
+//! read the agent's tokens or another job's log. The tests run as root (as
+//! CI does), so tasks run as `nobody`. Every wait is bounded.
+
+use std::time::{Duration, Instant};
+
+mod common;
+
+use common::cluster::{Cluster, runtime, state, wait_for_nodes};
+use common::{processes_with, task_writable, wait_until};
+
+/// A shell that sleeps forever, ignoring TERM, with `name` as its `$0` (so
+/// it can be found by its command line).
+fn sleeper(name: &str) -> String {
+    format!("sh -c 'trap \"\" TERM; while :; do sleep 1; done' {name}")
+}
+
+/// Shell lines that leave two processes outside the task's process group:
+/// one through `setsid`, one through a double fork into a new session.
+fn escapes(marker: &str) -> String {
+    format!(
+        "setsid {a} </dev/null >/dev/null 2>&1 & \
+         (setsid sh -c \"{b} & exit 0\" </dev/null >/dev/null 2>&1 &) ;",
+        a = sleeper(&format!("{marker}-a")),
+        b = sleeper(&format!("{marker}-b")).replace('"', "\\\""),
+    )
+}
+
+/// A job's (rank 0's) log as text, as far as the server has it.
+fn read_log(rt: &tokio::runtime::Runtime, client: &muster_api::client::Client, id: u64) -> String {
+    let mut bytes = Vec::new();
+    let mut offset = 0;
+    while let Ok(page) = rt.block_on(client.logs(id, 0, offset, None, false)) {
+        bytes.extend_from_slice(&page.data);
+        if page.data.is_empty() || !page.more {
+            break;
+        }
+        offset = page.next_offset;
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Task cgroups left under this agent's directories, in every hierarchy.
+fn task_cgroups_left(agent_state: &std::path::Path, node: &str) -> Vec<String> {
+    let name = muster_agent::runtime::cgroup::agent_dir_name(node, agent_state);
+    let mut left = Vec::new();
+    for hierarchy in ["freezer", "memory", "cpuacct", "pids", "unified"] {
+        let dir = std::path::Path::new("/sys/fs/cgroup")
+            .join(hierarchy)
+            .join("muster")
+            .join(&name);
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    left.push(entry.path().display().to_string());
+                }
+            }
+        }
+    }
+    left
+}
+
+#[test]
+fn five_hundred_short_jobs_leave_no_process_behind() {
+    let cluster = Cluster::start("10s");
+    let _agent = cluster.agent_with("soak", &cluster.url(), "8xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    let marker = format!("muster-soak-{}", std::process::id());
+    // Every tenth job leaves daemons behind it.
+    let daemon_job = format!("{} true", escapes(&marker));
+    let started = Instant::now();
+    let ids: Vec<u64> = rt.block_on(async {
+        let mut handles = Vec::new();
+        for worker in 0..10u64 {
+            let client = client.clone();
+            let daemon_job = daemon_job.clone();
+            handles.push(tokio::spawn(async move {
+                let mut ids = Vec::new();
+                for n in 0..50u64 {
+                    let command = if (worker * 50 + n) % 10 == 0 {
+                        serde_json::json!(["sh", "-c", daemon_job])
+                    } else {
+                        serde_json::json!(["true"])
+                    };
+                    let spec = serde_json::json!({"name": "short", "gpus": 1, "command": command});
+                    ids.push(client.submit(spec).await.expect("submitted"));
+                }
+                ids
+            }));
+        }
+        let mut ids = Vec::new();
+        for handle in handles {
+            ids.extend(handle.await.expect("submitter"));
+        }
+        ids
+    });
+    assert_eq!(ids.len(), 500);
+    wait_until("500 jobs to succeed", Duration::from_secs(600), || {
+        rt.block_on(client.jobs(&Default::default()))
+            .is_ok_and(|list| {
+                list.jobs
+                    .iter()
+                    .filter(|job| job.state == "succeeded")
+                    .count()
+                    == 500
+            })
+    });
+    eprintln!(
+        "500 short jobs through one agent in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let state_dir = cluster.path("soak");
+    // A supervisor's command line: muster supervise STATE_DIR KEY.
+    let supervisors = format!("supervise\0{}", state_dir.display());
+    wait_until(
+        "the last supervisors to exit",
+        Duration::from_secs(30),
+        || processes_with(&supervisors) == 0,
+    );
+    assert_eq!(processes_with(&marker), 0, "daemons outlived their jobs");
+    assert_eq!(
+        task_cgroups_left(&state_dir, "soak"),
+        Vec::<String>::new(),
+        "task cgroups left behind"
+    );
+}
+
+#[test]
+fn a_hostile_job_harms_no_neighbour_and_its_escaped_children_die_with_cancel() {
+    let cluster = Cluster::start("10s");
+    let agent = cluster.agent_with("node", &cluster.url(), "2xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    let tag = std::process::id();
+    let canary_name = format!("muster-canary-{tag}");
+    let canary = serde_json::json!({
+        "name": "canary", "gpus": 1,
+        "command": ["sh", "-c", "while :; do sleep 0.2; done", canary_name],
+    });
+    let canary = rt.block_on(client.submit(canary)).expect("submitted");
+    wait_until("the canary to run", Duration::from_secs(30), || {
+        processes_with(&canary_name) > 0
+    });
+    let state_dir = cluster.path("node");
+    let server_dir = cluster.path("server");
+    let marker = format!("muster-hostile-{tag}");
+    // Writes into every path its environment names, every file it can find
+    // of the agent's and the server's, signals its supervisor, the agent and
+    // every process it may, and leaves escaped children.
+    let script = format!(
+        "for value in $(env | cut -d= -f2-); do \
+           case \"$value\" in /*) echo garbage > \"$value\"; chmod 000 \"$value\";; esac; \
+         done 2>/dev/null; \
+         for file in {state}/fence_at {state}/lease.json {state}/tasks/* {state}/logs/* \
+                     {server}/*.token {server}/logs/*; do \
+           echo 0 > \"$file\" && echo wrote $file; rm -f \"$file\" && echo removed $file; \
+         done 2>/dev/null; \
+         kill -STOP $PPID {agent} 2>/dev/null && echo stopped-someone; \
+         kill -KILL $PPID {agent} 2>/dev/null && echo killed-someone; \
+         {escapes} echo hostile-ready; while :; do sleep 0.2; done",
+        state = state_dir.display(),
+        server = server_dir.display(),
+        agent = agent.pid(),
+        escapes = escapes(&marker),
+    );
+    let hostile =
+        serde_json::json!({"name": "hostile", "gpus": 1, "command": ["sh", "-c", script]});
+    let hostile = rt.block_on(client.submit(hostile)).expect("submitted");
+    wait_until(
+        "the hostile job's children",
+        Duration::from_secs(30),
+        || processes_with(&format!("{marker}-a")) > 0 && processes_with(&format!("{marker}-b")) > 0,
+    );
+    // Some time to do harm.
+    std::thread::sleep(Duration::from_secs(2));
+    let node = rt.block_on(client.node("node")).expect("node");
+    assert_eq!(node.state, "ready");
+    assert_eq!(state(&rt, &client, canary), "running");
+    assert!(processes_with(&canary_name) > 0, "the canary runs on");
+    let mut log = String::new();
+    wait_until("the hostile job's log", Duration::from_secs(30), || {
+        log = read_log(&rt, &client, hostile);
+        log.contains("hostile-ready")
+    });
+    for harm in ["wrote", "removed", "stopped-someone", "killed-someone"] {
+        assert!(
+            !log.contains(harm),
+            "the hostile job did harm ({harm}): {log}"
+        );
+    }
+
+    rt.block_on(client.cancel(hostile)).expect("cancel");
+    wait_until(
+        "the hostile job to be cancelled",
+        Duration::from_secs(30),
+        || state(&rt, &client, hostile) == "cancelled",
+    );
+    assert_eq!(
+        processes_with(&marker),
+        0,
+        "escaped children outlived the cancel"
+    );
+    assert_eq!(state(&rt, &client, canary), "running");
+    rt.block_on(client.cancel(canary)).expect("cancel");
+    wait_until(
+        "the canary to be cancelled",
+        Duration::from_secs(30),
+        || state(&rt, &client, canary) == "cancelled",
+    );
+    assert_eq!(processes_with(&canary_name), 0);
+}
+
+#[test]
+fn a_frozen_agent_s_task_is_fenced_in_time_whatever_its_path() {
+    let cluster = Cluster::start("4s");
+    let agent = cluster.agent("node-a", &cluster.url());
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    let marker = format!("muster-frozen-{}", std::process::id());
+    let script = format!(
+        "/usr/bin/setsid /bin/sh -c 'while :; do /bin/sleep 1; done' {marker}-child \
+         </dev/null >/dev/null 2>&1 & \
+         while :; do /bin/sleep 1; done"
+    );
+    let spec = serde_json::json!({
+        "name": "no-path", "gpus": 1,
+        "command": ["/bin/sh", "-c", script, format!("{marker}-leader")],
+        "env": {"PATH": "/nonexistent"},
+    });
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the task and its child", Duration::from_secs(30), || {
+        processes_with(&format!("{marker}-child")) > 0
+            && processes_with(&format!("{marker}-leader")) > 0
+    });
+    assert_eq!(state(&rt, &client, id), "running");
+    // The agent hangs: nothing of it runs, it renews nothing.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.pid()),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .expect("SIGSTOP the agent");
+    let frozen = Instant::now();
+    let mut gone = None;
+    let mut lost = None;
+    while (gone.is_none() || lost.is_none()) && frozen.elapsed() < Duration::from_secs(30) {
+        if gone.is_none() && processes_with(&marker) == 0 {
+            gone = Some(frozen.elapsed());
+        }
+        if lost.is_none()
+            && rt
+                .block_on(client.node("node-a"))
+                .is_ok_and(|node| node.state == "lost")
+        {
+            lost = Some(frozen.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.pid()),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .expect("SIGCONT the agent");
+    let gone = gone.expect("the frozen agent's task was never fenced");
+    let lost = lost.expect("the server never declared the node lost");
+    eprintln!(
+        "frozen agent: task and child gone after {:.2} s, node lost after {:.2} s",
+        gone.as_secs_f64(),
+        lost.as_secs_f64()
+    );
+    assert!(
+        gone <= lost,
+        "the task outlived its node's lease: gone after {gone:?}, node lost after {lost:?}"
+    );
+}
+
+#[test]
+fn a_task_cannot_read_the_tokens_or_another_job_s_log() {
+    let cluster = Cluster::start("10s");
+    // As a real host's /var/lib: traversable, with muster's own modes
+    // protecting what is inside.
+    let _ = task_writable(cluster.dir.path(), "shared");
+    let _agent = cluster.agent_with("node", &cluster.url(), "2xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    let secret = format!("secret-{}", std::process::id());
+    let first = serde_json::json!({"name": "first", "gpus": 1, "command": ["echo", secret]});
+    let first = rt.block_on(client.submit(first)).expect("submitted");
+    wait_until("the first job to succeed", Duration::from_secs(30), || {
+        state(&rt, &client, first) == "succeeded"
+    });
+    let state_dir = cluster.path("node");
+    let server_dir = cluster.path("server");
+    let script = format!(
+        "id -un; cat {server}/admin.token {server}/join.token {state}/logs/* {server}/logs/* \
+         {state}/tasks/* {state}/lease.json; ls {state} {server}; exit 0",
+        state = state_dir.display(),
+        server = server_dir.display(),
+    );
+    let nosy = serde_json::json!({"name": "nosy", "gpus": 1, "command": ["sh", "-c", script]});
+    let nosy = rt.block_on(client.submit(nosy)).expect("submitted");
+    wait_until("the nosy job to end", Duration::from_secs(30), || {
+        state(&rt, &client, nosy) == "succeeded"
+    });
+    let mut log = String::new();
+    wait_until("the nosy job's log", Duration::from_secs(30), || {
+        log = read_log(&rt, &client, nosy);
+        log.contains("denied")
+    });
+    assert!(log.starts_with("nobody\n"), "{log}");
+    assert!(log.contains("Permission denied"), "{log}");
+    for token in [
+        cluster.token("admin.token"),
+        cluster.token("join.token"),
+        secret,
+    ] {
+        assert!(!log.contains(&token), "the task read {token}: {log}");
+    }
+}
