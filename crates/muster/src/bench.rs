@@ -34,6 +34,35 @@ pub enum BenchCommand {
     /// Time from submitting a 1-GPU job to seeing it running, on an idle
     /// cluster of one real agent (simulated GPUs).
     SubmitToRunning(SubmitToRunningBench),
+    /// CPU and memory of the task supervisors: N long-running tasks through
+    /// one real agent, measured per supervisor process.
+    Supervision(SupervisionBench),
+    /// Short jobs (`true`) through one real agent, back to back: jobs per
+    /// second over the first and the last 1,000, and what is left behind.
+    ShortJobs(ShortJobsBench),
+}
+
+#[derive(Debug, Args)]
+pub struct SupervisionBench {
+    /// Concurrent tasks (each asks for 1/8 of a GPU, 0.01 CPU, 16 MiB).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=512))]
+    pub tasks: u64,
+    /// Measurement window (after every task runs and a 5 s warm-up).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub duration: Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct ShortJobsBench {
+    /// Jobs in all.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(2..=1_000_000))]
+    pub count: u64,
+    /// The most jobs submitted and not yet ended at any time.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub window: u64,
+    /// The agent's simulated GPUs (each job takes one).
+    #[arg(long, default_value = "8xH100-80GB")]
+    pub simulate_gpus: String,
 }
 
 #[derive(Debug, Args)]
@@ -129,6 +158,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::Agents(args) => agents(args).await,
             BenchCommand::IdleAgent(args) => idle_agent(args).await,
             BenchCommand::SubmitToRunning(args) => submit_to_running(args).await,
+            BenchCommand::Supervision(args) => supervision(args).await,
+            BenchCommand::ShortJobs(args) => short_jobs(args).await,
         }
     })
 }
@@ -1023,5 +1054,265 @@ async fn submit_to_running(args: SubmitToRunningBench) -> Result<()> {
     );
     drop(agent);
     drop(server);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// muster bench supervision, muster bench short-jobs
+
+/// The pids of the supervisors of the agent whose state is `state_dir`
+/// (command line `muster supervise STATE_DIR KEY`).
+fn supervisors(state_dir: &Path) -> Vec<u32> {
+    let wanted = [
+        b"supervise".as_slice(),
+        state_dir.as_os_str().as_encoded_bytes(),
+    ];
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let arguments: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        if arguments.len() >= 3 && arguments[1] == wanted[0] && arguments[2] == wanted[1] {
+            found.push(pid);
+        }
+    }
+    found.sort_unstable();
+    found
+}
+
+/// `Pss` and private (`Private_Clean` + `Private_Dirty`) memory of a
+/// process, in KiB, from `/proc/PID/smaps_rollup`.
+fn pss_and_private_kib(pid: u32) -> Result<(u64, u64)> {
+    let path = format!("/proc/{pid}/smaps_rollup");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {path}"))?;
+    let value = |key: &str| -> u64 {
+        text.lines()
+            .find_map(|line| line.strip_prefix(key)?.strip_prefix(':'))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    };
+    Ok((
+        value("Pss"),
+        value("Private_Clean") + value("Private_Dirty"),
+    ))
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+async fn supervision(args: SupervisionBench) -> Result<()> {
+    let dir = temp_dir()?;
+    let mut server = start_child_server(dir.path(), Duration::from_secs(10)).await?;
+    let mut agent = start_child_agent(dir.path(), &server, "8xH100-80GB").await?;
+    let agent_log = dir.path().join("agent.log");
+    let state_dir = dir.path().join("agent");
+    let client = Client::new(&server.url, &server.admin_token);
+    let spec = serde_json::json!({
+        "name": "bench-supervision",
+        "command": ["sleep", "100000"],
+        "gpus": 0.125,
+        "cpus": 0.01,
+        "memory": "16MiB",
+    });
+    let mut ids = Vec::new();
+    for _ in 0..args.tasks {
+        ids.push(client.submit(spec.clone()).await.context("cannot submit")?);
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        agent.check_alive(&agent_log)?;
+        server.process.check_alive(&server.log)?;
+        let running = supervisors(&state_dir).len() as u64;
+        if running >= args.tasks {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "only {running} of {} tasks run after 120 s (a 1/8-GPU task each on 8 GPUs \
+                 fits 64); see {}",
+                args.tasks,
+                agent_log.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (ticks_per_second, ticks_read) = clock_ticks();
+    let pids = supervisors(&state_dir);
+    let load_before = load_average();
+    let windows: Vec<CpuWindow> = pids
+        .iter()
+        .map(|&pid| CpuWindow::start(pid))
+        .collect::<Result<_>>()?;
+    let agent_window = CpuWindow::start(agent.pid())?;
+    tokio::time::sleep(args.duration).await;
+    let mut cpu = Vec::new();
+    let mut pss = Vec::new();
+    let mut private = Vec::new();
+    let mut rss = Vec::new();
+    for window in &windows {
+        cpu.push(window.percent_of_core(ticks_per_second)?);
+        let (p, u) = pss_and_private_kib(window.pid)?;
+        pss.push(mib(p));
+        private.push(mib(u));
+        rss.push(mib(status_kib(window.pid, "VmRSS")?));
+    }
+    let agent_cpu = agent_window.percent_of_core(ticks_per_second)?;
+    let total_cpu: f64 = cpu.iter().sum();
+    let max_cpu = cpu.iter().copied().fold(0.0, f64::max);
+    let total_pss: f64 = pss.iter().sum();
+    println!(
+        "muster bench supervision: {} tasks (sleep) through one agent, {} s window, load \
+         average {load_before} before",
+        pids.len(),
+        args.duration.as_secs()
+    );
+    println!(
+        "  per supervisor: CPU median {:.4}% of a core (max {:.4}%, all together {:.3}%)",
+        median(&mut cpu.clone()),
+        max_cpu,
+        total_cpu
+    );
+    println!(
+        "  per supervisor: memory median PSS {:.2} MiB, private {:.2} MiB, RSS {:.2} MiB \
+         (RSS counts the binary's shared pages; all PSS together {:.1} MiB)",
+        median(&mut pss),
+        median(&mut private),
+        median(&mut rss),
+        total_pss
+    );
+    println!("  the agent meanwhile: {agent_cpu:.3}% of a core");
+    if !ticks_read {
+        println!("  (CLK_TCK could not be read; 100 assumed)");
+    }
+    for id in ids {
+        let _ = client.cancel(id).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !supervisors(&state_dir).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!(
+        "  supervisors left 60 s after cancelling every job: {}",
+        supervisors(&state_dir).len()
+    );
+    Ok(())
+}
+
+async fn short_jobs(args: ShortJobsBench) -> Result<()> {
+    let dir = temp_dir()?;
+    let mut server = start_child_server(dir.path(), Duration::from_secs(10)).await?;
+    let mut agent = start_child_agent(dir.path(), &server, &args.simulate_gpus).await?;
+    let agent_log = dir.path().join("agent.log");
+    let state_dir = dir.path().join("agent");
+    let client = Client::new(&server.url, &server.admin_token);
+    let spec = serde_json::json!({
+        "name": "bench-true",
+        "command": ["true"],
+        "gpus": 1,
+        "cpus": 0.01,
+        "memory": "16MiB",
+    });
+    let (ticks_per_second, _) = clock_ticks();
+    let server_window = CpuWindow::start(server.process.pid())?;
+    let agent_window = CpuWindow::start(agent.pid())?;
+    let server_rss_before = status_kib(server.process.pid(), "VmRSS")?;
+    let load_before = load_average();
+    let started = Instant::now();
+    let mut outstanding: std::collections::VecDeque<u64> = std::collections::VecDeque::new();
+    let mut submitted = 0u64;
+    let mut finished: Vec<u64> = Vec::new();
+    let mut failed = 0u64;
+    let mut last_progress = Instant::now();
+    while finished.len() as u64 + failed < args.count {
+        while submitted < args.count && (outstanding.len() as u64) < args.window {
+            outstanding.push_back(client.submit(spec.clone()).await.context("cannot submit")?);
+            submitted += 1;
+        }
+        // Jobs end about in submission order: look at the oldest.
+        let Some(&oldest) = outstanding.front() else {
+            break;
+        };
+        let job = client.job(oldest).await.context("cannot read a job")?;
+        if is_terminal(&job.state) {
+            outstanding.pop_front();
+            match (job.state.as_str(), job.finished_ms) {
+                ("succeeded", Some(at)) => finished.push(at),
+                _ => failed += 1,
+            }
+            last_progress = Instant::now();
+            continue;
+        }
+        if last_progress.elapsed() > Duration::from_secs(60) {
+            bail!(
+                "no job ended for 60 s (job {oldest} is {}); see {}",
+                job.state,
+                agent_log.display()
+            );
+        }
+        agent.check_alive(&agent_log)?;
+        server.process.check_alive(&server.log)?;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed();
+    let server_cpu = server_window.percent_of_core(ticks_per_second)?;
+    let agent_cpu = agent_window.percent_of_core(ticks_per_second)?;
+    let server_rss_after = status_kib(server.process.pid(), "VmRSS")?;
+    finished.sort_unstable();
+    let rate = |slice: &[u64]| -> f64 {
+        match (slice.first(), slice.last()) {
+            (Some(first), Some(last)) if last > first => {
+                (slice.len() - 1) as f64 / ((last - first) as f64 / 1000.0)
+            }
+            _ => f64::NAN,
+        }
+    };
+    let block = 1000.min(finished.len());
+    println!(
+        "muster bench short-jobs: {} jobs of `true` (1 GPU each) through one agent ({}), at \
+         most {} outstanding; load average {load_before} before",
+        args.count, args.simulate_gpus, args.window
+    );
+    println!(
+        "  {:.1} s in all: {:.1} jobs/s; succeeded {}, otherwise {failed}",
+        elapsed.as_secs_f64(),
+        args.count as f64 / elapsed.as_secs_f64(),
+        finished.len()
+    );
+    println!(
+        "  jobs/s by the server's end times: first {block} {:.1}, last {block} {:.1}",
+        rate(&finished[..block]),
+        rate(&finished[finished.len() - block..])
+    );
+    println!(
+        "  CPU over the run: server {server_cpu:.1}%, agent {agent_cpu:.1}% of a core; server \
+         RSS {:.1} -> {:.1} MiB",
+        mib(server_rss_before),
+        mib(server_rss_after)
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !supervisors(&state_dir).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "  supervisors left afterwards: {}",
+        supervisors(&state_dir).len()
+    );
     Ok(())
 }
