@@ -1077,6 +1077,12 @@ mod tests {
             document["components"]["securitySchemes"]["bearer"]["scheme"],
             "bearer"
         );
+        // Log bytes are base64 strings (OpenAPI's `byte` format), both ways.
+        for name in ["LogChunk", "LogsResponse"] {
+            let data = &schemas[name]["properties"]["data_base64"];
+            assert_eq!(data["type"], "string", "{name}: {data}");
+            assert_eq!(data["format"], "byte", "{name}: {data}");
+        }
     }
 
     #[test]

@@ -432,3 +432,61 @@ fn a_task_writing_at_full_speed_does_not_delay_heartbeats() {
     let cancelled = env.muster(&["cancel", &canary]);
     assert!(cancelled.status.success(), "{cancelled:?}");
 }
+
+#[test]
+fn a_restarted_agent_resumes_shipping_where_the_server_is() {
+    let mut env = Env::new();
+    let listen = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("server-data");
+    let data_arg = data.to_str().expect("a UTF-8 path").to_string();
+    let _server = env.spawn(
+        "server",
+        &["server", "--listen", &listen, "--data-dir", &data_arg],
+    );
+    let join = std::fs::read_to_string(data.join("join.token")).expect("join token");
+    let token = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
+    env.flags = vec![
+        "--server".into(),
+        env.url.clone(),
+        "--token".into(),
+        token.trim().to_string(),
+    ];
+    let state = env.path("node-a");
+    let state_arg = state.to_str().expect("a UTF-8 path").to_string();
+    let agent_args = [
+        "agent",
+        "--server",
+        &env.url,
+        "--join-token",
+        join.trim(),
+        "--name",
+        "node-a",
+        "--address",
+        "127.0.0.1",
+        "--simulate-gpus",
+        "1xH100-80GB",
+        "--state-dir",
+        &state_arg,
+        // Slow, so that the agent dies halfway through.
+        "--log-rate",
+        "256KiB",
+    ];
+    let agent = env.spawn("agent", &agent_args);
+    let expected = awkward_bytes(2 * 1024 * 1024, 13);
+    let file = env.readable_file("restart.bin", &expected);
+    let script = format!("cat {}; sleep 3", file.display());
+    let output = env.muster(&["run", "--detach", "--", "sh", "-c", &script]);
+    assert!(output.status.success(), "{output:?}");
+    let id = String::from_utf8_lossy(&output.stdout).trim().to_string();
+    wait_until("part of the log to arrive", Duration::from_secs(30), || {
+        let shipped = env.muster(&["logs", &id]).stdout.len();
+        shipped > 0 && shipped < expected.len() / 2
+    });
+    drop(agent);
+    let _agent = env.spawn("agent-again", &agent_args);
+    let output = env.muster(&["logs", "-f", &id]);
+    assert!(output.status.success(), "{output:?}");
+    assert_same_bytes("after the agent restart", &output.stdout, &expected);
+    let job = env.json(&["describe", &id, "--json"]);
+    assert_eq!(job["state"], "succeeded", "{job}");
+}
