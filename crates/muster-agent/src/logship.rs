@@ -25,6 +25,12 @@
 //! bounded, and the server's copy of an exited task is complete after at
 //! most `tail_bytes` more at the capped rate.
 //!
+//! The node's disk stays bounded too: what the server has acknowledged (or
+//! what a skip left out) is freed in the task's log file by punching holes
+//! (`fallocate(PUNCH_HOLE)`, in steps of [`PUNCH_STEP`]), which keeps the
+//! file's length and so every offset; where the filesystem cannot, the file
+//! just keeps its bytes.
+//!
 //! A task whose allocation the server does not know (or gives to another
 //! node) is given up on, with a warning: nothing can be shipped for it.
 
@@ -46,6 +52,9 @@ pub struct LogShipConfig {
     /// [`MAX_LOG_CHUNK_BYTES`]).
     pub chunk_bytes: usize,
 }
+
+/// Acknowledged bytes are freed on the node's disk in steps this large.
+pub const PUNCH_STEP: u64 = 4 << 20;
 
 /// The default cap: 8 MiB/s per node.
 pub const DEFAULT_LOG_RATE: u64 = 8 << 20;
@@ -90,6 +99,8 @@ struct TaskLog {
     /// Every byte and the `eof` were acknowledged, or the server refused
     /// the allocation for good.
     done: bool,
+    /// The log file's bytes before this offset were freed (a hole).
+    punched: u64,
 }
 
 /// The allocation of a task named `j<job>-a<allocation>-g<generation>` (or
@@ -153,6 +164,7 @@ impl LogShipper {
                 acked: None,
                 tail_bytes: None,
                 done: false,
+                punched: 0,
             });
             log.exited = !running;
             next.insert(key.to_string(), log);
@@ -350,11 +362,21 @@ impl Worker {
         match client.push_logs(&self.node, chunk).await {
             Ok(ack) => {
                 let whole = chunk.eof && ack.next_offset <= chunk.offset + chunk.data.len() as u64;
+                let mut punch = None;
                 Self::record(shared, key, |log| {
                     log.acked = Some(ack.next_offset);
                     log.tail_bytes = ack.tail_bytes;
                     log.done |= whole;
+                    // Free what the server has, in whole steps.
+                    let upto = ack.next_offset / PUNCH_STEP * PUNCH_STEP;
+                    if upto > log.punched {
+                        punch = Some((log.punched, upto));
+                        log.punched = upto;
+                    }
                 });
+                if let Some((from, upto)) = punch {
+                    self.punch(key, from, upto);
+                }
                 Step::Progress
             }
             Err(error) => match error.code() {
@@ -381,6 +403,36 @@ impl Worker {
                     Step::Unreachable
                 }
             },
+        }
+    }
+}
+
+impl Worker {
+    /// Frees bytes `from..upto` of `key`'s log file on disk; its length and
+    /// the offsets of everything after stay.
+    fn punch(&self, key: &str, from: u64, upto: u64) {
+        use nix::fcntl::{FallocateFlags, fallocate};
+        let path = self.runtime.log_path(key);
+        let result = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(|error| error.to_string())
+            .and_then(|file| {
+                let offset = i64::try_from(from).map_err(|e| e.to_string())?;
+                let len = i64::try_from(upto - from).map_err(|e| e.to_string())?;
+                fallocate(
+                    &file,
+                    FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE,
+                    offset,
+                    len,
+                )
+                .map_err(|error| error.to_string())
+            });
+        if let Err(error) = result {
+            tracing::debug!(
+                "cannot free the shipped part of {}: {error}",
+                path.display()
+            );
         }
     }
 }

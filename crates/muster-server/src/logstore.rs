@@ -14,8 +14,10 @@
 //! reader whose offset falls between the head and the tail gets the marker
 //! `\n[muster: N bytes omitted]\n` and the offset of the tail's first byte.
 //!
-//! One lock serialises every read and write, so a reader never opens a
-//! segment that is being dropped.
+//! Reads and writes of one task's log are serialised (a lock per stripe of
+//! allocations, [`LOCK_STRIPES`] of them), so a reader never opens a
+//! segment that is being dropped; different tasks' logs mostly go in
+//! parallel.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -80,8 +82,11 @@ pub struct LogStore {
     dir: PathBuf,
     head_bytes: u64,
     segment_bytes: u64,
-    lock: Mutex<()>,
+    locks: Vec<Mutex<()>>,
 }
+
+/// How many locks the logs are spread over.
+pub const LOCK_STRIPES: usize = 64;
 
 /// What is stored of one task's log.
 #[derive(Debug, Default)]
@@ -116,7 +121,7 @@ impl LogStore {
             dir,
             head_bytes,
             segment_bytes: (limit - head_bytes) / 2,
-            lock: Mutex::new(()),
+            locks: (0..LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
         }
     }
 
@@ -138,8 +143,9 @@ impl LogStore {
         self.dir.join(format!("{allocation}.eof"))
     }
 
-    fn guard(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.lock
+    fn guard(&self, allocation: u64) -> std::sync::MutexGuard<'_, ()> {
+        let stripe = (allocation % LOCK_STRIPES as u64) as usize;
+        self.locks[stripe]
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -190,7 +196,7 @@ impl LogStore {
         omit_gap: bool,
         eof: bool,
     ) -> Result<Appended, AppendError> {
-        let _guard = self.guard();
+        let _guard = self.guard(allocation);
         let mut layout = self.layout(allocation)?;
         let end = layout.end();
         let mut position = end;
@@ -285,7 +291,7 @@ impl LogStore {
     /// Up to `limit` bytes from byte `offset` of the task's output (or the
     /// marker standing for bytes left out).
     pub fn read(&self, allocation: u64, offset: u64, limit: usize) -> Result<LogRead, AppendError> {
-        let _guard = self.guard();
+        let _guard = self.guard(allocation);
         let layout = self.layout(allocation)?;
         let end = layout.end();
         let eof = self.eof_path(allocation).exists();

@@ -429,6 +429,32 @@ fn a_task_writing_at_full_speed_does_not_delay_heartbeats() {
     let stored = stored_bytes(&data.join("logs"));
     assert!(stored <= 16 * 1024 * 1024 + 64, "{stored} bytes stored");
 
+    // The agent's disk: what the server has is freed in the task's log file
+    // (its length stays, so offsets do).
+    use std::os::unix::fs::MetadataExt;
+    let prefix = format!("j{noisy}-");
+    for entry in std::fs::read_dir(state.join("logs"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if !entry.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        let meta = entry.metadata().expect("the log's metadata");
+        let on_disk = meta.blocks() * 512;
+        eprintln!(
+            "the noisy task's log on the agent: {} bytes long, {on_disk} bytes on disk",
+            meta.len()
+        );
+        assert!(meta.len() > 1_000_000_000, "{} bytes written", meta.len());
+        assert!(
+            on_disk <= 64 * 1024 * 1024,
+            "{on_disk} bytes of the shipped log still on the agent's disk (can this \
+             filesystem punch holes?)"
+        );
+    }
+
     let cancelled = env.muster(&["cancel", &canary]);
     assert!(cancelled.status.success(), "{cancelled:?}");
 }
