@@ -1,18 +1,28 @@
-//! The agent's main loop: register, heartbeat (a long poll that also renews
-//! the lease and brings the desired allocations), start and stop tasks as
-//! `muster-node` decides, report exits, ship logs, fence when the lease
-//! cannot be renewed.
+//! The agent's main loop: the shell around `muster_node::AgentCore`, which
+//! decides everything (registration, heartbeats and their sequence numbers,
+//! the lease and fencing, which tasks to start, stop and forget). This file
+//! sends the requests, starts and stops tasks through the runtime, writes
+//! the lease file and the runtime's fence deadline, hands task logs to the
+//! log shipper, and feeds the core answers, exits, GPU health and time.
 
 use crate::gpu::GpuBackend;
-use crate::runtime::{CgroupPlan, EndReason, ProcessRuntime, RuntimeConfig, TaskExit, TaskLaunch};
-use muster_api::client::Client;
+use crate::runtime::{
+    CgroupPlan, EndReason, ProcessRuntime, RecoveredStatus, RuntimeConfig, TaskExit, TaskLaunch,
+};
+use muster_api::client::{Client, ClientError};
 use muster_api::protocol::{
-    DesiredAllocation, GpuView, HeartbeatRequest, ObservedAllocation, RegisterRequest,
+    DesiredAllocation, ErrorCode, GpuView, HeartbeatRequest, HeartbeatResponse, ObservedAllocation,
+    RegisterRequest, RegisterResponse,
 };
 use muster_model::Signal;
-use muster_node::{Action, Desired, Local};
-use std::collections::BTreeMap;
+use muster_node::{
+    self as node, AdoptedTask, AgentCore, CoreConfig, DesiredTask, HeartbeatFailure, Input,
+    LeaseRecord, Output, Report, TaskId,
+};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -67,23 +77,6 @@ fn parse_key(key: &str) -> Option<(Option<u64>, u64, u64)> {
     Some((job, allocation.parse().ok()?, generation.parse().ok()?))
 }
 
-/// The name of the local task running `allocation` at `generation`.
-fn local_key(tasks: &BTreeMap<String, Task>, allocation: u64, generation: u64) -> Option<String> {
-    tasks
-        .keys()
-        .find(|key| parse_key(key).is_some_and(|(_, a, g)| (a, g) == (allocation, generation)))
-        .cloned()
-}
-
-#[derive(Debug, Clone)]
-struct Task {
-    running: bool,
-    stopping: bool,
-    /// Stopped because the lease could not be renewed.
-    fenced: bool,
-    exit: Option<TaskExit>,
-}
-
 fn machine_cpu_milli() -> u64 {
     std::thread::available_parallelism().map_or(1, |n| n.get() as u64) * 1000
 }
@@ -106,7 +99,12 @@ fn machine_memory_mib() -> u64 {
 }
 
 /// Runs the agent until `shutdown` resolves. Tasks keep running across an
-/// agent restart; a new agent finds them through the runtime's pid files.
+/// agent restart; a new agent finds them through the runtime's records.
+///
+/// Every decision is `muster_node::AgentCore`'s; this loop only carries its
+/// outputs out (HTTP requests, runtime starts and stops, the lease file and
+/// the runtime's fence deadline) and feeds it what happens (answers,
+/// failures, task exits, GPU health, time).
 pub async fn run(
     config: AgentConfig,
     shutdown: impl std::future::Future<Output = ()>,
@@ -146,7 +144,6 @@ pub async fn run(
         driver_version: inventory.driver_version.clone(),
         cuda_version: inventory.cuda_version.clone(),
     };
-    let joiner = Client::new(&config.server, &config.join_token);
     // Task logs go out on their own task and connection, never in the way
     // of a heartbeat; a task is forgotten only once its log is shipped.
     let logs = crate::logship::LogShipper::start(
@@ -157,372 +154,447 @@ pub async fn run(
     );
 
     // Tasks of an earlier agent on this node.
-    let mut tasks: BTreeMap<String, Task> = BTreeMap::new();
-    if let Ok(recovery) = runtime.recover().await {
-        for found in recovery.tasks {
-            let (running, exit) = match found.status {
-                crate::runtime::RecoveredStatus::Running => (true, None),
-                crate::runtime::RecoveredStatus::Exited(exit) => (false, Some(exit)),
-                crate::runtime::RecoveredStatus::Gone => (false, None),
-            };
-            tasks.insert(
-                found.allocation.clone(),
-                Task {
-                    running,
-                    stopping: false,
-                    fenced: false,
-                    exit,
-                },
-            );
+    let mut keys: BTreeMap<TaskId, String> = BTreeMap::new();
+    let mut adopted = Vec::new();
+    match runtime.recover().await {
+        Ok(recovery) => {
+            for (path, why) in &recovery.unreadable {
+                tracing::warn!("cannot read the task record {}: {why}", path.display());
+            }
+            for found in recovery.tasks {
+                let Some((job, allocation, generation)) = parse_key(&found.allocation) else {
+                    tracing::warn!("a task of unknown name {} is left alone", found.allocation);
+                    continue;
+                };
+                let task = TaskId {
+                    allocation,
+                    generation,
+                };
+                adopted.push(AdoptedTask {
+                    task,
+                    job,
+                    gpus: Some(found.gpu_indices.clone()),
+                    stop_signal: found.stop_signal,
+                    grace_period_ms: found.grace_period.as_millis() as u64,
+                    exit: match &found.status {
+                        RecoveredStatus::Running => None,
+                        RecoveredStatus::Exited(exit) => Some(ended(exit)),
+                        RecoveredStatus::Gone => Some(node::TaskExit::Vanished),
+                    },
+                });
+                keys.insert(task, found.allocation);
+            }
         }
+        Err(error) => tracing::error!("cannot recover the tasks of an earlier agent: {error}"),
     }
-
     // When this node last renewed its lease, and how long the lease is, kept
     // on disk: a restarted agent that cannot reach the server must still
     // fence the tasks it recovered before their lease runs out.
     let lease_file = config.state_dir.join("lease.json");
-    let (mut last_renewal, mut lease_ms) = std::fs::read_to_string(&lease_file)
+    let lease = std::fs::read_to_string(&lease_file)
         .ok()
         .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-        .and_then(|v| Some((v["last_renewal_ms"].as_u64()?, v["lease_ms"].as_u64()?)))
-        .unwrap_or((now_ms(), 10_000));
-    let fence_margin = config.fence_margin;
-    let save_renewal = |last: u64, lease: u64| {
-        let margin = (fence_margin.as_millis() as u64).min(lease / 4);
-        // Every task's supervisor kills its task past this deadline, half a
-        // margin before the lease ends, whether or not this agent is alive.
-        if let Err(error) = runtime.set_fence_deadline((last + lease).saturating_sub(margin / 2)) {
-            tracing::error!("cannot write the fence deadline: {error}");
-        }
-        let text = serde_json::json!({"last_renewal_ms": last, "lease_ms": lease}).to_string();
-        let temporary = lease_file.with_extension("tmp");
-        if std::fs::write(&temporary, text).is_ok() {
-            let _ = std::fs::rename(&temporary, &lease_file);
-        }
-    };
-    let mut unhealthy_gpus: Vec<u32> = Vec::new();
-    let mut backoff = Duration::from_millis(200);
-    'register: loop {
-        // Tasks found again after a restart, or left from before a refused
-        // heartbeat, must not outlive the lease while this node registers.
-        let margin = (config.fence_margin.as_millis() as u64).min(lease_ms / 4);
-        if muster_node::must_fence(now_ms(), last_renewal, lease_ms, margin)
-            && tasks.values().any(|t| t.running && !t.stopping)
-        {
-            tracing::warn!("lease not renewed in time: stopping every task (fenced)");
-            apply(&runtime, &uuids, &[], &mut tasks, true).await;
-        }
-        let sent = now_ms();
-        let remaining = (last_renewal + lease_ms)
-            .saturating_sub(margin)
-            .saturating_sub(sent);
-        let limit = Duration::from_millis(if remaining == 0 {
-            5_000
-        } else {
-            remaining.min(5_000)
+        .and_then(|v| {
+            Some(LeaseRecord {
+                last_renewal_ms: v["last_renewal_ms"].as_u64()?,
+                lease_ms: v["lease_ms"].as_u64()?,
+            })
         });
-        let registered = tokio::select! {
+    let core_config = CoreConfig {
+        fence_margin_ms: config.fence_margin.as_millis() as u64,
+    };
+    let (mut core, outputs) = AgentCore::new(core_config, epoch, now_ms(), lease, adopted);
+    let mut shell = Shell {
+        joiner: Client::new(&config.server, &config.join_token),
+        client: None,
+        register,
+        runtime: Arc::clone(&runtime),
+        uuids,
+        logs,
+        lease_file,
+        keys,
+        forgotten: BTreeSet::new(),
+        in_flight: None,
+        server: config.server.clone(),
+    };
+    shell.carry_out(&mut core, outputs).await?;
+    let mut health = tokio::time::interval(Duration::from_secs(1));
+    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        shell.ship_and_forget(&core).await;
+        let wake = core.next_wake_ms();
+        let sleep = tokio::time::sleep(Duration::from_millis(wake.saturating_sub(now_ms())));
+        let input = tokio::select! {
             _ = &mut shutdown => return Ok(()),
-            result = tokio::time::timeout(limit, joiner.register(&register)) => {
-                result.unwrap_or_else(|_| Err(muster_api::client::ClientError::Transport {
-                    url: config.server.clone(),
-                    reason: "no answer to the registration".to_string(),
-                }))
-            }
-        };
-        let registered = match registered {
-            Ok(registered) => registered,
-            Err(error) => {
-                if error.code().is_some() {
-                    return Err(format!("the server refused to register this node: {error}"));
+            answer = async {
+                match shell.in_flight.as_mut() {
+                    Some(request) => request.await,
+                    None => std::future::pending().await,
                 }
-                tracing::warn!("cannot register yet: {error}");
-                let margin = (config.fence_margin.as_millis() as u64).min(lease_ms / 4);
-                if muster_node::must_fence(now_ms(), last_renewal, lease_ms, margin)
-                    && tasks.values().any(|t| t.running && !t.stopping)
-                {
-                    tracing::warn!("lease not renewed in time: stopping every task (fenced)");
-                    apply(&runtime, &uuids, &[], &mut tasks, true).await;
-                }
-                tokio::select! {
-                    _ = &mut shutdown => return Ok(()),
-                    _ = tokio::time::sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-                continue;
-            }
-        };
-        let client = Client::new(&config.server, &registered.node_token);
-        logs.set_token(&registered.node_token);
-        lease_ms = registered.lease_ms;
-        let wait_ms = registered.heartbeat_ms;
-        last_renewal = sent;
-        save_renewal(last_renewal, lease_ms);
-        let mut version = 0u64;
-        let mut desired: Vec<DesiredAllocation> = Vec::new();
-        loop {
-            // Exits since the last round.
-            while let Some(exit) = runtime.try_next_exit() {
-                if let Some(task) = tasks.get_mut(&exit.allocation) {
-                    task.running = false;
-                    task.exit = Some(exit);
+            } => {
+                shell.in_flight = None;
+                match shell.answered(answer) {
+                    Ok(input) => input,
+                    Err(refused) => return Err(refused),
                 }
             }
-            logs.update(tasks.iter().map(|(key, task)| (key.as_str(), task.running)));
-            let observed: Vec<ObservedAllocation> = tasks
-                .iter()
-                .filter_map(|(key, task)| {
-                    let (_, allocation, generation) = parse_key(key)?;
-                    Some(ObservedAllocation {
-                        allocation,
-                        generation,
-                        exited: if task.running {
-                            None
-                        } else {
-                            Some(task.exit.as_ref().and_then(|e| e.exit_code))
-                        },
-                        fenced: task.fenced
-                            || task
-                                .exit
-                                .as_ref()
-                                .is_some_and(|e| e.reason == EndReason::Fenced),
-                    })
-                })
-                .collect();
-            // The server renews the lease when the request arrives: count
-            // from when it was sent, and give up on an answer once the lease
-            // could have run out (a black-holed connection must not delay
-            // fencing). The long poll must end well within that budget.
-            let margin = (config.fence_margin.as_millis() as u64).min(lease_ms / 4);
-            let sent = now_ms();
-            let remaining = (last_renewal + lease_ms)
-                .saturating_sub(margin)
-                .saturating_sub(sent);
-            // GPU health, as the backend sees it now (a failed read keeps
-            // the last answer).
-            // NVML calls block: off the async threads.
-            let backend = Arc::clone(&config.backend);
-            let telemetry = tokio::task::spawn_blocking(move || backend.telemetry()).await;
-            if let Ok(Ok(telemetry)) = telemetry {
-                unhealthy_gpus = telemetry
-                    .iter()
-                    .filter(|gpu| !gpu.healthy)
-                    .map(|gpu| gpu.index)
-                    .collect();
-            }
-            let request = HeartbeatRequest {
-                epoch,
-                observed,
-                unhealthy_gpus: unhealthy_gpus.clone(),
-                wait_ms: wait_ms.min(remaining / 3),
-                known_version: version,
-                sequence: 0,
-            };
-            let limit = if remaining == 0 {
-                Duration::from_secs(5)
-            } else {
-                Duration::from_millis(remaining)
-            };
-            let answer = tokio::select! {
-                _ = &mut shutdown => return Ok(()),
-                // A task ended: report it now rather than when the long poll
-                // returns (the server handles the abandoned request anyway).
-                exit = runtime.next_exit() => {
-                    if let Some(task) = tasks.get_mut(&exit.allocation) {
-                        task.running = false;
-                        task.exit = Some(exit);
-                    }
+            exit = runtime.next_exit() => {
+                let Some(task) = task_of(&exit.allocation) else {
                     continue;
-                }
-                answer = tokio::time::timeout(limit, client.heartbeat(&config.name, &request)) => {
-                    answer.unwrap_or_else(|_| Err(muster_api::client::ClientError::Transport {
-                        url: config.server.clone(),
-                        reason: "no answer before the lease deadline".to_string(),
-                    }))
-                }
-            };
-            let fenced = match answer {
-                Ok(answer) => {
-                    last_renewal = sent;
-                    save_renewal(last_renewal, lease_ms);
-                    version = answer.version;
-                    desired = answer.desired;
-                    false
-                }
-                Err(error) => {
-                    if error.code() == Some(muster_api::protocol::ErrorCode::Conflict)
-                        || error.code() == Some(muster_api::protocol::ErrorCode::Unauthenticated)
-                        || error.code() == Some(muster_api::protocol::ErrorCode::NotFound)
-                    {
-                        tracing::warn!("registering again: {error}");
-                        continue 'register;
-                    }
-                    tracing::warn!("heartbeat failed: {error}");
-                    let fenced = muster_node::must_fence(now_ms(), last_renewal, lease_ms, margin);
-                    tokio::select! {
-                        _ = &mut shutdown => return Ok(()),
-                        _ = tokio::time::sleep(Duration::from_millis(250)) => {}
-                    }
-                    fenced
-                }
-            };
-            if fenced {
-                tracing::warn!("lease not renewed in time: stopping every task (fenced)");
+                };
+                Input::TaskExited { task, exit: ended(&exit) }
             }
-            apply(&runtime, &uuids, &desired, &mut tasks, fenced).await;
-            // Forget tasks the server no longer lists once their exit was
-            // reported and their logs shipped.
-            let listed: std::collections::BTreeSet<(u64, u64)> = desired
-                .iter()
-                .map(|d| (d.allocation, d.generation))
-                .collect();
-            let done: Vec<String> = tasks
-                .iter()
-                .filter(|(key, task)| {
-                    !task.running
-                        && !parse_key(key).is_some_and(|(_, a, g)| listed.contains(&(a, g)))
-                        && logs.shipped_all(key)
-                })
-                .map(|(key, _)| key.clone())
-                .collect();
-            for key in done {
-                tasks.remove(&key);
-                let _ = runtime.forget(&key).await;
+            _ = health.tick() => {
+                // NVML calls block: off the async threads. A failed read
+                // keeps the last answer.
+                let backend = Arc::clone(&config.backend);
+                match tokio::task::spawn_blocking(move || backend.telemetry()).await {
+                    Ok(Ok(telemetry)) => Input::GpuHealth {
+                        unhealthy: telemetry
+                            .iter()
+                            .filter(|gpu| !gpu.healthy)
+                            .map(|gpu| gpu.index)
+                            .collect(),
+                    },
+                    _ => Input::Tick,
+                }
             }
-        }
+            _ = sleep => Input::Tick,
+        };
+        let outputs = core.handle(now_ms(), input);
+        shell.carry_out(&mut core, outputs).await?;
     }
 }
 
-async fn apply(
-    runtime: &Arc<ProcessRuntime>,
-    uuids: &BTreeMap<u32, String>,
-    desired: &[DesiredAllocation],
-    tasks: &mut BTreeMap<String, Task>,
-    fenced: bool,
-) {
-    let wanted: Vec<Desired> = desired
-        .iter()
-        .map(|d| Desired {
-            allocation: d.allocation,
-            generation: d.generation,
-            job: d.job,
-            stop: d.stop,
-        })
-        .collect();
-    let local: Vec<Local> = tasks
-        .iter()
-        .filter_map(|(key, task)| {
-            let (job, allocation, generation) = parse_key(key)?;
-            Some(Local {
-                allocation,
-                generation,
-                job,
-                running: task.running,
-                stopping: task.stopping,
-            })
-        })
-        .collect();
-    for action in muster_node::reconcile(&wanted, &local, fenced) {
-        match action {
-            Action::Start {
-                allocation,
-                generation,
-            } => {
-                let Some(spec) = desired
-                    .iter()
-                    .find(|d| d.allocation == allocation && d.generation == generation)
-                else {
-                    continue;
-                };
-                let key = task_key(spec.job, allocation, generation);
-                let launch = TaskLaunch {
-                    allocation: key.clone(),
-                    command: spec.command.clone(),
-                    env: spec.env.clone(),
-                    working_dir: spec.working_dir.as_ref().map(PathBuf::from),
-                    gpu_indices: spec.gpus.clone(),
-                    gpu_uuids: spec
-                        .gpus
-                        .iter()
-                        .filter_map(|i| uuids.get(i).cloned())
-                        .collect(),
-                    stop_signal: Signal::parse(&spec.stop_signal).unwrap_or(Signal::Term),
-                    grace_period: Duration::from_millis(spec.grace_period_ms),
-                    user: spec.user.clone(),
-                    memory_limit_mib: spec.memory_mib,
-                };
-                match runtime.start(launch).await {
-                    Ok(()) => {
-                        tasks.insert(
-                            key,
-                            Task {
-                                running: true,
-                                stopping: false,
-                                fenced: false,
-                                exit: None,
-                            },
-                        );
-                    }
-                    Err(error) => {
+/// A request in flight, resolving to its answer.
+type InFlight = Pin<Box<dyn Future<Output = Answer> + Send>>;
+
+enum Answer {
+    Register {
+        sequence: u64,
+        result: Result<RegisterResponse, ClientError>,
+    },
+    Heartbeat {
+        sequence: u64,
+        result: Result<HeartbeatResponse, ClientError>,
+    },
+}
+
+/// What the agent's loop holds besides the core: connections, the runtime,
+/// the names of the tasks, the request in flight.
+struct Shell {
+    joiner: Client,
+    /// With the node's token, once registered.
+    client: Option<Client>,
+    register: RegisterRequest,
+    runtime: Arc<ProcessRuntime>,
+    uuids: BTreeMap<u32, String>,
+    logs: crate::logship::LogShipper,
+    lease_file: PathBuf,
+    /// Each task's name on this node.
+    keys: BTreeMap<TaskId, String>,
+    /// Tasks the core forgot, kept until their log is shipped.
+    forgotten: BTreeSet<String>,
+    in_flight: Option<InFlight>,
+    server: String,
+}
+
+impl Shell {
+    /// Carries the core's outputs out, in order, feeding it what comes of
+    /// them (a start that failed) until nothing is left. Err: the server
+    /// refused this node for good.
+    async fn carry_out(
+        &mut self,
+        core: &mut AgentCore<DesiredAllocation>,
+        outputs: Vec<Output<DesiredAllocation>>,
+    ) -> Result<(), String> {
+        let mut queue: VecDeque<Output<DesiredAllocation>> = outputs.into();
+        while let Some(output) = queue.pop_front() {
+            match output {
+                Output::SendRegister {
+                    sequence,
+                    deadline_ms,
+                    ..
+                } => {
+                    let joiner = self.joiner.clone();
+                    let request = self.register.clone();
+                    let limit = self.limit(deadline_ms);
+                    self.in_flight = Some(Box::pin(async move {
+                        let result = tokio::time::timeout(limit, joiner.register(&request))
+                            .await
+                            .unwrap_or_else(|_| Err(no_answer(joiner.base())));
+                        Answer::Register { sequence, result }
+                    }));
+                }
+                Output::SendHeartbeat {
+                    sequence,
+                    epoch,
+                    observed,
+                    unhealthy_gpus,
+                    known_version,
+                    wait_ms,
+                    deadline_ms,
+                } => {
+                    let Some(client) = self.client.clone() else {
+                        // Registered without a token: cannot happen; register
+                        // again.
+                        let input = Input::HeartbeatFailed {
+                            sequence,
+                            failure: HeartbeatFailure::Refused,
+                        };
+                        queue.extend(core.handle(now_ms(), input));
+                        continue;
+                    };
+                    let request = HeartbeatRequest {
+                        epoch,
+                        observed: observed
+                            .iter()
+                            .map(|o| ObservedAllocation {
+                                allocation: o.task.allocation,
+                                generation: o.task.generation,
+                                exited: o.exited,
+                                fenced: o.fenced,
+                            })
+                            .collect(),
+                        unhealthy_gpus,
+                        wait_ms,
+                        known_version,
+                        sequence,
+                    };
+                    let name = self.register.name.clone();
+                    let limit = self.limit(deadline_ms);
+                    self.in_flight = Some(Box::pin(async move {
+                        let result = tokio::time::timeout(limit, client.heartbeat(&name, &request))
+                            .await
+                            .unwrap_or_else(|_| Err(no_answer(client.base())));
+                        Answer::Heartbeat { sequence, result }
+                    }));
+                }
+                Output::StartTask {
+                    task,
+                    job,
+                    gpus,
+                    launch: spec,
+                } => {
+                    let key = task_key(job, task.allocation, task.generation);
+                    self.keys.insert(task, key.clone());
+                    let launch = TaskLaunch {
+                        allocation: key.clone(),
+                        command: spec.command.clone(),
+                        env: spec.env.clone(),
+                        working_dir: spec.working_dir.as_ref().map(PathBuf::from),
+                        gpu_uuids: gpus
+                            .iter()
+                            .filter_map(|i| self.uuids.get(i).cloned())
+                            .collect(),
+                        gpu_indices: gpus,
+                        stop_signal: Signal::parse(&spec.stop_signal).unwrap_or(Signal::Term),
+                        grace_period: Duration::from_millis(spec.grace_period_ms),
+                        user: spec.user.clone(),
+                        memory_limit_mib: spec.memory_mib,
+                    };
+                    if let Err(error) = self.runtime.start(launch).await {
                         // Reported as a failed task (exit code 127, as a
-                        // shell would for a missing command).
+                        // shell would for a missing command). The supervisor
+                        // wrote why into the task's log when it got that
+                        // far; otherwise the agent does.
                         tracing::warn!("cannot start {key}: {error}");
-                        // The supervisor wrote why into the task's log when
-                        // it got that far; otherwise the agent does.
-                        let log = runtime.log_path(&key);
+                        let log = self.runtime.log_path(&key);
                         if !log.exists() {
                             if let Some(parent) = log.parent() {
                                 let _ = std::fs::create_dir_all(parent);
                             }
                             let _ = std::fs::write(&log, format!("muster: {error}\n"));
                         }
-                        tasks.insert(
-                            key.clone(),
-                            Task {
-                                running: false,
-                                stopping: false,
-                                fenced: false,
-                                exit: Some(TaskExit {
-                                    allocation: key,
-                                    exit_code: Some(127),
-                                    signal: None,
-                                    reason: EndReason::StartFailed {
-                                        message: error.to_string(),
-                                    },
-                                    usage: Default::default(),
-                                }),
-                            },
-                        );
+                        queue.extend(core.handle(now_ms(), Input::StartFailed { task }));
                     }
                 }
-            }
-            Action::Stop {
-                allocation,
-                generation,
-            } => {
-                let Some(key) = local_key(tasks, allocation, generation) else {
-                    continue;
-                };
-                let wanted = desired.iter().find(|d| d.allocation == allocation);
-                let signal = wanted
-                    .and_then(|d| Signal::parse(&d.stop_signal))
-                    .unwrap_or(Signal::Term);
-                let grace = Duration::from_millis(muster_node::stop_grace_ms(
-                    wanted.map(|d| d.grace_period_ms),
+                Output::StopTask {
+                    task,
+                    signal,
+                    grace_ms,
                     fenced,
-                ));
-                if let Some(task) = tasks.get_mut(&key) {
-                    task.stopping = true;
-                    task.fenced |= fenced;
+                } => {
+                    let Some(key) = self.keys.get(&task).cloned() else {
+                        continue;
+                    };
+                    let runtime = Arc::clone(&self.runtime);
+                    let grace = Duration::from_millis(grace_ms);
+                    tokio::spawn(async move {
+                        if let Err(error) = runtime.stop_as(&key, signal, grace, fenced).await {
+                            tracing::warn!("cannot stop {key}: {error}");
+                        }
+                    });
                 }
-                let runtime = Arc::clone(runtime);
-                tokio::spawn(async move {
-                    if let Err(error) = runtime.stop_as(&key, signal, grace, fenced).await {
-                        tracing::warn!("cannot stop {key}: {error}");
+                Output::WriteLease {
+                    last_renewal_ms,
+                    lease_ms,
+                    fence_deadline_ms,
+                } => {
+                    // Every task's supervisor kills its task past this
+                    // deadline, whether or not this agent is alive.
+                    if let Err(error) = self.runtime.set_fence_deadline(fence_deadline_ms) {
+                        tracing::error!("cannot write the fence deadline: {error}");
                     }
-                });
+                    let text = serde_json::json!({
+                        "last_renewal_ms": last_renewal_ms,
+                        "lease_ms": lease_ms,
+                    })
+                    .to_string();
+                    let temporary = self.lease_file.with_extension("tmp");
+                    if let Err(error) = std::fs::write(&temporary, text)
+                        .and_then(|()| std::fs::rename(&temporary, &self.lease_file))
+                    {
+                        tracing::error!("cannot write {}: {error}", self.lease_file.display());
+                    }
+                }
+                Output::ForgetTask { task } => {
+                    if let Some(key) = self.keys.remove(&task) {
+                        self.forgotten.insert(key);
+                    }
+                }
+                Output::Report(Report::Fenced) => {
+                    tracing::warn!("lease not renewed in time: stopping every task (fenced)");
+                }
+                Output::Report(Report::RegisterAgain) => {
+                    tracing::warn!("the server refused a heartbeat: registering again");
+                }
+                Output::Report(Report::NoAnswer { sequence }) => {
+                    tracing::warn!("no answer to request {sequence} in time");
+                }
             }
         }
+        Ok(())
+    }
+
+    /// How long a request may take, from its deadline.
+    fn limit(&self, deadline_ms: u64) -> Duration {
+        Duration::from_millis(deadline_ms.saturating_sub(now_ms()))
+    }
+
+    /// The core's input for an answer. Err: the server refused to register
+    /// this node (not a network failure): the agent stops.
+    fn answered(&mut self, answer: Answer) -> Result<Input<DesiredAllocation>, String> {
+        Ok(match answer {
+            Answer::Register {
+                sequence,
+                result: Ok(registered),
+            } => {
+                self.client = Some(Client::new(&self.server, &registered.node_token));
+                self.logs.set_token(&registered.node_token);
+                Input::Registered {
+                    sequence,
+                    lease_ms: registered.lease_ms,
+                    heartbeat_ms: registered.heartbeat_ms,
+                }
+            }
+            Answer::Register {
+                sequence,
+                result: Err(error),
+            } => {
+                if error.code().is_some() {
+                    return Err(format!("the server refused to register this node: {error}"));
+                }
+                tracing::warn!("cannot register yet: {error}");
+                Input::RegisterFailed { sequence }
+            }
+            Answer::Heartbeat {
+                sequence,
+                result: Ok(answer),
+            } => Input::HeartbeatReply {
+                sequence,
+                version: answer.version,
+                lease_ms: answer.lease_ms,
+                desired: answer.desired.into_iter().map(desired).collect(),
+            },
+            Answer::Heartbeat {
+                sequence,
+                result: Err(error),
+            } => {
+                let refused = matches!(
+                    error.code(),
+                    Some(ErrorCode::Conflict | ErrorCode::Unauthenticated | ErrorCode::NotFound)
+                );
+                if !refused {
+                    tracing::warn!("heartbeat failed: {error}");
+                }
+                Input::HeartbeatFailed {
+                    sequence,
+                    failure: if refused {
+                        HeartbeatFailure::Refused
+                    } else {
+                        HeartbeatFailure::Transport
+                    },
+                }
+            }
+        })
+    }
+
+    /// Tells the log shipper which tasks there are, and forgets, in the
+    /// runtime, the tasks the core forgot once their logs are shipped.
+    async fn ship_and_forget(&mut self, core: &AgentCore<DesiredAllocation>) {
+        let known: Vec<(String, bool)> = core
+            .tasks()
+            .filter_map(|(task, exit)| Some((self.keys.get(&task)?.clone(), exit.is_none())))
+            .chain(self.forgotten.iter().map(|key| (key.clone(), false)))
+            .collect();
+        self.logs
+            .update(known.iter().map(|(key, running)| (key.as_str(), *running)));
+        let shipped: Vec<String> = self
+            .forgotten
+            .iter()
+            .filter(|key| self.logs.shipped_all(key))
+            .cloned()
+            .collect();
+        for key in shipped {
+            self.forgotten.remove(&key);
+            if let Err(error) = self.runtime.forget(&key).await {
+                tracing::warn!("cannot forget {key}: {error}");
+            }
+        }
+    }
+}
+
+fn no_answer(url: &str) -> ClientError {
+    ClientError::Transport {
+        url: url.to_string(),
+        reason: "no answer before the lease deadline".to_string(),
+    }
+}
+
+/// A desired allocation as the core takes it (the allocation itself is
+/// what a start needs).
+fn desired(allocation: DesiredAllocation) -> DesiredTask<DesiredAllocation> {
+    DesiredTask {
+        task: TaskId {
+            allocation: allocation.allocation,
+            generation: allocation.generation,
+        },
+        job: allocation.job,
+        gpus: allocation.gpus.clone(),
+        stop: allocation.stop,
+        stop_signal: Signal::parse(&allocation.stop_signal).unwrap_or(Signal::Term),
+        grace_period_ms: allocation.grace_period_ms,
+        launch: allocation,
+    }
+}
+
+/// The task a runtime name stands for.
+fn task_of(key: &str) -> Option<TaskId> {
+    let (_, allocation, generation) = parse_key(key)?;
+    Some(TaskId {
+        allocation,
+        generation,
+    })
+}
+
+/// How a task ended, as the core takes it.
+fn ended(exit: &TaskExit) -> node::TaskExit {
+    match (&exit.reason, exit.exit_code, exit.signal) {
+        (EndReason::Fenced, _, _) => node::TaskExit::Fenced,
+        (_, Some(code), _) => node::TaskExit::Code(code),
+        (_, None, Some(signal)) => node::TaskExit::Signal(signal),
+        (_, None, None) => node::TaskExit::Vanished,
     }
 }
 
