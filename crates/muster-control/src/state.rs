@@ -223,7 +223,7 @@ pub enum Input {
         epoch: u64,
         /// Strictly increasing per agent epoch; a heartbeat not newer than
         /// the last one applied for the epoch (a duplicate, or one overtaken
-        /// by a later one) renews nothing and reports nothing. 0: an agent
+        /// by a later one) renews the lease but reports nothing. 0: an agent
         /// that does not number its heartbeats (always applied).
         sequence: u64,
         observed: Vec<Observed>,
@@ -410,8 +410,13 @@ impl ControlPlane {
                 sequence,
                 observed,
             } => {
-                if self.newer_heartbeat(&node, epoch, sequence)? {
-                    self.heartbeat(now, &node, epoch, &observed, &mut outputs)?;
+                // An old or duplicated heartbeat still renews the lease (the
+                // agent was alive when it sent it, and counts its own lease
+                // from then, never later), but reports nothing.
+                let newer = self.newer_heartbeat(&node, epoch, sequence)?;
+                let observed = if newer { Some(&observed[..]) } else { None };
+                self.heartbeat(now, &node, epoch, observed, &mut outputs)?;
+                if newer {
                     self.record_sequence(&node, epoch, sequence);
                 }
             }
@@ -687,7 +692,7 @@ impl ControlPlane {
         now: Time,
         name: &NodeName,
         epoch: u64,
-        observed: &[Observed],
+        observed: Option<&[Observed]>,
         outputs: &mut Vec<Output>,
     ) -> Result<(), ControlError> {
         let node = self
@@ -706,6 +711,9 @@ impl ControlPlane {
             node.state = NodeState::Ready;
             changed(outputs, Output::NodeChanged(name.clone()));
         }
+        let Some(observed) = observed else {
+            return Ok(());
+        };
         let reported: BTreeMap<AllocationId, &Observed> =
             observed.iter().map(|o| (o.allocation, o)).collect();
         let mut touched = BTreeSet::new();
