@@ -1184,10 +1184,12 @@ async fn supervision(args: SupervisionBench) -> Result<()> {
         args.duration.as_secs()
     );
     println!(
-        "  per supervisor: CPU median {:.4}% of a core (max {:.4}%, all together {:.3}%)",
+        "  per supervisor: CPU median {:.4}% of a core (max {:.4}%, all together {:.3}%; \
+         one clock tick over the window is {:.4}%)",
         median(&mut cpu.clone()),
         max_cpu,
-        total_cpu
+        total_cpu,
+        100.0 / ticks_per_second / args.duration.as_secs_f64()
     );
     println!(
         "  per supervisor: memory median PSS {:.2} MiB, private {:.2} MiB, RSS {:.2} MiB \

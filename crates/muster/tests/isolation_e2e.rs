@@ -133,8 +133,24 @@ fn five_hundred_short_jobs_leave_no_process_behind() {
 
 #[test]
 fn a_hostile_job_harms_no_neighbour_and_its_escaped_children_die_with_cancel() {
+    hostile_job("auto");
+}
+
+/// The same without cgroups: process groups and the supervisor as
+/// subreaper must hold as well.
+#[test]
+fn without_cgroups_a_hostile_job_harms_no_neighbour_and_dies_whole() {
+    hostile_job("none");
+}
+
+fn hostile_job(cgroups: &str) {
     let cluster = Cluster::start("10s");
-    let agent = cluster.agent_with("node", &cluster.url(), "2xH100-80GB", &[]);
+    let agent = cluster.agent_with(
+        "node",
+        &cluster.url(),
+        "2xH100-80GB",
+        &["--cgroups", cgroups],
+    );
     let rt = runtime();
     let client = cluster.client();
     wait_for_nodes(&rt, &client, 1);
