@@ -354,6 +354,7 @@ impl Shell {
                                 generation: o.task.generation,
                                 exited: o.exited,
                                 fenced: o.fenced,
+                                memory_limit: o.memory_limit,
                             })
                             .collect(),
                         unhealthy_gpus,
@@ -592,6 +593,7 @@ fn task_of(key: &str) -> Option<TaskId> {
 fn ended(exit: &TaskExit) -> node::TaskExit {
     match (&exit.reason, exit.exit_code, exit.signal) {
         (EndReason::Fenced, _, _) => node::TaskExit::Fenced,
+        (EndReason::MemoryLimit, code, _) => node::TaskExit::MemoryLimit(code),
         (_, Some(code), _) => node::TaskExit::Code(code),
         (_, None, Some(signal)) => node::TaskExit::Signal(signal),
         (_, None, None) => node::TaskExit::Vanished,

@@ -168,6 +168,9 @@ pub struct ObservedAllocation {
     /// The agent stopped it because it could not renew its lease.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub fenced: bool,
+    /// It ended because it reached its memory limit.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub memory_limit: bool,
 }
 
 /// `Option<Option<i32>>` as absent / `null` / a number.
@@ -431,6 +434,7 @@ mod tests {
                 generation: 2,
                 exited,
                 fenced: false,
+                memory_limit: false,
             };
             let text = serde_json::to_string(&observed).unwrap();
             let back: ObservedAllocation = serde_json::from_str(&text).unwrap();

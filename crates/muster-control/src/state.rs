@@ -200,6 +200,8 @@ pub struct Observed {
     /// did not fail, its node did (the job is re-queued per its retry
     /// policy for node failures).
     pub fenced: bool,
+    /// The kernel killed it (or a process of it) at its memory limit.
+    pub memory_limit: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -316,6 +318,9 @@ pub struct ControlPlane {
     /// last [`SEQUENCE_EPOCHS`] epochs (in memory only: a restarted server
     /// has no connection left from before, so no old request reaches it).
     heartbeat_sequences: BTreeMap<NodeName, Vec<(u64, u64)>>,
+    /// Running jobs a task of which hit its memory limit (their failure says
+    /// so); emptied as each job settles.
+    memory_limited: BTreeSet<JobId>,
 }
 
 /// How many epochs of a node the control plane remembers the last
@@ -342,6 +347,7 @@ impl ControlPlane {
             last_reasons: BTreeMap::new(),
             usage: muster_sched::UsageLedger::new(USAGE_HALF_LIFE_MS, Time(0)),
             heartbeat_sequences: BTreeMap::new(),
+            memory_limited: BTreeSet::new(),
         }
     }
 
@@ -621,6 +627,9 @@ impl ControlPlane {
                     (
                         JobState::Failed,
                         match code {
+                            _ if self.memory_limited.contains(&id) => {
+                                "failed: killed by the memory limit".to_string()
+                            }
                             Some(code) => format!("failed: exit code {code}"),
                             None => "failed: killed by a signal".to_string(),
                         },
@@ -635,6 +644,7 @@ impl ControlPlane {
         job.state = state;
         job.stop_cause = None;
         job.history.push((now, note));
+        self.memory_limited.remove(&id);
         if state == JobState::Pending {
             job.allocations.clear();
         } else {
@@ -718,6 +728,7 @@ impl ControlPlane {
             observed.iter().map(|o| (o.allocation, o)).collect();
         let mut touched = BTreeSet::new();
         let mut fenced_jobs = BTreeSet::new();
+        let mut memory_limited = Vec::new();
         for (id, allocation) in self.allocations.iter_mut() {
             if &allocation.node != name {
                 continue;
@@ -747,6 +758,9 @@ impl ControlPlane {
                     ) => {
                         allocation.state = AllocationState::Exited { code };
                         touched.insert(allocation.job);
+                        if report.memory_limit {
+                            memory_limited.push((allocation.job, allocation.rank));
+                        }
                         changed(outputs, Output::DesiredChanged(name.clone()));
                     }
                     _ => {}
@@ -762,6 +776,15 @@ impl ControlPlane {
                     touched.insert(allocation.job);
                 }
                 None => {}
+            }
+        }
+        for (job, rank) in memory_limited {
+            if let Some(job) = self.jobs.get_mut(&job) {
+                job.history.push((
+                    now,
+                    format!("rank {rank} on {name} killed by its memory limit"),
+                ));
+                self.memory_limited.insert(job.id);
             }
         }
         for job in fenced_jobs {

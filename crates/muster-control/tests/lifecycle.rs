@@ -102,6 +102,7 @@ fn running(task: &DesiredTask) -> Observed {
         generation: task.generation,
         exited: None,
         fenced: false,
+        memory_limit: false,
     }
 }
 
@@ -308,6 +309,32 @@ fn a_task_stopped_by_fencing_requeues_its_job_instead_of_failing_it() {
     assert_eq!(world.state(1), JobState::Pending, "re-queued, not failed");
     world.cycle();
     assert_eq!(world.control.jobs[&JobId(1)].attempts, 2);
+}
+
+#[test]
+fn a_task_killed_at_its_memory_limit_fails_its_job_saying_so() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 1);
+    world.cycle();
+    let tasks = world.desired("a");
+    world.report("a", vec![running(&tasks[0])]);
+    let killed = Observed {
+        exited: Some(None),
+        memory_limit: true,
+        ..running(&tasks[0])
+    };
+    world.report("a", vec![killed]);
+    assert_eq!(world.state(1), JobState::Failed);
+    let history: Vec<&str> = world.control.jobs[&JobId(1)]
+        .history
+        .iter()
+        .map(|(_, note)| note.as_str())
+        .collect();
+    assert!(
+        history.contains(&"rank 0 on a killed by its memory limit"),
+        "{history:?}"
+    );
+    assert_eq!(history.last(), Some(&"failed: killed by the memory limit"));
 }
 
 #[test]

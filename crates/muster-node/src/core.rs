@@ -166,6 +166,8 @@ pub struct ObservedTask {
     pub exited: Option<Option<i32>>,
     /// It was stopped because the lease could not be renewed.
     pub fenced: bool,
+    /// It ended at its memory limit.
+    pub memory_limit: bool,
 }
 
 /// Something worth a line in the agent's log (and a count in the
@@ -265,6 +267,13 @@ impl Task {
                 TaskState::Exited { exit, .. } => Some(exit.code()),
             },
             fenced: self.fenced,
+            memory_limit: matches!(
+                self.state,
+                TaskState::Exited {
+                    exit: TaskExit::MemoryLimit(_),
+                    ..
+                }
+            ),
         }
     }
 }

@@ -27,6 +27,9 @@ pub enum TaskExit {
     Fenced,
     /// It is gone and nothing says how (its host restarted).
     Vanished,
+    /// The kernel killed it, or a process of it, at its memory limit; the
+    /// leader's own exit code when it exited by itself afterwards.
+    MemoryLimit(Option<i32>),
 }
 
 impl TaskExit {
@@ -34,6 +37,7 @@ impl TaskExit {
     pub fn code(self) -> Option<i32> {
         match self {
             TaskExit::Code(code) => Some(code),
+            TaskExit::MemoryLimit(code) => code,
             TaskExit::Signal(_) | TaskExit::Fenced | TaskExit::Vanished => None,
         }
     }

@@ -872,6 +872,7 @@ async fn heartbeat(
             generation: o.generation,
             exited: o.exited,
             fenced: o.fenced,
+            memory_limit: o.memory_limit,
         })
         .collect();
     // Its own changes become durable with the barrier below.

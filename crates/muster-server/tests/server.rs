@@ -456,6 +456,7 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
             generation: task.generation,
             exited: None,
             fenced: false,
+            memory_limit: false,
         };
         let (status, _) = api
             .post(
@@ -612,6 +613,7 @@ fn all_running(desired: &[DesiredAllocation]) -> Vec<ObservedAllocation> {
             generation: task.generation,
             exited: None,
             fenced: false,
+            memory_limit: false,
         })
         .collect()
 }

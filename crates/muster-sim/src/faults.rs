@@ -1506,6 +1506,7 @@ fn observed_of(observed: &ObservedTask) -> Observed {
         generation: observed.task.generation,
         exited: observed.exited,
         fenced: observed.fenced,
+        memory_limit: observed.memory_limit,
     }
 }
 

@@ -341,3 +341,27 @@ fn a_task_cannot_read_the_tokens_or_another_job_s_log() {
         assert!(!log.contains(&token), "the task read {token}: {log}");
     }
 }
+
+#[test]
+fn a_job_over_its_memory_says_it_was_killed_by_the_memory_limit() {
+    let cluster = Cluster::start("10s");
+    let _agent = cluster.agent_with("node", &cluster.url(), "1xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    let spec = serde_json::json!({
+        "name": "hungry", "gpus": 1, "memory": "32MiB",
+        "command": ["dd", "if=/dev/zero", "of=/dev/null", "bs=256M", "count=1"],
+    });
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the job to fail", Duration::from_secs(30), || {
+        state(&rt, &client, id) == "failed"
+    });
+    let job = rt.block_on(client.job(id)).expect("job");
+    let notes: Vec<&str> = job.history.iter().map(|e| e.what.as_str()).collect();
+    assert_eq!(
+        notes.last(),
+        Some(&"failed: killed by the memory limit"),
+        "{notes:?}"
+    );
+}
