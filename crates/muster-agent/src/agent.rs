@@ -239,6 +239,15 @@ pub async fn run(
                 }
             }
             exit = runtime.next_exit() => {
+                tracing::info!(
+                    task = %exit.allocation,
+                    code = ?exit.exit_code,
+                    signal = ?exit.signal,
+                    reason = ?exit.reason,
+                    cpu_ms = ?exit.usage.cpu_ms,
+                    memory_peak_bytes = ?exit.usage.memory_peak_bytes,
+                    "task ended"
+                );
                 let Some(task) = task_of(&exit.allocation) else {
                     continue;
                 };
