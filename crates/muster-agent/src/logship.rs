@@ -13,23 +13,27 @@
 //! the server where its copy ends (an empty chunk at offset 0), so a
 //! restarted agent resumes where the server is, and sends from there:
 //! exactly the bytes of the task's log file, at their offsets. Once a task
-//! has exited and everything is sent, a last chunk says so (`eof`), and
+//! has exited and everything is sent, a last chunk says so (`eof`), the
+//! log file is removed from the node (the server has it all), and
 //! [`LogShipper::shipped_all`] turns true: the agent must not forget a task
 //! before.
 //!
-//! A task far ahead of the cap: once the server has the log's head (the
-//! first half of its size limit) and says it keeps only the latest
-//! `tail_bytes` past it, a sender more than that behind skips to its file's
-//! length minus `tail_bytes` (`omit_gap`): what it skips is what the server
-//! would drop anyway. So the backlog of a task that writes without end stays
-//! bounded, and the server's copy of an exited task is complete after at
-//! most `tail_bytes` more at the capped rate.
+//! A task far ahead of the cap: the server says it keeps the first
+//! `head_bytes` of a log and, past them, only the latest `tail_bytes`. Once
+//! the head is sent (a chunk never crosses its end), a sender more than
+//! `tail_bytes` (and a chunk) behind skips to its file's length minus
+//! `tail_bytes` (`omit_gap`): what it skips is what the server would drop
+//! anyway. So the backlog of a task that writes without end stays bounded,
+//! and the server's copy of an exited task is complete after at most
+//! `tail_bytes` more at the capped rate.
 //!
-//! The node's disk stays bounded too: what the server has acknowledged (or
-//! what a skip left out) is freed in the task's log file by punching holes
-//! (`fallocate(PUNCH_HOLE)`, in steps of [`PUNCH_STEP`]), which keeps the
-//! file's length and so every offset; where the filesystem cannot, the file
-//! just keeps its bytes.
+//! The node's disk stays bounded too: what the server has acknowledged, and
+//! what is sure to be skipped (past the head, before the file's length
+//! minus `tail_bytes` and a chunk), is freed in the task's log file by
+//! punching holes (`fallocate(PUNCH_HOLE)`, in steps of [`PUNCH_STEP`]),
+//! which keeps the file's length and so every offset; where the filesystem
+//! cannot, the file just keeps its bytes. The shipper never reads a byte it
+//! freed.
 //!
 //! A task whose allocation the server does not know (or gives to another
 //! node) is given up on, with a warning: nothing can be shipped for it.
@@ -94,13 +98,17 @@ struct TaskLog {
     exited: bool,
     /// Where the server's copy ends (`None`: ask it first).
     acked: Option<u64>,
-    /// Set once the server keeps only the latest bytes past the head.
+    /// What the server keeps: the first `head_bytes`, then the latest
+    /// `tail_bytes` (from its last answer).
+    head_bytes: Option<u64>,
     tail_bytes: Option<u64>,
     /// Every byte and the `eof` were acknowledged, or the server refused
     /// the allocation for good.
     done: bool,
     /// The log file's bytes before this offset were freed (a hole).
     punched: u64,
+    /// The bytes from the head's end to here were freed, sure to be skipped.
+    skipped_punched: u64,
 }
 
 /// The allocation of a task named `j<job>-a<allocation>-g<generation>` (or
@@ -162,9 +170,11 @@ impl LogShipper {
                 allocation,
                 exited: false,
                 acked: None,
+                head_bytes: None,
                 tail_bytes: None,
                 done: false,
                 punched: 0,
+                skipped_punched: 0,
             });
             log.exited = !running;
             next.insert(key.to_string(), log);
@@ -311,16 +321,34 @@ impl Worker {
                 return Step::Idle;
             }
         };
-        // Far behind a log whose head the server has: skip to where the
-        // bytes the server keeps begin.
+        let chunk_bytes = self.chunk_bytes as u64;
+        let head = log.head_bytes.unwrap_or(0);
+        // Far behind, with the head sent: skip to where the bytes the
+        // server keeps begin.
         let (offset, omit_gap) = match log.tail_bytes {
-            Some(tail) if length.saturating_sub(acked) > tail + self.chunk_bytes as u64 => {
+            Some(tail) if acked >= head && length.saturating_sub(acked) > tail + chunk_bytes => {
                 (length - tail, true)
             }
             _ => (acked, false),
         };
+        // Bytes past the head and more than a tail and a chunk before the
+        // end will be skipped whatever comes: free them now.
+        if let Some(tail) = log.tail_bytes {
+            let from = head.max(acked).max(log.skipped_punched);
+            let upto = length.saturating_sub(tail + chunk_bytes) / PUNCH_STEP * PUNCH_STEP;
+            if upto > from {
+                self.punch(key, from, upto);
+                Self::record(shared, key, |log| log.skipped_punched = upto);
+            }
+        }
+        // A chunk of the head ends with the head.
+        let most = if offset < head {
+            (head - offset).min(chunk_bytes) as usize
+        } else {
+            self.chunk_bytes
+        };
         let data = if offset < length {
-            match self.runtime.read_log(key, offset, self.chunk_bytes).await {
+            match self.runtime.read_log(key, offset, most).await {
                 Ok((data, _)) => data,
                 Err(RuntimeError::NoLog { .. }) => Vec::new(),
                 Err(error) => {
@@ -365,6 +393,7 @@ impl Worker {
                 let mut punch = None;
                 Self::record(shared, key, |log| {
                     log.acked = Some(ack.next_offset);
+                    log.head_bytes = ack.head_bytes;
                     log.tail_bytes = ack.tail_bytes;
                     log.done |= whole;
                     // Free what the server has, in whole steps.
@@ -374,7 +403,20 @@ impl Worker {
                         log.punched = upto;
                     }
                 });
-                if let Some((from, upto)) = punch {
+                if whole {
+                    // The server has all of it: the node needs it no more.
+                    let path = self.runtime.log_path(key);
+                    match tokio::fs::remove_file(&path).await {
+                        Ok(()) => {}
+                        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(error) => {
+                            tracing::warn!(
+                                "cannot remove the shipped log {}: {error}",
+                                path.display()
+                            )
+                        }
+                    }
+                } else if let Some((from, upto)) = punch {
                     self.punch(key, from, upto);
                 }
                 Step::Progress

@@ -266,9 +266,9 @@ pub struct LogChunk {
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = Byte))]
     pub data: Vec<u8>,
     /// The bytes between the server's end and `offset` are left out on
-    /// purpose. Only accepted once the log's head is full (see
-    /// [`LogAck::tail_bytes`]): the server then drops its kept tail, which
-    /// is older than `offset`, and starts the tail at `offset`.
+    /// purpose. Only accepted once the server has the log's head (see
+    /// [`LogAck::head_bytes`]): it then drops its kept tail, which is older
+    /// than `offset`, and starts the tail at `offset`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub omit_gap: bool,
     /// The task has exited and `offset + data.len()` is the whole output:
@@ -288,10 +288,13 @@ pub struct LogAck {
     /// The end of what the server has of the log: where the next chunk
     /// starts. An empty chunk at offset 0 asks for it.
     pub next_offset: u64,
-    /// Set once the log's head is full: the server keeps only the last
-    /// `tail_bytes` bytes past the head, so a sender that is further than
-    /// that behind may skip ahead (`omit_gap`) to its output's length minus
-    /// `tail_bytes`.
+    /// The server keeps the first `head_bytes` bytes of the log...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_bytes: Option<u64>,
+    /// ...and, past them, only the latest `tail_bytes` (at least half of
+    /// that). So a sender that has sent the head and is more than
+    /// `tail_bytes` behind may skip ahead (`omit_gap`) to its output's
+    /// length minus `tail_bytes`, and never needs the bytes it skips.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tail_bytes: Option<u64>,
 }

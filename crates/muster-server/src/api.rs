@@ -1013,7 +1013,8 @@ async fn push_logs(
     shared.changes.send_modify(|version| *version += 1);
     Ok(Json(LogAck {
         next_offset: appended.end,
-        tail_bytes: appended.tail_bytes,
+        head_bytes: Some(appended.head_bytes),
+        tail_bytes: Some(appended.tail_bytes),
     }))
 }
 

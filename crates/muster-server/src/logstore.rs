@@ -58,9 +58,11 @@ pub enum AppendError {
 pub struct Appended {
     /// Where the stored log ends (where the next chunk starts).
     pub end: u64,
-    /// Set once the head is full: how many of the latest bytes past it are
-    /// kept.
-    pub tail_bytes: Option<u64>,
+    /// How many of the first bytes are kept.
+    pub head_bytes: u64,
+    /// How many of the latest bytes past the head are kept (at least half
+    /// of this).
+    pub tail_bytes: u64,
 }
 
 /// A read of a task's log.
@@ -240,7 +242,8 @@ impl LogStore {
         }
         Ok(Appended {
             end: layout.end(),
-            tail_bytes: (layout.head >= self.head_bytes).then(|| self.tail_bytes()),
+            head_bytes: self.head_bytes,
+            tail_bytes: self.tail_bytes(),
         })
     }
 
@@ -412,7 +415,10 @@ mod tests {
         );
         let appended = store.append(1, 4000, &data[4000..], false, true).unwrap();
         assert_eq!(appended.end, 10_000);
-        assert_eq!(appended.tail_bytes, None);
+        assert_eq!(
+            (appended.head_bytes, appended.tail_bytes),
+            (524_288, 524_288)
+        );
         assert_eq!(read_all(&store, 1, 777), data);
         let read = store.read(1, 10_000, 10).unwrap();
         assert!(read.eof && read.data.is_empty());
@@ -467,7 +473,7 @@ mod tests {
         let (_dir, store) = store(8192);
         let data = bytes(50_000, 9);
         let appended = store.append(4, 0, &data[..5000], false, false).unwrap();
-        assert_eq!(appended.tail_bytes, Some(4096));
+        assert_eq!((appended.head_bytes, appended.tail_bytes), (4096, 4096));
         let appended = store
             .append(4, 40_000, &data[40_000..], true, true)
             .unwrap();
