@@ -56,9 +56,11 @@ pub fn main(args: &[String]) -> i32 {
     match supervise(Path::new(state_dir), key) {
         Ok(()) => 0,
         Err(message) => {
-            // Before the task started: the agent reads this line.
-            println!("failed {message}");
-            let _ = std::io::stdout().flush();
+            // Before the task started, the agent reads this line; after,
+            // nobody may be reading (a write error must not panic).
+            let mut stdout = std::io::stdout();
+            let _ = writeln!(stdout, "failed {message}");
+            let _ = stdout.flush();
             1
         }
     }
@@ -211,8 +213,9 @@ fn supervise(state_dir: &Path, key: &str) -> Result<(), String> {
         let _ = cgroup.remove();
         return Err(format!("cannot write the pid file: {error}"));
     }
-    println!("started {}", pid.as_raw());
-    let _ = std::io::stdout().flush();
+    let mut stdout = std::io::stdout();
+    let _ = writeln!(stdout, "started {}", pid.as_raw());
+    let _ = stdout.flush();
 
     let exit = watch(&task, &tasks_dir, key, pid, &cgroup, &signals);
     record::write_json(&record::path(&tasks_dir, key, "exit"), &exit)

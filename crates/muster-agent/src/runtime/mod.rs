@@ -503,6 +503,12 @@ impl ProcessRuntime {
             };
             let _ = child.start_kill();
             let _ = child.wait().await;
+            // A supervisor too slow to say so may have started the task.
+            kill_remains(
+                &self.file(&allocation, "pid"),
+                &self.config.cgroups.task(&allocation),
+            )
+            .await;
             return Err(RuntimeError::Start {
                 allocation,
                 message,
