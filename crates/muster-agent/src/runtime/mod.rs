@@ -523,15 +523,7 @@ impl ProcessRuntime {
         let key = allocation.clone();
         tokio::spawn(async move {
             let _ = child.wait().await;
-            let exit = match record::read_json::<ExitRecord>(&exit_path) {
-                Ok(exit) => TaskExit::from_record(&key, exit),
-                Err(_) => {
-                    // The supervisor was killed: nothing of the task may be
-                    // left running unsupervised.
-                    kill_remains(&pid_path, &cgroup).await;
-                    TaskExit::lost(&key)
-                }
-            };
+            let exit = supervisor_ended(&key, &exit_path, &pid_path, &cgroup).await;
             let _ = exit_sender.send(Some(exit.clone()));
             let _ = exits.send(exit);
         });
@@ -797,13 +789,7 @@ impl ProcessRuntime {
                 }
                 if !is_supervisor(supervisor, &key) {
                     // One last look: it may have written the record and exited.
-                    let exit = match record::read_json::<ExitRecord>(&exit_path) {
-                        Ok(exit) => TaskExit::from_record(&key, exit),
-                        Err(_) => {
-                            kill_remains(&pid_path, &cgroup).await;
-                            TaskExit::lost(&key)
-                        }
-                    };
+                    let exit = supervisor_ended(&key, &exit_path, &pid_path, &cgroup).await;
                     let _ = exit_sender.send(Some(exit.clone()));
                     let _ = exits.send(exit);
                     return;
@@ -879,6 +865,24 @@ impl ProcessRuntime {
             .map_err(state_error(&path))?;
         let next = offset + bytes.len() as u64;
         Ok((bytes, next))
+    }
+}
+
+/// How a task ended whose supervisor has exited: its exit record, or, with
+/// none (the supervisor was killed), `Lost`, once whatever is left of the
+/// task has been killed: nothing of it may run unsupervised.
+async fn supervisor_ended(
+    key: &str,
+    exit_path: &Path,
+    pid_path: &Path,
+    cgroup: &cgroup::TaskCgroup,
+) -> TaskExit {
+    match record::read_json::<ExitRecord>(exit_path) {
+        Ok(exit) => TaskExit::from_record(key, exit),
+        Err(_) => {
+            kill_remains(pid_path, cgroup).await;
+            TaskExit::lost(key)
+        }
     }
 }
 
