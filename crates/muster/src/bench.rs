@@ -1206,15 +1206,21 @@ async fn supervision(args: SupervisionBench) -> Result<()> {
     for id in ids {
         let _ = client.cancel(id).await;
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !supervisors(&state_dir).is_empty() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     println!(
         "  supervisors left 60 s after cancelling every job: {}",
-        supervisors(&state_dir).len()
+        supervisors_left(&state_dir, Duration::from_secs(60)).await
     );
     Ok(())
+}
+
+/// How many supervisors of the agent at `state_dir` still run after
+/// waiting up to `limit` for them all to exit.
+async fn supervisors_left(state_dir: &Path, limit: Duration) -> usize {
+    let deadline = Instant::now() + limit;
+    while !supervisors(state_dir).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    supervisors(state_dir).len()
 }
 
 async fn short_jobs(args: ShortJobsBench) -> Result<()> {
@@ -1308,13 +1314,9 @@ async fn short_jobs(args: ShortJobsBench) -> Result<()> {
         mib(server_rss_before),
         mib(server_rss_after)
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !supervisors(&state_dir).is_empty() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     println!(
         "  supervisors left afterwards: {}",
-        supervisors(&state_dir).len()
+        supervisors_left(&state_dir, Duration::from_secs(10)).await
     );
     Ok(())
 }
