@@ -183,9 +183,27 @@ impl Client {
         limit: Option<u64>,
         follow: bool,
     ) -> Result<LogsResponse, ClientError> {
+        self.task_logs(id, rank, None, offset, limit, follow).await
+    }
+
+    /// As [`Client::logs`], for the offset of one task (`allocation`, from
+    /// an earlier answer): when the rank has a newer task, the answer is
+    /// empty and names it, with `next_offset` 0.
+    pub async fn task_logs(
+        &self,
+        id: u64,
+        rank: u32,
+        allocation: Option<u64>,
+        offset: u64,
+        limit: Option<u64>,
+        follow: bool,
+    ) -> Result<LogsResponse, ClientError> {
         let limit = limit.map_or(String::new(), |limit| format!("&limit={limit}"));
+        let allocation = allocation.map_or(String::new(), |allocation| {
+            format!("&allocation={allocation}")
+        });
         let url = format!(
-            "{}/v1/jobs/{id}/logs?rank={rank}&offset={offset}{limit}&follow={follow}",
+            "{}/v1/jobs/{id}/logs?rank={rank}&offset={offset}{limit}{allocation}&follow={follow}",
             self.base
         );
         self.send(self.http.get(&url).timeout(Duration::from_secs(60)), &url)

@@ -319,6 +319,12 @@ pub struct LogsResponse {
     pub more: bool,
     /// True once the job has ended and every byte was returned.
     pub complete: bool,
+    /// The task (allocation) whose output this is: the rank's latest. Pass
+    /// it back (`allocation=`) when following: if the job runs again (a
+    /// retry, a lost node), the answer is empty, with this set to the new
+    /// task and `next_offset` 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocation: Option<u64>,
 }
 
 /// Bytes as a base64 string (standard alphabet, padded).

@@ -388,6 +388,10 @@ pub struct LogsQuery {
     offset: Option<u64>,
     /// The most bytes to return (1 MiB at most, and by default).
     limit: Option<u64>,
+    /// The task (allocation) `offset` belongs to, from an earlier answer:
+    /// when the rank has a newer one, the answer is empty, names it, and
+    /// has `next_offset` 0.
+    allocation: Option<u64>,
     /// Wait up to 10 s for new output before answering.
     follow: Option<bool>,
 }
@@ -452,6 +456,17 @@ async fn job_logs(
                 .then(|| job.finished.map_or(0, |at| at.0));
             (allocation, finished)
         };
+        if let (Some(asked), Some(latest)) = (query.allocation, allocation)
+            && asked != latest.0
+        {
+            return Ok(Json(LogsResponse {
+                data: Vec::new(),
+                next_offset: 0,
+                more: true,
+                complete: false,
+                allocation: Some(latest.0),
+            }));
+        }
         let read = match allocation {
             Some(allocation) => {
                 let logs = Arc::clone(&shared.logs);
@@ -490,6 +505,7 @@ async fn job_logs(
                 next_offset: read.next_offset,
                 more,
                 complete,
+                allocation: allocation.map(|a| a.0),
             }));
         }
         // Wake on a change, or in time to notice that the log settled.
@@ -503,6 +519,7 @@ async fn job_logs(
                     next_offset: read.next_offset,
                     more,
                     complete,
+                    allocation: allocation.map(|a| a.0),
                 }));
             }
         }

@@ -345,8 +345,17 @@ async fn print_logs(
     mut offset: u64,
     follow: bool,
 ) -> Result<u64> {
+    let mut task = None;
     loop {
-        let page = client.logs(id, rank, offset, None, follow).await?;
+        let page = client
+            .task_logs(id, rank, task, offset, None, follow)
+            .await?;
+        if task.is_some() && page.allocation.is_some() && page.allocation != task {
+            // The job runs again (a retry, or its node was lost): its new
+            // task's output from the start, the note on stderr only.
+            eprintln!("muster: job {id} runs again; its output from the start follows");
+        }
+        task = page.allocation.or(task);
         if !page.data.is_empty() {
             write_bytes(&page.data);
         }

@@ -520,3 +520,53 @@ fn noisy_log_on_agent(state_dir: &Path, job: &str) -> Option<(u64, u64)> {
         .find_map(|entry| entry.metadata().ok())
         .map(|meta| (meta.len(), meta.blocks() * 512))
 }
+
+#[test]
+fn a_follower_reads_a_retried_job_from_the_start_of_its_new_task() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let _up = env.up(&[]);
+    std::fs::set_permissions(env.dir.path(), std::fs::Permissions::from_mode(0o711))
+        .expect("chmod");
+    let marks = env.path("marks");
+    std::fs::create_dir_all(&marks).expect("mkdir");
+    std::fs::set_permissions(&marks, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    // The first attempt writes more than the second, then fails; the
+    // second reads from its own start.
+    let spec = format!(
+        "name: retried\n\
+         command: \"if [ -e {marks}/first ]; then echo second attempt; else touch {marks}/first; \
+         head -c 5000 /dev/zero | tr '\\\\0' x; echo; sleep 2; exit 1; fi\"\n\
+         retry:\n  max_attempts: 2\n  on_exit_failure: true\n",
+        marks = marks.display()
+    );
+    let spec_file = env.path("retried.yaml");
+    std::fs::write(&spec_file, spec).expect("the spec");
+    let output = env.muster(&["submit", spec_file.to_str().expect("a UTF-8 path")]);
+    assert!(output.status.success(), "{output:?}");
+    let id = String::from_utf8_lossy(&output.stdout).trim().to_string();
+    let mut follower = env
+        .command()
+        .args(["logs", "-f", &id])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("muster logs -f starts");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while follower.try_wait().expect("the follower").is_none() {
+        assert!(Instant::now() < deadline, "the follower never ended");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let output = follower.wait_with_output().expect("the follower's output");
+    assert!(output.status.success(), "{output:?}");
+    let mut expected = vec![b'x'; 5000];
+    expected.extend_from_slice(b"\nsecond attempt\n");
+    assert_same_bytes("followed across attempts", &output.stdout, &expected);
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("runs again"),
+        "{output:?}"
+    );
+    let job = env.json(&["describe", &id, "--json"]);
+    assert_eq!(job["state"], "succeeded", "{job}");
+    assert_eq!(job["attempts"], 2, "{job}");
+}
