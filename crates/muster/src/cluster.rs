@@ -429,3 +429,26 @@ pub fn up(args: UpArgs) -> Result<()> {
         Ok(())
     })
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes_read_with_binary_units() {
+        assert_eq!(super::parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(super::parse_size("64MiB"), Ok(64 << 20));
+        assert_eq!(super::parse_size("4096"), Ok(4096));
+        assert_eq!(super::parse_rate("8MiB"), Ok(8 << 20));
+        for (text, says) in [
+            ("12XB", "unknown unit"),
+            ("1GB", "unknown unit"),
+            ("", "not a size"),
+            ("MiB", "not a size"),
+            ("99999999999TiB", "not a size"),
+            ("1KiB", "too small"),
+        ] {
+            let error = super::parse_size(text).expect_err(text);
+            assert!(error.contains(says), "{text}: {error}");
+        }
+        assert!(super::parse_rate("0").is_err());
+    }
+}
