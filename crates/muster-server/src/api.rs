@@ -981,7 +981,8 @@ async fn push_logs(
     Body(chunk): Body<LogChunk>,
 ) -> Result<Json<LogAck>, ApiError> {
     let allocation = AllocationId(chunk.allocation);
-    {
+    // The job's limit is shared by its tasks.
+    let tasks = {
         let core = shared.lock();
         let Some(found) = core.control.allocations.get(&allocation) else {
             return Err(ApiError::not_found(format!(
@@ -997,7 +998,11 @@ async fn push_logs(
                 ),
             ));
         }
-    }
+        core.control
+            .jobs
+            .get(&found.job)
+            .map_or(1, |job| job.spec.nodes)
+    };
     if chunk.data.len() > MAX_LOG_CHUNK_BYTES {
         return Err(ApiError::invalid(format!(
             "the chunk has {} bytes; send at most {MAX_LOG_CHUNK_BYTES} per chunk",
@@ -1008,6 +1013,7 @@ async fn push_logs(
     let appended = tokio::task::spawn_blocking(move || {
         logs.append(
             chunk.allocation,
+            tasks,
             chunk.offset,
             &chunk.data,
             chunk.omit_gap,

@@ -67,12 +67,13 @@ pub struct ServerConfig {
     /// How often the scheduler runs when nothing wakes it.
     pub schedule_interval_ms: u64,
     pub placement: PlacementPolicy,
-    /// The most bytes kept of one task's log: the first half and the latest
-    /// bytes, with a marker for what is left out (see [`DEFAULT_MAX_LOG_BYTES`]).
+    /// The most bytes kept of one job's output, shared by its tasks: of each
+    /// task's log the first half and the latest bytes, with a marker for
+    /// what is left out (see [`DEFAULT_MAX_LOG_BYTES`]).
     pub max_log_bytes: u64,
 }
 
-/// The default per-task log limit: 1 GiB.
+/// The default per-job log limit: 1 GiB.
 pub const DEFAULT_MAX_LOG_BYTES: u64 = 1 << 30;
 pub use logstore::MIN_LOG_BYTES;
 

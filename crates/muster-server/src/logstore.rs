@@ -1,8 +1,9 @@
 //! Task logs on the server's disk: exactly the bytes a task wrote, at the
 //! offsets it wrote them, bounded per task.
 //!
-//! Offsets always count the task's own output. With a limit of `L` bytes a
-//! task's log keeps:
+//! Offsets always count the task's own output. The limit is per job: each
+//! of a job's `N` tasks gets `L = limit / N` bytes (at least
+//! [`MIN_LOG_BYTES`]), and its log keeps:
 //! - the head, the first `L / 2` bytes, in `logs/<allocation>.log`;
 //! - the tail, the last bytes written, in at most two segment files
 //!   `logs/<allocation>.tail/<first offset>` of up to `L / 4` bytes each:
@@ -78,13 +79,19 @@ pub struct LogRead {
     pub modified: Option<SystemTime>,
 }
 
-/// Every task's log under one directory, with a size limit per task.
+/// Every task's log under one directory, with a size limit per job.
 #[derive(Debug)]
 pub struct LogStore {
     dir: PathBuf,
-    head_bytes: u64,
-    segment_bytes: u64,
+    limit: u64,
     locks: Vec<Mutex<()>>,
+}
+
+/// How one task's log is split: the head's size and a tail segment's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Split {
+    head: u64,
+    segment: u64,
 }
 
 /// How many locks the logs are spread over.
@@ -114,23 +121,23 @@ impl Layout {
 pub const MIN_LOG_BYTES: u64 = 4096;
 
 impl LogStore {
-    /// Logs under `dir`, each kept to at most `limit` bytes (at least
-    /// [`MIN_LOG_BYTES`]).
+    /// Logs under `dir`, each job's kept to at most `limit` bytes.
     pub fn new(dir: PathBuf, limit: u64) -> LogStore {
-        let limit = limit.max(MIN_LOG_BYTES);
-        let head_bytes = limit / 2;
         LogStore {
             dir,
-            head_bytes,
-            segment_bytes: (limit - head_bytes) / 2,
+            limit,
             locks: (0..LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
         }
     }
 
-    /// How many of the latest bytes past the head are kept (at least half
-    /// of this, at most all of it).
-    pub fn tail_bytes(&self) -> u64 {
-        self.segment_bytes * 2
+    /// The split of the log of one of a job's `tasks` tasks.
+    fn split(&self, tasks: u32) -> Split {
+        let limit = (self.limit / u64::from(tasks.max(1))).max(MIN_LOG_BYTES);
+        let head = limit / 2;
+        Split {
+            head,
+            segment: (limit - head) / 2,
+        }
     }
 
     fn head_path(&self, allocation: u64) -> PathBuf {
@@ -186,19 +193,22 @@ impl LogStore {
         Ok(Layout { head, segments })
     }
 
-    /// Stores `data`, which starts at byte `offset` of the task's output:
-    /// bytes already stored are skipped (a retried chunk changes nothing); a
-    /// chunk past the end is refused unless `omit_gap` is set and the head
-    /// is full. `eof` records that the output is whole.
+    /// Stores `data`, which starts at byte `offset` of the output of a task
+    /// of a job with `tasks` tasks: bytes already stored are skipped (a
+    /// retried chunk changes nothing); a chunk past the end is refused
+    /// unless `omit_gap` is set and the head is full. `eof` records that
+    /// the output is whole.
     pub fn append(
         &self,
         allocation: u64,
+        tasks: u32,
         offset: u64,
         data: &[u8],
         omit_gap: bool,
         eof: bool,
     ) -> Result<Appended, AppendError> {
         let _guard = self.guard(allocation);
+        let split = self.split(tasks);
         let mut layout = self.layout(allocation)?;
         let end = layout.end();
         let mut position = end;
@@ -210,12 +220,12 @@ impl LogStore {
                     end,
                 });
             }
-            if layout.head < self.head_bytes {
+            if layout.head < split.head {
                 return Err(AppendError::EarlySkip {
                     allocation,
                     offset,
                     end,
-                    head: self.head_bytes,
+                    head: split.head,
                 });
             }
             // Everything in the tail is older than `offset`, which is at
@@ -231,7 +241,7 @@ impl LogStore {
         let skip = usize::try_from(position - offset).unwrap_or(usize::MAX);
         let mut rest = data.get(skip..).unwrap_or_default();
         while !rest.is_empty() {
-            let written = self.write_some(allocation, &mut layout, position, rest)?;
+            let written = self.write_some(allocation, split, &mut layout, position, rest)?;
             position += written as u64;
             rest = &rest[written..];
         }
@@ -242,8 +252,8 @@ impl LogStore {
         }
         Ok(Appended {
             end: layout.end(),
-            head_bytes: self.head_bytes,
-            tail_bytes: self.tail_bytes(),
+            head_bytes: split.head,
+            tail_bytes: split.segment * 2,
         })
     }
 
@@ -252,13 +262,14 @@ impl LogStore {
     fn write_some(
         &self,
         allocation: u64,
+        split: Split,
         layout: &mut Layout,
         position: u64,
         data: &[u8],
     ) -> Result<usize, AppendError> {
         debug_assert_eq!(position.max(layout.end()), position);
-        if layout.segments.is_empty() && position == layout.head && layout.head < self.head_bytes {
-            let room = usize::try_from(self.head_bytes - layout.head).unwrap_or(usize::MAX);
+        if layout.segments.is_empty() && position == layout.head && layout.head < split.head {
+            let room = usize::try_from(split.head - layout.head).unwrap_or(usize::MAX);
             let take = room.min(data.len());
             let path = self.head_path(allocation);
             append_to(&path, &data[..take])?;
@@ -267,9 +278,7 @@ impl LogStore {
         }
         let tail_dir = self.tail_dir(allocation);
         let newest = match layout.segments.last() {
-            Some(&(start, len)) if start + len == position && len < self.segment_bytes => {
-                (start, len)
-            }
+            Some(&(start, len)) if start + len == position && len < split.segment => (start, len),
             _ => {
                 std::fs::create_dir_all(&tail_dir)
                     .map_err(|source| io("create", &tail_dir, source))?;
@@ -282,7 +291,7 @@ impl LogStore {
                 (position, 0)
             }
         };
-        let room = usize::try_from(self.segment_bytes - newest.1).unwrap_or(usize::MAX);
+        let room = usize::try_from(split.segment - newest.1).unwrap_or(usize::MAX);
         let take = room.min(data.len());
         append_to(&tail_dir.join(newest.0.to_string()), &data[..take])?;
         if let Some(last) = layout.segments.last_mut() {
@@ -405,15 +414,23 @@ mod tests {
         let (_dir, store) = store(1 << 20);
         let data = bytes(10_000, 7);
         assert_eq!(
-            store.append(1, 0, &data[..6000], false, false).unwrap().end,
+            store
+                .append(1, 1, 0, &data[..6000], false, false)
+                .unwrap()
+                .end,
             6000
         );
         // A retry, and an overlap: only the new part is written.
         assert_eq!(
-            store.append(1, 0, &data[..6000], false, false).unwrap().end,
+            store
+                .append(1, 1, 0, &data[..6000], false, false)
+                .unwrap()
+                .end,
             6000
         );
-        let appended = store.append(1, 4000, &data[4000..], false, true).unwrap();
+        let appended = store
+            .append(1, 1, 4000, &data[4000..], false, true)
+            .unwrap();
         assert_eq!(appended.end, 10_000);
         assert_eq!(
             (appended.head_bytes, appended.tail_bytes),
@@ -424,17 +441,20 @@ mod tests {
         assert!(read.eof && read.data.is_empty());
         assert_eq!(read.next_offset, 10_000);
         // An empty chunk at 0 asks where the log ends.
-        assert_eq!(store.append(1, 0, &[], false, false).unwrap().end, 10_000);
+        assert_eq!(
+            store.append(1, 1, 0, &[], false, false).unwrap().end,
+            10_000
+        );
     }
 
     #[test]
     fn a_gap_is_refused_with_where_to_resume() {
         let (_dir, store) = store(1 << 20);
-        store.append(2, 0, b"hello", false, false).unwrap();
-        let error = store.append(2, 9, b"x", false, false).unwrap_err();
+        store.append(2, 1, 0, b"hello", false, false).unwrap();
+        let error = store.append(2, 1, 9, b"x", false, false).unwrap_err();
         assert!(error.to_string().contains("send from byte 5"), "{error}");
         // Skipping is only for a log whose head is full.
-        let error = store.append(2, 9, b"x", true, false).unwrap_err();
+        let error = store.append(2, 1, 9, b"x", true, false).unwrap_err();
         assert!(error.to_string().contains("send from byte 5"), "{error}");
     }
 
@@ -445,7 +465,7 @@ mod tests {
         let data = bytes(100_000, 3);
         for (i, piece) in data.chunks(1500).enumerate() {
             store
-                .append(3, i as u64 * 1500, piece, false, false)
+                .append(3, 1, i as u64 * 1500, piece, false, false)
                 .unwrap();
         }
         let got = read_all(&store, 3, 1000);
@@ -472,10 +492,10 @@ mod tests {
     fn a_sender_far_behind_may_skip_once_the_head_is_full() {
         let (_dir, store) = store(8192);
         let data = bytes(50_000, 9);
-        let appended = store.append(4, 0, &data[..5000], false, false).unwrap();
+        let appended = store.append(4, 1, 0, &data[..5000], false, false).unwrap();
         assert_eq!((appended.head_bytes, appended.tail_bytes), (4096, 4096));
         let appended = store
-            .append(4, 40_000, &data[40_000..], true, true)
+            .append(4, 1, 40_000, &data[40_000..], true, true)
             .unwrap();
         assert_eq!(appended.end, 50_000);
         let got = read_all(&store, 4, 100_000);
@@ -485,6 +505,21 @@ mod tests {
         let read = store.read(4, 4500, 100).unwrap();
         assert!(String::from_utf8_lossy(&read.data).contains("bytes omitted"));
         assert!(read.next_offset > 40_000);
+    }
+
+    #[test]
+    fn the_limit_is_shared_by_a_jobs_tasks() {
+        let (_dir, store) = store(1 << 20);
+        let one = store.append(5, 1, 0, b"x", false, false).unwrap();
+        assert_eq!((one.head_bytes, one.tail_bytes), (1 << 19, 1 << 19));
+        let of_four = store.append(6, 4, 0, b"x", false, false).unwrap();
+        assert_eq!((of_four.head_bytes, of_four.tail_bytes), (1 << 17, 1 << 17));
+        // Never below the smallest limit.
+        let of_many = store.append(7, 10_000, 0, b"x", false, false).unwrap();
+        assert_eq!(
+            (of_many.head_bytes, of_many.tail_bytes),
+            (MIN_LOG_BYTES / 2, MIN_LOG_BYTES / 2)
+        );
     }
 
     fn walk(path: &Path) -> u64 {

@@ -24,7 +24,8 @@ pub struct ServerArgs {
     /// Placement policy: fgd, best-fit, packing, random or default.
     #[arg(long, default_value = "default")]
     pub placement: muster_sched::PlacementPolicy,
-    /// The most bytes kept of each task's log (e.g. 1GiB, 64MiB, 4096): the
+    /// The most bytes kept of each job's output (e.g. 1GiB, 64MiB, 4096),
+    /// shared by its tasks (at least 4 KiB each): of each task's log, the
     /// first half and the latest bytes, with a line saying how many were
     /// left out between them.
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
@@ -145,7 +146,7 @@ pub struct UpArgs {
     pub simulate_gpus: Option<String>,
     #[arg(long, default_value = "default")]
     pub placement: muster_sched::PlacementPolicy,
-    /// The most bytes kept of each task's log (see `muster server --help`).
+    /// The most bytes kept of each job's output (see `muster server --help`).
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     pub max_log_bytes: u64,
     #[command(flatten)]
