@@ -13,11 +13,12 @@
 //!   at once after a short one or a changed desired set (a long poll then
 //!   waits at the server), and at once with news (a start or exit not yet
 //!   reported, a GPU health change: a long poll in flight is abandoned for
-//!   it, and the request asks for no wait). Only the answer to the newest request counts;
-//!   the answer to an older one (late, duplicated, or abandoned) is
-//!   ignored. The lease counts from when the answered request was sent. A
-//!   request is given up once the lease could have run out (less the fence
-//!   margin), at most [`REQUEST_LIMIT_MS`] when no lease is left.
+//!   it, and the request asks for no wait). Only the answer to the newest
+//!   request counts; the answer to an older one (late, duplicated, or
+//!   abandoned) is ignored. The lease counts from when the answered request
+//!   was sent. A request is given up at the fence time (a registration
+//!   after [`REQUEST_LIMIT_MS`] at most), or after [`REQUEST_LIMIT_MS`] when
+//!   no lease is left.
 //! - **Fencing**: once `now - last renewal + margin >= lease` (margin:
 //!   `min(fence margin, lease / 4)`) every task is stopped with a short
 //!   grace, and nothing starts until a heartbeat is answered again. The
