@@ -36,7 +36,6 @@ mod group;
 pub(crate) mod record;
 
 pub use cgroup::{CgroupChoice, CgroupPlan, Usage};
-pub use group::group_alive;
 pub(crate) use group::to_nix;
 pub use record::EndReason;
 
