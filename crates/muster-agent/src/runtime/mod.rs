@@ -241,13 +241,6 @@ pub enum RuntimeError {
         "refusing to signal process group {pgid}: it cannot be a task's (the pid file may be damaged)"
     )]
     InvalidProcessGroup { pgid: i32 },
-    #[error("cannot send SIG{signal} to process group {pgid}: {source}")]
-    Signal {
-        pgid: i32,
-        signal: &'static str,
-        #[source]
-        source: nix::errno::Errno,
-    },
     #[error("no log for allocation {allocation} at `{}`", path.display())]
     NoLog { allocation: String, path: PathBuf },
 }
@@ -885,14 +878,18 @@ async fn supervisor_ended(
     }
 }
 
-/// Kills whatever is left of a task whose supervisor is gone: its cgroup's
-/// members, and its process group.
+/// Kills whatever is left of a task whose supervisor is gone: every member
+/// of its cgroup; with no cgroup, every process of its process group that
+/// runs as the task's user (a pid may have been reused since: a process of
+/// another user in a group of that number is left alone).
 async fn kill_remains(pid_path: &Path, cgroup: &cgroup::TaskCgroup) {
-    let pid = record::read_json::<PidRecord>(pid_path).ok().map(|p| p.pid);
+    let pids = record::read_json::<PidRecord>(pid_path).ok();
     let cgroup = cgroup.clone();
     let _ = tokio::task::spawn_blocking(move || {
-        if let Some(pid) = pid {
-            let _ = group::signal_group(pid, nix::sys::signal::Signal::SIGKILL);
+        if let (cgroup::TaskCgroup::None, Some(pids)) = (&cgroup, pids) {
+            for pid in group::members_of_user(pids.pid, pids.uid) {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            }
         }
         cgroup.kill_all(Duration::from_secs(2));
         let _ = cgroup.remove();
