@@ -367,22 +367,24 @@ fn descendants() -> Vec<Pid> {
             parent_of.push((pid, parent));
         }
     }
-    let mut found = vec![me];
-    let mut at = 0;
-    while at < found.len() {
-        let parent = found[at];
-        for &(pid, p) in &parent_of {
-            if p == parent && !found.contains(&pid) {
-                found.push(pid);
+    // Children by parent, then a walk down from this process: linear in the
+    // number of processes, however many the task forked.
+    let mut children: std::collections::BTreeMap<i32, Vec<i32>> = Default::default();
+    for (pid, parent) in parent_of {
+        children.entry(parent).or_default().push(pid);
+    }
+    let mut found = Vec::new();
+    let mut seen = std::collections::BTreeSet::from([me]);
+    let mut stack = vec![me];
+    while let Some(parent) = stack.pop() {
+        for &pid in children.get(&parent).map_or(&[][..], Vec::as_slice) {
+            if seen.insert(pid) {
+                found.push(Pid::from_raw(pid));
+                stack.push(pid);
             }
         }
-        at += 1;
     }
     found
-        .into_iter()
-        .skip(1)
-        .map(Pid::from_raw)
-        .collect::<Vec<_>>()
 }
 
 /// Sends `signal` to every process of the task: its cgroup's members, its
