@@ -52,6 +52,8 @@ pub struct AgentConfig {
     pub task_user: String,
     /// Tasks may run as root on this node.
     pub allow_root_tasks: bool,
+    /// The most processes and threads one task may have at once.
+    pub task_pids_max: Option<u64>,
 }
 
 fn now_ms() -> u64 {
@@ -116,6 +118,7 @@ pub async fn run(
         cgroups: config.cgroups.clone(),
         task_user: config.task_user.clone(),
         allow_root: config.allow_root_tasks,
+        task_pids_max: config.task_pids_max,
     }));
     let inventory = config.backend.inventory().map_err(|e| e.to_string())?;
     let gpus: Vec<GpuView> = inventory

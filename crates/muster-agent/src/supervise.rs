@@ -24,7 +24,7 @@
 //! It uses no async runtime and no threads (it forks after start-up), and
 //! reports its start on stdout: `started PID` or `failed MESSAGE`.
 
-use crate::runtime::cgroup::TaskCgroup;
+use crate::runtime::cgroup::{Limits, TaskCgroup};
 use crate::runtime::record::{
     self, EndReason, ExitRecord, PidRecord, StopRequest, TaskRecord, UserPlan,
 };
@@ -173,7 +173,10 @@ fn supervise(state_dir: &Path, key: &str) -> Result<(), String> {
     let user = choose_user(Uid::effective().is_root(), &task.user, lookup_user)?;
     let cgroup = task.cgroup.task(key);
     cgroup
-        .create(task.memory_limit_bytes)
+        .create(Limits {
+            memory_bytes: task.memory_limit_bytes,
+            pids: task.pids_max,
+        })
         .map_err(|why| format!("cannot create the task's cgroup: {why}"))?;
 
     let started = start(&task, &cgroup, user.as_ref());

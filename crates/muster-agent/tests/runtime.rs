@@ -522,6 +522,48 @@ async fn a_task_over_its_memory_limit_is_killed_and_says_so() {
     }
 }
 
+/// A fork bomb stops at the task's pids limit, where the node has a pids
+/// controller, and what it forked goes with it.
+#[tokio::test]
+async fn a_fork_bomb_stops_at_the_task_s_pids_limit() {
+    for (kind, plan) in plans("pids-test") {
+        let limited = match &plan {
+            CgroupPlan::V1 { pids, .. } => pids.is_some(),
+            CgroupPlan::V2 { parent, .. } => {
+                parent.join("pids.max").exists()
+                    || std::fs::read_to_string(parent.join("cgroup.subtree_control"))
+                        .is_ok_and(|c| c.contains("pids"))
+            }
+            CgroupPlan::None => false,
+        };
+        if !limited {
+            continue;
+        }
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let runtime = ProcessRuntime::new(RuntimeConfig {
+            cgroups: plan,
+            task_pids_max: Some(20),
+            ..RuntimeConfig::new(dir.path().to_path_buf(), PathBuf::from(SUPERVISOR))
+        });
+        runtime.set_fence_deadline(far_future()).expect("deadline");
+        let marker: &'static str = Box::leak(format!("muster-bomb-{kind}").into_boxed_str());
+        let _guard = KillOnDrop(marker);
+        // Without a limit all 60 start and the shell says so; at the limit
+        // the shell cannot fork and gives up.
+        let script = format!(
+            "for i in $(seq 60); do {} & done; echo forked-all; wait",
+            sleeper(marker)
+        );
+        runtime.start(launch("bomb", &script)).await.expect("start");
+        let exit = next_exit(&runtime).await;
+        let log = log_text(&runtime, "bomb").await;
+        assert!(!log.contains("forked-all"), "{kind}: {log}");
+        assert!(log.contains("fork"), "{kind}: {log}");
+        assert_ne!(exit.exit_code, Some(0), "{kind}");
+        assert!(processes_with(marker).is_empty(), "{kind}");
+    }
+}
+
 #[tokio::test]
 async fn another_runtime_recovers_a_running_task_and_can_stop_it() {
     let (dir, first) = runtime();

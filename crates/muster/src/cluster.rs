@@ -82,6 +82,11 @@ pub struct IsolationArgs {
     /// root --task-user). Off by default.
     #[arg(long)]
     pub allow_root_tasks: bool,
+    /// The most processes and threads one task may have at once, where the
+    /// node has a pids cgroup controller (0: no limit). A fork bomb then
+    /// starves neither its neighbours nor the agent.
+    #[arg(long, value_name = "N", default_value_t = muster_agent::runtime::DEFAULT_TASK_PIDS_MAX)]
+    pub task_pids_max: u64,
 }
 
 fn parse_cgroups(text: &str) -> Result<muster_agent::CgroupChoice, String> {
@@ -324,6 +329,7 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         cgroups,
         task_user: args.isolation.task_user.clone(),
         allow_root_tasks: args.isolation.allow_root_tasks,
+        task_pids_max: (args.isolation.task_pids_max > 0).then_some(args.isolation.task_pids_max),
         log_shipping: muster_agent::logship::LogShipConfig {
             rate_bytes_per_s: args.log_rate,
             ..muster_agent::logship::LogShipConfig::default()
@@ -395,6 +401,8 @@ pub fn up(args: UpArgs) -> Result<()> {
             cgroups,
             task_user: args.isolation.task_user.clone(),
             allow_root_tasks: args.isolation.allow_root_tasks,
+            task_pids_max: (args.isolation.task_pids_max > 0)
+                .then_some(args.isolation.task_pids_max),
             log_shipping: muster_agent::logship::LogShipConfig::default(),
         };
         let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();

@@ -140,6 +140,14 @@ pub enum TaskCgroup {
     None,
 }
 
+/// A task's limits, set when its cgroup is created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Limits {
+    pub memory_bytes: Option<u64>,
+    /// Processes and threads at once.
+    pub pids: Option<u64>,
+}
+
 /// What a task used, read when it ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Usage {
@@ -196,8 +204,11 @@ impl TaskCgroup {
     }
 
     /// Creates the directories (an existing, empty one from a task that ran
-    /// before under the same name is reused) and sets the memory limit.
-    pub fn create(&self, memory_limit_bytes: Option<u64>) -> Result<(), String> {
+    /// before under the same name is reused) and sets the limits: the
+    /// memory limit, and the most processes and threads the task may have
+    /// at once (where the node has a pids controller), so that a fork bomb
+    /// starves neither its neighbours nor the agent.
+    pub fn create(&self, limits: Limits) -> Result<(), String> {
         for dir in self.dirs() {
             match std::fs::create_dir(dir) {
                 Ok(()) => {}
@@ -205,7 +216,17 @@ impl TaskCgroup {
                 Err(error) => return Err(io_error(dir, error)),
             }
         }
-        let Some(limit) = memory_limit_bytes else {
+        if let Some(most) = limits.pids {
+            let pids_max = match self {
+                TaskCgroup::V2 { dir, .. } => Some(dir.join("pids.max")),
+                TaskCgroup::V1 { pids, .. } => pids.as_ref().map(|dir| dir.join("pids.max")),
+                TaskCgroup::None => None,
+            };
+            if let Some(path) = pids_max.filter(|path| path.exists()) {
+                write(&path, &most.to_string())?;
+            }
+        }
+        let Some(limit) = limits.memory_bytes else {
             return Ok(());
         };
         match self {
@@ -552,7 +573,7 @@ fn try_v1(mounts: &[Mount], node: &str) -> Result<CgroupPlan, String> {
 /// first task that the plan works.
 fn probe(plan: &CgroupPlan) -> Result<(), String> {
     let cgroup = plan.task("muster-probe");
-    cgroup.create(None)?;
+    cgroup.create(Limits::default())?;
     cgroup.remove()
 }
 
@@ -661,7 +682,12 @@ mod tests {
             memory: true,
         };
         let cgroup = plan.task("j1-a2-g3");
-        cgroup.create(Some(512 << 20)).unwrap();
+        cgroup
+            .create(Limits {
+                memory_bytes: Some(512 << 20),
+                pids: Some(100),
+            })
+            .unwrap();
         let dir = root.path().join("j1-a2-g3");
         assert_eq!(
             std::fs::read_to_string(dir.join("memory.max")).unwrap(),
@@ -703,7 +729,13 @@ mod tests {
             pids: None,
         };
         let cgroup = plan.task("t");
-        cgroup.create(Some(1 << 30)).unwrap();
+        // The pids file exists only where the kernel made it: here, none.
+        cgroup
+            .create(Limits {
+                memory_bytes: Some(1 << 30),
+                pids: Some(100),
+            })
+            .unwrap();
         assert_eq!(
             std::fs::read_to_string(root.path().join("memory/t/memory.limit_in_bytes")).unwrap(),
             (1u64 << 30).to_string()
@@ -734,7 +766,12 @@ mod tests {
     #[test]
     fn no_cgroup_has_nothing_to_do() {
         let cgroup = CgroupPlan::None.task("t");
-        cgroup.create(Some(1)).unwrap();
+        cgroup
+            .create(Limits {
+                memory_bytes: Some(1),
+                pids: Some(1),
+            })
+            .unwrap();
         assert_eq!(cgroup.members(), None);
         assert!(cgroup.kill_all(Duration::from_millis(1)));
         assert_eq!(cgroup.usage(), Usage::default());

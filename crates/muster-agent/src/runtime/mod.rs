@@ -84,7 +84,15 @@ pub struct RuntimeConfig {
     pub task_user: String,
     /// Tasks may run as root (the job's user is root, or `task_user` is).
     pub allow_root: bool,
+    /// The most processes and threads one task may have at once, where the
+    /// node has a pids controller (`None`: no limit).
+    pub task_pids_max: Option<u64>,
 }
+
+/// [`RuntimeConfig::task_pids_max`] unless the operator says otherwise:
+/// far above what a training job's workers and threads need, far below a
+/// node's `pid_max`.
+pub const DEFAULT_TASK_PIDS_MAX: u64 = 16_384;
 
 impl RuntimeConfig {
     /// No cgroups, tasks as `nobody` (when run as root).
@@ -95,6 +103,7 @@ impl RuntimeConfig {
             cgroups: CgroupPlan::None,
             task_user: "nobody".to_string(),
             allow_root: false,
+            task_pids_max: Some(DEFAULT_TASK_PIDS_MAX),
         }
     }
 }
@@ -443,6 +452,7 @@ impl ProcessRuntime {
             fence_file: self.fence_file(),
             cgroup: self.config.cgroups.clone(),
             memory_limit_bytes: launch.memory_limit_mib.map(|mib| mib << 20),
+            pids_max: self.config.task_pids_max,
             user: UserPlan {
                 job_user: launch.user.clone(),
                 fallback: self.config.task_user.clone(),

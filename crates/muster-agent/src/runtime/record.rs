@@ -45,6 +45,9 @@ pub struct TaskRecord {
     pub fence_file: PathBuf,
     pub cgroup: CgroupPlan,
     pub memory_limit_bytes: Option<u64>,
+    /// The most processes and threads the task may have at once.
+    #[serde(default)]
+    pub pids_max: Option<u64>,
     pub user: UserPlan,
 }
 
