@@ -337,9 +337,10 @@ pub fn agent(args: AgentArgs) -> Result<()> {
     };
     runtime()?.block_on(async {
         eprintln!("muster agent {name} joining {}", args.server);
-        muster_agent::run(config, shutdown_signal())
-            .await
-            .map_err(|e| anyhow!(e))
+        let cgroups = config.cgroups.clone();
+        let result = muster_agent::run(config, shutdown_signal()).await;
+        cgroups.remove_parents();
+        result.map_err(|e| anyhow!(e))
     })
 }
 
@@ -406,11 +407,14 @@ pub fn up(args: UpArgs) -> Result<()> {
             log_shipping: muster_agent::logship::LogShipConfig::default(),
         };
         let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();
+        let cgroups = agent.cgroups.clone();
         let agent_task = tokio::spawn(async move {
-            muster_agent::run(agent, async {
+            let result = muster_agent::run(agent, async {
                 let _ = agent_stopped.await;
             })
-            .await
+            .await;
+            cgroups.remove_parents();
+            result
         });
         if let Some(notice) = notice {
             eprintln!("notice: {notice}");

@@ -44,15 +44,25 @@ fn read_log(rt: &tokio::runtime::Runtime, client: &muster_api::client::Client, i
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
+/// This agent's cgroup directories that exist, in every hierarchy.
+fn cgroup_parents(agent_state: &std::path::Path, node: &str) -> Vec<std::path::PathBuf> {
+    let name = muster_agent::runtime::cgroup::agent_dir_name(node, agent_state);
+    ["freezer", "memory", "cpuacct", "pids", "unified"]
+        .iter()
+        .map(|hierarchy| {
+            std::path::Path::new("/sys/fs/cgroup")
+                .join(hierarchy)
+                .join("muster")
+                .join(&name)
+        })
+        .filter(|dir| dir.exists())
+        .collect()
+}
+
 /// Task cgroups left under this agent's directories, in every hierarchy.
 fn task_cgroups_left(agent_state: &std::path::Path, node: &str) -> Vec<String> {
-    let name = muster_agent::runtime::cgroup::agent_dir_name(node, agent_state);
     let mut left = Vec::new();
-    for hierarchy in ["freezer", "memory", "cpuacct", "pids", "unified"] {
-        let dir = std::path::Path::new("/sys/fs/cgroup")
-            .join(hierarchy)
-            .join("muster")
-            .join(&name);
+    for dir in cgroup_parents(agent_state, node) {
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for entry in entries.flatten() {
                 if entry.file_type().is_ok_and(|t| t.is_dir()) {
@@ -67,7 +77,7 @@ fn task_cgroups_left(agent_state: &std::path::Path, node: &str) -> Vec<String> {
 #[test]
 fn five_hundred_short_jobs_leave_no_process_behind() {
     let cluster = Cluster::start("10s");
-    let _agent = cluster.agent_with("soak", &cluster.url(), "8xH100-80GB", &[]);
+    let mut agent = cluster.agent_with("soak", &cluster.url(), "8xH100-80GB", &[]);
     let rt = runtime();
     let client = cluster.client();
     wait_for_nodes(&rt, &client, 1);
@@ -129,6 +139,19 @@ fn five_hundred_short_jobs_leave_no_process_behind() {
         Vec::<String>::new(),
         "task cgroups left behind"
     );
+    // An agent that stops removes its own cgroup directories too.
+    let parents = cgroup_parents(&state_dir, "soak");
+    assert!(!parents.is_empty(), "the agent used cgroups");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.pid()),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM the agent");
+    wait_until("the agent to stop", Duration::from_secs(30), || {
+        agent.0.try_wait().is_ok_and(|status| status.is_some())
+    });
+    let left: Vec<_> = parents.iter().filter(|dir| dir.exists()).collect();
+    assert!(left.is_empty(), "cgroup directories left behind: {left:?}");
 }
 
 #[test]

@@ -101,6 +101,28 @@ impl CgroupPlan {
         }
     }
 
+    /// Removes this agent's own parent directories, when no task cgroup is
+    /// left in them (a task still running keeps them: `rmdir` refuses), so
+    /// an agent that stops leaves nothing behind in the hierarchies. The
+    /// shared `muster` directory above them stays.
+    pub fn remove_parents(&self) {
+        let parents: Vec<&PathBuf> = match self {
+            CgroupPlan::V2 { parent, .. } => vec![parent],
+            CgroupPlan::V1 {
+                freezer,
+                memory,
+                cpuacct,
+                pids,
+            } => std::iter::once(freezer)
+                .chain([memory, cpuacct, pids].into_iter().flatten())
+                .collect(),
+            CgroupPlan::None => Vec::new(),
+        };
+        for parent in parents {
+            let _ = std::fs::remove_dir(parent);
+        }
+    }
+
     /// The task's cgroup under this plan.
     pub fn task(&self, key: &str) -> TaskCgroup {
         match self {
@@ -607,7 +629,11 @@ pub fn detect(
             // empty v2 hierarchy would give no limits while v1 does.
             match v2() {
                 Ok(plan @ CgroupPlan::V2 { memory: true, .. }) => return Ok((plan, skipped)),
-                Ok(_) => skipped.push("cgroup v2: no memory controller".to_string()),
+                Ok(unused) => {
+                    // Not used: leave nothing of it behind.
+                    unused.remove_parents();
+                    skipped.push("cgroup v2: no memory controller".to_string());
+                }
                 Err(why) => skipped.push(format!("cgroup v2: {why}")),
             }
             match try_v1(&mounts, node) {
