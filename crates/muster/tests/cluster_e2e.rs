@@ -3,79 +3,21 @@
 //! gets clear errors. Every wait is bounded.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Output;
+use std::time::Duration;
 
 mod common;
 
-use common::{free_port, processes_with};
-
-const BIN: &str = env!("CARGO_BIN_EXE_muster");
-
-/// A child process killed (with its whole process group) when dropped.
-struct Daemon {
-    child: Child,
-    name: &'static str,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct Env {
-    dir: tempfile::TempDir,
-    url: String,
-}
+use common::cli::{Daemon, Env};
+use common::processes_with;
 
 impl Env {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let url = format!("http://127.0.0.1:{}", free_port());
-        Env { dir, url }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn command(&self) -> Command {
-        let mut command = Command::new(BIN);
-        command
-            .env("HOME", self.path("home"))
-            .env("XDG_CONFIG_HOME", self.path("config"))
-            .env("XDG_DATA_HOME", self.path("data"))
-            .env_remove("MUSTER_SERVER")
-            .env_remove("MUSTER_TOKEN")
-            .env_remove("MUSTER_DATA_DIR")
-            .stdin(Stdio::null());
-        command
-    }
-
-    fn spawn(&self, name: &'static str, args: &[&str]) -> Daemon {
-        let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log file");
-        let child = self
-            .command()
-            .args(args)
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("muster starts");
-        Daemon { child, name }
-    }
-
-    fn muster(&self, args: &[&str]) -> Output {
-        self.command().args(args).output().expect("muster runs")
-    }
-
     /// `muster server` on this environment's address, up; and its data
     /// directory.
     fn start_server(&self) -> (Daemon, PathBuf) {
         let listen = self.url.trim_start_matches("http://").to_string();
         let data = self.path("server-data");
-        let mut server = self.spawn(
+        let server = self.start(
             "server",
             &[
                 "server",
@@ -85,28 +27,7 @@ impl Env {
                 data.to_str().expect("a UTF-8 path"),
             ],
         );
-        self.wait_for_api(&mut server);
         (server, data)
-    }
-
-    fn wait_for_api(&self, daemon: &mut Daemon) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let address = self.url.trim_start_matches("http://").to_string();
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = daemon.child.try_wait() {
-                panic!(
-                    "{} exited early ({status}): {}",
-                    daemon.name,
-                    std::fs::read_to_string(self.path(&format!("{}.log", daemon.name)))
-                        .unwrap_or_default()
-                );
-            }
-            if std::net::TcpStream::connect(&address).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("the API at {} never came up", self.url);
     }
 }
 

@@ -12,109 +12,18 @@
 //! Every wait is bounded.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{free_port, wait_until};
-
-const BIN: &str = env!("CARGO_BIN_EXE_muster");
+use common::cli::{Daemon, Env};
+use common::wait_until;
 
 /// The server's default heartbeat interval (`ServerConfig::new`).
 const NOMINAL_HEARTBEAT_MS: u64 = 2_000;
 
-/// A child process killed when dropped.
-struct Daemon {
-    child: Child,
-    name: &'static str,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct Env {
-    dir: tempfile::TempDir,
-    url: String,
-    /// Connection flags for the CLI (empty with `muster up`, which writes
-    /// the client config).
-    flags: Vec<String>,
-}
-
 impl Env {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let url = format!("http://127.0.0.1:{}", free_port());
-        Env {
-            dir,
-            url,
-            flags: Vec::new(),
-        }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn command(&self) -> Command {
-        let mut command = Command::new(BIN);
-        command
-            .env("HOME", self.path("home"))
-            .env("XDG_CONFIG_HOME", self.path("config"))
-            .env("XDG_DATA_HOME", self.path("data"))
-            .env_remove("MUSTER_SERVER")
-            .env_remove("MUSTER_TOKEN")
-            .env_remove("MUSTER_DATA_DIR")
-            .stdin(Stdio::null());
-        command
-    }
-
-    fn spawn(&self, name: &'static str, args: &[&str]) -> Daemon {
-        let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log file");
-        let child = self
-            .command()
-            .args(args)
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("muster starts");
-        let mut daemon = Daemon { child, name };
-        self.wait_for_api(&mut daemon);
-        daemon
-    }
-
-    fn wait_for_api(&self, daemon: &mut Daemon) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let address = self.url.trim_start_matches("http://").to_string();
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = daemon.child.try_wait() {
-                panic!(
-                    "{} exited early ({status}): {}",
-                    daemon.name,
-                    std::fs::read_to_string(self.path(&format!("{}.log", daemon.name)))
-                        .unwrap_or_default()
-                );
-            }
-            if std::net::TcpStream::connect(&address).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("the API at {} never came up", self.url);
-    }
-
-    /// The CLI, with the connection flags before any `--`.
-    fn muster(&self, args: &[&str]) -> Output {
-        let mut all: Vec<&str> = args.to_vec();
-        let at = all.iter().position(|a| *a == "--").unwrap_or(all.len());
-        all.splice(at..at, self.flags.iter().map(String::as_str));
-        self.command().args(&all).output().expect("muster runs")
-    }
-
     fn json(&self, args: &[&str]) -> serde_json::Value {
         let output = self.muster(args);
         assert!(
@@ -138,7 +47,7 @@ impl Env {
             "2xH100-80GB",
         ];
         args.extend_from_slice(extra);
-        self.spawn("up", &args)
+        self.start("up", &args)
     }
 
     /// A file every task can read (tasks may run as `nobody`).
@@ -296,7 +205,7 @@ fn a_task_writing_at_full_speed_does_not_delay_heartbeats() {
     let listen = env.url.trim_start_matches("http://").to_string();
     let data = env.path("server-data");
     let data_arg = data.to_str().expect("a UTF-8 path").to_string();
-    let _server = env.spawn(
+    let _server = env.start(
         "server",
         &[
             "server",
@@ -317,7 +226,7 @@ fn a_task_writing_at_full_speed_does_not_delay_heartbeats() {
         token.trim().to_string(),
     ];
     let state = env.path("node-a");
-    let _agent = env.spawn(
+    let _agent = env.start(
         "agent",
         &[
             "agent",
@@ -457,7 +366,7 @@ fn a_restarted_agent_resumes_shipping_where_the_server_is() {
     let listen = env.url.trim_start_matches("http://").to_string();
     let data = env.path("server-data");
     let data_arg = data.to_str().expect("a UTF-8 path").to_string();
-    let _server = env.spawn(
+    let _server = env.start(
         "server",
         &["server", "--listen", &listen, "--data-dir", &data_arg],
     );
@@ -489,7 +398,7 @@ fn a_restarted_agent_resumes_shipping_where_the_server_is() {
         "--log-rate",
         "256KiB",
     ];
-    let agent = env.spawn("agent", &agent_args);
+    let agent = env.start("agent", &agent_args);
     let expected = awkward_bytes(2 * 1024 * 1024, 13);
     let file = env.readable_file("restart.bin", &expected);
     let script = format!("cat {}; sleep 3", file.display());
@@ -501,7 +410,7 @@ fn a_restarted_agent_resumes_shipping_where_the_server_is() {
         shipped > 0 && shipped < expected.len() / 2
     });
     drop(agent);
-    let _agent = env.spawn("agent-again", &agent_args);
+    let _agent = env.start("agent-again", &agent_args);
     let output = env.muster(&["logs", "-f", &id]);
     assert!(output.status.success(), "{output:?}");
     assert_same_bytes("after the agent restart", &output.stdout, &expected);

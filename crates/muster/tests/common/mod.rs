@@ -2,6 +2,7 @@
 
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod cli;
 pub mod cluster;
 
 use std::net::TcpListener;
