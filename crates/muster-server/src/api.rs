@@ -499,29 +499,23 @@ async fn job_logs(
         let more = read.next_offset < read.end;
         let complete = whole && !more;
         let follow = query.follow.unwrap_or(false);
-        if !follow || !read.data.is_empty() || complete || tokio::time::Instant::now() >= deadline {
-            return Ok(Json(LogsResponse {
-                data: read.data,
-                next_offset: read.next_offset,
-                more,
-                complete,
-                allocation: allocation.map(|a| a.0),
-            }));
+        let empty = read.data.is_empty();
+        let response = LogsResponse {
+            data: read.data,
+            next_offset: read.next_offset,
+            more,
+            complete,
+            allocation: allocation.map(|a| a.0),
+        };
+        if !follow || !empty || complete || tokio::time::Instant::now() >= deadline {
+            return Ok(Json(response));
         }
         // Wake on a change, or in time to notice that the log settled.
         let recheck = tokio::time::Instant::now() + Duration::from_secs(1);
         tokio::select! {
             _ = tokio::time::sleep_until(deadline.min(recheck)) => {}
             _ = changes.changed() => {}
-            _ = shutdown.wait_for(|stop| *stop) => {
-                return Ok(Json(LogsResponse {
-                    data: read.data,
-                    next_offset: read.next_offset,
-                    more,
-                    complete,
-                    allocation: allocation.map(|a| a.0),
-                }));
-            }
+            _ = shutdown.wait_for(|stop| *stop) => return Ok(Json(response)),
         }
     }
 }
