@@ -747,3 +747,17 @@ async fn an_exited_allocation_can_be_started_again() {
     assert_eq!(log_text(&runtime, "again").await, "one\ntwo\n", "appended");
     assert_eq!(runtime.try_next_exit(), None);
 }
+
+#[tokio::test]
+async fn the_supervisors_error_log_stays_bounded() {
+    let (dir, runtime) = runtime();
+    let log = dir.path().join("supervisor.log");
+    std::fs::write(&log, vec![b'x'; 2 << 20]).expect("write");
+    runtime
+        .start(launch("bounded", "true"))
+        .await
+        .expect("start");
+    next_exit(&runtime).await;
+    let size = std::fs::metadata(&log).expect("the log").len();
+    assert!(size < 1 << 20, "supervisor.log kept growing: {size} bytes");
+}

@@ -13,7 +13,8 @@
 //!   appended to this one file;
 //! - `tasks/<key>.{json,pid,stop,exit}`: see [`record`];
 //! - `fence_at`: the node's fence deadline ([`ProcessRuntime::set_fence_deadline`]);
-//! - `supervisor.log`: what supervisors print on stderr (their errors).
+//! - `supervisor.log`: what supervisors print on stderr (their errors; at
+//!   most about 1 MiB, then started anew).
 //!
 //! Exits are reported on a channel: [`ProcessRuntime::next_exit`] waits for
 //! the next one (the agent's main loop selects on it), for tasks this
@@ -67,6 +68,9 @@ const START_WAIT: Duration = Duration::from_secs(10);
 /// How often to look at a task whose supervisor is not this process's child
 /// (a recovered task's).
 const POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The most `supervisor.log` grows before it is started anew.
+const SUPERVISOR_LOG_BYTES: u64 = 1 << 20;
 
 /// Longest allocation id accepted.
 const MAX_ALLOCATION_LEN: usize = 128;
@@ -462,10 +466,16 @@ impl ProcessRuntime {
         let record_path = self.file(&allocation, "json");
         record::write_json(&record_path, &record).map_err(state_error(&record_path))?;
 
+        // Supervisors' stderr (only their errors), bounded: started anew once
+        // it passes SUPERVISOR_LOG_BYTES.
         let supervisor_log = self.config.state_dir.join("supervisor.log");
+        let full = std::fs::metadata(&supervisor_log)
+            .is_ok_and(|metadata| metadata.len() > SUPERVISOR_LOG_BYTES);
         let stderr = std::fs::OpenOptions::new()
             .create(true)
-            .append(true)
+            .write(true)
+            .append(!full)
+            .truncate(full)
             .open(&supervisor_log)
             .map_err(state_error(&supervisor_log))?;
         let mut child = tokio::process::Command::new(&self.config.supervisor)
