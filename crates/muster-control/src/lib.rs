@@ -12,6 +12,8 @@
 //! server persists what [`Output`] says changed. [`ControlPlane::check_invariants`]
 //! recomputes derived state from scratch.
 
+mod records;
 mod state;
 
+pub use records::{ChangedRecords, Counters, Records, RestoreError};
 pub use state::*;

@@ -1,3 +1,4 @@
+use crate::records::Counters;
 use muster_model::{
     CpuMilli, JobId, JobSpec, MemoryMib, NodeName, NodeSpec, QueueName, QueueSpec, Time,
 };
@@ -214,10 +215,12 @@ pub enum Input {
     Cancel {
         job: JobId,
     },
+    /// A node's agent registers: the control plane issues the node's next
+    /// epoch (cluster-wide, only moving forward), read back with
+    /// [`ControlPlane::node`]. The spec must pass [`NodeSpec::problems`].
     Register {
         spec: NodeSpec,
         address: String,
-        epoch: u64,
         software: Software,
     },
     Heartbeat {
@@ -245,6 +248,13 @@ pub enum Input {
     Drain {
         node: NodeName,
     },
+    /// Forgets a node. Refused while it holds work unless `force`, which
+    /// re-queues that work (its tasks are lost: the agent, if still there,
+    /// is refused and stops them).
+    RemoveNode {
+        node: NodeName,
+        force: bool,
+    },
     SetQueue(QueueSpec),
 }
 
@@ -255,6 +265,8 @@ pub enum Output {
     NodeChanged(NodeName),
     /// The node's desired allocations changed.
     DesiredChanged(NodeName),
+    /// The node is gone (its record and credential are to be deleted).
+    NodeRemoved(NodeName),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -262,6 +274,8 @@ pub enum ControlError {
     JobNotFound(JobId),
     NodeNotFound(NodeName),
     Conflict(String),
+    /// The input is malformed (a node spec the cluster cannot take).
+    Invalid(String),
 }
 
 impl fmt::Display for ControlError {
@@ -271,7 +285,9 @@ impl fmt::Display for ControlError {
             ControlError::NodeNotFound(name) => {
                 write!(f, "no node {name}; `muster nodes` lists nodes")
             }
-            ControlError::Conflict(message) => f.write_str(message),
+            ControlError::Conflict(message) | ControlError::Invalid(message) => {
+                f.write_str(message)
+            }
         }
     }
 }
@@ -287,46 +303,69 @@ pub struct ControlConfig {
     pub lease_ms: u64,
     /// Base of the `MUSTER_MASTER_PORT` range.
     pub master_port_base: u16,
+    /// How long a finished job stays in the hot state after it ended; the
+    /// shell keeps it queryable from its store after that.
+    pub retention_ms: u64,
 }
+
+/// The default retention of finished jobs in the hot state: one hour.
+pub const DEFAULT_RETENTION_MS: u64 = 3_600_000;
 
 impl Default for ControlConfig {
     fn default() -> Self {
         ControlConfig {
             lease_ms: 10_000,
             master_port_base: 29_500,
+            retention_ms: DEFAULT_RETENTION_MS,
         }
     }
 }
 
-/// The control plane's state.
+/// The control plane's state. Its fields are private: inputs go through
+/// [`ControlPlane::handle`] and [`ControlPlane::apply_outcome`], reads
+/// through the accessors, and the durable form through
+/// [`ControlPlane::records`], [`ControlPlane::changed_records`] and
+/// [`ControlPlane::restore`]. In debug builds every input is followed by
+/// [`ControlPlane::check_invariants`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct ControlPlane {
-    pub config: ControlConfig,
-    pub jobs: BTreeMap<JobId, Job>,
-    pub nodes: BTreeMap<NodeName, Node>,
-    pub allocations: BTreeMap<AllocationId, Allocation>,
-    pub queues: BTreeMap<QueueName, QueueSpec>,
-    pub next_allocation: u64,
-    pub next_generation: u64,
+    pub(crate) config: ControlConfig,
+    /// The hot state: every job not finished, and finished ones for
+    /// [`ControlConfig::retention_ms`] after they ended.
+    pub(crate) jobs: BTreeMap<JobId, Job>,
+    pub(crate) nodes: BTreeMap<NodeName, Node>,
+    pub(crate) allocations: BTreeMap<AllocationId, Allocation>,
+    pub(crate) queues: BTreeMap<QueueName, QueueSpec>,
+    pub(crate) next_allocation: u64,
+    pub(crate) next_generation: u64,
+    /// The next epoch a registration gets (cluster-wide: an epoch is never
+    /// issued twice, to any node).
+    pub(crate) next_epoch: u64,
+    /// Allocations holding resources, per node (heartbeats, drains and
+    /// desired sets cost what the node runs, not the cluster's history).
+    pub(crate) live_by_node: BTreeMap<NodeName, BTreeSet<AllocationId>>,
+    /// Every attempt's allocations of each job in the hot state, oldest
+    /// first.
+    pub(crate) by_job: BTreeMap<JobId, Vec<AllocationId>>,
+    /// Finished jobs by when they ended: the retirement order.
+    pub(crate) finished: BTreeSet<(Time, JobId)>,
     /// The last cycle's reason for each pending job, as data: words are
     /// formatted only when it changes.
-    pub last_reasons: BTreeMap<JobId, muster_sched::PendingReason>,
+    pub(crate) last_reasons: BTreeMap<JobId, muster_sched::PendingReason>,
     /// Decayed GPU-seconds per queue, for fair share; advanced by ticks (not
     /// persisted: a restarted server starts its fair-share history anew).
-    pub usage: muster_sched::UsageLedger,
-    /// Per node, the newest heartbeat sequence applied for each of its
-    /// last [`SEQUENCE_EPOCHS`] epochs (in memory only: a restarted server
-    /// has no connection left from before, so no old request reaches it).
-    heartbeat_sequences: BTreeMap<NodeName, Vec<(u64, u64)>>,
+    pub(crate) usage: muster_sched::UsageLedger,
+    /// Per node, the newest heartbeat sequence applied in its current epoch
+    /// (in memory only: a restarted server has no connection left from
+    /// before, so no old request reaches it; a registration starts a new
+    /// epoch, whose heartbeats are numbered anew).
+    pub(crate) heartbeat_sequences: BTreeMap<NodeName, u64>,
     /// Running jobs a task of which hit its memory limit (their failure says
     /// so); emptied as each job settles.
-    memory_limited: BTreeSet<JobId>,
+    pub(crate) memory_limited: BTreeSet<JobId>,
+    /// Nodes the last scheduling cycle left out, with why (memory only).
+    pub(crate) excluded: BTreeMap<NodeName, String>,
 }
-
-/// How many epochs of a node the control plane remembers the last
-/// heartbeat sequence of (a late registration of an earlier epoch must not
-/// make the current epoch's old heartbeats new again).
-pub const SEQUENCE_EPOCHS: usize = 4;
 
 fn changed(outputs: &mut Vec<Output>, output: Output) {
     if !outputs.contains(&output) {
@@ -344,14 +383,166 @@ impl ControlPlane {
             queues: BTreeMap::new(),
             next_allocation: 1,
             next_generation: 1,
+            next_epoch: 1,
+            live_by_node: BTreeMap::new(),
+            by_job: BTreeMap::new(),
+            finished: BTreeSet::new(),
             last_reasons: BTreeMap::new(),
             usage: muster_sched::UsageLedger::new(USAGE_HALF_LIFE_MS, Time(0)),
             heartbeat_sequences: BTreeMap::new(),
             memory_limited: BTreeSet::new(),
+            excluded: BTreeMap::new(),
         }
     }
 
+    pub fn config(&self) -> &ControlConfig {
+        &self.config
+    }
+
+    /// A job of the hot state.
+    pub fn job(&self, id: JobId) -> Option<&Job> {
+        self.jobs.get(&id)
+    }
+
+    /// The hot state's jobs, by id.
+    pub fn jobs(&self) -> impl DoubleEndedIterator<Item = &Job> {
+        self.jobs.values()
+    }
+
+    /// The hot state's jobs with an id below `before` (all: `None`),
+    /// newest first.
+    pub fn jobs_newest_first(&self, before: Option<JobId>) -> impl Iterator<Item = &Job> {
+        let end = before.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
+        self.jobs
+            .range((std::ops::Bound::Unbounded, end))
+            .rev()
+            .map(|(_, job)| job)
+    }
+
+    pub fn job_count(&self) -> usize {
+        self.jobs.len()
+    }
+
+    pub fn node(&self, name: &NodeName) -> Option<&Node> {
+        self.nodes.get(name)
+    }
+
+    pub fn nodes(&self) -> impl Iterator<Item = &Node> {
+        self.nodes.values()
+    }
+
+    pub fn allocation(&self, id: AllocationId) -> Option<&Allocation> {
+        self.allocations.get(&id)
+    }
+
+    /// The allocations holding resources on `node`.
+    pub fn live_allocations(&self, node: &NodeName) -> impl Iterator<Item = &Allocation> {
+        self.live_by_node
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.allocations.get(id))
+    }
+
+    /// Every attempt's allocations of a job in the hot state, oldest first.
+    pub fn job_allocations(&self, job: JobId) -> impl Iterator<Item = &Allocation> {
+        self.by_job
+            .get(&job)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.allocations.get(id))
+    }
+
+    /// The allocations of a job's current attempt.
+    pub fn current_allocations(&self, job: &Job) -> impl Iterator<Item = &Allocation> {
+        job.allocations
+            .iter()
+            .filter_map(|id| self.allocations.get(id))
+    }
+
+    pub fn queues(&self) -> impl Iterator<Item = &QueueSpec> {
+        self.queues.values()
+    }
+
+    /// The next allocation id and generation to be issued, and the next
+    /// epoch.
+    pub fn counters(&self) -> Counters {
+        Counters {
+            next_allocation: self.next_allocation,
+            next_generation: self.next_generation,
+            next_epoch: self.next_epoch,
+        }
+    }
+
+    /// Why the last scheduling cycle left a node out (a spec the engine
+    /// cannot take), if it did.
+    pub fn excluded_reason(&self, node: &NodeName) -> Option<&str> {
+        self.excluded.get(node).map(String::as_str)
+    }
+
+    /// Withdraws a submission that was never acknowledged (its commit
+    /// failed): the job goes as if never submitted, if it has not started.
+    pub fn withdraw(&mut self, id: JobId) -> Result<(), ControlError> {
+        let job = self.jobs.get(&id).ok_or(ControlError::JobNotFound(id))?;
+        if job.state != JobState::Pending || job.attempts > 0 {
+            return Err(ControlError::Conflict(format!(
+                "job {id} is {} and cannot be withdrawn",
+                job.state.name()
+            )));
+        }
+        self.jobs.remove(&id);
+        self.by_job.remove(&id);
+        self.last_reasons.remove(&id);
+        self.debug_check();
+        Ok(())
+    }
+
+    /// In debug builds, panics when an invariant does not hold.
+    fn debug_check(&self) {
+        #[cfg(debug_assertions)]
+        if let Err(problem) = self.check_invariants() {
+            panic!("the control plane broke an invariant: {problem}");
+        }
+    }
+
+    /// Moves an allocation to `state`, keeping the per-node index.
+    fn set_allocation_state(&mut self, id: AllocationId, state: AllocationState) {
+        let Some(allocation) = self.allocations.get_mut(&id) else {
+            return;
+        };
+        let was = allocation.state.holds_resources();
+        allocation.state = state;
+        let now = state.holds_resources();
+        if was && !now {
+            if let Some(live) = self.live_by_node.get_mut(&allocation.node) {
+                live.remove(&id);
+                if live.is_empty() {
+                    self.live_by_node.remove(&allocation.node);
+                }
+            }
+        } else if !was && now {
+            self.live_by_node
+                .entry(allocation.node.clone())
+                .or_default()
+                .insert(id);
+        }
+    }
+
+    /// Live allocation ids on `node`, copied (for loops that change them).
+    fn live_ids(&self, node: &NodeName) -> Vec<AllocationId> {
+        self.live_by_node
+            .get(node)
+            .map(|live| live.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
     pub fn handle(&mut self, now: Time, input: Input) -> Result<Vec<Output>, ControlError> {
+        let result = self.handle_input(now, input);
+        self.debug_check();
+        result
+    }
+
+    fn handle_input(&mut self, now: Time, input: Input) -> Result<Vec<Output>, ControlError> {
         let mut outputs = Vec::new();
         match input {
             Input::Submit { id, spec, user } => {
@@ -383,16 +574,66 @@ impl ControlPlane {
             Input::Register {
                 spec,
                 address,
-                epoch,
                 software,
             } => {
+                let problems = spec.problems();
+                if !problems.is_empty() {
+                    return Err(ControlError::Invalid(format!(
+                        "node {} cannot join: {}",
+                        spec.name,
+                        problems.join("; ")
+                    )));
+                }
                 let name = spec.name.clone();
+                if let Some(old) = self.nodes.get(&name) {
+                    // Work placed on GPUs the node no longer has (or no
+                    // longer has room for) cannot run there: re-queued.
+                    let shrunk = old.spec.gpus.len() > spec.gpus.len()
+                        || old.spec.cpu > spec.cpu
+                        || old.spec.memory > spec.memory;
+                    if shrunk {
+                        let jobs: BTreeSet<JobId> = self
+                            .live_allocations(&name)
+                            .filter(|a| {
+                                a.gpus.iter().any(|(i, _)| *i as usize >= spec.gpus.len())
+                                    || old.spec.cpu > spec.cpu
+                                    || old.spec.memory > spec.memory
+                            })
+                            .map(|a| a.job)
+                            .collect();
+                        for id in self.live_ids(&name) {
+                            if self
+                                .allocations
+                                .get(&id)
+                                .is_some_and(|a| jobs.contains(&a.job))
+                            {
+                                self.set_allocation_state(id, AllocationState::Lost);
+                            }
+                        }
+                        for job in jobs {
+                            self.stop_job(
+                                now,
+                                job,
+                                StopCause::NodeLost,
+                                &format!("node {name} registered with fewer resources"),
+                                &mut outputs,
+                            );
+                        }
+                    }
+                }
                 let (cordoned, draining, unhealthy_gpus) = self
                     .nodes
                     .get(&name)
                     .map_or((false, false, Vec::new()), |n| {
                         (n.cordoned, n.draining, n.unhealthy_gpus.clone())
                     });
+                let unhealthy_gpus = unhealthy_gpus
+                    .into_iter()
+                    .filter(|&i| (i as usize) < spec.gpus.len())
+                    .collect();
+                let epoch = self.next_epoch;
+                self.next_epoch += 1;
+                self.heartbeat_sequences.remove(&name);
                 self.nodes.insert(
                     name.clone(),
                     Node {
@@ -422,8 +663,8 @@ impl ControlPlane {
                 let newer = self.newer_heartbeat(&node, epoch, sequence)?;
                 let observed = if newer { Some(&observed[..]) } else { None };
                 self.heartbeat(now, &node, epoch, observed, &mut outputs)?;
-                if newer {
-                    self.record_sequence(&node, epoch, sequence);
+                if newer && sequence > 0 {
+                    self.heartbeat_sequences.insert(node, sequence);
                 }
             }
             Input::GpuHealth {
@@ -450,15 +691,12 @@ impl ControlPlane {
                     // Work on a GPU that went bad moves elsewhere, as if its
                     // node had failed (per the job's retry policy).
                     let jobs: BTreeSet<JobId> = self
-                        .allocations
-                        .values()
+                        .live_allocations(&node)
                         .filter(|a| {
-                            a.node == node
-                                && matches!(
-                                    a.state,
-                                    AllocationState::Assigned | AllocationState::Running
-                                )
-                                && a.gpus.iter().any(|(index, _)| unhealthy.contains(index))
+                            matches!(
+                                a.state,
+                                AllocationState::Assigned | AllocationState::Running
+                            ) && a.gpus.iter().any(|(index, _)| unhealthy.contains(index))
                         })
                         .map(|a| a.job)
                         .collect();
@@ -476,6 +714,7 @@ impl ControlPlane {
             Input::Tick => {
                 self.account_usage(now);
                 self.expire_leases(now, &mut outputs);
+                self.retire(now);
             }
             Input::Cordon { node, cordoned } => {
                 let entry = self
@@ -496,21 +735,68 @@ impl ControlPlane {
                 entry.cordoned = true;
                 entry.draining = true;
                 outputs.push(Output::NodeChanged(node.clone()));
-                let jobs: BTreeSet<JobId> = self
-                    .allocations
-                    .values()
-                    .filter(|a| a.node == node && a.state.holds_resources())
-                    .map(|a| a.job)
-                    .collect();
+                let jobs: BTreeSet<JobId> = self.live_allocations(&node).map(|a| a.job).collect();
                 for job in jobs {
                     self.stop_job(now, job, StopCause::Preempted, "node drained", &mut outputs);
                 }
+            }
+            Input::RemoveNode { node, force } => {
+                if !self.nodes.contains_key(&node) {
+                    return Err(ControlError::NodeNotFound(node));
+                }
+                let jobs: BTreeSet<JobId> = self.live_allocations(&node).map(|a| a.job).collect();
+                if !jobs.is_empty() && !force {
+                    let list: Vec<String> = jobs.iter().map(ToString::to_string).collect();
+                    return Err(ControlError::Conflict(format!(
+                        "node {node} holds work of job(s) {}; drain it first \
+                         (`muster nodes drain {node}`), or remove it with --force to re-queue \
+                         that work",
+                        list.join(", ")
+                    )));
+                }
+                for id in self.live_ids(&node) {
+                    self.set_allocation_state(id, AllocationState::Lost);
+                }
+                for job in jobs {
+                    self.stop_job(
+                        now,
+                        job,
+                        StopCause::Preempted,
+                        &format!("node {node} removed"),
+                        &mut outputs,
+                    );
+                }
+                self.nodes.remove(&node);
+                self.heartbeat_sequences.remove(&node);
+                self.excluded.remove(&node);
+                outputs.retain(|o| !matches!(o, Output::NodeChanged(n) if *n == node));
+                outputs.push(Output::DesiredChanged(node.clone()));
+                outputs.push(Output::NodeRemoved(node));
             }
             Input::SetQueue(spec) => {
                 self.queues.insert(spec.name.clone(), spec);
             }
         }
         Ok(outputs)
+    }
+
+    /// Takes finished jobs older than the retention out of the hot state,
+    /// with their allocations.
+    fn retire(&mut self, now: Time) {
+        let horizon = now.0.saturating_sub(self.config.retention_ms);
+        while let Some(&(finished, id)) = self.finished.first() {
+            if finished.0 > horizon {
+                break;
+            }
+            self.finished.pop_first();
+            self.jobs.remove(&id);
+            for allocation in self.by_job.remove(&id).unwrap_or_default() {
+                // A finished job's allocations hold nothing (invariant).
+                self.allocations.remove(&allocation);
+            }
+            self.last_reasons.remove(&id);
+            self.memory_limited.remove(&id);
+        }
     }
 
     fn cancel(
@@ -527,6 +813,8 @@ impl ControlPlane {
             JobState::Pending => {
                 job.state = JobState::Cancelled;
                 job.finished = Some(now);
+                self.finished.insert((now, id));
+                self.last_reasons.remove(&id);
                 job.pending_reason = None;
                 job.queue_position = None;
                 job.history.push((now, "cancelled".to_string()));
@@ -570,6 +858,8 @@ impl ControlPlane {
                     AllocationState::Assigned | AllocationState::Running
                 )
             {
+                // Stopping holds resources as Assigned and Running do: the
+                // per-node index is unchanged.
                 allocation.state = AllocationState::Stopping;
                 changed(outputs, Output::DesiredChanged(allocation.node.clone()));
             }
@@ -649,6 +939,8 @@ impl ControlPlane {
             job.allocations.clear();
         } else {
             job.finished = Some(now);
+            self.finished.insert((now, id));
+            self.last_reasons.remove(&id);
         }
         changed(outputs, Output::JobChanged(id));
     }
@@ -676,25 +968,8 @@ impl ControlPlane {
         if sequence == 0 {
             return Ok(true);
         }
-        let last = self
-            .heartbeat_sequences
-            .get(node)
-            .and_then(|epochs| epochs.iter().find(|(e, _)| *e == epoch))
-            .map_or(0, |&(_, last)| last);
+        let last = self.heartbeat_sequences.get(node).copied().unwrap_or(0);
         Ok(sequence > last)
-    }
-
-    fn record_sequence(&mut self, node: &NodeName, epoch: u64, sequence: u64) {
-        if sequence == 0 {
-            return;
-        }
-        let epochs = self.heartbeat_sequences.entry(node.clone()).or_default();
-        epochs.retain(|(e, _)| *e != epoch);
-        epochs.push((epoch, sequence));
-        if epochs.len() > SEQUENCE_EPOCHS {
-            epochs.remove(0);
-        }
-        debug_assert!(epochs.len() <= SEQUENCE_EPOCHS);
     }
 
     fn heartbeat(
@@ -728,52 +1003,52 @@ impl ControlPlane {
             observed.iter().map(|o| (o.allocation, o)).collect();
         let mut touched = BTreeSet::new();
         let mut fenced_jobs = BTreeSet::new();
+        let mut vanished_jobs = BTreeSet::new();
         let mut memory_limited = Vec::new();
-        for (id, allocation) in self.allocations.iter_mut() {
-            if &allocation.node != name {
+        // Only allocations holding resources change on a report: what has
+        // exited or been lost stays so.
+        for id in self.live_ids(name) {
+            let Some(allocation) = self.allocations.get(&id) else {
                 continue;
-            }
-            match reported.get(id) {
+            };
+            let (job, rank, state, generation) = (
+                allocation.job,
+                allocation.rank,
+                allocation.state,
+                allocation.generation,
+            );
+            match reported.get(&id) {
                 // Reports carrying an older generation are stale: dropped.
-                Some(report) if report.generation != allocation.generation => {}
-                Some(report)
-                    if report.fenced
-                        && report.exited.is_some()
-                        && allocation.state.holds_resources() =>
-                {
-                    allocation.state = AllocationState::Lost;
-                    fenced_jobs.insert(allocation.job);
+                Some(report) if report.generation != generation => {}
+                Some(report) if report.fenced && report.exited.is_some() => {
+                    self.set_allocation_state(id, AllocationState::Lost);
+                    fenced_jobs.insert(job);
                     changed(outputs, Output::DesiredChanged(name.clone()));
                 }
-                Some(report) => match (allocation.state, report.exited) {
+                Some(report) => match (state, report.exited) {
                     (AllocationState::Assigned, None) => {
-                        allocation.state = AllocationState::Running;
-                        touched.insert(allocation.job);
+                        self.set_allocation_state(id, AllocationState::Running);
+                        touched.insert(job);
                     }
-                    (
-                        AllocationState::Assigned
-                        | AllocationState::Running
-                        | AllocationState::Stopping,
-                        Some(code),
-                    ) => {
-                        allocation.state = AllocationState::Exited { code };
-                        touched.insert(allocation.job);
+                    (_, Some(code)) => {
+                        self.set_allocation_state(id, AllocationState::Exited { code });
+                        touched.insert(job);
                         if report.memory_limit {
-                            memory_limited.push((allocation.job, allocation.rank));
+                            memory_limited.push((job, rank));
                         }
                         changed(outputs, Output::DesiredChanged(name.clone()));
                     }
                     _ => {}
                 },
-                // Running here before, not reported now: the process is gone
-                // (the agent restarted and did not find it).
-                None if matches!(
-                    allocation.state,
-                    AllocationState::Running | AllocationState::Stopping
-                ) =>
-                {
-                    allocation.state = AllocationState::Exited { code: None };
-                    touched.insert(allocation.job);
+                // Running here before, not reported now: the agent lost
+                // track of it (it restarted and found no record). Without
+                // evidence of how it ended it is lost, as on a lost node:
+                // the job is re-queued per its retry policy, never taken
+                // as failed or succeeded.
+                None if matches!(state, AllocationState::Running | AllocationState::Stopping) => {
+                    self.set_allocation_state(id, AllocationState::Lost);
+                    vanished_jobs.insert(job);
+                    changed(outputs, Output::DesiredChanged(name.clone()));
                 }
                 None => {}
             }
@@ -793,6 +1068,15 @@ impl ControlPlane {
                 job,
                 StopCause::NodeLost,
                 &format!("node {name} fenced its tasks (lease not renewed)"),
+                outputs,
+            );
+        }
+        for job in vanished_jobs {
+            self.stop_job(
+                now,
+                job,
+                StopCause::NodeLost,
+                &format!("node {name} no longer reports a task of it (lost)"),
                 outputs,
             );
         }
@@ -826,10 +1110,13 @@ impl ControlPlane {
             return;
         }
         let mut held: BTreeMap<QueueName, u64> = BTreeMap::new();
-        for allocation in self.allocations.values() {
-            if allocation.state.holds_resources()
-                && let Some(job) = self.jobs.get(&allocation.job)
-            {
+        let live = self
+            .live_by_node
+            .values()
+            .flatten()
+            .filter_map(|id| self.allocations.get(id));
+        for allocation in live {
+            if let Some(job) = self.jobs.get(&allocation.job) {
                 let milli: u64 = allocation.gpus.iter().map(|g| u64::from(g.1)).sum();
                 *held.entry(job.spec.queue.clone()).or_default() += milli;
             }
@@ -853,11 +1140,11 @@ impl ControlPlane {
             }
             changed(outputs, Output::NodeChanged(name.clone()));
             let mut jobs = BTreeSet::new();
-            for allocation in self.allocations.values_mut() {
-                if allocation.node == name && allocation.state.holds_resources() {
-                    allocation.state = AllocationState::Lost;
+            for id in self.live_ids(&name) {
+                if let Some(allocation) = self.allocations.get(&id) {
                     jobs.insert(allocation.job);
                 }
+                self.set_allocation_state(id, AllocationState::Lost);
             }
             for job in jobs {
                 self.stop_job(
@@ -967,10 +1254,12 @@ impl ControlPlane {
                 )
             })
             .collect();
-        for allocation in self.allocations.values() {
-            if !allocation.state.holds_resources() {
-                continue;
-            }
+        let live = self
+            .live_by_node
+            .values()
+            .flatten()
+            .filter_map(|id| self.allocations.get(id));
+        for allocation in live {
             if let Some((gpus, cpu, memory)) = free.get_mut(&allocation.node) {
                 for &(index, milli) in &allocation.gpus {
                     if let Some(slot) = gpus.get_mut(index as usize) {
@@ -989,6 +1278,12 @@ impl ControlPlane {
     /// room; a preemption whose victim still runs. A start that needs
     /// preemptions waits for its victims to exit (next cycles place it).
     pub fn apply_outcome(&mut self, now: Time, outcome: &Outcome) -> Vec<Output> {
+        let outputs = self.apply_outcome_inner(now, outcome);
+        self.debug_check();
+        outputs
+    }
+
+    fn apply_outcome_inner(&mut self, now: Time, outcome: &Outcome) -> Vec<Output> {
         let mut outputs = Vec::new();
         for preemption in &outcome.preemptions {
             let still_running = self
@@ -1144,6 +1439,11 @@ impl ControlPlane {
             self.next_generation += 1;
             changed(outputs, Output::DesiredChanged(task.node.clone()));
             created.push(allocation.id);
+            self.live_by_node
+                .entry(allocation.node.clone())
+                .or_default()
+                .insert(allocation.id);
+            self.by_job.entry(id).or_default().push(allocation.id);
             self.allocations.insert(allocation.id, allocation);
         }
         if let Some(job) = self.jobs.get_mut(&id) {
@@ -1162,9 +1462,7 @@ impl ControlPlane {
 
     /// What `node` must run and stop now.
     pub fn desired(&self, node: &NodeName) -> Vec<DesiredTask> {
-        self.allocations
-            .values()
-            .filter(|a| &a.node == node && a.state.holds_resources())
+        self.live_allocations(node)
             .filter_map(|a| {
                 let job = self.jobs.get(&a.job)?;
                 Some(DesiredTask {
@@ -1260,7 +1558,65 @@ impl ControlPlane {
                 return Err("a generation at or above the next one".to_string());
             }
         }
+        let mut live: BTreeMap<NodeName, BTreeSet<AllocationId>> = BTreeMap::new();
+        let mut by_job: BTreeMap<JobId, Vec<AllocationId>> = BTreeMap::new();
+        for allocation in self.allocations.values() {
+            if allocation.id.0 >= self.next_allocation {
+                return Err(format!(
+                    "allocation {} at or above the next id",
+                    allocation.id
+                ));
+            }
+            if allocation.state.holds_resources() {
+                live.entry(allocation.node.clone())
+                    .or_default()
+                    .insert(allocation.id);
+            }
+            by_job
+                .entry(allocation.job)
+                .or_default()
+                .push(allocation.id);
+        }
+        if live != self.live_by_node {
+            return Err("the per-node index of live allocations is out of date".to_string());
+        }
+        let mut indexed = self.by_job.clone();
+        for list in indexed.values_mut() {
+            list.sort_unstable();
+        }
+        if by_job != indexed {
+            return Err("the per-job index of allocations is out of date".to_string());
+        }
+        let finished: BTreeSet<(Time, JobId)> = self
+            .jobs
+            .values()
+            .filter(|job| job.state.is_final())
+            .map(|job| (job.finished.unwrap_or(Time(0)), job.id))
+            .collect();
+        if finished != self.finished {
+            return Err("the index of finished jobs is out of date".to_string());
+        }
+        for node in self.nodes.values() {
+            if node.epoch >= self.next_epoch {
+                return Err(format!(
+                    "node {} has epoch {}, at or above the next one",
+                    node.spec.name, node.epoch
+                ));
+            }
+        }
         for job in self.jobs.values() {
+            if job.state.is_final() && job.finished.is_none() {
+                return Err(format!(
+                    "job {} is {} with no end time",
+                    job.id,
+                    job.state.name()
+                ));
+            }
+            for id in &job.allocations {
+                if !self.allocations.contains_key(id) {
+                    return Err(format!("job {} names a missing allocation {id}", job.id));
+                }
+            }
             if job.state == JobState::Running {
                 let live = job
                     .allocations

@@ -24,7 +24,6 @@ impl World {
             world.step(Input::Register {
                 spec: MakeNode::new(name).gpus(4, "H100-80GB").build().spec,
                 address: format!("10.0.0.{}", i + 1),
-                epoch: 1,
                 software: Software::default(),
             });
         }
@@ -75,20 +74,29 @@ impl World {
     }
 
     fn report_numbered(&mut self, node: &str, sequence: u64, observed: Vec<Observed>) {
+        let epoch = self.epoch(node);
         self.step(Input::Heartbeat {
             node: NodeName::from(node),
-            epoch: 1,
+            epoch,
             sequence,
             observed,
         });
     }
 
+    fn epoch(&self, node: &str) -> u64 {
+        self.control.node(&NodeName::from(node)).unwrap().epoch
+    }
+
     fn allocation_state(&self, task: &DesiredTask) -> AllocationState {
-        self.control.allocations[&task.allocation].state
+        self.control.allocation(task.allocation).unwrap().state
+    }
+
+    fn job(&self, id: u64) -> &muster_control::Job {
+        self.control.job(JobId(id)).unwrap()
     }
 
     fn state(&self, id: u64) -> JobState {
-        self.control.jobs[&JobId(id)].state
+        self.job(id).state
     }
 
     fn advance(&mut self, millis: u64) {
@@ -170,7 +178,7 @@ fn a_failed_task_stops_the_gang_and_fails_the_job() {
     assert!(world.desired("b")[0].stop, "the other task is told to stop");
     world.report("b", vec![exited(&b[0], 143)]);
     assert_eq!(world.state(1), JobState::Failed);
-    assert_eq!(world.control.jobs[&JobId(1)].exit_code, Some(3));
+    assert_eq!(world.job(1).exit_code, Some(3));
 }
 
 #[test]
@@ -211,7 +219,7 @@ fn a_lost_node_requeues_its_job_elsewhere() {
     let moved = world.desired(other);
     assert_eq!(moved.len(), 1);
     assert!(moved[0].generation > tasks[0].generation);
-    assert_eq!(world.control.jobs[&JobId(1)].attempts, 2);
+    assert_eq!(world.job(1).attempts, 2);
 }
 
 #[test]
@@ -227,7 +235,7 @@ fn reports_with_an_old_generation_are_ignored() {
     world.report("a", vec![running(&tasks[0])]);
     world.report("a", vec![stale]);
     assert_eq!(world.state(1), JobState::Running);
-    let allocation = &world.control.allocations[&tasks[0].allocation];
+    let allocation = world.control.allocation(tasks[0].allocation).unwrap();
     assert_eq!(allocation.state, AllocationState::Running);
 }
 
@@ -236,7 +244,7 @@ fn a_job_larger_than_the_cluster_stays_pending_with_a_reason() {
     let mut world = World::new(&["a"]);
     world.submit(1, 3, 4);
     world.cycle();
-    let job = &world.control.jobs[&JobId(1)];
+    let job = &world.job(1);
     assert_eq!(job.state, JobState::Pending);
     let reason = job.pending_reason.as_deref().unwrap_or_default();
     assert!(reason.contains("no node can ever run this job"), "{reason}");
@@ -275,7 +283,7 @@ fn a_gpu_gone_bad_moves_its_work_and_takes_no_more() {
     world.report(node, vec![running(&tasks[0])]);
     world.step(Input::GpuHealth {
         node: NodeName::from(node),
-        epoch: 1,
+        epoch: world.epoch(node),
         unhealthy: vec![tasks[0].gpus[0]],
     });
     assert!(
@@ -308,7 +316,7 @@ fn a_task_stopped_by_fencing_requeues_its_job_instead_of_failing_it() {
     world.report("a", vec![fenced]);
     assert_eq!(world.state(1), JobState::Pending, "re-queued, not failed");
     world.cycle();
-    assert_eq!(world.control.jobs[&JobId(1)].attempts, 2);
+    assert_eq!(world.job(1).attempts, 2);
 }
 
 #[test]
@@ -325,7 +333,8 @@ fn a_task_killed_at_its_memory_limit_fails_its_job_saying_so() {
     };
     world.report("a", vec![killed]);
     assert_eq!(world.state(1), JobState::Failed);
-    let history: Vec<&str> = world.control.jobs[&JobId(1)]
+    let history: Vec<&str> = world
+        .job(1)
         .history
         .iter()
         .map(|(_, note)| note.as_str())
@@ -353,7 +362,7 @@ fn a_start_on_a_gpu_that_went_bad_after_the_snapshot_is_not_applied() {
     // Between the snapshot and applying the outcome, GPU 2 fails.
     world.step(Input::GpuHealth {
         node: NodeName::from("a"),
-        epoch: 1,
+        epoch: world.epoch("a"),
         unhealthy: vec![2],
     });
     world.control.apply_outcome(world.now, &outcome);
@@ -422,10 +431,17 @@ fn an_old_or_duplicated_heartbeat_applies_nothing() {
     // It still renews the lease: the agent was alive when it sent it, and
     // counts its own lease from then.
     assert_eq!(
-        world.control.nodes[&NodeName::from("a")].last_heartbeat,
+        world
+            .control
+            .node(&NodeName::from("a"))
+            .unwrap()
+            .last_heartbeat,
         world.now
     );
-    assert_ne!(before.nodes[&NodeName::from("a")].last_heartbeat, world.now);
+    assert_ne!(
+        before.node(&NodeName::from("a")).unwrap().last_heartbeat,
+        world.now
+    );
     assert!(world.desired("a")[0].stop, "still told to stop");
     // A newer one applies.
     world.report_numbered("a", 6, vec![running(&task)]);
@@ -434,25 +450,181 @@ fn an_old_or_duplicated_heartbeat_applies_nothing() {
 }
 
 #[test]
-fn sequences_are_kept_per_epoch_across_registrations() {
-    let mut world = World::new(&["a"]);
+fn epochs_are_issued_by_the_control_plane_and_only_move_forward() {
+    let mut world = World::new(&["a", "b"]);
+    let (a, b) = (world.epoch("a"), world.epoch("b"));
+    assert!(a >= 1 && b > a, "cluster-wide, in order: {a} {b}");
     world.submit(1, 1, 4);
     world.cycle();
-    let task = world.desired("a")[0].clone();
-    world.report_numbered("a", 9, vec![running(&task)]);
-    let register = |epoch| Input::Register {
-        spec: MakeNode::new("a").gpus(4, "H100-80GB").build().spec,
-        address: "10.0.0.1".to_string(),
-        epoch,
-        software: Software::default(),
+    let node = if world.desired("a").is_empty() {
+        "b"
+    } else {
+        "a"
     };
-    // An agent of another epoch registers, then a late registration of
-    // epoch 1 arrives: epoch 1's old heartbeats stay old.
-    world.step(register(2));
-    world.step(register(1));
+    let task = world.desired(node)[0].clone();
+    world.report_numbered(node, 9, vec![running(&task)]);
+    let old = world.epoch(node);
+    world.step(Input::Register {
+        spec: MakeNode::new(node).gpus(4, "H100-80GB").build().spec,
+        address: "10.0.0.1".to_string(),
+        software: Software::default(),
+    });
+    let new = world.epoch(node);
+    assert!(
+        new > old.max(a).max(b),
+        "a new epoch above every issued one"
+    );
+    // The old epoch is refused, and the new one numbers heartbeats anew.
+    let refused = world.control.handle(
+        world.now,
+        Input::Heartbeat {
+            node: NodeName::from(node),
+            epoch: old,
+            sequence: 10,
+            observed: vec![],
+        },
+    );
+    assert!(refused.is_err());
+    world.report_numbered(node, 1, vec![running(&task)]);
+    assert_eq!(world.allocation_state(&task), AllocationState::Running);
     world.step(Input::Cancel { job: JobId(1) });
-    world.report_numbered("a", 8, vec![]);
-    assert_eq!(world.allocation_state(&task), AllocationState::Stopping);
-    world.report_numbered("a", 10, vec![exited(&task, 143)]);
+    world.report_numbered(node, 2, vec![exited(&task, 143)]);
     assert_eq!(world.state(1), JobState::Cancelled);
+}
+
+#[test]
+fn a_task_missing_from_a_report_is_lost_and_requeued_never_taken_as_exited() {
+    let mut world = World::new(&["a"]);
+    let mut spec = JobSpec::simple("job", "default", GpuRequest::Whole(1), vec!["x".into()]);
+    spec.retry.on_node_failure = true;
+    world.step(Input::Submit {
+        id: JobId(1),
+        spec,
+        user: "alice".into(),
+    });
+    world.cycle();
+    let task = world.desired("a")[0].clone();
+    world.report("a", vec![running(&task)]);
+    // The agent restarted and found no record of the task.
+    world.report("a", vec![]);
+    assert_eq!(world.allocation_state(&task), AllocationState::Lost);
+    assert_eq!(world.state(1), JobState::Pending, "re-queued");
+    assert_eq!(world.job(1).exit_code, None, "no exit code was invented");
+}
+
+#[test]
+fn a_node_with_work_is_removed_only_with_force_which_requeues_the_work() {
+    let mut world = World::new(&["a", "b"]);
+    world.submit(1, 2, 1);
+    world.cycle();
+    assert_eq!(world.state(1), JobState::Running);
+    let refused = world
+        .control
+        .handle(
+            world.now,
+            Input::RemoveNode {
+                node: NodeName::from("a"),
+                force: false,
+            },
+        )
+        .unwrap_err();
+    assert!(refused.to_string().contains("--force"), "{refused}");
+    let outputs = world
+        .control
+        .handle(
+            world.now,
+            Input::RemoveNode {
+                node: NodeName::from("a"),
+                force: true,
+            },
+        )
+        .unwrap();
+    world.control.check_invariants().unwrap();
+    assert!(outputs.contains(&muster_control::Output::NodeRemoved(NodeName::from("a"))));
+    assert!(world.control.node(&NodeName::from("a")).is_none());
+    // b's task is told to stop; once it exits the job waits in line again.
+    let task = world.desired("b")[0].clone();
+    assert!(task.stop);
+    world.report("b", vec![exited(&task, 143)]);
+    assert_eq!(world.state(1), JobState::Pending);
+    // An empty node goes without force.
+    world
+        .control
+        .handle(
+            world.now,
+            Input::RemoveNode {
+                node: NodeName::from("b"),
+                force: false,
+            },
+        )
+        .unwrap();
+    world.control.check_invariants().unwrap();
+}
+
+#[test]
+fn finished_jobs_leave_the_hot_state_after_the_retention() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 1);
+    world.submit(2, 1, 1);
+    world.cycle();
+    for task in world.desired("a") {
+        world.report("a", vec![running(&task)]);
+        world.report("a", vec![exited(&task, 0)]);
+    }
+    assert_eq!(world.state(1), JobState::Succeeded);
+    world.advance(ControlConfig::default().retention_ms - 1);
+    world.step(Input::Tick);
+    assert!(
+        world.control.job(JobId(1)).is_some(),
+        "kept for the retention"
+    );
+    world.advance(2);
+    world.step(Input::Tick);
+    assert!(world.control.job(JobId(1)).is_none(), "retired");
+    assert_eq!(world.control.job_allocations(JobId(1)).count(), 0);
+    assert_eq!(world.control.job_count(), 0);
+}
+
+#[test]
+fn a_node_spec_the_cluster_cannot_take_is_refused_with_every_reason() {
+    let mut world = World::new(&[]);
+    let mut spec = MakeNode::new("big").gpus(65, "H100-80GB").build().spec;
+    spec.cpu = muster_model::CpuMilli(0);
+    let error = world
+        .control
+        .handle(
+            world.now,
+            Input::Register {
+                spec,
+                address: "10.0.0.9".into(),
+                software: Software::default(),
+            },
+        )
+        .unwrap_err();
+    let text = error.to_string();
+    assert!(
+        text.contains("65 GPUs") && text.contains("at most 64"),
+        "{text}"
+    );
+    assert!(text.contains("cpu_milli"), "{text}");
+    assert!(world.control.node(&NodeName::from("big")).is_none());
+    // Several models on one node are accepted.
+    let mut mixed = MakeNode::new("mixed").gpus(4, "A100-40GB").build().spec;
+    mixed.gpus[2].model = muster_model::GpuModel::new("L4");
+    world.step(Input::Register {
+        spec: mixed,
+        address: "10.0.0.8".into(),
+        software: Software::default(),
+    });
+}
+
+#[test]
+fn a_submission_never_acknowledged_is_withdrawn() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 1);
+    world.control.withdraw(JobId(1)).unwrap();
+    assert!(world.control.job(JobId(1)).is_none());
+    world.submit(2, 1, 1);
+    world.cycle();
+    assert!(world.control.withdraw(JobId(2)).is_err(), "it has started");
 }

@@ -14,6 +14,9 @@ pub use job::{
     CheckpointPolicy, JobId, JobSpec, PriorityClass, RetryPolicy, Signal, TopologyConstraint,
     TopologyStrength,
 };
-pub use node::{GpuModel, GpuSpec, NodeName, NodeSpec, PoolName, RackName};
+pub use node::{
+    GpuModel, GpuSpec, MAX_GPU_TEXT_LENGTH, MAX_NODE_CPU_MILLI, MAX_NODE_GPUS, MAX_NODE_MEMORY_MIB,
+    MAX_NODE_NAME_LENGTH, NodeName, NodeSpec, PoolName, RackName, is_plain_name,
+};
 pub use quantity::{CpuMilli, GpuMilli, GpuRequest, MemoryMib, Time};
 pub use queue::{QueueName, QueueSpec};

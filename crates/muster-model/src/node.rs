@@ -93,3 +93,121 @@ impl NodeSpec {
         self.gpus.first().map(|gpu| &gpu.model)
     }
 }
+
+/// The most GPUs one node may have (the scheduler keeps a node's GPUs in
+/// 64-bit sets).
+pub const MAX_NODE_GPUS: usize = 64;
+/// The longest node, pool or rack name.
+pub const MAX_NODE_NAME_LENGTH: usize = 63;
+/// The longest GPU model name or GPU UUID.
+pub const MAX_GPU_TEXT_LENGTH: usize = 128;
+/// The most CPU thousandths a node may offer (a million cores).
+pub const MAX_NODE_CPU_MILLI: u64 = 1_000_000_000;
+/// The most memory a node may offer: 1 PiB.
+pub const MAX_NODE_MEMORY_MIB: u64 = 1 << 30;
+
+/// Letters, digits, '-', '_' and '.', starting with a letter or digit, at
+/// most [`MAX_NODE_NAME_LENGTH`] bytes: node, pool and rack names.
+pub fn is_plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_NODE_NAME_LENGTH
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+impl NodeSpec {
+    /// Every reason this spec cannot join a cluster, each naming the field,
+    /// the value and what is accepted (empty: valid). A node may hold GPUs
+    /// of several models.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        let plain = |what: &str, name: &str, problems: &mut Vec<String>| {
+            if !is_plain_name(name) {
+                problems.push(format!(
+                    "{what} must be 1 to {MAX_NODE_NAME_LENGTH} letters, digits, '-', '_' or \
+                     '.', starting with a letter or digit, got {:?}",
+                    truncated(name)
+                ));
+            }
+        };
+        plain("the node name", &self.name.0, &mut problems);
+        plain("pool", &self.pool.0, &mut problems);
+        plain("rack", &self.rack.0, &mut problems);
+        if self.gpus.len() > MAX_NODE_GPUS {
+            problems.push(format!(
+                "the node has {} GPUs; a node may have at most {MAX_NODE_GPUS} (split a larger \
+                 machine into several agents with --gpus)",
+                self.gpus.len()
+            ));
+        }
+        for (position, gpu) in self.gpus.iter().enumerate().take(MAX_NODE_GPUS + 1) {
+            if gpu.index as usize != position {
+                problems.push(format!(
+                    "gpus must be listed by index from 0 without gaps; gpus[{position}] has \
+                     index {}",
+                    gpu.index
+                ));
+            }
+            let model = gpu.model.as_str();
+            if model.is_empty()
+                || model.len() > MAX_GPU_TEXT_LENGTH
+                || !model.chars().all(|c| c.is_ascii_graphic())
+            {
+                problems.push(format!(
+                    "gpus[{position}].model must be 1 to {MAX_GPU_TEXT_LENGTH} printable \
+                     characters without spaces, got {:?}",
+                    truncated(model)
+                ));
+            }
+            if gpu.uuid.len() > MAX_GPU_TEXT_LENGTH || gpu.uuid.chars().any(char::is_control) {
+                problems.push(format!(
+                    "gpus[{position}].uuid must be at most {MAX_GPU_TEXT_LENGTH} printable \
+                     characters, got {:?}",
+                    truncated(&gpu.uuid)
+                ));
+            }
+            if gpu.memory.0 > MAX_NODE_MEMORY_MIB {
+                problems.push(format!(
+                    "gpus[{position}].memory_mib is {}; at most {MAX_NODE_MEMORY_MIB}",
+                    gpu.memory.0
+                ));
+            }
+        }
+        if self.cpu.0 == 0 || self.cpu.0 > MAX_NODE_CPU_MILLI {
+            problems.push(format!(
+                "cpu_milli must be from 1 to {MAX_NODE_CPU_MILLI} (what the node offers to \
+                 jobs), got {}",
+                self.cpu.0
+            ));
+        }
+        if self.memory.0 == 0 || self.memory.0 > MAX_NODE_MEMORY_MIB {
+            problems.push(format!(
+                "memory_mib must be from 1 to {MAX_NODE_MEMORY_MIB} (what the node offers to \
+                 jobs), got {}",
+                self.memory.0
+            ));
+        }
+        problems
+    }
+
+    /// The node's distinct GPU models, in order of first appearance.
+    pub fn gpu_models(&self) -> Vec<&GpuModel> {
+        let mut models: Vec<&GpuModel> = Vec::new();
+        for gpu in &self.gpus {
+            if !models.contains(&&gpu.model) {
+                models.push(&gpu.model);
+            }
+        }
+        models
+    }
+}
+
+/// At most 80 characters of `text`, for error messages.
+fn truncated(text: &str) -> String {
+    match text.char_indices().nth(80) {
+        Some((end, _)) => format!("{}...", &text[..end]),
+        None => text.to_string(),
+    }
+}
