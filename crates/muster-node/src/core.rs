@@ -5,7 +5,8 @@
 //!
 //! The rules, in one place:
 //! - **Register** first (again after the server refuses a heartbeat as
-//!   conflict, unauthenticated or not found), with a doubling backoff from
+//!   conflict, unauthenticated or not found); each registration gets a new
+//!   epoch from the server, which the heartbeats carry, with a doubling backoff from
 //!   [`REGISTER_BACKOFF_MIN_MS`] to [`REGISTER_BACKOFF_MAX_MS`] after a
 //!   failure.
 //! - **Heartbeats**: one request at a time, each with the next sequence
@@ -124,6 +125,9 @@ pub enum Input<L> {
     /// The answer to [`Output::SendRegister`].
     Registered {
         sequence: u64,
+        /// The epoch the server issued to this registration: heartbeats
+        /// carry it until the next registration.
+        epoch: u64,
         lease_ms: u64,
         heartbeat_ms: u64,
     },
@@ -188,7 +192,6 @@ pub enum Output<L> {
     /// Send the registration; give up on it at `deadline_ms`.
     SendRegister {
         sequence: u64,
-        epoch: u64,
         deadline_ms: u64,
     },
     /// Send a heartbeat; give up on it at `deadline_ms`. A heartbeat still
@@ -320,13 +323,12 @@ pub struct AgentCore<L> {
 }
 
 impl<L: Clone> AgentCore<L> {
-    /// A new agent process: `epoch` identifies it (a restart uses a new
-    /// one); `lease` is what a previous agent here kept on disk; `adopted`
-    /// the tasks it left. Returns the core and its first outputs (fencing
+    /// A new agent process: `lease` is what a previous agent here kept on
+    /// disk; `adopted` the tasks it left. Its epoch is issued by the server
+    /// at each registration. Returns the core and its first outputs (fencing
     /// what would outlive that lease, then the registration).
     pub fn new(
         config: CoreConfig,
-        epoch: u64,
         now_ms: u64,
         lease: Option<LeaseRecord>,
         adopted: Vec<AdoptedTask>,
@@ -360,7 +362,7 @@ impl<L: Clone> AgentCore<L> {
             .collect();
         let mut core = AgentCore {
             config,
-            epoch,
+            epoch: 0,
             registered: false,
             lease_ms: lease.lease_ms,
             heartbeat_ms: DEFAULT_HEARTBEAT_MS,
@@ -380,6 +382,7 @@ impl<L: Clone> AgentCore<L> {
         (core, outputs)
     }
 
+    /// The epoch of the last registration (0 before the first).
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
@@ -442,11 +445,13 @@ impl<L: Clone> AgentCore<L> {
             Input::Tick => {}
             Input::Registered {
                 sequence,
+                epoch,
                 lease_ms,
                 heartbeat_ms,
             } => {
                 if let Some(request) = self.answered(sequence, RequestKind::Register) {
                     self.registered = true;
+                    self.epoch = epoch;
                     self.register_backoff_ms = REGISTER_BACKOFF_MIN_MS;
                     self.lease_ms = lease_ms.max(1);
                     self.heartbeat_ms = heartbeat_ms;
@@ -781,7 +786,6 @@ impl<L: Clone> AgentCore<L> {
             });
             outputs.push(Output::SendRegister {
                 sequence,
-                epoch: self.epoch,
                 deadline_ms: now_ms + limit,
             });
             return;

@@ -55,6 +55,8 @@ struct Node {
     sent: Vec<Output<u64>>,
     /// The outputs of `AgentCore::new`.
     first: Vec<Output<u64>>,
+    /// Registrations answered (each issues the next epoch, from 77).
+    registrations: u64,
 }
 
 impl Node {
@@ -66,13 +68,14 @@ impl Node {
         let config = CoreConfig {
             fence_margin_ms: MARGIN_MS,
         };
-        let (core, outputs) = AgentCore::new(config, 77, 1_000, lease, adopted);
+        let (core, outputs) = AgentCore::new(config, 1_000, lease, adopted);
         let mut node = Node {
             core,
             now: 1_000,
             in_flight: None,
             sent: Vec::new(),
             first: Vec::new(),
+            registrations: 0,
         };
         node.note(&outputs);
         node.first = outputs;
@@ -115,8 +118,10 @@ impl Node {
     fn registered(&mut self) -> Vec<Output<u64>> {
         let (kind, sequence) = self.in_flight.take().expect("a request in flight");
         assert_eq!(kind, Kind::Register);
+        self.registrations += 1;
         self.step(Input::Registered {
             sequence,
+            epoch: 76 + self.registrations,
             lease_ms: LEASE_MS,
             heartbeat_ms: HEARTBEAT_MS,
         })
@@ -191,13 +196,15 @@ fn registers_first_then_heartbeats_with_increasing_sequences() {
     let mut node = Node::fresh();
     assert!(matches!(
         node.sent[..],
-        [Output::SendRegister {
-            sequence: 1,
-            epoch: 77,
-            ..
-        }]
+        [Output::SendRegister { sequence: 1, .. }]
     ));
+    assert_eq!(
+        node.core.epoch(),
+        0,
+        "no epoch before the server issues one"
+    );
     let outputs = node.registered();
+    assert_eq!(node.core.epoch(), 77, "the epoch the server issued");
     assert!(outputs.iter().any(|o| matches!(
         o,
         Output::WriteLease {
@@ -428,7 +435,7 @@ fn an_exit_not_yet_reported_is_kept_even_when_the_server_stops_listing_it() {
 }
 
 #[test]
-fn a_refused_heartbeat_registers_again_in_the_same_epoch_and_sequence() {
+fn a_refused_heartbeat_registers_again_and_takes_the_new_epoch() {
     let mut node = registered_node();
     let sequence = node.sequence();
     node.in_flight = None;
@@ -439,9 +446,16 @@ fn a_refused_heartbeat_registers_again_in_the_same_epoch_and_sequence() {
     assert!(outputs.contains(&Output::Report(Report::RegisterAgain)));
     assert!(outputs.iter().any(|o| matches!(
         o,
-        Output::SendRegister { sequence: s, epoch: 77, .. } if *s == sequence + 1
+        Output::SendRegister { sequence: s, .. } if *s == sequence + 1
     )));
     assert!(!node.core.registered());
+    node.registered();
+    assert_eq!(node.core.epoch(), 78);
+    let heartbeat = node.sent.iter().rev().find_map(|o| match o {
+        Output::SendHeartbeat { epoch, .. } => Some(*epoch),
+        _ => None,
+    });
+    assert_eq!(heartbeat, Some(78), "heartbeats carry the new epoch");
 }
 
 #[test]
@@ -493,7 +507,7 @@ fn a_restarted_agent_fences_adopted_tasks_that_would_outlive_the_old_lease() {
     let config = CoreConfig {
         fence_margin_ms: MARGIN_MS,
     };
-    let (core, outputs) = AgentCore::<u64>::new(config, 9, 5_000, Some(lease), adopted);
+    let (core, outputs) = AgentCore::<u64>::new(config, 5_000, Some(lease), adopted);
     assert_eq!(stops(&outputs), vec![(id(4, 4), FENCED_GRACE_MS, true)]);
     assert!(
         outputs
@@ -804,7 +818,7 @@ proptest! {
     fn the_rules_hold_whatever_arrives(steps in prop::collection::vec(step_strategy(), 1..80)) {
         let config = CoreConfig { fence_margin_ms: MARGIN_MS };
         let mut now = 1_000;
-        let (mut core, outputs) = AgentCore::<u64>::new(config, 5, now, None, Vec::new());
+        let (mut core, outputs) = AgentCore::<u64>::new(config, now, None, Vec::new());
         let mut model = Model {
             tasks: BTreeMap::new(),
             last_sequence: 0,
@@ -827,6 +841,7 @@ proptest! {
                     model.answering = Some(in_flight);
                     let input = Input::Registered {
                         sequence: in_flight,
+                        epoch: 1,
                         lease_ms: LEASE_MS,
                         heartbeat_ms: HEARTBEAT_MS,
                     };

@@ -23,8 +23,8 @@
 //! every job must have succeeded with nothing left running.
 
 use muster_control::{
-    Allocation, AllocationId, ControlConfig, ControlError, ControlPlane, DesiredTask, Input, Job,
-    JobState, Node, NodeState, Observed, Output, Software,
+    Allocation, AllocationId, ControlConfig, ControlError, ControlPlane, Counters, DesiredTask,
+    Input, Job, JobState, Node, NodeState, Observed, Output, Records, RestoreError, Software,
 };
 use muster_model::{
     CpuMilli, GpuModel, GpuRequest, GpuSpec, JobId, JobSpec, MemoryMib, NodeName, NodeSpec,
@@ -186,7 +186,6 @@ impl Fnv {
 enum Request {
     Register {
         sequence: u64,
-        epoch: u64,
         spec: NodeSpec,
     },
     Heartbeat {
@@ -201,6 +200,7 @@ enum Request {
 enum Reply {
     Registered {
         sequence: u64,
+        epoch: u64,
     },
     Desired {
         sequence: u64,
@@ -262,61 +262,61 @@ enum Event {
     Heal,
 }
 
-/// The durable copy, written as `muster-server` writes it: per output, the
-/// job with all its allocations, the node, the counters.
+/// The durable copy, written by the rules `muster-server` writes by
+/// ([`ControlPlane::changed_records`]) and read back as it reads
+/// ([`ControlPlane::restore`], with every job not finished and finished
+/// ones within the retention). Retired jobs stay here, as in the server's
+/// store.
 #[derive(Debug, Clone, Default)]
 struct Store {
     jobs: BTreeMap<JobId, Job>,
     allocations: BTreeMap<AllocationId, Allocation>,
     nodes: BTreeMap<NodeName, Node>,
-    next_allocation: u64,
-    next_generation: u64,
+    counters: Counters,
 }
 
 impl Store {
     fn persist(&mut self, control: &ControlPlane, outputs: &[Output]) {
-        let mut jobs_changed = false;
-        for output in outputs {
-            match output {
-                Output::JobChanged(id) => {
-                    if let Some(job) = control.jobs.get(id) {
-                        self.jobs.insert(*id, job.clone());
-                        jobs_changed = true;
-                    }
-                    for allocation in control.allocations.values().filter(|a| a.job == *id) {
-                        self.allocations.insert(allocation.id, allocation.clone());
-                    }
-                }
-                Output::NodeChanged(name) => {
-                    if let Some(node) = control.nodes.get(name) {
-                        self.nodes.insert(name.clone(), node.clone());
-                    }
-                }
-                Output::DesiredChanged(_) => {}
-            }
+        let changes = control.changed_records(outputs);
+        for job in changes.jobs {
+            self.jobs.insert(job.id, job.clone());
         }
-        if jobs_changed {
-            self.next_allocation = control.next_allocation;
-            self.next_generation = control.next_generation;
+        for allocation in changes.allocations {
+            self.allocations.insert(allocation.id, allocation.clone());
+        }
+        for node in changes.nodes {
+            self.nodes.insert(node.spec.name.clone(), node.clone());
+        }
+        for name in changes.removed_nodes {
+            self.nodes.remove(&name);
+        }
+        if let Some(counters) = changes.counters {
+            self.counters = counters;
         }
     }
 
-    fn restore(&self, config: ControlConfig, now: Time) -> ControlPlane {
-        let mut control = ControlPlane::new(config);
-        for (name, node) in &self.nodes {
-            let mut node = node.clone();
-            node.last_heartbeat = now;
-            control.nodes.insert(name.clone(), node);
-        }
-        control.jobs = self.jobs.clone();
-        control.next_allocation = self.next_allocation.max(1);
-        control.next_generation = self.next_generation.max(1);
-        for (id, allocation) in &self.allocations {
-            control.next_allocation = control.next_allocation.max(id.0 + 1);
-            control.next_generation = control.next_generation.max(allocation.generation + 1);
-            control.allocations.insert(*id, allocation.clone());
-        }
-        control
+    fn restore(&self, config: ControlConfig, now: Time) -> Result<ControlPlane, RestoreError> {
+        let hot = |job: &Job| {
+            !job.state.is_final()
+                || job
+                    .finished
+                    .is_some_and(|t| now.millis_since(t) < config.retention_ms)
+        };
+        let jobs: Vec<Job> = self.jobs.values().filter(|j| hot(j)).cloned().collect();
+        let ids: BTreeSet<JobId> = jobs.iter().map(|j| j.id).collect();
+        let records = Records {
+            jobs,
+            allocations: self
+                .allocations
+                .values()
+                .filter(|a| ids.contains(&a.job))
+                .cloned()
+                .collect(),
+            nodes: self.nodes.values().cloned().collect(),
+            queues: Vec::new(),
+            counters: self.counters,
+        };
+        ControlPlane::restore(config, records, now)
     }
 }
 
@@ -339,7 +339,6 @@ struct Agent {
     /// Bumped at every crash: replies and wake-ups of an older incarnation
     /// are dropped.
     incarnation: u64,
-    epoch: u64,
     /// The lease file: survives agent restarts.
     lease_on_disk: Option<LeaseRecord>,
     /// The fence deadline the runtime enforces (the last one written).
@@ -400,8 +399,13 @@ struct World<'a> {
     /// Jobs whose node was lost, with when the fault began.
     lost_jobs: BTreeMap<JobId, u64>,
     healed: bool,
+    /// Why the server could not restart from its store, if it could not.
+    restore_failed: Option<String>,
     report: FaultReport,
 }
+
+/// How long finished jobs stay in the simulated server's hot state.
+const RETENTION_MS: u64 = 20_000;
 
 fn node_spec(index: usize, gpus: u32) -> NodeSpec {
     let name = format!("node-{index}");
@@ -433,7 +437,6 @@ impl<'a> World<'a> {
                     spec: node_spec(i, gpus),
                     core: None,
                     incarnation: 0,
-                    epoch: 0,
                     lease_on_disk: None,
                     fence_deadline: None,
                     records: BTreeMap::new(),
@@ -473,6 +476,9 @@ impl<'a> World<'a> {
             .collect();
         let control_config = ControlConfig {
             lease_ms: config.lease_ms,
+            // Short, so that retirement (and restoring without retired
+            // jobs) happens within a run.
+            retention_ms: RETENTION_MS,
             ..ControlConfig::default()
         };
         World {
@@ -497,6 +503,7 @@ impl<'a> World<'a> {
             attempt_of: BTreeMap::new(),
             lost_jobs: BTreeMap::new(),
             healed: false,
+            restore_failed: None,
             report: FaultReport {
                 seed,
                 ..FaultReport::default()
@@ -726,13 +733,14 @@ impl<'a> World<'a> {
             &mut self.rng,
         )
         .map_err(|error| self.fail(format!("the scheduler refused the cluster: {error}")))?;
-        let before = self.control.next_allocation;
+        let before = self.control.counters().next_allocation;
         let outputs = self.control.apply_outcome(now, &outcome);
         self.store.persist(&self.control, &outputs);
-        let created: Vec<(u64, JobId, u32, String)> = (before..self.control.next_allocation)
+        let created: Vec<(u64, JobId, u32, String)> = (before
+            ..self.control.counters().next_allocation)
             .filter_map(|id| {
-                let allocation = self.control.allocations.get(&AllocationId(id))?;
-                let job = self.control.jobs.get(&allocation.job)?;
+                let allocation = self.control.allocation(AllocationId(id))?;
+                let job = self.control.job(allocation.job)?;
                 Some((id, job.id, job.attempts, allocation.node.0.clone()))
             })
             .collect();
@@ -756,16 +764,14 @@ impl<'a> World<'a> {
         }
         let before: BTreeSet<NodeName> = self
             .control
-            .nodes
-            .values()
+            .nodes()
             .filter(|n| n.state == NodeState::Lost)
             .map(|n| n.spec.name.clone())
             .collect();
         let live: BTreeMap<AllocationId, (NodeName, JobId)> = self
             .control
-            .allocations
-            .values()
-            .filter(|a| a.state.holds_resources())
+            .nodes()
+            .flat_map(|n| self.control.live_allocations(&n.spec.name))
             .map(|a| (a.id, (a.node.clone(), a.job)))
             .collect();
         if let Err(error) = self.server_step(Input::Tick) {
@@ -778,8 +784,7 @@ impl<'a> World<'a> {
                 !before.contains(name)
                     && self
                         .control
-                        .nodes
-                        .get(name)
+                        .node(name)
                         .is_some_and(|n| n.state == NodeState::Lost)
             })
             .collect();
@@ -811,20 +816,10 @@ impl<'a> World<'a> {
     fn carry_out(&mut self, node: usize, outputs: Vec<AgentOutput<DesiredTask>>) {
         for output in outputs {
             match output {
-                AgentOutput::SendRegister {
-                    sequence, epoch, ..
-                } => {
-                    let what = format!("register {sequence} of node-{node} epoch {epoch}");
+                AgentOutput::SendRegister { sequence, .. } => {
+                    let what = format!("register {sequence} of node-{node}");
                     let spec = self.agents[node].spec.clone();
-                    self.send_to_server(
-                        node,
-                        what,
-                        Request::Register {
-                            sequence,
-                            epoch,
-                            spec,
-                        },
-                    );
+                    self.send_to_server(node, what, Request::Register { sequence, spec });
                 }
                 AgentOutput::SendHeartbeat {
                     sequence,
@@ -933,21 +928,17 @@ impl<'a> World<'a> {
         }
         let name = self.agents[node].spec.name.clone();
         let reply = match request {
-            Request::Register {
-                sequence,
-                epoch,
-                spec,
-            } => {
+            Request::Register { sequence, spec } => {
                 let input = Input::Register {
                     spec,
                     address: format!("10.0.0.{}", node + 1),
-                    epoch,
                     software: Software::default(),
                 };
                 match self.server_step(input) {
                     Ok(_) => {
+                        let epoch = self.control.node(&name).map_or(0, |n| n.epoch);
                         self.log(format!("server registers {name} epoch {epoch}"));
-                        Reply::Registered { sequence }
+                        Reply::Registered { sequence, epoch }
                     }
                     Err(error) => return Err(self.fail(format!("register refused: {error}"))),
                 }
@@ -966,8 +957,7 @@ impl<'a> World<'a> {
                     .unwrap_or(true);
                 let known = self
                     .control
-                    .nodes
-                    .get(&name)
+                    .node(&name)
                     .filter(|_| newer)
                     .map(|n| n.unhealthy_gpus.clone());
                 if known.is_some_and(|known| known != unhealthy) {
@@ -1012,7 +1002,7 @@ impl<'a> World<'a> {
             }
         };
         let sequence = match &reply {
-            Reply::Registered { sequence }
+            Reply::Registered { sequence, .. }
             | Reply::Desired { sequence, .. }
             | Reply::Refused { sequence } => *sequence,
         };
@@ -1040,8 +1030,9 @@ impl<'a> World<'a> {
         }
         let lease_ms = self.config.lease_ms;
         let input = match reply {
-            Reply::Registered { sequence } => AgentInput::Registered {
+            Reply::Registered { sequence, epoch } => AgentInput::Registered {
                 sequence,
+                epoch,
                 lease_ms,
                 heartbeat_ms: HEARTBEAT_MS,
             },
@@ -1319,7 +1310,6 @@ impl<'a> World<'a> {
         if agent.core.is_some() {
             return;
         }
-        agent.epoch = (agent.epoch + 1).max(now);
         agent.fault_since = None;
         let adopted: Vec<AdoptedTask> = agent
             .records
@@ -1337,12 +1327,10 @@ impl<'a> World<'a> {
         let config = CoreConfig {
             fence_margin_ms: self.config.fence_margin_ms,
         };
-        let (core, outputs) =
-            AgentCore::new(config, agent.epoch, now, agent.lease_on_disk, adopted);
+        let (core, outputs) = AgentCore::new(config, now, agent.lease_on_disk, adopted);
         agent.core = Some(core);
-        let epoch = agent.epoch;
         self.log(format!(
-            "agent of node-{node} starts: epoch {epoch}, {count} tasks recovered"
+            "agent of node-{node} starts: {count} tasks recovered"
         ));
         self.carry_out(node, outputs);
         let unhealthy = self.agents[node].unhealthy.clone();
@@ -1356,24 +1344,37 @@ impl<'a> World<'a> {
             return;
         }
         self.server_up = true;
-        self.control = self
+        match self
             .store
-            .restore(self.control.config.clone(), Time(self.now));
+            .restore(self.control.config().clone(), Time(self.now))
+        {
+            Ok(control) => self.control = control,
+            Err(error) => {
+                // Kept for `check`, which reports it.
+                self.restore_failed = Some(error.to_string());
+            }
+        }
         self.log(format!(
-            "server restarts from the store: {} jobs, {} allocations",
-            self.control.jobs.len(),
-            self.control.allocations.len()
+            "server restarts from the store: {} jobs",
+            self.control.job_count()
         ));
     }
 
     /// The properties that hold after every event.
     fn check(&self) -> Result<(), FaultFailure> {
+        if let Some(error) = &self.restore_failed {
+            return Err(self.fail(format!("the server cannot restart: {error}")));
+        }
         if self.server_up {
             self.control
                 .check_invariants()
                 .map_err(|problem| self.fail(format!("control-plane invariant: {problem}")))?;
             for &job in &self.acknowledged {
-                if !self.control.jobs.contains_key(&JobId(job as u64 + 1)) {
+                let id = JobId(job as u64 + 1);
+                // Hot, or retired (finished, and in the store).
+                let kept = self.control.job(id).is_some()
+                    || self.store.jobs.get(&id).is_some_and(|j| j.state.is_final());
+                if !kept {
                     return Err(self.fail(format!(
                         "acknowledged job {} is missing from the control plane",
                         job + 1
@@ -1429,14 +1430,13 @@ impl<'a> World<'a> {
         self.server_up
             && self.acknowledged.len() == self.workload.len()
             && self.processes.is_empty()
-            && self.control.jobs.values().all(|j| j.state.is_final())
+            && self.control.jobs().all(|j| j.state.is_final())
     }
 
     fn unfinished(&self) -> String {
         let jobs: Vec<String> = self
             .control
-            .jobs
-            .values()
+            .jobs()
             .filter(|j| !j.state.is_final())
             .map(|j| format!("job {} {}", j.id, j.state.name()))
             .collect();
@@ -1451,8 +1451,10 @@ impl<'a> World<'a> {
     }
 
     fn conclude(mut self) -> Result<FaultReport, FaultFailure> {
+        // Every job ever submitted, retired ones included, is in the store
+        // as the control plane last wrote it.
         let failed: Vec<String> = self
-            .control
+            .store
             .jobs
             .values()
             .filter(|j| j.state != JobState::Succeeded)
@@ -1470,7 +1472,7 @@ impl<'a> World<'a> {
         self.log("all jobs succeeded".to_string());
         self.report.hash = self.hash.0;
         self.report.finished_ms = self.now;
-        self.report.jobs_succeeded = self.control.jobs.len();
+        self.report.jobs_succeeded = self.store.jobs.len();
         Ok(self.report)
     }
 }
@@ -1478,8 +1480,7 @@ impl<'a> World<'a> {
 /// Counts an attempt once, at its rank-0 allocation.
 fn job_rank_zero(control: &ControlPlane, allocation: u64) -> bool {
     control
-        .allocations
-        .get(&AllocationId(allocation))
+        .allocation(AllocationId(allocation))
         .is_some_and(|a| a.rank == 0)
 }
 
