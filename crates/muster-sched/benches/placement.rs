@@ -207,12 +207,12 @@ fn main() {
     let nodes = if quick { 200 } else { 1_000 };
     let count = if quick { 2_000 } else { 10_000 };
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    let state = ClusterState::new(cluster(nodes, &mut rng)).expect("valid");
+    let mut state = ClusterState::new(cluster(nodes, &mut rng)).expect("valid");
     let jobs = pending(count, &shapes, &mut rng);
     let task_shapes: Vec<TaskShape> = jobs
         .iter()
         .filter(|job| job.tasks == 1)
-        .map(|job| job.request.shape(&state))
+        .map(|job| job.request.shape(&mut state))
         .collect();
     println!();
     println!(

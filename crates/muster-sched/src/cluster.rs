@@ -2,21 +2,60 @@
 //! resources, with GPU models, pools and racks interned to small integers.
 
 use muster_model::{GpuModel, GpuRequest, NodeName, NodeSpec, PoolName, RackName};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-/// Index of a node in [`ClusterState`]; nodes are ordered by name, so a
-/// smaller index is a smaller name (the tie-break every policy uses).
+/// Index of a node in [`ClusterState`]. Nodes are ordered by name, so a
+/// smaller index is a smaller name (the tie-break every policy uses). A node
+/// with GPUs of several models is several entries (sub-nodes, one per model,
+/// in the order of their first GPU): see [`ClusterState`].
 pub type NodeIndex = u32;
 
-/// A set of GPU models as a bit mask over [`ClusterState`]'s interned models.
+/// The model index of a node without GPUs (see [`NodeStatic::model`]).
+pub const NO_MODEL: u32 = u32::MAX;
+
+/// The most GPUs of one model on one node: a node's GPUs of one model are
+/// kept in 64-bit sets (`GpuPick`) and fixed 64-slot buffers on the hot path.
+pub const MAX_GPUS_PER_MODEL: usize = 64;
+
+/// The GPU models a task accepts, as an id into [`ClusterState`]'s table of
+/// model sets.
+///
+/// Why an id and not a bit mask over models: a cluster may have any number of
+/// distinct GPU models, but the requests of one cycle name few distinct *sets*
+/// of models. Each distinct set (sorted model indices, models the cluster
+/// lacks left out) is interned once by [`ClusterState::model_mask`], which
+/// also records in every node ([`NodeStatic::accepted_by`]) whether the set
+/// accepts the node's model. Checking a task against a node is then one bit
+/// test, as with the old 64-bit mask, and a `TaskShape` stays small, `Copy`
+/// and `Ord` (a map key in the placer). Ids are only meaningful for the
+/// cluster that interned them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ModelMask(pub u64);
+pub struct ModelMask(pub u32);
 
 impl ModelMask {
-    pub const ANY: ModelMask = ModelMask(u64::MAX);
+    /// Any model (an empty list in a request).
+    pub const ANY: ModelMask = ModelMask(u32::MAX);
+    /// No model the cluster has: fits nowhere.
+    pub const NONE: ModelMask = ModelMask(0);
+}
 
-    pub fn contains(self, model: u8) -> bool {
-        model < 64 && self.0 & (1 << model) != 0
+/// A set of small integers, one bit each.
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Bits(Vec<u64>);
+
+impl Bits {
+    pub fn insert(&mut self, value: u32) {
+        let word = value as usize / 64;
+        if self.0.len() <= word {
+            self.0.resize(word + 1, 0);
+        }
+        self.0[word] |= 1 << (value % 64);
+    }
+
+    pub fn contains(&self, value: u32) -> bool {
+        self.0
+            .get(value as usize / 64)
+            .is_some_and(|word| word & (1 << (value % 64)) != 0)
     }
 }
 
@@ -76,23 +115,45 @@ impl FilterReason {
     }
 }
 
-/// A node's static description, interned.
+/// A node's static description, interned. For a node with GPUs of several
+/// models this is one sub-node: the GPUs of one model and a share of the
+/// node's CPU and memory (see [`ClusterState`]).
 #[derive(Debug, Clone)]
 pub struct NodeStatic {
+    /// The real node's name (shared by its sub-nodes).
     pub name: NodeName,
+    /// The real node: sub-nodes of one node have the same value, and
+    /// different nodes different values (counting up in name order).
+    pub real: u32,
     pub pool: u16,
     pub rack: u16,
-    /// Interned GPU model; `u8::MAX` for a node without GPUs.
-    pub model: u8,
+    /// Interned GPU model; [`NO_MODEL`] for a node without GPUs.
+    pub model: u32,
+    /// The interned model sets ([`ModelMask`] ids) that accept `model`.
+    pub accepted_by: Bits,
     pub gpu_memory_mib: u64,
     pub cpu_milli: u64,
     pub memory_mib: u64,
+    /// The real node's index of each GPU (positions here are local).
+    pub gpu_index: Vec<u32>,
     /// NVLink domain of each GPU.
     pub nvlink_domain: Vec<u32>,
     pub cordoned: bool,
     pub healthy: bool,
     /// Per GPU: false when the GPU is out of service.
     pub gpu_healthy: Vec<bool>,
+}
+
+impl NodeStatic {
+    /// Whether a task accepting `models` may use this node's GPUs (never for
+    /// a node without GPUs).
+    pub fn accepts(&self, models: ModelMask) -> bool {
+        if models == ModelMask::ANY {
+            self.model != NO_MODEL
+        } else {
+            self.accepted_by.contains(models.0)
+        }
+    }
 }
 
 /// A node's free resources.
@@ -117,7 +178,7 @@ impl NodeFree {
 /// See [`ClusterState::state_key`].
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct NodeStateKey {
-    model: u8,
+    model: u32,
     cpu_milli: u64,
     memory_mib: u64,
     nvlink_domain: Vec<u32>,
@@ -141,28 +202,63 @@ pub struct TaskPlacement {
     pub memory_mib: u64,
 }
 
-/// Error building a cluster from node specs.
+/// Why the engine leaves a node out of a cycle (see
+/// [`ClusterState::excluded_nodes`]); building a cluster never fails.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClusterError {
+    /// A second node with the name of an earlier one (the first is kept).
     DuplicateNode(NodeName),
-    TooManyGpuModels,
-    TooManyGpus(NodeName),
-    MixedGpuModels(NodeName),
+    /// More than [`MAX_GPUS_PER_MODEL`] GPUs of one model on the node.
+    TooManyGpus {
+        node: NodeName,
+        model: GpuModel,
+        count: usize,
+        /// Whether the node has GPUs of other models too.
+        mixed: bool,
+    },
+    /// GPU indices are not 0, 1, ... in the order listed.
+    GpuIndices {
+        node: NodeName,
+        position: usize,
+        index: u32,
+    },
 }
 
 impl std::fmt::Display for ClusterError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ClusterError::DuplicateNode(name) => write!(f, "node {name} appears twice"),
-            ClusterError::TooManyGpuModels => {
-                write!(f, "more than 63 distinct GPU models in one cluster")
-            }
-            ClusterError::TooManyGpus(name) => {
-                write!(f, "node {name} has more than 64 GPUs")
-            }
-            ClusterError::MixedGpuModels(name) => write!(
+            ClusterError::DuplicateNode(name) => write!(
                 f,
-                "node {name} mixes GPU models; split it into one node per model"
+                "node {name} appears more than once; the scheduler takes the first"
+            ),
+            ClusterError::TooManyGpus {
+                node,
+                count,
+                mixed: false,
+                ..
+            } => write!(
+                f,
+                "node {node} has {count} GPUs; the scheduler takes at most \
+                 {MAX_GPUS_PER_MODEL} per node"
+            ),
+            ClusterError::TooManyGpus {
+                node,
+                model,
+                count,
+                mixed: true,
+            } => write!(
+                f,
+                "node {node} has {count} {model} GPUs; the scheduler takes at most \
+                 {MAX_GPUS_PER_MODEL} of one model per node"
+            ),
+            ClusterError::GpuIndices {
+                node,
+                position,
+                index,
+            } => write!(
+                f,
+                "node {node} lists GPU index {index} at position {position}; GPUs must be \
+                 listed by index from 0 without gaps"
             ),
         }
     }
@@ -170,7 +266,22 @@ impl std::fmt::Display for ClusterError {
 
 impl std::error::Error for ClusterError {}
 
-/// Static shapes and free resources of every node.
+/// Static shapes and free resources of every node, as the engine sees them.
+///
+/// Nodes the engine cannot take are left out, with the reason, in
+/// [`ClusterState::excluded_nodes`]: a duplicate name (the first node is kept),
+/// more than [`MAX_GPUS_PER_MODEL`] GPUs of one model, GPU indices that are
+/// not 0, 1, ... in order. Building never fails.
+///
+/// A node with GPUs of several models is presented as one sub-node per model
+/// (in the order of each model's first GPU), each with that model's GPUs
+/// ([`NodeStatic::gpu_index`] maps them back to the node's GPU indices) and a
+/// share of the node's CPU and memory in proportion to its GPU count; the
+/// rounding remainder goes to the first sub-node, so nothing is lost. The
+/// restriction: one task on such a node gets at most its model's share of
+/// the node's CPU and memory. Sub-nodes share the node's name, pool, rack,
+/// cordon and health; a gang never gets two of them (one task per real node,
+/// see [`NodeStatic::real`]).
 #[derive(Debug, Clone)]
 pub struct ClusterState {
     pub nodes: Vec<NodeStatic>,
@@ -178,7 +289,14 @@ pub struct ClusterState {
     pub models: Vec<GpuModel>,
     pub pools: Vec<PoolName>,
     pub racks: Vec<RackName>,
-    by_name: BTreeMap<NodeName, NodeIndex>,
+    /// Nodes left out of the cycle, in name order, with the reason in words.
+    pub excluded_nodes: Vec<(NodeName, String)>,
+    /// Each real node's first sub-node and how many it has.
+    by_name: BTreeMap<NodeName, (NodeIndex, u32)>,
+    model_map: BTreeMap<GpuModel, u32>,
+    /// Interned model sets, by [`ModelMask`] id (id 0: the empty set).
+    model_sets: Vec<Vec<u32>>,
+    model_set_ids: BTreeMap<Vec<u32>, u32>,
 }
 
 /// A node spec together with whether it may take new work.
@@ -212,8 +330,25 @@ fn intern<T: Ord + Clone>(list: &mut Vec<T>, map: &mut BTreeMap<T, u16>, value: 
     index
 }
 
+/// `total` split in proportion to `weights` (rounded down), the remainder
+/// added to the first part.
+fn split_proportionally(total: u64, weights: &[usize]) -> Vec<u64> {
+    let sum: u128 = weights.iter().map(|&w| w as u128).sum();
+    let mut parts: Vec<u64> = weights
+        .iter()
+        .map(|&w| (u128::from(total) * w as u128 / sum.max(1)) as u64)
+        .collect();
+    let given: u64 = parts.iter().sum();
+    if let Some(first) = parts.first_mut() {
+        *first += total - given;
+    }
+    parts
+}
+
 impl ClusterState {
     /// Builds the cluster with every node empty. Nodes are sorted by name.
+    /// Never fails: nodes the engine cannot take are in
+    /// [`ClusterState::excluded_nodes`] (the `Result` is kept for callers).
     pub fn new(inputs: Vec<NodeInput>) -> Result<Self, ClusterError> {
         Self::from_inputs(&inputs)
     }
@@ -221,79 +356,159 @@ impl ClusterState {
     /// [`ClusterState::new`] without taking (or copying) the inputs: a
     /// scheduling cycle builds its cluster from the snapshot's nodes.
     pub fn from_inputs(inputs: &[NodeInput]) -> Result<Self, ClusterError> {
+        Ok(Self::build(inputs))
+    }
+
+    /// Builds the cluster, leaving out (with a reason) the nodes the engine
+    /// cannot take.
+    pub fn build(inputs: &[NodeInput]) -> Self {
         let mut inputs: Vec<&NodeInput> = inputs.iter().collect();
-        // Snapshots usually come sorted already (the check is cheaper).
+        // Snapshots usually come sorted already (the check is cheaper). The
+        // sort is stable: of two nodes with one name, the first listed stays.
         if !inputs.is_sorted_by(|a, b| a.spec.name <= b.spec.name) {
             inputs.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
         }
-        let mut models = Vec::new();
-        let mut model_map = BTreeMap::new();
-        let mut pools = Vec::new();
+        let mut cluster = ClusterState {
+            nodes: Vec::with_capacity(inputs.len()),
+            free: Vec::with_capacity(inputs.len()),
+            models: Vec::new(),
+            pools: Vec::new(),
+            racks: Vec::new(),
+            excluded_nodes: Vec::new(),
+            by_name: BTreeMap::new(),
+            model_map: BTreeMap::new(),
+            model_sets: vec![Vec::new()],
+            model_set_ids: BTreeMap::from([(Vec::new(), 0)]),
+        };
         let mut pool_map = BTreeMap::new();
-        let mut racks = Vec::new();
         let mut rack_map = BTreeMap::new();
-        let mut by_name = BTreeMap::new();
-        let mut nodes = Vec::with_capacity(inputs.len());
-        let mut free = Vec::with_capacity(inputs.len());
-        for (index, input) in inputs.iter().enumerate() {
+        let mut real = 0u32;
+        let mut seen: BTreeSet<&NodeName> = BTreeSet::new();
+        for input in inputs {
             let spec = &input.spec;
-            if by_name
-                .insert(spec.name.clone(), index as NodeIndex)
-                .is_some()
-            {
-                return Err(ClusterError::DuplicateNode(spec.name.clone()));
+            // Of two nodes with one name the first decides, taken or not.
+            if !seen.insert(&spec.name) {
+                cluster.exclude(ClusterError::DuplicateNode(spec.name.clone()));
+                continue;
             }
-            if spec.gpus.len() > 64 {
-                return Err(ClusterError::TooManyGpus(spec.name.clone()));
-            }
-            let model = match spec.gpu_model() {
-                None => u8::MAX,
-                Some(model) => {
-                    if spec.gpus.iter().any(|gpu| &gpu.model != model) {
-                        return Err(ClusterError::MixedGpuModels(spec.name.clone()));
-                    }
-                    let interned = intern(&mut models, &mut model_map, model);
-                    if interned >= 63 {
-                        return Err(ClusterError::TooManyGpuModels);
-                    }
-                    interned as u8
-                }
-            };
-            let gpu_healthy: Vec<bool> = spec
+            if let Some((position, gpu)) = spec
                 .gpus
                 .iter()
-                .map(|gpu| !input.unhealthy_gpus.contains(&gpu.index))
-                .collect();
-            nodes.push(NodeStatic {
-                name: spec.name.clone(),
-                pool: intern(&mut pools, &mut pool_map, &spec.pool),
-                rack: intern(&mut racks, &mut rack_map, &spec.rack),
-                model,
-                gpu_memory_mib: spec.gpus.iter().map(|gpu| gpu.memory.0).min().unwrap_or(0),
-                cpu_milli: spec.cpu.0,
-                memory_mib: spec.memory.0,
-                nvlink_domain: spec.gpus.iter().map(|gpu| gpu.nvlink_domain).collect(),
-                cordoned: input.cordoned,
-                healthy: input.healthy,
-                gpu_healthy: gpu_healthy.clone(),
-            });
-            free.push(NodeFree {
-                gpu: gpu_healthy
+                .enumerate()
+                .find(|(position, gpu)| gpu.index as usize != *position)
+            {
+                cluster.exclude(ClusterError::GpuIndices {
+                    node: spec.name.clone(),
+                    position,
+                    index: gpu.index,
+                });
+                continue;
+            }
+            // GPU positions per model, models in the order of their first GPU.
+            let mut groups: Vec<(&GpuModel, Vec<usize>)> = Vec::new();
+            for (position, gpu) in spec.gpus.iter().enumerate() {
+                match groups.iter_mut().find(|(model, _)| *model == &gpu.model) {
+                    Some((_, positions)) => positions.push(position),
+                    None => groups.push((&gpu.model, vec![position])),
+                }
+            }
+            if let Some((model, positions)) = groups
+                .iter()
+                .find(|(_, positions)| positions.len() > MAX_GPUS_PER_MODEL)
+            {
+                cluster.exclude(ClusterError::TooManyGpus {
+                    node: spec.name.clone(),
+                    model: (*model).clone(),
+                    count: if groups.len() == 1 {
+                        spec.gpus.len()
+                    } else {
+                        positions.len()
+                    },
+                    mixed: groups.len() > 1,
+                });
+                continue;
+            }
+            let pool = intern(&mut cluster.pools, &mut pool_map, &spec.pool);
+            let rack = intern(&mut cluster.racks, &mut rack_map, &spec.rack);
+            let weights: Vec<usize> = if groups.is_empty() {
+                vec![1]
+            } else {
+                groups
                     .iter()
-                    .map(|&ok| if ok { 1000 } else { 0 })
-                    .collect(),
-                cpu_milli: spec.cpu.0,
-                memory_mib: spec.memory.0,
-            });
+                    .map(|(_, positions)| positions.len())
+                    .collect()
+            };
+            let cpu = split_proportionally(spec.cpu.0, &weights);
+            let memory = split_proportionally(spec.memory.0, &weights);
+            let first = cluster.nodes.len() as NodeIndex;
+            cluster
+                .by_name
+                .insert(spec.name.clone(), (first, weights.len() as u32));
+            for part in 0..weights.len() {
+                let (model, positions): (u32, Vec<usize>) = match groups.get(part) {
+                    None => (NO_MODEL, Vec::new()),
+                    Some((model, positions)) => (cluster.intern_model(model), positions.clone()),
+                };
+                let gpus: Vec<&muster_model::GpuSpec> =
+                    positions.iter().map(|&p| &spec.gpus[p]).collect();
+                let gpu_healthy: Vec<bool> = gpus
+                    .iter()
+                    .map(|gpu| !input.unhealthy_gpus.contains(&gpu.index))
+                    .collect();
+                let mut accepted_by = Bits::default();
+                if model != NO_MODEL {
+                    for (id, set) in cluster.model_sets.iter().enumerate() {
+                        if set.binary_search(&model).is_ok() {
+                            accepted_by.insert(id as u32);
+                        }
+                    }
+                }
+                cluster.free.push(NodeFree {
+                    gpu: gpu_healthy
+                        .iter()
+                        .map(|&ok| if ok { 1000 } else { 0 })
+                        .collect(),
+                    cpu_milli: cpu[part],
+                    memory_mib: memory[part],
+                });
+                cluster.nodes.push(NodeStatic {
+                    name: spec.name.clone(),
+                    real,
+                    pool,
+                    rack,
+                    model,
+                    accepted_by,
+                    gpu_memory_mib: gpus.iter().map(|gpu| gpu.memory.0).min().unwrap_or(0),
+                    cpu_milli: cpu[part],
+                    memory_mib: memory[part],
+                    gpu_index: gpus.iter().map(|gpu| gpu.index).collect(),
+                    nvlink_domain: gpus.iter().map(|gpu| gpu.nvlink_domain).collect(),
+                    cordoned: input.cordoned,
+                    healthy: input.healthy,
+                    gpu_healthy,
+                });
+            }
+            real += 1;
         }
-        Ok(ClusterState {
-            nodes,
-            free,
-            models,
-            pools,
-            racks,
-            by_name,
-        })
+        cluster
+    }
+
+    fn exclude(&mut self, why: ClusterError) {
+        let name = match &why {
+            ClusterError::DuplicateNode(name) => name,
+            ClusterError::TooManyGpus { node, .. } | ClusterError::GpuIndices { node, .. } => node,
+        };
+        self.excluded_nodes.push((name.clone(), why.to_string()));
+    }
+
+    fn intern_model(&mut self, model: &GpuModel) -> u32 {
+        if let Some(&index) = self.model_map.get(model) {
+            return index;
+        }
+        let index = self.models.len() as u32;
+        self.models.push(model.clone());
+        self.model_map.insert(model.clone(), index);
+        index
     }
 
     pub fn len(&self) -> usize {
@@ -304,15 +519,27 @@ impl ClusterState {
         self.nodes.is_empty()
     }
 
+    /// The node's first sub-node (its only one unless it mixes GPU models).
     pub fn node_index(&self, name: &NodeName) -> Option<NodeIndex> {
-        self.by_name.get(name).copied()
+        self.by_name.get(name).map(|&(first, _)| first)
     }
 
-    pub fn model_index(&self, model: &GpuModel) -> Option<u8> {
-        self.models
-            .iter()
-            .position(|known| known == model)
-            .map(|index| index as u8)
+    /// The node's sub-nodes (one unless it mixes GPU models); empty for a
+    /// node the cluster does not have or left out.
+    pub fn sub_nodes(&self, name: &NodeName) -> std::ops::Range<NodeIndex> {
+        match self.by_name.get(name) {
+            Some(&(first, count)) => first..first + count,
+            None => 0..0,
+        }
+    }
+
+    /// How many real nodes the cluster holds (sub-nodes counted once).
+    pub fn real_len(&self) -> usize {
+        self.by_name.len()
+    }
+
+    pub fn model_index(&self, model: &GpuModel) -> Option<u32> {
+        self.model_map.get(model).copied()
     }
 
     pub fn pool_index(&self, pool: &PoolName) -> Option<u16> {
@@ -322,19 +549,38 @@ impl ClusterState {
             .map(|index| index as u16)
     }
 
-    /// A mask of the given models; models the cluster does not have are left
-    /// out (so a job asking only for those fits nowhere). Empty means any.
-    pub fn model_mask(&self, models: &[GpuModel]) -> ModelMask {
+    /// The set of the given models, interned (see [`ModelMask`]); models the
+    /// cluster does not have are left out (so a job asking only for those
+    /// fits nowhere). Empty means any.
+    pub fn model_mask(&mut self, models: &[GpuModel]) -> ModelMask {
         if models.is_empty() {
             return ModelMask::ANY;
         }
-        let mut mask = 0u64;
-        for model in models {
-            if let Some(index) = self.model_index(model) {
-                mask |= 1 << index;
+        let mut set: Vec<u32> = models
+            .iter()
+            .filter_map(|model| self.model_index(model))
+            .collect();
+        set.sort_unstable();
+        set.dedup();
+        if let Some(&id) = self.model_set_ids.get(&set) {
+            return ModelMask(id);
+        }
+        let id = self.model_sets.len() as u32;
+        for node in &mut self.nodes {
+            if node.model != NO_MODEL && set.binary_search(&node.model).is_ok() {
+                node.accepted_by.insert(id);
             }
         }
-        ModelMask(mask)
+        self.model_set_ids.insert(set.clone(), id);
+        self.model_sets.push(set);
+        ModelMask(id)
+    }
+
+    /// The models of an interned set (`None` for [`ModelMask::ANY`] or an id
+    /// this cluster did not intern).
+    pub fn models_of(&self, mask: ModelMask) -> Option<Vec<&GpuModel>> {
+        let set = self.model_sets.get(mask.0 as usize)?;
+        Some(set.iter().map(|&m| &self.models[m as usize]).collect())
     }
 
     /// Total GPU capacity of healthy GPUs, in thousandths.
@@ -368,7 +614,7 @@ impl ClusterState {
         }
         let gpus = shape.gpu_count();
         if gpus > 0 {
-            if !shape.models.contains(info.model) {
+            if !info.accepts(shape.models) {
                 return Some(FilterReason::GpuModel);
             }
             if info.gpu_memory_mib < shape.min_gpu_memory_mib {

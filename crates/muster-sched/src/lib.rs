@@ -12,8 +12,8 @@ pub mod placer;
 pub mod policy;
 
 pub use cluster::{
-    ClusterError, ClusterState, FilterReason, GpuGrant, ModelMask, NodeFree, NodeIndex, NodeInput,
-    NodeStatic, TaskPlacement, TaskShape,
+    Bits, ClusterError, ClusterState, FilterReason, GpuGrant, MAX_GPUS_PER_MODEL, ModelMask,
+    NO_MODEL, NodeFree, NodeIndex, NodeInput, NodeStatic, TaskPlacement, TaskShape,
 };
 pub use placer::{FilterCounts, GangFailure, Placer, best_node_by_scan};
 pub use policy::{PlacementPolicy, Scale, Scorer, TypicalShape, TypicalWorkload, UnknownPolicy};

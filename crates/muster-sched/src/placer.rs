@@ -421,7 +421,13 @@ impl Placer {
                 }),
             };
         }
-        let ranked = self.ranked_nodes(shape, excluded, rng);
+        let mut ranked = self.ranked_nodes(shape, excluded, rng);
+        if self.cluster.len() != self.cluster.real_len() {
+            // One task per real node: of a node's sub-nodes, only the best
+            // ranked one stays a candidate.
+            let mut seen = std::collections::BTreeSet::new();
+            ranked.retain(|&node| seen.insert(self.cluster.nodes[node as usize].real));
+        }
         if ranked.len() < needed {
             return Err(GangFailure::TooFewNodes {
                 feasible: ranked.len() as u32,
@@ -492,21 +498,32 @@ impl Placer {
         self.node_changed(placement.node);
     }
 
-    /// For each node, the first filter it fails for `shape`.
+    /// For each node, the first filter it fails for `shape`. Filters count
+    /// sub-nodes (a node mixing GPU models is one per model); `feasible` and
+    /// `could_ever_fit` count real nodes, as a gang takes one task per node.
     pub fn diagnose(
         &self,
         shape: &TaskShape,
         reserved: &dyn Fn(NodeIndex) -> bool,
     ) -> FilterCounts {
         let mut counts = FilterCounts::default();
+        // Sub-nodes of one node are adjacent: count a real node once.
+        let mut last_could = None;
+        let mut last_feasible = None;
         for node in 0..self.cluster.len() as NodeIndex {
-            if self.cluster.could_ever_fit(node, shape) {
+            let real = Some(self.cluster.nodes[node as usize].real);
+            if last_could != real && self.cluster.could_ever_fit(node, shape) {
                 counts.could_ever_fit += 1;
+                last_could = real;
             }
             match self.cluster.filter(node, shape) {
                 Some(reason) => *counts.rejected.entry(reason).or_default() += 1,
                 None if reserved(node) => counts.reserved += 1,
-                None => counts.feasible += 1,
+                None if last_feasible != real => {
+                    counts.feasible += 1;
+                    last_feasible = real;
+                }
+                None => {}
             }
         }
         counts

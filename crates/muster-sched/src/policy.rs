@@ -141,7 +141,7 @@ pub struct TypicalWorkload {
 struct ShapeColumns {
     cpu_milli: Vec<u64>,
     memory_mib: Vec<u64>,
-    models: Vec<u64>,
+    models: Vec<ModelMask>,
     weight: Vec<f64>,
     request: Vec<usize>,
 }
@@ -164,7 +164,7 @@ impl TypicalWorkload {
         let columns = ShapeColumns {
             cpu_milli: shapes.iter().map(|s| s.cpu_milli).collect(),
             memory_mib: shapes.iter().map(|s| s.memory_mib).collect(),
-            models: shapes.iter().map(|s| s.models.0).collect(),
+            models: shapes.iter().map(|s| s.models).collect(),
             weight: shapes.iter().map(|s| s.weight).collect(),
             request: request_of,
         };
@@ -241,14 +241,15 @@ impl TypicalWorkload {
     /// all idle GPU capacity.
     pub fn fragmentation(&self, node: &NodeStatic, free: &[u16], cpu: u64, memory: u64) -> f64 {
         let mut profile = GpuProfile::default();
-        self.profile_into(free, node.model, &mut profile);
-        self.fragmentation_with(&profile, node.model, cpu, memory)
+        self.profile_into(free, node, &mut profile);
+        self.fragmentation_with(&profile, node, cpu, memory)
     }
 
     /// The GPU side of [`TypicalWorkload::fragmentation`]: idle capacity, and
     /// the fragment each distinct typical GPU request sees if its CPU, memory
     /// and model fit. Shared by every shape that leaves the GPUs alike.
-    pub fn profile_into(&self, free: &[u16], model: u8, profile: &mut GpuProfile) {
+    /// `node` gives the model (its free GPUs are `free`).
+    pub fn profile_into(&self, free: &[u16], node: &NodeStatic, profile: &mut GpuProfile) {
         let mut sorted = [0u16; 64];
         let count = free.len().min(64);
         sorted[..count].copy_from_slice(&free[..count]);
@@ -283,13 +284,12 @@ impl TypicalWorkload {
                 }
             }));
         // What the shapes that fit save, cumulated in CPU order.
-        let model_bit = if model < 64 { 1u64 << model } else { 0 };
-        profile.model = model;
+        profile.model = node.model;
         profile.saved.clear();
         profile.saved.push(0.0);
         let mut saved = 0.0;
         for &j in &self.by_cpu {
-            if self.columns.models[j] & model_bit != 0 {
+            if node.accepts(self.columns.models[j]) {
                 let frag = profile.fragment[self.columns.request[j]];
                 saved += self.columns.weight[j] * (idle - frag) as f64;
             }
@@ -297,12 +297,12 @@ impl TypicalWorkload {
         }
     }
 
-    /// Fragmentation of a node whose GPUs have `profile`, with `cpu` and
+    /// Fragmentation of `node` if its GPUs had `profile`, with `cpu` and
     /// `memory` free.
     pub fn fragmentation_with(
         &self,
         profile: &GpuProfile,
-        model: u8,
+        node: &NodeStatic,
         cpu: u64,
         memory: u64,
     ) -> f64 {
@@ -310,17 +310,15 @@ impl TypicalWorkload {
             return 0.0;
         }
         let idle = profile.idle;
-        if self.memory_free && profile.model == model {
+        if self.memory_free && profile.model == node.model {
             let fitting = self.sorted_cpu.partition_point(|&c| c <= cpu);
             return idle as f64 * self.total_weight - profile.saved[fitting];
         }
-        let model_bit = if model < 64 { 1u64 << model } else { 0 };
         let columns = &self.columns;
         let mut total = 0.0;
         for j in 0..columns.weight.len() {
-            let fits = (columns.cpu_milli[j] <= cpu)
-                & (columns.memory_mib[j] <= memory)
-                & (columns.models[j] & model_bit != 0);
+            let fits = (columns.cpu_milli[j] <= cpu) & (columns.memory_mib[j] <= memory)
+                && node.accepts(columns.models[j]);
             let frag = if fits {
                 profile.fragment[columns.request[j]]
             } else {
@@ -337,7 +335,7 @@ impl TypicalWorkload {
 pub struct GpuProfile {
     idle: u64,
     fragment: Vec<u64>,
-    model: u8,
+    model: u32,
     /// `saved[k]`: the weighted fragment the first `k` shapes by CPU avoid
     /// (those of the profile's model), against counting all idle capacity.
     saved: Vec<f64>,
@@ -362,7 +360,7 @@ impl ProfileCache {
         &mut self,
         workload: &TypicalWorkload,
         free: &[u16],
-        model: u8,
+        node: &NodeStatic,
         per_gpu: u16,
         pick: GpuPick,
     ) -> &GpuProfile {
@@ -375,7 +373,7 @@ impl ProfileCache {
         after.copy_from_slice(&free[..after.len()]);
         apply_pick(after, pick, per_gpu);
         let mut profile = self.spare.pop().unwrap_or_default();
-        workload.profile_into(after, model, &mut profile);
+        workload.profile_into(after, node, &mut profile);
         self.entries.push((key, profile));
         &self.entries[self.entries.len() - 1].1
     }
@@ -674,19 +672,11 @@ impl Scorer {
                     if slot < need || free.gpu[..index].contains(&slot) {
                         continue;
                     }
-                    let profile = cache.get_or_compute(
-                        &self.workload,
-                        &free.gpu,
-                        info.model,
-                        need,
-                        1 << index,
-                    );
-                    let frag = self.workload.fragmentation_with(
-                        profile,
-                        info.model,
-                        cpu_after,
-                        memory_after,
-                    );
+                    let profile =
+                        cache.get_or_compute(&self.workload, &free.gpu, info, need, 1 << index);
+                    let frag =
+                        self.workload
+                            .fragmentation_with(profile, info, cpu_after, memory_after);
                     // Integer levels, as for nodes: ties go to the
                     // lowest-numbered GPU.
                     let level = sigmoid_level(before - frag);
@@ -702,11 +692,10 @@ impl Scorer {
             }
             GpuRequest::Whole(count) => {
                 let pick = pick_whole_gpus(info, &free.gpu, count).unwrap_or_default();
-                let profile =
-                    cache.get_or_compute(&self.workload, &free.gpu, info.model, 1000, pick);
+                let profile = cache.get_or_compute(&self.workload, &free.gpu, info, 1000, pick);
                 let after =
                     self.workload
-                        .fragmentation_with(profile, info.model, cpu_after, memory_after);
+                        .fragmentation_with(profile, info, cpu_after, memory_after);
                 Evaluation {
                     level: sigmoid_level(before - after),
                     pick,
@@ -779,12 +768,15 @@ mod tests {
     fn node(gpus: usize) -> NodeStatic {
         NodeStatic {
             name: muster_model::NodeName::from("n"),
+            real: 0,
             pool: 0,
             rack: 0,
             model: 0,
+            accepted_by: crate::cluster::Bits::default(),
             gpu_memory_mib: 80 * 1024,
             cpu_milli: 64_000,
             memory_mib: 1 << 20,
+            gpu_index: (0..gpus as u32).collect(),
             nvlink_domain: vec![0; gpus],
             cordoned: false,
             healthy: true,
@@ -837,7 +829,8 @@ mod tests {
         .enumerate()
         {
             let mut typical = shape(gpus, 2_000 * (i as u64 % 4), 0.1 + i as f64 / 50.0);
-            typical.models = ModelMask(if i == 3 { 0b10 } else { u64::MAX });
+            // Set 1 holds model 1 only.
+            typical.models = if i == 3 { ModelMask(1) } else { ModelMask::ANY };
             shapes.push(typical);
         }
         let fast = TypicalWorkload::new(shapes);
@@ -850,9 +843,12 @@ mod tests {
             vec![0, 0, 0, 0],
         ] {
             for cpu in [0, 1_000, 2_000, 3_999, 4_000, 6_000, 64_000] {
-                for model in [0u8, 1] {
+                for model in [0u32, 1] {
                     let mut info = node(4);
                     info.model = model;
+                    if model == 1 {
+                        info.accepted_by.insert(1);
+                    }
                     let a = fast.fragmentation(&info, &free, cpu, 1 << 20);
                     let b = slow.fragmentation(&info, &free, cpu, 1 << 20);
                     assert!(

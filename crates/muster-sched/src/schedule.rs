@@ -34,8 +34,9 @@ impl TaskRequest {
         }
     }
 
-    /// The request with names interned against `cluster`.
-    pub fn shape(&self, cluster: &ClusterState) -> TaskShape {
+    /// The request with names interned against `cluster` (a set of GPU
+    /// models new to the cluster is added to its table).
+    pub fn shape(&self, cluster: &mut ClusterState) -> TaskShape {
         TaskShape {
             gpus: self.gpus,
             cpu_milli: self.cpu.0,
@@ -265,6 +266,11 @@ pub struct Outcome {
     pub pending: BTreeMap<JobId, PendingReason>,
     /// Pending jobs in the order the cycle considered them.
     pub order: Vec<JobId>,
+    /// Nodes of the snapshot the engine left out of this cycle (nothing is
+    /// placed there; their running jobs hold nothing the cycle sees), in name
+    /// order, each with the reason in words, e.g. "node gpu-9 has 65 GPUs;
+    /// the scheduler takes at most 64 per node". See [`ClusterState::excluded_nodes`].
+    pub excluded_nodes: Vec<(NodeName, String)>,
 }
 
 /// A running job as the cycle tracks it.
@@ -321,27 +327,115 @@ impl QueueState {
     }
 }
 
-fn to_placement(cluster: &ClusterState, allocation: &Allocation) -> Option<TaskPlacement> {
-    let node = cluster.node_index(&allocation.node)?;
-    Some(TaskPlacement {
-        node,
-        gpus: allocation
-            .gpus
+/// A running task's allocation as placements on the cluster's sub-nodes:
+/// each GPU goes to the sub-node holding it (GPU indices the node lacks are
+/// dropped); CPU and memory go first to the sub-nodes of its GPUs, then (for
+/// a CPU-only task first) to a sub-node with room for all that is left, then
+/// spill over the others in order, so a node is never counted with more free
+/// than it has. Empty for a node the cluster does not have or left out.
+fn to_placements(cluster: &ClusterState, allocation: &Allocation) -> Vec<TaskPlacement> {
+    let subs = cluster.sub_nodes(&allocation.node);
+    if subs.len() == 1 {
+        // The common case: the node is one sub-node, GPU index = position.
+        let node = subs.start;
+        let count = cluster.nodes[node as usize].gpu_index.len() as u32;
+        return vec![TaskPlacement {
+            node,
+            gpus: allocation
+                .gpus
+                .iter()
+                .filter(|&&(index, _)| index < count)
+                .map(|&(index, milli)| crate::cluster::GpuGrant { index, milli })
+                .collect(),
+            cpu_milli: allocation.cpu.0,
+            memory_mib: allocation.memory.0,
+        }];
+    }
+    let mut parts: Vec<TaskPlacement> = Vec::new();
+    for &(index, milli) in &allocation.gpus {
+        let found = subs.clone().find_map(|node| {
+            let info = &cluster.nodes[node as usize];
+            let local = info.gpu_index.iter().position(|&real| real == index)?;
+            Some((node, local as u32))
+        });
+        let Some((node, local)) = found else { continue };
+        let grant = crate::cluster::GpuGrant {
+            index: local,
+            milli,
+        };
+        match parts.iter_mut().find(|part| part.node == node) {
+            Some(part) => part.gpus.push(grant),
+            None => parts.push(TaskPlacement {
+                node,
+                gpus: vec![grant],
+                cpu_milli: 0,
+                memory_mib: 0,
+            }),
+        }
+    }
+    let (cpu, memory) = (allocation.cpu.0, allocation.memory.0);
+    let mut order: Vec<NodeIndex> = parts.iter().map(|part| part.node).collect();
+    if order.is_empty()
+        && let Some(roomy) = subs.clone().find(|&node| {
+            let free = &cluster.free[node as usize];
+            free.cpu_milli >= cpu && free.memory_mib >= memory
+        })
+    {
+        order.push(roomy);
+    }
+    let rest: Vec<NodeIndex> = subs.clone().filter(|node| !order.contains(node)).collect();
+    order.extend(rest);
+    let spill = |total: u64, free_of: &dyn Fn(NodeIndex) -> u64| -> Vec<u64> {
+        let mut left = total;
+        let mut taken: Vec<u64> = order
             .iter()
-            .map(|&(index, milli)| crate::cluster::GpuGrant { index, milli })
-            .collect(),
-        cpu_milli: allocation.cpu.0,
-        memory_mib: allocation.memory.0,
-    })
+            .map(|&node| {
+                let take = left.min(free_of(node));
+                left -= take;
+                take
+            })
+            .collect();
+        // More than the node has free: count the rest on the first.
+        taken[0] += left;
+        taken
+    };
+    let cpu_taken = spill(cpu, &|node| cluster.free[node as usize].cpu_milli);
+    let memory_taken = spill(memory, &|node| cluster.free[node as usize].memory_mib);
+    for (position, &node) in order.iter().enumerate() {
+        let (cpu_milli, memory_mib) = (cpu_taken[position], memory_taken[position]);
+        match parts.iter_mut().find(|part| part.node == node) {
+            Some(part) => {
+                part.cpu_milli = cpu_milli;
+                part.memory_mib = memory_mib;
+            }
+            None if cpu_milli > 0 || memory_mib > 0 => parts.push(TaskPlacement {
+                node,
+                gpus: Vec::new(),
+                cpu_milli,
+                memory_mib,
+            }),
+            None => {}
+        }
+    }
+    parts
 }
 
+/// A placement as an allocation on the real node, with its GPU indices.
 fn to_allocation(cluster: &ClusterState, placement: &TaskPlacement) -> Allocation {
+    let info = &cluster.nodes[placement.node as usize];
     Allocation {
-        node: cluster.nodes[placement.node as usize].name.clone(),
+        node: info.name.clone(),
         gpus: placement
             .gpus
             .iter()
-            .map(|grant| (grant.index, grant.milli))
+            .map(|grant| {
+                let index = info
+                    .gpu_index
+                    .get(grant.index as usize)
+                    .copied()
+                    .unwrap_or(grant.index);
+                (index, grant.milli)
+            })
             .collect(),
         cpu: CpuMilli(placement.cpu_milli),
         memory: MemoryMib(placement.memory_mib),
@@ -349,6 +443,10 @@ fn to_allocation(cluster: &ClusterState, placement: &TaskPlacement) -> Allocatio
 }
 
 /// Runs one scheduling cycle.
+///
+/// Never returns `Err`: nodes the engine cannot take are left out of the
+/// cycle and listed in [`Outcome::excluded_nodes`] (the `Result` is kept so
+/// callers need not change).
 pub fn schedule<R: Rng>(
     snapshot: &Snapshot,
     pending: &[PendingJob],
@@ -356,7 +454,7 @@ pub fn schedule<R: Rng>(
     rng: &mut R,
 ) -> Result<Outcome, ClusterError> {
     let now = snapshot.now;
-    let mut cluster = ClusterState::from_inputs(&snapshot.nodes)?;
+    let mut cluster = ClusterState::build(&snapshot.nodes);
     let mut queues = Queues::default();
     for spec in &snapshot.queues {
         queues.slot_or_insert(&spec.name, || QueueState {
@@ -375,13 +473,14 @@ pub fn schedule<R: Rng>(
 
     let mut live: Vec<Live> = Vec::with_capacity(snapshot.running.len());
     for job in &snapshot.running {
-        let placements: Vec<TaskPlacement> = job
-            .tasks
-            .iter()
-            .filter_map(|allocation| to_placement(&cluster, allocation))
-            .collect();
-        for placement in &placements {
-            cluster.take(placement);
+        let mut placements: Vec<TaskPlacement> = Vec::with_capacity(job.tasks.len());
+        for allocation in &job.tasks {
+            // Placed one by one: a CPU-only task on a node mixing GPU models
+            // goes to a sub-node with room left after the ones before.
+            for placement in to_placements(&cluster, allocation) {
+                cluster.take(&placement);
+                placements.push(placement);
+            }
         }
         let queue = queue_entry(&mut queues, &job.queue);
         queues.states[queue].in_use += job.total_gpu();
@@ -396,11 +495,16 @@ pub fn schedule<R: Rng>(
         queue_entry(&mut queues, &job.queue);
     }
 
+    // Every pending job's shape, interned before the placer takes the cluster.
+    let shapes: Vec<TaskShape> = pending
+        .iter()
+        .map(|job| job.request.shape(&mut cluster))
+        .collect();
     let workload = match &snapshot.workload {
         Some(mix) => {
             let shapes: Vec<(TaskShape, u64)> = mix
                 .iter()
-                .map(|(request, count)| (request.shape(&cluster), *count))
+                .map(|(request, count)| (request.shape(&mut cluster), *count))
                 .collect();
             TypicalWorkload::from_tasks(
                 shapes
@@ -409,14 +513,9 @@ pub fn schedule<R: Rng>(
                 policy.typical_coverage,
             )
         }
-        None => {
-            let shapes: Vec<TaskShape> = pending
-                .iter()
-                .map(|job| job.request.shape(&cluster))
-                .collect();
-            TypicalWorkload::from_tasks(shapes.iter(), policy.typical_coverage)
-        }
+        None => TypicalWorkload::from_tasks(shapes.iter(), policy.typical_coverage),
     };
+    let excluded_nodes = cluster.excluded_nodes.clone();
     let scorer = Scorer::new(policy.placement, workload, Scale::of(&cluster));
     let mut cycle = Cycle {
         now,
@@ -424,7 +523,10 @@ pub fn schedule<R: Rng>(
         placer: Placer::new(cluster, scorer),
         queues,
         live,
-        outcome: Outcome::default(),
+        outcome: Outcome {
+            excluded_nodes,
+            ..Outcome::default()
+        },
         reservation: None,
         failed: BTreeMap::new(),
         preemption_failed: BTreeSet::new(),
@@ -433,16 +535,16 @@ pub fn schedule<R: Rng>(
 
     // Per queue (in name order, with the queue's slot), by effective
     // priority, then submit time, then id.
-    let mut by_name: BTreeMap<&QueueName, Vec<&PendingJob>> = BTreeMap::new();
-    for job in pending {
-        by_name.entry(&job.queue).or_default().push(job);
+    let mut by_name: BTreeMap<&QueueName, Vec<(&PendingJob, TaskShape)>> = BTreeMap::new();
+    for (job, shape) in pending.iter().zip(shapes) {
+        by_name.entry(&job.queue).or_default().push((job, shape));
     }
-    let mut per_queue: Vec<(usize, Vec<&PendingJob>)> = by_name
+    let mut per_queue: Vec<(usize, Vec<(&PendingJob, TaskShape)>)> = by_name
         .into_iter()
         .filter_map(|(name, jobs)| Some((cycle.queues.slot(name)?, jobs)))
         .collect();
     for (_, jobs) in &mut per_queue {
-        jobs.sort_by(|a, b| {
+        jobs.sort_by(|(a, _), (b, _)| {
             policy
                 .effective_priority(b, now)
                 .cmp(&policy.effective_priority(a, now))
@@ -454,7 +556,9 @@ pub fn schedule<R: Rng>(
     loop {
         let mut best: Option<(usize, (i64, f64, Time))> = None;
         for (position, (slot, jobs)) in per_queue.iter().enumerate() {
-            let Some(head) = jobs.last() else { continue };
+            let Some((head, _)) = jobs.last() else {
+                continue;
+            };
             let share = if policy.fair_share {
                 let state = &cycle.queues.states[*slot];
                 (state.usage + state.in_use as f64 / 1000.0 * policy.fair_share_horizon_s)
@@ -477,11 +581,11 @@ pub fn schedule<R: Rng>(
             }
         }
         let Some((position, _)) = best else { break };
-        let Some(job) = per_queue[position].1.pop() else {
+        let Some((job, shape)) = per_queue[position].1.pop() else {
             break;
         };
         cycle.outcome.order.push(job.id);
-        cycle.consider(job, rng);
+        cycle.consider(job, shape, rng);
     }
     Ok(cycle.outcome)
 }
@@ -509,7 +613,7 @@ struct Cycle<'a> {
 }
 
 impl Cycle<'_> {
-    fn consider<R: Rng>(&mut self, job: &PendingJob, rng: &mut R) {
+    fn consider<R: Rng>(&mut self, job: &PendingJob, shape: TaskShape, rng: &mut R) {
         if let Some(blocker) = self.blocker {
             self.outcome
                 .pending
@@ -534,7 +638,6 @@ impl Cycle<'_> {
             );
             return;
         }
-        let shape = job.request.shape(self.placer.cluster());
         // Backfill: a job that would end before the reservation starts may use
         // the reserved nodes; any other job must keep off them.
         let excluded_nodes: Option<BTreeSet<NodeIndex>> = match &self.reservation {
@@ -861,13 +964,16 @@ impl Cycle<'_> {
                 let start = entry.job.expected_end;
                 let nodes: BTreeSet<NodeIndex> = placements.iter().map(|p| p.node).collect();
                 let cluster = self.placer.cluster();
+                // Real node names (sub-nodes of one node are adjacent).
+                let mut names: Vec<NodeName> = nodes
+                    .iter()
+                    .map(|&n| cluster.nodes[n as usize].name.clone())
+                    .collect();
+                names.dedup();
                 self.outcome.reservation = Some(Reservation {
                     job: job.id,
                     start,
-                    nodes: nodes
-                        .iter()
-                        .map(|&n| cluster.nodes[n as usize].name.clone())
-                        .collect(),
+                    nodes: names,
                 });
                 self.failed.clear();
                 self.reservation = Some((job.id, start, nodes));

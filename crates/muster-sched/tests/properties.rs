@@ -13,6 +13,9 @@ use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+mod common;
+use common::check_real_nodes;
+
 const MODELS: [&str; 3] = ["H100-80GB", "A100-40GB", "L4"];
 
 fn node_strategy() -> impl Strategy<Value = (u32, usize, u64, u8, bool, bool, u8)> {
@@ -45,6 +48,25 @@ fn build_nodes(raw: &[(u32, usize, u64, u8, bool, bool, u8)]) -> Vec<NodeInput> 
             node.build()
         })
         .collect()
+}
+
+/// [`build_nodes`], then node `i` mixes `mix[i]` models (1: one model, up to
+/// 3, interleaved: GPU `g` has model `(model + g) % mix`), and where
+/// `mix[i]` is 0 the node has 65 GPUs (the engine leaves it out).
+fn build_mixed_nodes(raw: &[(u32, usize, u64, u8, bool, bool, u8)], mix: &[u8]) -> Vec<NodeInput> {
+    let mut nodes = build_nodes(raw);
+    for (i, node) in nodes.iter_mut().enumerate() {
+        let mix = mix.get(i).copied().unwrap_or(1);
+        if mix == 0 {
+            *node = MakeNode::new(&node.spec.name.0).gpus(65, MODELS[0]).build();
+            continue;
+        }
+        let first = raw[i].1;
+        for (g, gpu) in node.spec.gpus.iter_mut().enumerate() {
+            gpu.model = GpuModel::new(MODELS[(first + g % usize::from(mix)) % MODELS.len()]);
+        }
+    }
+    nodes
 }
 
 fn job_strategy() -> impl Strategy<Value = (u8, u32, u32, u64, u8, i32, u8, Option<u64>)> {
@@ -159,10 +181,11 @@ proptest! {
     #[test]
     fn indexed_placer_decides_as_the_scan_does(
         raw_nodes in proptest::collection::vec(node_strategy(), 1..16),
+        mix in proptest::collection::vec(prop_oneof![4 => Just(1u8), 1 => Just(2), 1 => Just(3)], 16),
         raw_tasks in proptest::collection::vec((0u8..3, 1u32..9, 1u32..1000, 1u64..30, 0usize..4), 1..80),
         policy in prop_oneof![Just(PlacementPolicy::Fgd), Just(PlacementPolicy::FgdConsolidate), Just(PlacementPolicy::BestFit), Just(PlacementPolicy::Packing)],
     ) {
-        let cluster = ClusterState::new(build_nodes(&raw_nodes)).unwrap();
+        let mut cluster = ClusterState::new(build_mixed_nodes(&raw_nodes, &mix)).unwrap();
         let shapes: Vec<TaskShape> = raw_tasks.iter().map(|&(kind, gpus, share, cpus, model)| {
             let models = if model < MODELS.len() {
                 cluster.model_mask(&[GpuModel::new(MODELS[model])])
@@ -203,5 +226,38 @@ proptest! {
                 scanning.release(&done);
             }
         }
+    }
+
+    /// Nodes mixing GPU models and nodes the engine leaves out, over two
+    /// cycles (the second with the first's starts running): no GPU, and no
+    /// real node's CPU or memory, is over-committed; each task's GPUs are of
+    /// one model the job accepts; a gang has one task per real node; and the
+    /// left-out nodes are named.
+    #[test]
+    fn mixed_and_bad_nodes_keep_real_nodes_within_capacity(
+        raw_nodes in proptest::collection::vec(node_strategy(), 1..10),
+        mix in proptest::collection::vec(prop_oneof![3 => Just(1u8), 3 => Just(2), 2 => Just(3), 1 => Just(0)], 10),
+        raw_first in proptest::collection::vec(job_strategy(), 0..30),
+        raw_second in proptest::collection::vec(job_strategy(), 0..30),
+        policy in policy_strategy(),
+        seed in any::<u64>(),
+    ) {
+        let nodes = build_mixed_nodes(&raw_nodes, &mix);
+        let bad = mix.iter().take(nodes.len()).filter(|&&m| m == 0).count();
+        let first: Vec<PendingJob> = raw_first.into_iter().enumerate()
+            .map(|(i, raw)| build_job(i as u64, raw)).collect();
+        let mut snapshot = Snapshot { nodes, ..Snapshot::default() };
+        let outcome = schedule(&snapshot, &first, &policy, &mut ChaCha8Rng::seed_from_u64(seed)).unwrap();
+        prop_assert_eq!(check_real_nodes(&snapshot, &first, &outcome), Ok(()));
+        prop_assert_eq!(outcome.excluded_nodes.len(), bad);
+        for start in &outcome.started {
+            let job = first.iter().find(|j| j.id == start.job).unwrap();
+            snapshot.running.push(running_from(job, start.tasks.clone(), snapshot.now, None));
+        }
+        snapshot.now = muster_model::Time::from_secs(3600);
+        let second: Vec<PendingJob> = raw_second.into_iter().enumerate()
+            .map(|(i, raw)| build_job(1000 + i as u64, raw)).collect();
+        let outcome = schedule(&snapshot, &second, &policy, &mut ChaCha8Rng::seed_from_u64(seed)).unwrap();
+        prop_assert_eq!(check_real_nodes(&snapshot, &second, &outcome), Ok(()));
     }
 }

@@ -8,6 +8,9 @@ use muster_sched::{
 use muster_testkit::{MakeJob, MakeNode, check_outcome, make_nodes, running_from};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeSet;
+
+mod common;
 
 fn cycle(snapshot: &Snapshot, pending: &[PendingJob], policy: &SchedulingPolicy) -> Outcome {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
@@ -624,5 +627,308 @@ mod wording {
         assert!(text.contains("only 2 nodes could hold one task"), "{text}");
         let text = reason(&outcome, 2).to_string();
         assert!(text.contains("2 have too few free GPUs"), "{text}");
+    }
+}
+
+/// Nodes the engine cannot take, nodes mixing GPU models, many models.
+mod odd_nodes {
+    use super::*;
+    use common::{check_real_nodes, mixed_node};
+    use muster_model::{CpuMilli, MemoryMib};
+    use muster_sched::ClusterState;
+
+    fn checked(snapshot: &Snapshot, pending: &[PendingJob], policy: &SchedulingPolicy) -> Outcome {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let outcome = schedule(snapshot, pending, policy, &mut rng).expect("never fails");
+        if let Err(violation) = check_real_nodes(snapshot, pending, &outcome) {
+            panic!("invariant violated: {violation}\n{outcome:#?}");
+        }
+        outcome
+    }
+
+    fn model(k: usize) -> String {
+        format!("MODEL-{k:02}")
+    }
+
+    /// One 65-GPU node, a duplicate name, GPU indices with a gap, one node
+    /// mixing models and 70 one-model nodes of 70 distinct models.
+    fn odd_cluster() -> Vec<muster_sched::NodeInput> {
+        let mut nodes = vec![
+            MakeNode::new("a-h100").build(),
+            MakeNode::new("gpu-9").gpus(65, "H100-80GB").build(),
+            mixed_node("mixed", &["A100", "L4", "A100", "L4"]),
+        ];
+        // A second "a-h100" listed later: the first is kept.
+        nodes.push(MakeNode::new("a-h100").gpus(2, "T4").build());
+        let mut gap = MakeNode::new("bad-index").gpus(2, "H100-80GB").build();
+        gap.spec.gpus[1].index = 2;
+        nodes.push(gap);
+        for k in 0..70 {
+            nodes.push(
+                MakeNode::new(&format!("m-{k:02}"))
+                    .gpus(1, &model(k))
+                    .build(),
+            );
+        }
+        nodes
+    }
+
+    #[test]
+    fn bad_nodes_are_left_out_and_the_rest_of_the_cycle_runs() {
+        let snap = snapshot(odd_cluster());
+        let mut jobs: Vec<PendingJob> = (0..70)
+            .map(|k| MakeJob::new(k as u64).models(&[&model(k)]).build())
+            .collect();
+        jobs.push(MakeJob::new(100).gpus(8).models(&["H100-80GB"]).build());
+        jobs.push(MakeJob::new(101).gpus(2).models(&["L4"]).build());
+        jobs.push(MakeJob::new(102).gpus(2).models(&["A100"]).build());
+        let outcome = checked(&snap, &jobs, &SchedulingPolicy::default());
+        for k in 0..70 {
+            assert_eq!(node_of(&outcome, k as u64), format!("m-{k:02}"), "job {k}");
+        }
+        assert_eq!(started(&outcome, 100)[0].node, NodeName::from("a-h100"));
+        assert_eq!(started(&outcome, 101)[0].gpus, vec![(1, 1000), (3, 1000)]);
+        assert_eq!(started(&outcome, 102)[0].gpus, vec![(0, 1000), (2, 1000)]);
+        assert_eq!(
+            outcome.excluded_nodes,
+            vec![
+                (
+                    NodeName::from("a-h100"),
+                    "node a-h100 appears more than once; the scheduler takes the first".to_string()
+                ),
+                (
+                    NodeName::from("bad-index"),
+                    "node bad-index lists GPU index 2 at position 1; GPUs must be listed by \
+                     index from 0 without gaps"
+                        .to_string()
+                ),
+                (
+                    NodeName::from("gpu-9"),
+                    "node gpu-9 has 65 GPUs; the scheduler takes at most 64 per node".to_string()
+                ),
+            ]
+        );
+        let cluster = ClusterState::build(&snap.nodes);
+        assert_eq!(cluster.excluded_nodes, outcome.excluded_nodes);
+        assert_eq!(cluster.models.len(), 73, "H100, A100, L4 and 70 more");
+    }
+
+    #[test]
+    fn jobs_without_a_model_land_anywhere_among_many_models() {
+        let snap = snapshot(odd_cluster());
+        // 1 + 2 + 70 GPUs on healthy nodes (a-h100 has 8): 80 one-GPU jobs fit.
+        let jobs: Vec<PendingJob> = (0..80).map(|id| MakeJob::new(id).build()).collect();
+        let outcome = checked(&snap, &jobs, &SchedulingPolicy::default());
+        assert_eq!(outcome.started.len(), 80, "{:#?}", outcome.pending);
+        let on: BTreeSet<String> = outcome
+            .started
+            .iter()
+            .map(|s| s.tasks[0].node.0.clone())
+            .collect();
+        assert!(on.contains("mixed") && on.contains("m-69") && on.contains("a-h100"));
+        assert!(!on.contains("gpu-9") && !on.contains("bad-index"));
+        // A model no node has fits nowhere, a list of two fits either.
+        let jobs = vec![
+            MakeJob::new(1).models(&["B200"]).build(),
+            MakeJob::new(2)
+                .gpus(1)
+                .models(&["B200", &model(42)])
+                .build(),
+        ];
+        let outcome = checked(&snap, &jobs, &SchedulingPolicy::default());
+        assert!(matches!(
+            reason(&outcome, 1),
+            PendingReason::NeverFits { .. }
+        ));
+        assert_eq!(node_of(&outcome, 2), "m-42");
+    }
+
+    #[test]
+    fn a_mixed_node_runs_each_model_on_its_own_gpus() {
+        // GPUs 0, 2, 4 are A100; 1, 3, 5 are L4. A running job holds L4 GPU 3.
+        let mut snap = snapshot(vec![mixed_node(
+            "mixed",
+            &["A100", "L4", "A100", "L4", "A100", "L4"],
+        )]);
+        let busy = MakeJob::new(50).build();
+        snap.running.push(running_from(
+            &busy,
+            vec![Allocation {
+                node: NodeName::from("mixed"),
+                gpus: vec![(3, 1000)],
+                cpu: CpuMilli(1000),
+                memory: MemoryMib(1024),
+            }],
+            Time(0),
+            None,
+        ));
+        let jobs = vec![
+            MakeJob::new(1).gpus(2).models(&["L4"]).build(),
+            MakeJob::new(2).gpus(3).models(&["A100"]).build(),
+            MakeJob::new(3).gpus(1).models(&["L4"]).build(),
+        ];
+        let outcome = checked(&snap, &jobs, &SchedulingPolicy::default());
+        assert_eq!(started(&outcome, 1)[0].gpus, vec![(1, 1000), (5, 1000)]);
+        assert_eq!(
+            started(&outcome, 2)[0].gpus,
+            vec![(0, 1000), (2, 1000), (4, 1000)]
+        );
+        assert!(outcome.pending.contains_key(&JobId(3)), "{outcome:#?}");
+        // Shares, too, land on the right model's GPUs.
+        let jobs = vec![MakeJob::new(4).share(500).models(&["A100"]).build()];
+        let outcome = checked(
+            &snapshot(snap.nodes.clone()),
+            &jobs,
+            &SchedulingPolicy::default(),
+        );
+        let gpus = &started(&outcome, 4)[0].gpus;
+        assert!([0, 2, 4].contains(&gpus[0].0), "{gpus:?}");
+    }
+
+    #[test]
+    fn a_mixed_node_never_over_commits_cpu_or_memory() {
+        // 64 CPUs and 512 GiB over 4 A100 + 4 L4: 32 CPUs and 256 GiB each.
+        let node = || {
+            mixed_node(
+                "mixed",
+                &["A100", "A100", "A100", "A100", "L4", "L4", "L4", "L4"],
+            )
+        };
+        let jobs = vec![
+            MakeJob::new(1)
+                .models(&["A100"])
+                .cpus(30)
+                .memory_gib(200)
+                .build(),
+            MakeJob::new(2)
+                .models(&["L4"])
+                .cpus(30)
+                .memory_gib(200)
+                .build(),
+            MakeJob::new(3).models(&["A100"]).cpus(30).build(),
+            MakeJob::new(4).gpus(0).cpus(4).memory_gib(100).build(),
+        ];
+        let outcome = checked(&snapshot(vec![node()]), &jobs, &SchedulingPolicy::default());
+        started(&outcome, 1);
+        started(&outcome, 2);
+        assert!(outcome.pending.contains_key(&JobId(3)), "{outcome:#?}");
+        // A running CPU-only job of 40 CPUs fills the first sub-node (32) and
+        // spills 8 onto the second: only 24 CPUs are left with the L4s, none
+        // with the A100s.
+        let mut snap = snapshot(vec![node()]);
+        let cpu_job = MakeJob::new(60).gpus(0).cpus(40).build();
+        snap.running.push(running_from(
+            &cpu_job,
+            vec![Allocation {
+                node: NodeName::from("mixed"),
+                gpus: Vec::new(),
+                cpu: CpuMilli(40_000),
+                memory: MemoryMib(1024),
+            }],
+            Time(0),
+            None,
+        ));
+        let jobs = vec![
+            MakeJob::new(1).models(&["A100"]).cpus(1).build(),
+            MakeJob::new(2).models(&["L4"]).cpus(25).build(),
+            MakeJob::new(3).models(&["L4"]).cpus(24).build(),
+            MakeJob::new(4).gpus(0).cpus(1).build(),
+        ];
+        let outcome = checked(
+            &snap,
+            &jobs,
+            &SchedulingPolicy {
+                preemption: false,
+                ..SchedulingPolicy::default()
+            },
+        );
+        assert!(outcome.pending.contains_key(&JobId(1)), "{outcome:#?}");
+        assert!(outcome.pending.contains_key(&JobId(2)), "{outcome:#?}");
+        started(&outcome, 3);
+        assert!(outcome.pending.contains_key(&JobId(4)), "{outcome:#?}");
+    }
+
+    #[test]
+    fn a_gang_never_gets_two_tasks_on_one_node() {
+        let mixed = || mixed_node("mixed", &["A100", "A100", "L4", "L4"]);
+        let gang = || vec![MakeJob::new(1).gpus(2).tasks(2).build()];
+        // One real node with two sub-nodes that each fit a task: never fits.
+        let outcome = checked(
+            &snapshot(vec![mixed()]),
+            &gang(),
+            &SchedulingPolicy::default(),
+        );
+        let PendingReason::NeverFits { filters } = reason(&outcome, 1) else {
+            panic!("{:?}", reason(&outcome, 1));
+        };
+        assert_eq!(filters.could_ever_fit, 1);
+        // With a second node it spans the two.
+        let nodes = vec![mixed(), MakeNode::new("plain").gpus(2, "L4").build()];
+        let outcome = checked(&snapshot(nodes), &gang(), &SchedulingPolicy::default());
+        let on: Vec<&str> = started(&outcome, 1)
+            .iter()
+            .map(|t| t.node.0.as_str())
+            .collect();
+        assert_eq!(on, ["mixed", "plain"]);
+    }
+
+    #[test]
+    fn reservations_and_victims_name_real_nodes() {
+        let mut snap = snapshot(vec![
+            mixed_node("mixed", &["A100", "A100", "L4", "L4"]),
+            MakeNode::new("plain").gpus(2, "L4").build(),
+        ]);
+        snap.now = Time::from_secs(100);
+        let low = MakeJob::new(70).priority(0).gpus(2).build();
+        for (id, node, gpus) in [(70, "mixed", vec![2, 3]), (71, "plain", vec![0, 1])] {
+            let mut job = running_from(
+                &MakeJob::new(id).priority(0).gpus(2).build(),
+                vec![Allocation {
+                    node: NodeName::from(node),
+                    gpus: gpus.iter().map(|&i| (i, 1000)).collect(),
+                    cpu: CpuMilli(1000),
+                    memory: MemoryMib(1024),
+                }],
+                Time(0),
+                Some(Time::from_secs(1000 + id)),
+            );
+            job.id = JobId(id);
+            job.priority = low.priority;
+            snap.running.push(job);
+        }
+        // Two L4 tasks: blocked; a reservation on both real nodes.
+        let gang = vec![
+            MakeJob::new(1)
+                .gpus(2)
+                .tasks(2)
+                .models(&["L4"])
+                .priority(0)
+                .build(),
+        ];
+        let policy = SchedulingPolicy {
+            preemption: false,
+            ..SchedulingPolicy::default()
+        };
+        let outcome = checked(&snap, &gang, &policy);
+        let reservation = outcome.reservation.expect("a reservation");
+        assert_eq!(
+            reservation.nodes,
+            vec![NodeName::from("mixed"), NodeName::from("plain")]
+        );
+        // A higher priority preempts both, and starts on the L4 GPUs 2 and 3.
+        let gang = vec![
+            MakeJob::new(2)
+                .gpus(2)
+                .tasks(2)
+                .models(&["L4"])
+                .priority(200)
+                .build(),
+        ];
+        let outcome = checked(&snap, &gang, &SchedulingPolicy::default());
+        let victims: BTreeSet<JobId> = outcome.preemptions.iter().map(|p| p.victim).collect();
+        assert_eq!(victims, BTreeSet::from([JobId(70), JobId(71)]));
+        let tasks = started(&outcome, 2);
+        assert_eq!(tasks[0].node, NodeName::from("mixed"));
+        assert_eq!(tasks[0].gpus, vec![(2, 1000), (3, 1000)]);
     }
 }

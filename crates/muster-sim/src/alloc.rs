@@ -125,14 +125,14 @@ impl AllocationExperiment {
     /// Builds the cluster from `nodes` and interns the pod list's tasks. The
     /// typical workload (for FGD) is the shapes covering 95% of the pod list.
     pub fn new(nodes: Vec<NodeInput>, tasks: &[TraceTask]) -> Result<Self, AllocationError> {
-        let cluster = ClusterState::new(nodes)?;
+        let mut cluster = ClusterState::new(nodes)?;
         if cluster.gpu_capacity_milli() == 0 {
             return Err(AllocationError::NoGpus);
         }
         if tasks.is_empty() {
             return Err(AllocationError::NoTasks);
         }
-        let shapes: Vec<TaskShape> = tasks.iter().map(|task| task.shape(&cluster)).collect();
+        let shapes: Vec<TaskShape> = tasks.iter().map(|task| task.shape(&mut cluster)).collect();
         let requests = tasks.iter().map(TraceTask::gpu_milli).collect();
         let workload = TypicalWorkload::from_tasks(shapes.iter(), TYPICAL_COVERAGE);
         let scale = Scale::of(&cluster);

@@ -76,7 +76,7 @@ impl TraceTask {
 
     /// The task as the scheduler sees it, with models interned against
     /// `cluster` (models the cluster lacks are left out of the mask).
-    pub fn shape(&self, cluster: &ClusterState) -> TaskShape {
+    pub fn shape(&self, cluster: &mut ClusterState) -> TaskShape {
         self.request().shape(cluster)
     }
 
@@ -394,7 +394,8 @@ mod tests {
 
     #[test]
     fn models_outside_the_cluster_fit_nowhere_and_empty_fits_any() {
-        let cluster = ClusterState::new(parse_openb_nodes(NODES, "nodes.csv").unwrap()).unwrap();
+        let mut cluster =
+            ClusterState::new(parse_openb_nodes(NODES, "nodes.csv").unwrap()).unwrap();
         let mut task = TraceTask {
             name: "p".into(),
             gpus: GpuRequest::Whole(1),
@@ -402,9 +403,12 @@ mod tests {
             memory: MemoryMib(1),
             gpu_models: vec![],
         };
-        assert_eq!(task.shape(&cluster).models, muster_sched::ModelMask::ANY);
+        assert_eq!(
+            task.shape(&mut cluster).models,
+            muster_sched::ModelMask::ANY
+        );
         task.gpu_models = vec![GpuModel::new("A100")];
-        assert_eq!(task.shape(&cluster).models, muster_sched::ModelMask(0));
+        assert_eq!(task.shape(&mut cluster).models, muster_sched::ModelMask(0));
     }
 
     fn task_error(rows: &str) -> String {
