@@ -107,6 +107,10 @@ pub struct JobView {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobList {
     pub jobs: Vec<JobView>,
+    /// Pass as `cursor` for the next page (older jobs); absent on the last
+    /// page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
 }
 
 /// A GPU as an agent registers it.
@@ -120,15 +124,15 @@ pub struct GpuView {
     pub nvlink_domain: u32,
 }
 
-/// `POST /v1/agents/register` (join token).
+/// `POST /v1/agents/register`: with the join token for a new node name,
+/// with the node's own credential (the `node_token` an earlier
+/// registration returned) for a node the cluster knows.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RegisterRequest {
     pub name: String,
     /// Address other nodes reach this one at (a gang's master address).
     pub address: String,
-    /// Identifies this agent process; a restart uses a new epoch.
-    pub epoch: u64,
     pub gpus: Vec<GpuView>,
     pub cpu_milli: u64,
     pub memory_mib: u64,
@@ -142,8 +146,12 @@ pub struct RegisterRequest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RegisterResponse {
-    /// The node's credential for heartbeats (a bearer token).
+    /// The node's credential for heartbeats and later registrations (a
+    /// bearer token): the agent keeps it in its state directory.
     pub node_token: String,
+    /// The epoch this registration opened (issued by the server, never
+    /// reused): heartbeats carry it.
+    pub epoch: u64,
     pub lease_ms: u64,
     pub heartbeat_ms: u64,
 }
@@ -374,6 +382,10 @@ pub struct NodeView {
     /// GPU indices out of service.
     #[serde(default)]
     pub unhealthy_gpus: Vec<u32>,
+    /// Why the scheduler leaves the node out, if it does (a spec it
+    /// cannot take).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub excluded: Option<String>,
 }
 
 /// A pool: the nodes whose agents joined with that `--pool`.

@@ -109,7 +109,7 @@ impl ControlPlane {
                     }
                 }
                 Output::NodeRemoved(name) => changes.removed_nodes.push(name.clone()),
-                Output::DesiredChanged(_) => {}
+                Output::DesiredChanged(_) | Output::JobRetired(_) => {}
             }
         }
         if issued {

@@ -267,6 +267,9 @@ pub enum Output {
     DesiredChanged(NodeName),
     /// The node is gone (its record and credential are to be deleted).
     NodeRemoved(NodeName),
+    /// The finished job left the hot state (the retention passed); a store
+    /// keeps it.
+    JobRetired(JobId),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -714,7 +717,7 @@ impl ControlPlane {
             Input::Tick => {
                 self.account_usage(now);
                 self.expire_leases(now, &mut outputs);
-                self.retire(now);
+                self.retire(now, &mut outputs);
             }
             Input::Cordon { node, cordoned } => {
                 let entry = self
@@ -782,7 +785,7 @@ impl ControlPlane {
 
     /// Takes finished jobs older than the retention out of the hot state,
     /// with their allocations.
-    fn retire(&mut self, now: Time) {
+    fn retire(&mut self, now: Time, outputs: &mut Vec<Output>) {
         let horizon = now.0.saturating_sub(self.config.retention_ms);
         while let Some(&(finished, id)) = self.finished.first() {
             if finished.0 > horizon {
@@ -796,6 +799,7 @@ impl ControlPlane {
             }
             self.last_reasons.remove(&id);
             self.memory_limited.remove(&id);
+            outputs.push(Output::JobRetired(id));
         }
     }
 
@@ -1285,6 +1289,19 @@ impl ControlPlane {
 
     fn apply_outcome_inner(&mut self, now: Time, outcome: &Outcome) -> Vec<Output> {
         let mut outputs = Vec::new();
+        // Nodes the engine could not take, with why (shown to operators).
+        let excluded: BTreeMap<NodeName, String> = outcome
+            .excluded_nodes
+            .iter()
+            .filter(|(name, _)| self.nodes.contains_key(name))
+            .cloned()
+            .collect();
+        for (name, reason) in &excluded {
+            if self.excluded.get(name) != Some(reason) {
+                changed(&mut outputs, Output::NodeChanged(name.clone()));
+            }
+        }
+        self.excluded = excluded;
         for preemption in &outcome.preemptions {
             let still_running = self
                 .jobs

@@ -15,12 +15,13 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use muster_api::protocol::*;
-use muster_control::{AllocationId, Input, JobState, Observed, Software};
+use muster_control::{Allocation, AllocationId, Input, Job, JobState, Observed, Software};
 use muster_model::{
     CpuMilli, GpuMilli, GpuModel, GpuSpec, JobId, MemoryMib, NodeName, NodeSpec, PoolName,
     QueueName, QueueSpec, RackName,
 };
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use utoipa::OpenApi;
@@ -40,14 +41,15 @@ pub const USER_HEADER: &str = "x-muster-user";
 
 pub fn router(shared: Arc<Shared>) -> axum::Router {
     axum::Router::new()
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi))
         .route("/v1/jobs", post(submit_job).get(list_jobs))
         .route("/v1/jobs/{id}", get(get_job))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .route("/v1/jobs/{id}/logs", get(job_logs))
         .route("/v1/nodes", get(list_nodes))
-        .route("/v1/nodes/{name}", get(get_node))
+        .route("/v1/nodes/{name}", get(get_node).delete(remove_node))
+        .route("/v1/nodes/{name}/reset-identity", post(reset_identity))
         .route("/v1/nodes/{name}/cordon", post(cordon_node))
         .route("/v1/nodes/{name}/uncordon", post(uncordon_node))
         .route("/v1/nodes/{name}/drain", post(drain_node))
@@ -65,6 +67,19 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         ))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
+}
+
+/// Liveness, and whether the server takes changes: 503 with the reason
+/// once a commit to its store failed (it is read-only until restarted).
+async fn healthz(State(shared): Shared_) -> Response {
+    match shared.read_only_reason() {
+        None => "ok".into_response(),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("read-only: a commit to the store failed: {reason}"),
+        )
+            .into_response(),
+    }
 }
 
 async fn no_such_endpoint(request: Request) -> ApiError {
@@ -88,7 +103,7 @@ async fn method_not_allowed(request: Request) -> ApiError {
 
 /// Who a request comes from, by its token.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Identity {
+pub enum Identity {
     Admin,
     Join,
     Node(String),
@@ -99,7 +114,8 @@ enum Identity {
 enum Need {
     Nothing,
     Admin,
-    Join,
+    /// The join token (a new node) or a node's own credential.
+    Register,
     Node(String),
 }
 
@@ -108,7 +124,7 @@ fn need_of(path: &str) -> Need {
         return Need::Nothing;
     }
     if path == "/v1/agents/register" {
-        return Need::Join;
+        return Need::Register;
     }
     if let Some(rest) = path.strip_prefix("/v1/agents/") {
         let node = rest.split('/').next().unwrap_or_default();
@@ -124,72 +140,71 @@ fn identify(shared: &Shared, token: &str) -> Option<Identity> {
     if same_token(token, &shared.join_token) {
         return Some(Identity::Join);
     }
-    let core = shared.lock();
-    core.node_tokens
-        .iter()
-        .find(|(_, node_token)| same_token(token, node_token))
-        .map(|(name, _)| Identity::Node(name.0.clone()))
+    shared
+        .lock()
+        .node_of_token(token)
+        .map(|name| Identity::Node(name.0.clone()))
 }
 
-async fn authenticate(State(shared): Shared_, request: Request, next: Next) -> Response {
+// Answers name files by their name in the server's data directory, never
+// by their path on the server.
+async fn authenticate(State(shared): Shared_, mut request: Request, next: Next) -> Response {
     let need = need_of(request.uri().path());
     if need == Need::Nothing {
         return next.run(request).await;
     }
-    let admin_file = shared.settings.data_dir.join("admin.token");
-    let join_file = shared.settings.data_dir.join("join.token");
     let Some(token) = bearer(request.headers()) else {
         return ApiError::new(
             ErrorCode::Unauthenticated,
-            format!(
-                "missing bearer token: pass --token or set MUSTER_TOKEN (the admin token is in \
-                 {} on the server; `muster` also reads ~/.local/share/muster/admin.token)",
-                admin_file.display()
-            ),
+            "missing bearer token: pass --token or set MUSTER_TOKEN (the admin token is the file \
+             admin.token in the server's data directory; `muster` also reads \
+             ~/.local/share/muster/admin.token)",
         )
         .into_response();
     };
     let Some(identity) = identify(&shared, token) else {
         return ApiError::new(
             ErrorCode::Unauthenticated,
-            format!(
-                "invalid token: pass --token or set MUSTER_TOKEN to the admin token in {} on \
-                 the server (agents register with the join token in {})",
-                admin_file.display(),
-                join_file.display()
-            ),
+            "invalid token: pass --token or set MUSTER_TOKEN to the admin token (admin.token in \
+             the server's data directory); agents join with the join token (join.token there) \
+             and then use their own node credential, which an admin may have reset",
         )
         .into_response();
     };
     let denied = match (&need, &identity) {
-        (Need::Admin, Identity::Admin) | (Need::Join, Identity::Join) => None,
+        (Need::Admin, Identity::Admin) | (Need::Register, Identity::Join | Identity::Node(_)) => {
+            None
+        }
         (Need::Node(wanted), Identity::Node(node)) if wanted == node => None,
         (Need::Node(wanted), Identity::Node(node)) => Some(format!(
             "this token belongs to node {node}, not to node {wanted}"
         )),
         (Need::Node(_), _) => Some(
-            "agent endpoints need the node token that registration returned; register with the \
-             join token first"
+            "agent endpoints need the node credential that registration returned; register \
+             first"
                 .to_string(),
         ),
-        (Need::Join, _) => Some(format!(
-            "agents register with the join token, in {} on the server",
-            join_file.display()
-        )),
-        (Need::Admin, Identity::Join) => Some(format!(
-            "the join token only registers agents; use the admin token ({}) for this",
-            admin_file.display()
-        )),
-        (Need::Admin, _) => Some(format!(
-            "a node token is only for that node's heartbeats and logs; use the admin token ({}) \
-             for this",
-            admin_file.display()
-        )),
+        (Need::Register, _) => Some(
+            "agents register with the join token (a new node) or their node credential".to_string(),
+        ),
+        (Need::Admin, Identity::Join) => Some(
+            "the join token only registers agents; use the admin token (admin.token in the \
+             server's data directory) for this"
+                .to_string(),
+        ),
+        (Need::Admin, _) => Some(
+            "a node credential is only for that node's registration, heartbeats and logs; use \
+             the admin token (admin.token in the server's data directory) for this"
+                .to_string(),
+        ),
         (Need::Nothing, _) => None,
     };
     match denied {
         Some(message) => ApiError::new(ErrorCode::PermissionDenied, message).into_response(),
-        None => next.run(request).await,
+        None => {
+            request.extensions_mut().insert(identity);
+            next.run(request).await
+        }
     }
 }
 
@@ -244,6 +259,61 @@ pub struct JobQuery {
     state: Option<String>,
     /// Only jobs of this user.
     user: Option<String>,
+    /// The most jobs to return: 1 to 1000, 100 by default.
+    limit: Option<u32>,
+    /// Where the previous page ended (its `next_cursor`).
+    cursor: Option<String>,
+}
+
+/// The default page of `GET /v1/jobs`.
+const DEFAULT_PAGE: u32 = 100;
+/// The largest page of `GET /v1/jobs`.
+const MAX_PAGE: u32 = 1000;
+
+/// A job and every attempt's allocations, from memory or, once retired,
+/// from the store.
+struct FoundJob {
+    job: Job,
+    allocations: BTreeMap<AllocationId, Allocation>,
+}
+
+impl FoundJob {
+    fn view(&self) -> JobView {
+        job_view(&self.job, &|id| self.allocations.get(&id))
+    }
+
+    fn from_store((record, allocations): crate::store::StoredJob) -> Result<FoundJob, ApiError> {
+        let internal = |error: crate::records::RecordError| {
+            ApiError::new(ErrorCode::Internal, error.to_string())
+        };
+        let job = record.into_job().map_err(internal)?;
+        let allocations = allocations
+            .into_iter()
+            .map(|record| record.into_allocation().map(|a| (a.id, a)))
+            .collect::<Result<_, _>>()
+            .map_err(internal)?;
+        Ok(FoundJob { job, allocations })
+    }
+}
+
+async fn find_job(shared: &Shared, id: JobId) -> Result<FoundJob, ApiError> {
+    {
+        let core = shared.lock();
+        if let Some(job) = core.control().job(id) {
+            return Ok(FoundJob {
+                job: job.clone(),
+                allocations: core
+                    .control()
+                    .job_allocations(id)
+                    .map(|a| (a.id, a.clone()))
+                    .collect(),
+            });
+        }
+    }
+    match shared.store.retired_job(id.0).await? {
+        Some(stored) => FoundJob::from_store(stored),
+        None => Err(job_not_found(id)),
+    }
 }
 
 /// Submit a job. Answers once the job is durable.
@@ -255,6 +325,7 @@ pub struct JobQuery {
         (status = 201, description = "accepted and saved", body = SubmitResponse),
         (status = 400, description = "invalid spec: every problem, one per line", body = ErrorBody),
         (status = 413, description = "body over 1 MiB", body = ErrorBody),
+        (status = 503, description = "not saved: the store failed (the server is read-only)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -279,28 +350,26 @@ async fn submit_job(
         |core: &mut Core| {
             let id = JobId(core.next_job);
             core.next_job += 1;
-            (Input::Submit { id, spec, user }, id)
+            Ok((Input::Submit { id, spec, user }, id))
         },
+        |_, id| id,
         Batch::default(),
     )?;
     if let Err(error) = durable.wait().await {
-        // Not durable, so not accepted: forget it unless it already started.
-        let mut core = shared.lock();
-        if core
-            .control
-            .jobs
-            .get(&id)
-            .is_some_and(|job| job.state == JobState::Pending)
-        {
-            core.control.jobs.remove(&id);
-        }
-        return Err(error.into());
+        // Not durable, so not accepted: the control plane forgets it.
+        shared.withdraw(id);
+        return Err(match shared.read_only_reason() {
+            Some(reason) => crate::core::read_only(&reason),
+            None => error.into(),
+        });
     }
     tracing::info!(job = id.0, "job submitted");
     Ok((StatusCode::CREATED, Json(SubmitResponse { id: id.0 })))
 }
 
-/// List jobs, newest first.
+/// List jobs, newest first, a page at a time (100 by default; pass
+/// `next_cursor` back as `cursor` for the next page). Running and recent
+/// jobs come from memory, older finished ones from the store.
 #[utoipa::path(
     get, path = "/v1/jobs", tag = "jobs", params(JobQuery),
     responses((status = 200, body = JobList), (status = 400, body = ErrorBody)),
@@ -319,20 +388,54 @@ async fn list_jobs(
             ))
         })?),
     };
+    let limit = query.limit.unwrap_or(DEFAULT_PAGE);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::invalid(format!(
+            "limit must be from 1 to {MAX_PAGE}, got {limit}"
+        )));
+    }
+    let before = match query.cursor.as_deref().filter(|c| !c.is_empty()) {
+        None => None,
+        Some(text) => Some(text.parse::<u64>().map_err(|_| {
+            ApiError::invalid(format!(
+                "cursor {text:?} is not one this server gave; pass the next_cursor of the \
+                 previous page"
+            ))
+        })?),
+    };
     let queue = query.queue.filter(|q| !q.is_empty());
     let user = query.user.filter(|u| !u.is_empty());
-    let core = shared.lock();
-    let jobs = core
-        .control
-        .jobs
-        .values()
-        .rev()
-        .filter(|job| state.is_none_or(|state| job.state == state))
-        .filter(|job| queue.as_deref().is_none_or(|q| job.spec.queue.0 == q))
-        .filter(|job| user.as_deref().is_none_or(|u| job.user == u))
-        .map(|job| job_view(&core, job))
-        .collect();
-    Ok(Json(JobList { jobs }))
+    let mut jobs: Vec<JobView> = {
+        let core = shared.lock();
+        let control = core.control();
+        control
+            .jobs_newest_first(before.map(JobId))
+            .filter(|job| state.is_none_or(|state| job.state == state))
+            .filter(|job| queue.as_deref().is_none_or(|q| job.spec.queue.0 == q))
+            .filter(|job| user.as_deref().is_none_or(|u| job.user == u))
+            .take(limit as usize)
+            .map(|job| job_view(job, &|id| control.allocation(id)))
+            .collect()
+    };
+    // Retired jobs are finished ones: the store is asked only when they
+    // can match.
+    if state.is_none_or(JobState::is_final) {
+        let filter = crate::store::JobFilter {
+            state: state.map(|s| s.name().to_string()),
+            user: user.clone(),
+            queue: queue.clone(),
+        };
+        for stored in shared.store.retired_jobs(&filter, before, limit).await? {
+            jobs.push(FoundJob::from_store(stored)?.view());
+        }
+        jobs.sort_by(|a, b| b.id.cmp(&a.id));
+        jobs.dedup_by_key(|job| job.id);
+        jobs.truncate(limit as usize);
+    }
+    let next_cursor = (jobs.len() == limit as usize)
+        .then(|| jobs.last().map(|job| job.id.to_string()))
+        .flatten();
+    Ok(Json(JobList { jobs, next_cursor }))
 }
 
 /// One job: state, tasks with nodes and GPUs, why it is pending, history.
@@ -347,13 +450,7 @@ async fn get_job(
     PathParams(id): PathParams<String>,
 ) -> Result<Json<JobView>, ApiError> {
     let id = parse_job_id(&id)?;
-    let core = shared.lock();
-    let job = core
-        .control
-        .jobs
-        .get(&id)
-        .ok_or_else(|| job_not_found(id))?;
-    Ok(Json(job_view(&core, job)))
+    Ok(Json(find_job(&shared, id).await?.view()))
 }
 
 /// Cancel a job: a pending one at once, a running one once its tasks stop.
@@ -368,15 +465,13 @@ async fn cancel_job(
     PathParams(id): PathParams<String>,
 ) -> Result<Json<JobView>, ApiError> {
     let id = parse_job_id(&id)?;
-    let (_, durable) = shared.apply(Input::Cancel { job: id }, Batch::default())?;
-    durable.wait().await?;
-    let core = shared.lock();
-    let job = core
-        .control
-        .jobs
-        .get(&id)
-        .ok_or_else(|| job_not_found(id))?;
-    Ok(Json(job_view(&core, job)))
+    match shared.apply(Input::Cancel { job: id }, Batch::default()) {
+        Ok((_, durable)) => durable.wait().await?,
+        // A retired job has finished: nothing to cancel.
+        Err(error) if error.body.code == ErrorCode::NotFound => {}
+        Err(error) => return Err(error),
+    }
+    Ok(Json(find_job(&shared, id).await?.view()))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -429,24 +524,17 @@ async fn job_logs(
     loop {
         changes.borrow_and_update();
         let (allocation, finished) = {
-            let core = shared.lock();
-            let job = core
-                .control
-                .jobs
-                .get(&id)
-                .ok_or_else(|| job_not_found(id))?;
+            let found = find_job(&shared, id).await?;
+            let job = &found.job;
             if rank >= job.spec.nodes {
                 return Err(ApiError::invalid(format!(
                     "job {id} has ranks 0 to {}, not {rank}",
                     job.spec.nodes.saturating_sub(1)
                 )));
             }
-            let allocation = core
-                .job_allocations
-                .get(&id)
-                .into_iter()
-                .flatten()
-                .filter_map(|a| core.control.allocations.get(a))
+            let allocation = found
+                .allocations
+                .values()
                 .filter(|a| a.rank == rank)
                 .map(|a| a.id)
                 .next_back();
@@ -531,9 +619,8 @@ async fn job_logs(
 async fn list_nodes(State(shared): Shared_) -> Json<NodeList> {
     let core = shared.lock();
     let nodes = core
-        .control
-        .nodes
-        .values()
+        .control()
+        .nodes()
         .map(|node| node_view(&core, node))
         .collect();
     Json(NodeList { nodes })
@@ -552,11 +639,70 @@ async fn get_node(
 ) -> Result<Json<NodeView>, ApiError> {
     let core = shared.lock();
     let node = core
-        .control
-        .nodes
-        .get(&NodeName(name.clone()))
+        .control()
+        .node(&NodeName(name.clone()))
         .ok_or_else(|| node_not_found(&name))?;
     Ok(Json(node_view(&core, node)))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct RemoveQuery {
+    /// Remove it even while it holds work, which is re-queued.
+    force: Option<bool>,
+}
+
+/// Remove a node: refused while it holds running work unless `force`
+/// (which re-queues that work). Its credential goes with it: an agent
+/// still running there is refused, and joins again as a new node if it
+/// has the join token.
+#[utoipa::path(
+    delete, path = "/v1/nodes/{name}", tag = "nodes",
+    params(("name" = String, Path, description = "the node's name"), RemoveQuery),
+    responses(
+        (status = 204, description = "removed"),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "it holds work; drain it or pass force", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn remove_node(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+    Params(query): Params<RemoveQuery>,
+) -> Result<StatusCode, ApiError> {
+    let input = Input::RemoveNode {
+        node: NodeName(name.clone()),
+        force: query.force.unwrap_or(false),
+    };
+    let (_, durable) = shared.apply(input, Batch::default())?;
+    durable.wait().await?;
+    tracing::info!(node = %name, "node removed by an admin");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Reset a node's identity: its credential is revoked, so its agent (or
+/// whoever holds the credential) is refused, and the join token may
+/// register the name again (a reinstalled machine, a leaked credential).
+#[utoipa::path(
+    post, path = "/v1/nodes/{name}/reset-identity", tag = "nodes",
+    params(("name" = String, Path, description = "the node's name")),
+    responses((status = 200, body = NodeView), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn reset_identity(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<NodeView>, ApiError> {
+    let node = NodeName(name.clone());
+    shared.reset_identity(&node)?.wait().await?;
+    tracing::info!(node = %name, "node identity reset by an admin");
+    let core = shared.lock();
+    let found = core
+        .control()
+        .node(&node)
+        .ok_or_else(|| node_not_found(&name))?;
+    Ok(Json(node_view(&core, found)))
 }
 
 async fn node_input(
@@ -568,9 +714,8 @@ async fn node_input(
     durable.wait().await?;
     let core = shared.lock();
     let node = core
-        .control
-        .nodes
-        .get(&NodeName(name.clone()))
+        .control()
+        .node(&NodeName(name.clone()))
         .ok_or_else(|| node_not_found(&name))?;
     tracing::info!(node = %name, cordoned = node.cordoned, draining = node.draining, "node changed by an admin");
     Ok(Json(node_view(&core, node)))
@@ -648,7 +793,7 @@ async fn drain_node(
 async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
     let core = shared.lock();
     let mut pools: std::collections::BTreeMap<String, PoolView> = Default::default();
-    for node in core.control.nodes.values() {
+    for node in core.control().nodes() {
         let view = node_view(&core, node);
         let pool = pools.entry(view.pool.clone()).or_insert_with(|| PoolView {
             name: view.pool.clone(),
@@ -751,37 +896,36 @@ async fn set_queue(
 
 // ---------------------------------------------------------------- agents
 
+/// The node spec a registration describes, validated as the control plane
+/// will (every problem at once, each naming the field).
 fn node_spec(request: &RegisterRequest) -> Result<NodeSpec, ApiError> {
-    check_name("the node name", &request.name)?;
-    if request.address.trim().is_empty() {
-        return Err(ApiError::invalid(
-            "address must name where other nodes reach this one (a host name or IP address)",
-        ));
+    let address = request.address.trim();
+    let mut problems = Vec::new();
+    if address.is_empty() || address.len() > 253 || address.chars().any(char::is_control) {
+        problems.push(
+            "address must name where other nodes reach this one (a host name or IP address, at \
+             most 253 characters)"
+                .to_string(),
+        );
     }
-    for (position, gpu) in request.gpus.iter().enumerate() {
-        if gpu.index as usize != position {
-            return Err(ApiError::invalid(format!(
-                "gpus must be listed by index from 0 without gaps; position {position} has index {}",
-                gpu.index
-            )));
-        }
-        if gpu.model.trim().is_empty() {
-            return Err(ApiError::invalid(format!(
-                "gpus[{position}].model is empty"
-            )));
-        }
+    if request.gpus.len() > muster_model::MAX_NODE_GPUS * 4 {
+        // Not converted at all: the count is the problem.
+        return Err(ApiError::invalid(format!(
+            "the node lists {} GPUs; a node may have at most {}",
+            request.gpus.len(),
+            muster_model::MAX_NODE_GPUS
+        )));
     }
-    if request.cpu_milli == 0 || request.memory_mib == 0 {
-        return Err(ApiError::invalid(
-            "cpu_milli and memory_mib must be above 0 (what the node offers to jobs)",
-        ));
-    }
-    for (what, value) in [("pool", &request.pool), ("rack", &request.rack)] {
-        if let Some(value) = value {
-            check_name(what, value)?;
+    for (what, text) in [
+        ("backend", Some(&request.backend)),
+        ("driver_version", request.driver_version.as_ref()),
+        ("cuda_version", request.cuda_version.as_ref()),
+    ] {
+        if text.is_some_and(|t| t.len() > 128 || t.chars().any(char::is_control)) {
+            problems.push(format!("{what} must be at most 128 printable characters"));
         }
     }
-    Ok(NodeSpec {
+    let spec = NodeSpec {
         name: NodeName(request.name.clone()),
         pool: PoolName(
             request
@@ -808,46 +952,99 @@ fn node_spec(request: &RegisterRequest) -> Result<NodeSpec, ApiError> {
             .collect(),
         cpu: CpuMilli(request.cpu_milli),
         memory: MemoryMib(request.memory_mib),
-    })
+    };
+    problems.extend(spec.problems());
+    if problems.is_empty() {
+        Ok(spec)
+    } else {
+        Err(ApiError::invalid(format!(
+            "node {:?} cannot join:\n{}",
+            request.name,
+            problems.join("\n")
+        )))
+    }
 }
 
-/// Register an agent's node (join token); returns the node's own token.
+/// Register an agent's node: a new name with the join token, a known node
+/// with its own credential. Returns the node's credential and the epoch
+/// this registration opened.
 #[utoipa::path(
     post, path = "/v1/agents/register", tag = "agents",
     request_body = RegisterRequest,
-    responses((status = 200, body = RegisterResponse), (status = 400, body = ErrorBody)),
+    responses(
+        (status = 200, body = RegisterResponse),
+        (status = 400, description = "a node spec the cluster cannot take, every problem named", body = ErrorBody),
+        (status = 409, description = "the name belongs to a registered node: use its credential", body = ErrorBody),
+    ),
     security(("bearer" = []))
 )]
 async fn register_agent(
     State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
     Body(request): Body<RegisterRequest>,
 ) -> Result<Json<RegisterResponse>, ApiError> {
     let spec = node_spec(&request)?;
-    let token =
-        new_token().map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
     let name = spec.name.clone();
+    let fresh =
+        new_token().map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
     let input = Input::Register {
         spec,
-        address: request.address.clone(),
-        epoch: request.epoch,
+        address: request.address.trim().to_string(),
         software: Software {
             backend: request.backend.clone(),
             driver: request.driver_version.clone(),
             cuda: request.cuda_version.clone(),
         },
     };
-    let issued = token.clone();
-    let (_, durable, ()) = shared.apply_with(
+    let (_, durable, (token, epoch)) = shared.apply_with(
         move |core: &mut Core| {
-            core.node_tokens.insert(name, issued);
-            (input, ())
+            let token = match &identity {
+                // The join token admits only names without an identity.
+                Identity::Join if core.has_credential(&name) => {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "node {name} is already registered; its agent registers again with \
+                             the node credential kept in its state directory (node.credential). \
+                             If that is lost, an admin can run `muster nodes reset-identity \
+                             {name}`, or pick another --name"
+                        ),
+                    ));
+                }
+                Identity::Join => {
+                    core.set_credential(&name, fresh.clone());
+                    fresh
+                }
+                Identity::Node(owner) if owner == &name.0 => {
+                    core.credential(&name).unwrap_or_default()
+                }
+                Identity::Node(owner) => {
+                    return Err(ApiError::new(
+                        ErrorCode::PermissionDenied,
+                        format!("this credential belongs to node {owner}, not to node {name}"),
+                    ));
+                }
+                Identity::Admin => {
+                    return Err(ApiError::new(
+                        ErrorCode::PermissionDenied,
+                        "agents register with the join token or their node credential, not the \
+                         admin token",
+                    ));
+                }
+            };
+            Ok((input, (token, name)))
+        },
+        |core, (token, name)| {
+            let epoch = core.control().node(&name).map_or(0, |node| node.epoch);
+            (token, epoch)
         },
         Batch::default(),
     )?;
     durable.wait().await?;
-    tracing::info!(node = %request.name, epoch = request.epoch, "node registered");
+    tracing::info!(node = %request.name, epoch, "node registered");
     Ok(Json(RegisterResponse {
         node_token: token,
+        epoch,
         lease_ms: shared.settings.lease_ms,
         heartbeat_ms: shared.settings.heartbeat_ms,
     }))
@@ -891,12 +1088,11 @@ async fn heartbeat(
     let known_unhealthy = {
         let core = shared.lock();
         let newer = core
-            .control
+            .control()
             .newer_heartbeat(&name, request.epoch, request.sequence)
             .unwrap_or(true);
-        core.control
-            .nodes
-            .get(&name)
+        core.control()
+            .node(&name)
             .filter(|_| newer)
             .map(|node| node.unhealthy_gpus.clone())
     };
@@ -932,21 +1128,29 @@ async fn heartbeat(
             _ = shutdown.wait_for(|stop| *stop) => {}
         }
     }
-    let (version, desired) = {
+    let (version, desired, covered) = {
         let core = shared.lock();
         let version = *versions.borrow();
         let desired = core
-            .control
+            .control()
             .desired(&name)
             .into_iter()
             .map(desired_view)
             .collect();
-        (version, desired)
+        // Every change so far is queued at or before this number.
+        (version, desired, shared.writer.queued())
     };
     // A barrier: every change made before the state was read is durable
     // before the agent may act on it (no task runs that a restarted server
-    // would not know about).
-    shared.writer.queue(Batch::default()).wait().await?;
+    // would not know about). Fails once the store has failed.
+    shared
+        .writer
+        .durable_through(covered)
+        .await
+        .map_err(|error| match shared.read_only_reason() {
+            Some(reason) => crate::core::read_only(&reason),
+            None => ApiError::from(error),
+        })?;
     Ok(Json(HeartbeatResponse {
         version,
         lease_ms: shared.settings.lease_ms,
@@ -978,7 +1182,7 @@ async fn push_logs(
     // The job's limit is shared by its tasks.
     let tasks = {
         let core = shared.lock();
-        let Some(found) = core.control.allocations.get(&allocation) else {
+        let Some(found) = core.control().allocation(allocation) else {
             return Err(ApiError::not_found(format!(
                 "no allocation {allocation}; send logs only for allocations this node was given"
             )));
@@ -992,9 +1196,8 @@ async fn push_logs(
                 ),
             ));
         }
-        core.control
-            .jobs
-            .get(&found.job)
+        core.control()
+            .job(found.job)
             .map_or(1, |job| job.spec.nodes)
     };
     if chunk.data.len() > MAX_LOG_CHUNK_BYTES {
@@ -1042,7 +1245,7 @@ async fn push_logs(
     info(title = "muster", description = "muster's /v1 API: jobs, nodes, queues, agents."),
     paths(
         submit_job, list_jobs, get_job, cancel_job, job_logs,
-        list_nodes, get_node, cordon_node, uncordon_node, drain_node,
+        list_nodes, get_node, remove_node, reset_identity, cordon_node, uncordon_node, drain_node,
         list_pools, list_queues, set_queue,
         register_agent, heartbeat, push_logs,
     ),
@@ -1081,7 +1284,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 15, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 16, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",
@@ -1109,7 +1312,7 @@ mod tests {
         assert_eq!(need_of("/healthz"), Need::Nothing);
         assert_eq!(need_of("/v1/openapi.json"), Need::Nothing);
         assert_eq!(need_of("/v1/jobs/3"), Need::Admin);
-        assert_eq!(need_of("/v1/agents/register"), Need::Join);
+        assert_eq!(need_of("/v1/agents/register"), Need::Register);
         assert_eq!(
             need_of("/v1/agents/gpu-1/heartbeat"),
             Need::Node("gpu-1".into())

@@ -2,19 +2,27 @@
 //! that makes its changes durable, and the signals that wake the scheduler,
 //! the agents' long polls and the log followers.
 //!
-//! Every change goes the same way: lock, feed the control plane an input
-//! (with the time read here), turn its [`Output`]s into store records and
+//! Every change goes the same way: lock, refuse if the store has failed,
+//! feed the control plane an input (with the time read here), turn what it
+//! says changed ([`ControlPlane::changed_records`]) into store records and
 //! queue them while still locked (so writes keep the order of the changes),
 //! bump the desired version of each node whose allocations changed, unlock,
 //! then wait for the commit where the caller must not answer before it.
+//!
+//! Fail closed: once a commit fails the writer writes nothing more and
+//! every change is refused with 503 (the memory holds a change the disk
+//! does not; a restart reads back exactly what was acknowledged). A
+//! panic while the lock is held leaves a state nobody can trust: the
+//! process aborts and a restart rebuilds from the store.
 
-use crate::records::{AllocationRecord, JobRecord, NodeRecord};
-use crate::store::{Batch, Counters, Loaded, StoreError};
+use crate::error::ApiError;
+use crate::records::{AllocationRecord, JobRecord, NodeRecord, RecordError, job_row};
+use crate::store::{Batch, Counters, Loaded};
 use crate::writer::{Durable, Writer};
-use muster_control::{AllocationId, ControlConfig, ControlError, ControlPlane, Input, Output};
-use muster_model::{JobId, NodeName, QueueSpec, Time};
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+use muster_api::protocol::ErrorCode;
+use muster_control::{ControlConfig, ControlPlane, Input, Output, Records};
+use muster_model::{NodeName, QueueSpec, Time};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::{Notify, watch};
@@ -33,12 +41,12 @@ pub fn now() -> Time {
 /// The control plane and what the shell keeps beside it.
 #[derive(Debug)]
 pub struct Core {
-    pub control: ControlPlane,
+    control: ControlPlane,
     pub next_job: u64,
-    /// Each node's bearer token.
-    pub node_tokens: BTreeMap<NodeName, String>,
-    /// Allocations of every attempt of each job, oldest first.
-    pub job_allocations: BTreeMap<JobId, Vec<AllocationId>>,
+    /// Each node's credential (bearer token), and the reverse map for
+    /// authentication.
+    node_tokens: BTreeMap<NodeName, String>,
+    token_nodes: HashMap<String, NodeName>,
     /// Per node, the version of its desired allocations.
     versions: BTreeMap<NodeName, watch::Sender<u64>>,
     version_counter: u64,
@@ -59,63 +67,109 @@ struct HeartbeatGaps {
     gaps: std::collections::VecDeque<u64>,
 }
 
+/// Why the stored state cannot be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreFailure {
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    #[error(
+        "{0}; the server refuses to start on it (restore the data directory from a backup, or \
+         report the problem with the store attached)"
+    )]
+    Inconsistent(muster_control::RestoreError),
+}
+
 impl Core {
-    /// Rebuilds the state from what the store holds. Nodes get a fresh
-    /// lease from `now`: their agents could not renew it while the server
-    /// was down.
-    pub fn restore(config: ControlConfig, loaded: Loaded, now: Time) -> Result<Core, StoreError> {
-        let mut control = ControlPlane::new(config);
-        let record = |error: crate::records::RecordError| StoreError::Record(error.to_string());
+    /// Rebuilds the state from what the store holds (every job not
+    /// retired). Nodes get a fresh lease from `now`: their agents could not
+    /// renew it while the server was down. A state that breaks an
+    /// invariant is refused.
+    pub fn restore(
+        config: ControlConfig,
+        loaded: Loaded,
+        now: Time,
+    ) -> Result<Core, RestoreFailure> {
+        let mut records = Records::default();
         let mut node_tokens = BTreeMap::new();
         for (node, token) in loaded.nodes {
-            let mut node = node.into_node().map_err(record)?;
-            node.last_heartbeat = now;
-            node_tokens.insert(node.spec.name.clone(), token);
-            control.nodes.insert(node.spec.name.clone(), node);
+            let node = node.into_node()?;
+            if !token.is_empty() {
+                node_tokens.insert(node.spec.name.clone(), token);
+            }
+            records.nodes.push(node);
         }
-        for queue in loaded.queues {
-            let spec = QueueSpec::from(queue);
-            control.queues.insert(spec.name.clone(), spec);
-        }
+        records.queues = loaded.queues.into_iter().map(QueueSpec::from).collect();
         let mut next_job = loaded.counters.next_job.max(1);
         for job in loaded.jobs {
-            let job = job.into_job().map_err(record)?;
+            let job = job.into_job()?;
             next_job = next_job.max(job.id.0 + 1);
-            control.jobs.insert(job.id, job);
+            records.jobs.push(job);
         }
-        let mut job_allocations: BTreeMap<JobId, Vec<AllocationId>> = BTreeMap::new();
-        control.next_allocation = loaded.counters.next_allocation.max(1);
-        control.next_generation = loaded.counters.next_generation.max(1);
         for allocation in loaded.allocations {
-            let allocation = allocation.into_allocation().map_err(record)?;
-            control.next_allocation = control.next_allocation.max(allocation.id.0 + 1);
-            control.next_generation = control.next_generation.max(allocation.generation + 1);
-            job_allocations
-                .entry(allocation.job)
-                .or_default()
-                .push(allocation.id);
-            control.allocations.insert(allocation.id, allocation);
+            records.allocations.push(allocation.into_allocation()?);
         }
-        if let Err(problem) = control.check_invariants() {
-            tracing::warn!(%problem, "the restored state breaks an invariant");
-        }
+        records.counters = muster_control::Counters {
+            next_allocation: loaded.counters.next_allocation,
+            next_generation: loaded.counters.next_generation,
+            next_epoch: loaded.counters.next_epoch,
+        };
+        let control =
+            ControlPlane::restore(config, records, now).map_err(RestoreFailure::Inconsistent)?;
         // Versions start from the clock, so an agent's version from before a
         // restart never matches a new one by chance.
         let version_counter = now.0;
         let versions = control
-            .nodes
-            .keys()
-            .map(|name| (name.clone(), watch::channel(version_counter).0))
+            .nodes()
+            .map(|node| (node.spec.name.clone(), watch::channel(version_counter).0))
+            .collect();
+        let token_nodes = node_tokens
+            .iter()
+            .map(|(name, token)| (token.clone(), name.clone()))
             .collect();
         Ok(Core {
             control,
             next_job,
             node_tokens,
-            job_allocations,
+            token_nodes,
             versions,
             version_counter,
             heartbeats: BTreeMap::new(),
         })
+    }
+
+    /// The control plane (read only: changes go through [`Shared::apply`]).
+    pub fn control(&self) -> &ControlPlane {
+        &self.control
+    }
+
+    /// The node a credential belongs to.
+    pub fn node_of_token(&self, token: &str) -> Option<&NodeName> {
+        self.token_nodes.get(token)
+    }
+
+    /// `node`'s credential.
+    pub fn credential(&self, node: &NodeName) -> Option<String> {
+        self.node_tokens.get(node).cloned()
+    }
+
+    /// Whether `node` has a credential (a registered identity).
+    pub fn has_credential(&self, node: &NodeName) -> bool {
+        self.node_tokens.contains_key(node)
+    }
+
+    /// Gives `node` a credential (replacing any it had).
+    pub fn set_credential(&mut self, node: &NodeName, token: String) {
+        self.revoke_credential(node);
+        self.token_nodes.insert(token.clone(), node.clone());
+        self.node_tokens.insert(node.clone(), token);
+    }
+
+    /// Takes `node`'s credential away: its agent must join again with the
+    /// join token.
+    pub fn revoke_credential(&mut self, node: &NodeName) {
+        if let Some(token) = self.node_tokens.remove(node) {
+            self.token_nodes.remove(&token);
+        }
     }
 
     /// Notes that a heartbeat from `node` arrived at `at` (a monotonic
@@ -131,7 +185,7 @@ impl Core {
                 seen.gaps
                     .push_back(u64::try_from(gap.as_millis()).unwrap_or(u64::MAX));
             }
-            None => {
+            None if self.control.node(node).is_some() => {
                 self.heartbeats.insert(
                     node.clone(),
                     HeartbeatGaps {
@@ -140,6 +194,7 @@ impl Core {
                     },
                 );
             }
+            None => {}
         }
     }
 
@@ -153,65 +208,71 @@ impl Core {
     }
 
     pub fn counters(&self) -> Counters {
+        let control = self.control.counters();
         Counters {
             next_job: self.next_job,
-            next_allocation: self.control.next_allocation,
-            next_generation: self.control.next_generation,
+            next_allocation: control.next_allocation,
+            next_generation: control.next_generation,
+            next_epoch: control.next_epoch,
         }
     }
 
-    /// A receiver of `node`'s desired version (created on first use).
+    /// A receiver of `node`'s desired version (created on first use, for a
+    /// known node).
     pub fn watch_desired(&mut self, node: &NodeName) -> watch::Receiver<u64> {
         let counter = self.version_counter;
-        self.versions
-            .entry(node.clone())
-            .or_insert_with(|| watch::channel(counter).0)
-            .subscribe()
+        match self.versions.get(node) {
+            Some(sender) => sender.subscribe(),
+            None if self.control.node(node).is_some() => self
+                .versions
+                .entry(node.clone())
+                .or_insert_with(|| watch::channel(counter).0)
+                .subscribe(),
+            None => watch::channel(counter).1,
+        }
     }
 
-    /// Records what changed since the next allocation id was
-    /// `allocations_before`, and bumps the desired version of each node
-    /// whose allocations changed.
-    fn record(&mut self, allocations_before: u64, outputs: &[Output], batch: &mut Batch) {
-        for id in allocations_before..self.control.next_allocation {
-            if let Some(allocation) = self.control.allocations.get(&AllocationId(id)) {
-                let list = self.job_allocations.entry(allocation.job).or_default();
-                if !list.contains(&allocation.id) {
-                    list.push(allocation.id);
+    /// Records what `outputs` changed into `batch`, and bumps the desired
+    /// version of each node whose allocations changed.
+    fn record(&mut self, outputs: &[Output], batch: &mut Batch) {
+        let changes = self.control.changed_records(outputs);
+        for job in &changes.jobs {
+            match serde_json::to_string(&JobRecord::from(*job)) {
+                Ok(text) => {
+                    batch.jobs.insert(job.id.0, job_row(job, text));
                 }
+                Err(error) => tracing::error!(job = job.id.0, %error, "cannot encode a job"),
             }
+        }
+        for allocation in &changes.allocations {
+            if let Ok(text) = serde_json::to_string(&AllocationRecord::from(*allocation)) {
+                batch
+                    .allocations
+                    .insert(allocation.id.0, (allocation.job.0, text));
+            }
+        }
+        for node in &changes.nodes {
+            let token = self
+                .node_tokens
+                .get(&node.spec.name)
+                .cloned()
+                .unwrap_or_default();
+            if let Ok(text) = serde_json::to_string(&NodeRecord::from(*node)) {
+                batch.nodes.insert(node.spec.name.0.clone(), (text, token));
+            }
+        }
+        let removed = changes.removed_nodes.clone();
+        if changes.counters.is_some() || !batch.jobs.is_empty() {
+            batch.counters = Some(self.counters());
+        }
+        for name in removed {
+            self.revoke_credential(&name);
+            self.heartbeats.remove(&name);
+            batch.nodes.remove(&name.0);
+            batch.removed_nodes.insert(name.0.clone());
         }
         for output in outputs {
             match output {
-                Output::JobChanged(id) => {
-                    let Some(job) = self.control.jobs.get(id) else {
-                        continue;
-                    };
-                    match serde_json::to_string(&JobRecord::from(job)) {
-                        Ok(text) => {
-                            batch.jobs.insert(id.0, text);
-                        }
-                        Err(error) => tracing::error!(job = id.0, %error, "cannot encode a job"),
-                    }
-                    for allocation_id in self.job_allocations.get(id).into_iter().flatten() {
-                        let Some(allocation) = self.control.allocations.get(allocation_id) else {
-                            continue;
-                        };
-                        if let Ok(text) = serde_json::to_string(&AllocationRecord::from(allocation))
-                        {
-                            batch.allocations.insert(allocation_id.0, (id.0, text));
-                        }
-                    }
-                }
-                Output::NodeChanged(name) => {
-                    let Some(node) = self.control.nodes.get(name) else {
-                        continue;
-                    };
-                    let token = self.node_tokens.get(name).cloned().unwrap_or_default();
-                    if let Ok(text) = serde_json::to_string(&NodeRecord::from(node)) {
-                        batch.nodes.insert(name.0.clone(), (text, token));
-                    }
-                }
                 Output::DesiredChanged(name) => {
                     self.version_counter += 1;
                     let version = self.version_counter;
@@ -219,16 +280,26 @@ impl Core {
                         Some(sender) => {
                             sender.send_replace(version);
                         }
-                        None => {
+                        None if self.control.node(name).is_some() => {
                             self.versions
                                 .insert(name.clone(), watch::channel(version).0);
                         }
+                        None => {}
                     }
                 }
+                Output::NodeRemoved(name) => {
+                    // Long polls of the removed node end (their version
+                    // moved), and its sender goes.
+                    if let Some(sender) = self.versions.remove(name) {
+                        self.version_counter += 1;
+                        sender.send_replace(self.version_counter);
+                    }
+                }
+                Output::JobRetired(id) => {
+                    batch.retired.insert(id.0);
+                }
+                Output::JobChanged(_) | Output::NodeChanged(_) => {}
             }
-        }
-        if !batch.jobs.is_empty() || !batch.allocations.is_empty() {
-            batch.counters = Some(self.counters());
         }
     }
 }
@@ -236,7 +307,6 @@ impl Core {
 /// Settings of the shell the handlers need.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub data_dir: PathBuf,
     pub lease_ms: u64,
     pub heartbeat_ms: u64,
 }
@@ -247,6 +317,8 @@ pub struct Shared {
     pub settings: Settings,
     core: Mutex<Core>,
     pub writer: Writer,
+    /// Retired jobs are read from here.
+    pub store: crate::store::SqliteStore,
     /// Wakes the scheduling loop (a submission, an exit, a registration).
     pub wake_scheduler: Notify,
     /// Bumped on every job change and log append (wakes log followers).
@@ -259,11 +331,24 @@ pub struct Shared {
     pub shutdown: watch::Receiver<bool>,
 }
 
+/// The answer to every change once the store has failed.
+pub fn read_only(reason: &str) -> ApiError {
+    ApiError::new(
+        ErrorCode::Unavailable,
+        format!(
+            "the server is read-only: a commit to its store failed ({reason}); nothing is \
+             accepted until it is restarted with a working store (see /healthz)"
+        ),
+    )
+}
+
 impl Shared {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         settings: Settings,
         core: Core,
         writer: Writer,
+        store: crate::store::SqliteStore,
         admin_token: String,
         join_token: String,
         logs: crate::logstore::LogStore,
@@ -273,6 +358,7 @@ impl Shared {
             settings,
             core: Mutex::new(core),
             writer,
+            store,
             wake_scheduler: Notify::new(),
             changes: watch::channel(0).0,
             admin_token,
@@ -282,52 +368,78 @@ impl Shared {
         }
     }
 
-    /// The state, locked. Never held across an `.await`.
+    /// The state, locked. Never held across an `.await`. A lock poisoned
+    /// by a panic mid-change is not recovered: the process aborts, and a
+    /// restart rebuilds the state from the store.
     pub fn lock(&self) -> MutexGuard<'_, Core> {
-        self.core
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        match self.core.lock() {
+            Ok(guard) => guard,
+            Err(_) => {
+                tracing::error!(
+                    "a panic interrupted a change to the control plane; its state cannot be \
+                     trusted: aborting (a restart rebuilds it from the store)"
+                );
+                eprintln!("muster server: the control plane's lock is poisoned; aborting");
+                std::process::abort();
+            }
+        }
+    }
+
+    /// Why the server refuses changes, if it does.
+    pub fn read_only_reason(&self) -> Option<String> {
+        self.writer.failed()
     }
 
     /// Feeds one input to the control plane and queues what changed, with
     /// `extra` records in the same commit.
-    pub fn apply(
-        &self,
-        input: Input,
-        extra: Batch,
-    ) -> Result<(Vec<Output>, Durable), ControlError> {
-        let (outputs, durable, ()) = self.apply_with(|_| (input, ()), extra)?;
+    pub fn apply(&self, input: Input, extra: Batch) -> Result<(Vec<Output>, Durable), ApiError> {
+        let (outputs, durable, ()) = self.apply_with(|_| Ok((input, ())), |_, ()| (), extra)?;
         Ok((outputs, durable))
     }
 
     /// As [`Shared::apply`], with the input made under the same lock (to
-    /// assign a job id or issue a node token, say).
-    pub fn apply_with<R>(
+    /// assign a job id or issue a node token, say; `make` may refuse), and
+    /// `then` reading the state right after the change, still locked.
+    pub fn apply_with<R, T>(
         &self,
-        make: impl FnOnce(&mut Core) -> (Input, R),
+        make: impl FnOnce(&mut Core) -> Result<(Input, R), ApiError>,
+        then: impl FnOnce(&Core, R) -> T,
         extra: Batch,
-    ) -> Result<(Vec<Output>, Durable, R), ControlError> {
+    ) -> Result<(Vec<Output>, Durable, T), ApiError> {
         let (outputs, durable, made) = {
             let mut core = self.lock();
-            let allocations_before = core.control.next_allocation;
-            let (input, made) = make(&mut core);
+            if let Some(reason) = self.read_only_reason() {
+                return Err(read_only(&reason));
+            }
+            let (input, made) = make(&mut core)?;
             let outputs = core.control.handle(now(), input)?;
+            let made = then(&core, made);
             let mut batch = extra;
-            core.record(allocations_before, &outputs, &mut batch);
+            core.record(&outputs, &mut batch);
             (outputs, self.writer.queue(batch), made)
         };
         self.after(&outputs, true);
         Ok((outputs, durable, made))
     }
 
+    /// Withdraws a submission whose commit failed (never acknowledged).
+    pub fn withdraw(&self, id: muster_model::JobId) {
+        let mut core = self.lock();
+        if let Err(error) = core.control.withdraw(id) {
+            tracing::warn!(job = id.0, %error, "an unsaved submission could not be withdrawn");
+        }
+    }
+
     /// Applies a scheduling cycle's outcome and queues what changed.
     pub fn apply_outcome(&self, outcome: &muster_sched::Outcome) {
         let outputs = {
             let mut core = self.lock();
-            let allocations_before = core.control.next_allocation;
+            if self.read_only_reason().is_some() {
+                return;
+            }
             let outputs = core.control.apply_outcome(now(), outcome);
             let mut batch = Batch::default();
-            core.record(allocations_before, &outputs, &mut batch);
+            core.record(&outputs, &mut batch);
             self.writer.queue_quietly(batch);
             outputs
         };
@@ -345,5 +457,27 @@ impl Shared {
         if wake_scheduler {
             self.wake_scheduler.notify_one();
         }
+    }
+}
+
+impl Shared {
+    /// Takes a node's credential away (its agent must join again with the
+    /// join token, as a new machine would), saved before the answer.
+    pub fn reset_identity(&self, name: &NodeName) -> Result<Durable, ApiError> {
+        let mut core = self.lock();
+        if let Some(reason) = self.read_only_reason() {
+            return Err(read_only(&reason));
+        }
+        let Some(node) = core.control.node(name) else {
+            return Err(ApiError::not_found(format!(
+                "no node {name}; `muster nodes` lists nodes"
+            )));
+        };
+        let text = serde_json::to_string(&NodeRecord::from(node))
+            .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
+        core.revoke_credential(name);
+        let mut batch = Batch::default();
+        batch.nodes.insert(name.0.clone(), (text, String::new()));
+        Ok(self.writer.queue(batch))
     }
 }

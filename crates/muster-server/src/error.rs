@@ -56,6 +56,7 @@ impl From<ControlError> for ApiError {
         let code = match &error {
             ControlError::JobNotFound(_) | ControlError::NodeNotFound(_) => ErrorCode::NotFound,
             ControlError::Conflict(_) => ErrorCode::Conflict,
+            ControlError::Invalid(_) => ErrorCode::InvalidArgument,
         };
         ApiError::new(code, error.to_string())
     }

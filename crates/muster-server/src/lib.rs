@@ -71,6 +71,12 @@ pub struct ServerConfig {
     /// task's log the first half and the latest bytes, with a marker for
     /// what is left out (see [`DEFAULT_MAX_LOG_BYTES`]).
     pub max_log_bytes: u64,
+    /// How long a finished job stays in memory; after that it is read from
+    /// the store when asked for.
+    pub retention_ms: u64,
+    /// The most the store may grow to, in MiB (`None`: no limit); past
+    /// it the server turns read-only.
+    pub store_max_mib: Option<u64>,
 }
 
 /// The default per-job log limit: 1 GiB.
@@ -88,6 +94,8 @@ impl ServerConfig {
             schedule_interval_ms: 200,
             placement: PlacementPolicy::default(),
             max_log_bytes: DEFAULT_MAX_LOG_BYTES,
+            retention_ms: muster_control::DEFAULT_RETENTION_MS,
+            store_max_mib: None,
         }
     }
 }
@@ -152,28 +160,36 @@ impl Server {
         let (admin_token, first_start) = auth::load_or_create(&data_dir.join("admin.token"))?;
         let (join_token, _) = auth::load_or_create(&data_dir.join("join.token"))?;
 
-        let store = SqliteStore::open(&data_dir).await?;
+        let store = SqliteStore::open_with(
+            &data_dir,
+            store::StoreOptions {
+                max_mib: config.store_max_mib,
+            },
+        )
+        .await?;
         let loaded = store.load().await?;
         let control_config = ControlConfig {
             lease_ms: config.lease_ms,
+            retention_ms: config.retention_ms,
             ..ControlConfig::default()
         };
-        let core = Core::restore(control_config, loaded, now())?;
+        let core = Core::restore(control_config, loaded, now())
+            .with_context(|| format!("cannot load the state in {}", data_dir.display()))?;
         tracing::info!(
-            jobs = core.control.jobs.len(),
-            nodes = core.control.nodes.len(),
+            jobs = core.control().job_count(),
+            nodes = core.control().nodes().count(),
             "state loaded"
         );
         let (writer, writer_task) = writer::Writer::start(store.clone());
         let (shutdown, shutdown_receiver) = watch::channel(false);
         let shared = Arc::new(Shared::new(
             Settings {
-                data_dir: data_dir.clone(),
                 lease_ms: config.lease_ms,
                 heartbeat_ms: config.heartbeat_ms,
             },
             core,
             writer,
+            store.clone(),
             admin_token.clone(),
             join_token.clone(),
             logstore::LogStore::new(data_dir.join("logs"), config.max_log_bytes),

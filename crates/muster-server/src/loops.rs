@@ -48,7 +48,10 @@ pub async fn scheduling_loop(
             _ = shutdown.changed() => break,
         }
         let cycle_started = tokio::time::Instant::now();
-        let (snapshot, pending) = shared.lock().control.scheduling_input(now());
+        if shared.read_only_reason().is_some() {
+            continue;
+        }
+        let (snapshot, pending) = shared.lock().control().scheduling_input(now());
         if pending.is_empty() {
             continue;
         }
@@ -89,6 +92,9 @@ pub async fn lease_ticker(shared: Arc<Shared>, mut shutdown: watch::Receiver<boo
         if *shutdown.borrow() {
             break;
         }
+        if shared.read_only_reason().is_some() {
+            continue;
+        }
         match shared.apply(Input::Tick, Default::default()) {
             Ok((outputs, _durable)) => {
                 for output in outputs {
@@ -97,7 +103,7 @@ pub async fn lease_ticker(shared: Arc<Shared>, mut shutdown: watch::Receiver<boo
                     }
                 }
             }
-            Err(error) => tracing::error!(%error, "the lease tick failed"),
+            Err(error) => tracing::error!(error = %error.body.message, "the lease tick failed"),
         }
     }
 }

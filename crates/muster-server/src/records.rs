@@ -124,6 +124,16 @@ impl JobRecord {
     }
 }
 
+/// A job's row in the store: its record and the columns it is found by.
+pub fn job_row(job: &Job, record: String) -> crate::store::JobRow {
+    crate::store::JobRow {
+        record,
+        state: job.state.name().to_string(),
+        user: job.user.clone(),
+        queue: job.spec.queue.0.clone(),
+    }
+}
+
 /// An allocation state's name, as the API and the store write it.
 pub fn allocation_state_name(state: AllocationState) -> &'static str {
     match state {

@@ -5,7 +5,7 @@ use crate::records::{allocation_state_name, node_state_name};
 use muster_api::protocol::{
     DesiredAllocation, EventView, GpuView, JobView, NodeView, QueueView, TaskView,
 };
-use muster_control::{AllocationState, DesiredTask, Job, JobState, Node};
+use muster_control::{Allocation, AllocationId, AllocationState, DesiredTask, Job, JobState, Node};
 use muster_model::{GpuRequest, QueueName, QueueSpec};
 use std::collections::BTreeMap;
 
@@ -19,11 +19,16 @@ pub fn gpus_text(request: GpuRequest) -> String {
     }
 }
 
-pub fn job_view(core: &Core, job: &Job) -> JobView {
+/// A job as the API shows it; `allocation` finds its allocations (in the
+/// hot state, or among those read from the store for a retired job).
+pub fn job_view<'a>(
+    job: &Job,
+    allocation: &dyn Fn(AllocationId) -> Option<&'a Allocation>,
+) -> JobView {
     let tasks = job
         .allocations
         .iter()
-        .filter_map(|id| core.control.allocations.get(id))
+        .filter_map(|id| allocation(*id))
         .map(|allocation| TaskView {
             rank: allocation.rank,
             node: allocation.node.0.clone(),
@@ -77,10 +82,7 @@ pub fn job_view(core: &Core, job: &Job) -> JobView {
 pub fn node_view(core: &Core, node: &Node) -> NodeView {
     let mut gpu_free = vec![1000u32; node.spec.gpus.len()];
     let mut allocations = Vec::new();
-    for allocation in core.control.allocations.values() {
-        if allocation.node != node.spec.name || !allocation.state.holds_resources() {
-            continue;
-        }
+    for allocation in core.control().live_allocations(&node.spec.name) {
         allocations.push(allocation.id.0);
         for &(index, milli) in &allocation.gpus {
             if let Some(free) = gpu_free.get_mut(index as usize) {
@@ -118,18 +120,21 @@ pub fn node_view(core: &Core, node: &Node) -> NodeView {
         last_heartbeat_ms: node.last_heartbeat.0,
         recent_heartbeat_gaps_ms: core.heartbeat_gaps(&node.spec.name),
         allocations,
+        excluded: core
+            .control()
+            .excluded_reason(&node.spec.name)
+            .map(str::to_string),
     }
 }
 
 /// Every configured queue, and every queue a job names.
 pub fn queue_views(core: &Core) -> Vec<QueueView> {
     let mut views: BTreeMap<QueueName, QueueView> = core
-        .control
-        .queues
-        .values()
+        .control()
+        .queues()
         .map(|spec| (spec.name.clone(), empty_queue_view(spec)))
         .collect();
-    for job in core.control.jobs.values() {
+    for job in core.control().jobs() {
         if job.state.is_final() {
             continue;
         }
@@ -140,10 +145,9 @@ pub fn queue_views(core: &Core) -> Vec<QueueView> {
             JobState::Pending => view.pending_jobs += 1,
             _ => {
                 view.running_jobs += 1;
-                let milli: u64 = job
-                    .allocations
-                    .iter()
-                    .filter_map(|id| core.control.allocations.get(id))
+                let milli: u64 = core
+                    .control()
+                    .current_allocations(job)
                     .filter(|a| a.state.holds_resources())
                     .flat_map(|a| a.gpus.iter().map(|&(_, m)| u64::from(m)))
                     .sum();

@@ -5,20 +5,37 @@
 //! for the disk, the next batches pile up and share the next commit.
 
 use crate::store::{Batch, Store, StoreError};
-use tokio::sync::{mpsc, oneshot};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::sync::{mpsc, oneshot, watch};
 
 /// The most queued changes folded into one commit.
 const MAX_GROUP: usize = 4096;
 
 struct Request {
     batch: Batch,
+    /// This batch's place in the queue (1, 2, ...).
+    sequence: u64,
     done: Option<oneshot::Sender<Result<(), StoreError>>>,
+}
+
+/// Where the writer stands: every batch up to `sequence` is durable; once
+/// a commit failed, `failed` says why and nothing more is written (the
+/// memory holds changes the disk does not: the server turns read-only
+/// rather than go on from a state it could not save).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Committed {
+    pub sequence: u64,
+    pub failed: Option<String>,
 }
 
 /// The sending side of the writer's queue.
 #[derive(Debug, Clone)]
 pub struct Writer {
     queue: mpsc::UnboundedSender<Request>,
+    /// The last sequence number handed out.
+    queued: Arc<AtomicU64>,
+    committed: watch::Receiver<Committed>,
 }
 
 impl std::fmt::Debug for Request {
@@ -44,8 +61,25 @@ impl Writer {
     /// is dropped and the queue is drained.
     pub fn start<S: Store>(store: S) -> (Writer, tokio::task::JoinHandle<()>) {
         let (queue, receiver) = mpsc::unbounded_channel();
-        let task = tokio::spawn(run(store, receiver));
-        (Writer { queue }, task)
+        let (committed_sender, committed) = watch::channel(Committed::default());
+        let task = tokio::spawn(run(store, receiver, committed_sender));
+        let writer = Writer {
+            queue,
+            queued: Arc::new(AtomicU64::new(0)),
+            committed,
+        };
+        (writer, task)
+    }
+
+    fn send(&self, batch: Batch, done: Option<oneshot::Sender<Result<(), StoreError>>>) -> bool {
+        let sequence = self.queued.fetch_add(1, Ordering::SeqCst) + 1;
+        self.queue
+            .send(Request {
+                batch,
+                sequence,
+                done,
+            })
+            .is_ok()
     }
 
     /// Queues a batch; the answer says when it is durable. Never blocks, so
@@ -53,13 +87,10 @@ impl Writer {
     /// keeps the writes in the order of the changes).
     pub fn queue(&self, batch: Batch) -> Durable {
         let (done, receiver) = oneshot::channel();
-        let request = Request {
-            batch,
-            done: Some(done),
-        };
-        match self.queue.send(request) {
-            Ok(()) => Durable(Some(receiver)),
-            Err(_) => Durable(None),
+        if self.send(batch, Some(done)) {
+            Durable(Some(receiver))
+        } else {
+            Durable(None)
         }
     }
 
@@ -68,27 +99,75 @@ impl Writer {
         if batch.is_empty() {
             return;
         }
-        let request = Request { batch, done: None };
-        if self.queue.send(request).is_err() {
+        if !self.send(batch, None) {
             tracing::warn!("a change was not saved: the store's writer has stopped");
+        }
+    }
+
+    /// The sequence number of the last batch queued: read under the
+    /// control plane's lock, it covers every change made so far.
+    pub fn queued(&self) -> u64 {
+        self.queued.load(Ordering::SeqCst)
+    }
+
+    /// Why the store stopped taking commits, if it did.
+    pub fn failed(&self) -> Option<String> {
+        self.committed.borrow().failed.clone()
+    }
+
+    /// Waits until every batch up to `sequence` is durable.
+    pub async fn durable_through(&self, sequence: u64) -> Result<(), StoreError> {
+        let mut committed = self.committed.clone();
+        let state = committed
+            .wait_for(|state| state.sequence >= sequence || state.failed.is_some())
+            .await
+            .map_err(|_| StoreError::Closed)?
+            .clone();
+        match state.failed {
+            Some(reason) if state.sequence < sequence => Err(StoreError::Database(reason)),
+            _ => Ok(()),
         }
     }
 }
 
-async fn run<S: Store>(store: S, mut receiver: mpsc::UnboundedReceiver<Request>) {
+async fn run<S: Store>(
+    store: S,
+    mut receiver: mpsc::UnboundedReceiver<Request>,
+    committed: watch::Sender<Committed>,
+) {
     let mut buffer = Vec::new();
+    let mut failed: Option<StoreError> = None;
     while receiver.recv_many(&mut buffer, MAX_GROUP).await > 0 {
         let mut batch = Batch::default();
         let mut waiters = Vec::with_capacity(buffer.len());
+        let mut last = 0;
         for request in buffer.drain(..) {
             batch.merge(request.batch);
+            last = last.max(request.sequence);
             if let Some(done) = request.done {
                 waiters.push(done);
             }
         }
-        let result = store.write(&batch).await;
-        if let Err(error) = &result {
-            tracing::error!(%error, "a commit to the store failed");
+        let result = match &failed {
+            // Nothing is written after a failed commit: the batches after
+            // it describe changes on top of one the disk does not have.
+            Some(error) => Err(error.clone()),
+            None => store.write(&batch).await,
+        };
+        match &result {
+            Ok(()) => {
+                committed.send_modify(|state| state.sequence = state.sequence.max(last));
+            }
+            Err(error) if failed.is_none() => {
+                tracing::error!(
+                    %error,
+                    "a commit to the store failed: the server is read-only until restarted"
+                );
+                failed = Some(error.clone());
+                let reason = error.to_string();
+                committed.send_modify(|state| state.failed = Some(reason));
+            }
+            Err(_) => {}
         }
         for waiter in waiters {
             let _ = waiter.send(result.clone());
@@ -100,8 +179,7 @@ async fn run<S: Store>(store: S, mut receiver: mpsc::UnboundedReceiver<Request>)
 mod tests {
     use super::*;
     use crate::store::Loaded;
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
 
     /// A store whose commits take a while, counting commits and records.
@@ -124,6 +202,56 @@ mod tests {
         }
     }
 
+    /// A store whose commits fail from the `fail_from`th on.
+    #[derive(Clone)]
+    struct FailingStore {
+        commits: Arc<AtomicUsize>,
+        fail_from: usize,
+    }
+
+    impl Store for FailingStore {
+        async fn load(&self) -> Result<Loaded, StoreError> {
+            Ok(Loaded::default())
+        }
+
+        async fn write(&self, _batch: &Batch) -> Result<(), StoreError> {
+            let commit = self.commits.fetch_add(1, Ordering::SeqCst) + 1;
+            if commit >= self.fail_from {
+                return Err(StoreError::Database("disk full".into()));
+            }
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn after_a_failed_commit_nothing_is_written_or_acknowledged() {
+        let store = FailingStore {
+            commits: Arc::new(AtomicUsize::new(0)),
+            fail_from: 2,
+        };
+        let (writer, task) = Writer::start(store.clone());
+        let mut first = Batch::default();
+        first.retired.insert(1);
+        writer.queue(first).wait().await.unwrap();
+        let covered = writer.queued();
+        writer.durable_through(covered).await.unwrap();
+        let mut second = Batch::default();
+        second.retired.insert(2);
+        assert!(writer.queue(second).wait().await.is_err());
+        assert!(writer.failed().unwrap().contains("disk full"));
+        let mut third = Batch::default();
+        third.retired.insert(3);
+        assert!(writer.queue(third).wait().await.is_err());
+        assert!(writer.durable_through(writer.queued()).await.is_err());
+        assert_eq!(
+            store.commits.load(Ordering::SeqCst),
+            2,
+            "no write after the failure"
+        );
+        drop(writer);
+        task.await.unwrap();
+    }
+
     #[tokio::test]
     async fn batches_queued_during_a_commit_share_the_next_one() {
         let store = SlowStore::default();
@@ -131,7 +259,15 @@ mod tests {
         let mut waiting = Vec::new();
         for id in 0..100 {
             let mut batch = Batch::default();
-            batch.jobs.insert(id, format!("{{\"id\":{id}}}"));
+            batch.jobs.insert(
+                id,
+                crate::store::JobRow {
+                    record: format!("{{\"id\":{id}}}"),
+                    state: "pending".into(),
+                    user: "u".into(),
+                    queue: "q".into(),
+                },
+            );
             waiting.push(writer.queue(batch));
         }
         for durable in waiting {

@@ -12,11 +12,17 @@ use std::time::Duration;
 /// Every test is bounded by this.
 const TEST_LIMIT: Duration = Duration::from_secs(25);
 
-async fn start(dir: &Path) -> ServerHandle {
+fn test_config(dir: &Path) -> ServerConfig {
     let mut config = ServerConfig::new(dir.to_path_buf());
     config.listen = "127.0.0.1:0".parse().expect("an address");
     config.schedule_interval_ms = 50;
-    Server::start(config).await.expect("server starts")
+    config
+}
+
+async fn start(dir: &Path) -> ServerHandle {
+    Server::start(test_config(dir))
+        .await
+        .expect("server starts")
 }
 
 struct Api {
@@ -92,16 +98,38 @@ impl Api {
     }
 
     /// Registers node `name` with the join token; it must succeed.
-    async fn register(&self, join_token: &str, name: &str, epoch: u64) -> RegisterResponse {
+    async fn register(&self, join_token: &str, name: &str) -> RegisterResponse {
         let (status, body) = self
             .post(
                 "/v1/agents/register",
                 join_token,
-                serde_json::to_value(register_request(name, epoch)).expect("a request"),
+                serde_json::to_value(register_request(name)).expect("a request"),
             )
             .await;
         assert_eq!(status, StatusCode::OK, "{body}");
         serde_json::from_value(body).expect("a registration")
+    }
+
+    /// Every job of `query` (`state=...&user=...`), page by page of
+    /// `page`, newest first.
+    async fn all_jobs(&self, token: &str, query: &str, page: u32) -> Vec<JobView> {
+        let mut jobs = Vec::new();
+        let mut cursor = String::new();
+        loop {
+            let path = format!("/v1/jobs?limit={page}&cursor={cursor}&{query}");
+            let (status, body) = self.get(&path, token).await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            let list: JobList = serde_json::from_value(body).expect("a job list");
+            assert!(
+                list.jobs.len() <= page as usize,
+                "a page holds at most the limit"
+            );
+            jobs.extend(list.jobs);
+            match list.next_cursor {
+                Some(next) => cursor = next,
+                None => return jobs,
+            }
+        }
     }
 
     async fn job(&self, token: &str, id: u64) -> JobView {
@@ -119,11 +147,10 @@ fn spec(name: &str, queue: &str, gpus: u32) -> Value {
     json!({ "name": name, "queue": queue, "gpus": gpus, "command": ["python", "train.py"] })
 }
 
-fn register_request(name: &str, epoch: u64) -> RegisterRequest {
+fn register_request(name: &str) -> RegisterRequest {
     RegisterRequest {
         name: name.to_string(),
         address: "127.0.0.1".to_string(),
-        epoch,
         gpus: (0..4)
             .map(|index| GpuView {
                 index,
@@ -182,7 +209,7 @@ async fn every_job_call_needs_the_admin_token() {
             .post(
                 "/v1/agents/register",
                 server.admin_token(),
-                serde_json::to_value(register_request("a", 1)).unwrap(),
+                serde_json::to_value(register_request("a")).unwrap(),
             )
             .await;
         assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
@@ -376,7 +403,7 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
         let api = Api::new(&server);
         let admin = server.admin_token().to_string();
 
-        let registered = api.register(server.join_token(), "gpu-1", 1).await;
+        let registered = api.register(server.join_token(), "gpu-1").await;
         let node_token = registered.node_token.clone();
         assert_eq!(registered.lease_ms, 10_000);
 
@@ -385,7 +412,7 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
         assert_eq!(status, StatusCode::FORBIDDEN);
         let beat = |known_version: u64, wait_ms: u64, observed: Vec<ObservedAllocation>| {
             serde_json::to_value(HeartbeatRequest {
-                epoch: 1,
+                epoch: registered.epoch,
                 observed,
                 wait_ms,
                 known_version,
@@ -623,6 +650,7 @@ fn all_running(desired: &[DesiredAllocation]) -> Vec<ObservedAllocation> {
 async fn wait_for_desired(
     api: &Api,
     token: &str,
+    epoch: u64,
     observed: &[ObservedAllocation],
     count: usize,
 ) -> HeartbeatResponse {
@@ -632,7 +660,7 @@ async fn wait_for_desired(
             .post(
                 "/v1/agents/gpu-1/heartbeat",
                 token,
-                heartbeat_body(7, observed.to_vec(), version, 2_000),
+                heartbeat_body(epoch, observed.to_vec(), version, 2_000),
             )
             .await;
         assert_eq!(status, StatusCode::OK, "{body}");
@@ -652,14 +680,9 @@ async fn a_restart_keeps_jobs_tokens_nodes_and_allocations() {
         let api = Api::new(&server);
         let admin = server.admin_token().to_string();
         let join = server.join_token().to_string();
-        let (_, body) = api
-            .post(
-                "/v1/agents/register",
-                &join,
-                serde_json::to_value(register_request("gpu-1", 7)).unwrap(),
-            )
-            .await;
-        let node_token = body["node_token"].as_str().unwrap().to_string();
+        let registered = api.register(&join, "gpu-1").await;
+        let node_token = registered.node_token.clone();
+        let epoch = registered.epoch;
         let mut ids = Vec::new();
         for name in ["a", "b", "c"] {
             ids.push(api.submit(&admin, spec(name, "default", 1)).await);
@@ -668,12 +691,12 @@ async fn a_restart_keeps_jobs_tokens_nodes_and_allocations() {
         never_fits["gpu_models"] = json!(["A100-40GB"]);
         let pending = api.submit(&admin, never_fits).await;
         ids.push(pending);
-        let placed = wait_for_desired(&api, &node_token, &[], 3).await;
+        let placed = wait_for_desired(&api, &node_token, epoch, &[], 3).await;
         let (status, _) = api
             .post(
                 "/v1/agents/gpu-1/heartbeat",
                 &node_token,
-                heartbeat_body(7, all_running(&placed.desired), placed.version, 0),
+                heartbeat_body(epoch, all_running(&placed.desired), placed.version, 0),
             )
             .await;
         assert_eq!(status, StatusCode::OK);
@@ -698,7 +721,7 @@ async fn a_restart_keeps_jobs_tokens_nodes_and_allocations() {
             .post(
                 "/v1/agents/gpu-1/heartbeat",
                 &node_token,
-                heartbeat_body(7, all_running(&placed.desired), placed.version, 0),
+                heartbeat_body(epoch, all_running(&placed.desired), placed.version, 0),
             )
             .await;
         assert_eq!(status, StatusCode::OK, "{body}");
@@ -709,7 +732,7 @@ async fn a_restart_keeps_jobs_tokens_nodes_and_allocations() {
         let next = api.submit(&admin, spec("d", "default", 1)).await;
         assert!(next > pending, "job ids are not reused");
         let placed_again =
-            wait_for_desired(&api, &node_token, &all_running(&placed.desired), 4).await;
+            wait_for_desired(&api, &node_token, epoch, &all_running(&placed.desired), 4).await;
         let newest = placed_again
             .desired
             .iter()
@@ -766,9 +789,17 @@ async fn a_burst_of_submissions_is_all_durable() {
 
         let server = start(dir.path()).await;
         let api = Api::new(&server);
+        // The default page is 100.
         let (_, body) = api.get("/v1/jobs", &admin).await;
         let list: JobList = serde_json::from_value(body).unwrap();
-        let mut found: Vec<u64> = list.jobs.iter().map(|j| j.id).collect();
+        assert_eq!(list.jobs.len(), 100);
+        assert!(list.next_cursor.is_some());
+        let mut found: Vec<u64> = api
+            .all_jobs(&admin, "", 64)
+            .await
+            .iter()
+            .map(|j| j.id)
+            .collect();
         found.sort_unstable();
         assert_eq!(found, acknowledged);
         server.shutdown().await;
@@ -783,14 +814,12 @@ async fn an_unhealthy_gpu_reported_in_a_heartbeat_is_taken_out_of_service() {
         let server = start(dir.path()).await;
         let api = Api::new(&server);
         let admin = server.admin_token().to_string();
-        let token = api
-            .register(server.join_token(), "gpu-1", 1)
-            .await
-            .node_token;
+        let registered = api.register(server.join_token(), "gpu-1").await;
+        let token = registered.node_token.clone();
         // GPU 0 is out of service from the start.
         let beat = |version: u64| {
             serde_json::to_value(HeartbeatRequest {
-                epoch: 1,
+                epoch: registered.epoch,
                 observed: Vec::new(),
                 wait_ms: 2_000,
                 known_version: version,
@@ -845,6 +874,345 @@ async fn a_second_server_on_the_same_data_directory_is_refused() {
         // Once the first is gone, the directory is free again.
         let again = start(dir.path()).await;
         again.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_jobs_leave_memory_and_stay_listed_and_readable_from_the_store() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = test_config(dir.path());
+        // Retired at the first lease tick (every second) after they end.
+        config.retention_ms = 0;
+        let server = Server::start(config).await.unwrap();
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let mut ids = Vec::new();
+        for i in 0..30 {
+            let mut job = spec(&format!("j{i}"), if i % 2 == 0 { "even" } else { "odd" }, 1);
+            // Never placed: no node has this model.
+            job["gpu_models"] = json!(["A100-40GB"]);
+            ids.push(api.submit(&admin, job).await);
+        }
+        for &id in &ids[..20] {
+            let (status, body) = api
+                .post(&format!("/v1/jobs/{id}/cancel"), &admin, json!({}))
+                .await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+        }
+        // After a tick the 20 cancelled ones are retired; wait for it.
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        let all = api.all_jobs(&admin, "", 7).await;
+        let listed: Vec<u64> = all.iter().map(|j| j.id).collect();
+        let mut newest_first = ids.clone();
+        newest_first.reverse();
+        assert_eq!(
+            listed, newest_first,
+            "every job once, newest first, across pages"
+        );
+        let cancelled = api.all_jobs(&admin, "state=cancelled", 6).await;
+        assert_eq!(cancelled.len(), 20);
+        assert!(cancelled.iter().all(|j| j.state == "cancelled"));
+        let odd_cancelled = api.all_jobs(&admin, "state=cancelled&queue=odd", 100).await;
+        assert_eq!(odd_cancelled.len(), 10);
+        let pending = api.all_jobs(&admin, "state=pending", 100).await;
+        assert_eq!(pending.len(), 10);
+        // A retired job reads back whole, and cancelling it again is
+        // harmless.
+        let first = api.job(&admin, ids[0]).await;
+        assert_eq!(first.state, "cancelled");
+        assert!(first.history.iter().any(|e| e.what == "cancelled"));
+        let (status, body) = api
+            .post(&format!("/v1/jobs/{}/cancel", ids[0]), &admin, json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let (status, _) = api.get("/v1/jobs?limit=0", &admin).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let (status, _) = api.get("/v1/jobs?cursor=abc", &admin).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        server.shutdown().await;
+
+        // A restart loads only what is not retired, and lists the same.
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let again: Vec<u64> = api
+            .all_jobs(&admin, "", 100)
+            .await
+            .iter()
+            .map(|j| j.id)
+            .collect();
+        assert_eq!(again, newest_first);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_join_token_admits_only_new_names_and_a_node_keeps_its_credential() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let join = server.join_token().to_string();
+        let first = api.register(&join, "gpu-1").await;
+        let job = api.submit(&admin, spec("a", "default", 1)).await;
+        let placed = wait_for_desired(&api, &first.node_token, first.epoch, &[], 1).await;
+        let (status, _) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &first.node_token,
+                heartbeat_body(first.epoch, all_running(&placed.desired), 0, 0),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+
+        // An impostor with the join token cannot take the name.
+        let (status, body) = api
+            .post(
+                "/v1/agents/register",
+                &join,
+                serde_json::to_value(register_request("gpu-1")).unwrap(),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CONFLICT, "{body}");
+        assert!(
+            error_of(&body).message.contains("node.credential"),
+            "{body}"
+        );
+        // Nor with another node's credential.
+        let other = api.register(&join, "gpu-2").await;
+        let (status, _) = api
+            .post(
+                "/v1/agents/register",
+                &other.node_token,
+                serde_json::to_value(register_request("gpu-1")).unwrap(),
+            )
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        // The real node's job runs on.
+        assert_eq!(api.job(&admin, job).await.state, "running");
+
+        // The real agent restarts: its credential registers it again, with
+        // the same credential and a newer epoch; the old epoch is refused.
+        let (status, body) = api
+            .post(
+                "/v1/agents/register",
+                &first.node_token,
+                serde_json::to_value(register_request("gpu-1")).unwrap(),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let again: RegisterResponse = serde_json::from_value(body).unwrap();
+        assert_eq!(again.node_token, first.node_token);
+        assert!(again.epoch > other.epoch && other.epoch > first.epoch);
+        let (status, body) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &first.node_token,
+                heartbeat_body(first.epoch, all_running(&placed.desired), 0, 0),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CONFLICT, "{body}");
+        let (status, body) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &first.node_token,
+                heartbeat_body(again.epoch, all_running(&placed.desired), 0, 0),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(api.job(&admin, job).await.state, "running");
+
+        // A node spec the cluster cannot take is refused with the reason.
+        let mut big = register_request("big");
+        big.gpus = (0..65)
+            .map(|index| GpuView {
+                index,
+                uuid: format!("GPU-big-{index}"),
+                model: "H100-80GB".to_string(),
+                memory_mib: 81_920,
+                nvlink_domain: 0,
+            })
+            .collect();
+        let (status, body) = api
+            .post(
+                "/v1/agents/register",
+                &join,
+                serde_json::to_value(big).unwrap(),
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(error_of(&body).message.contains("65 GPUs"), "{body}");
+
+        // An admin resets the identity: the credential stops working and
+        // the join token may claim the name again.
+        let (status, body) = api
+            .post("/v1/nodes/gpu-1/reset-identity", &admin, json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let (status, body) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &first.node_token,
+                heartbeat_body(again.epoch, Vec::new(), 0, 0),
+            )
+            .await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+        assert!(
+            !body.to_string().contains(&dir.path().display().to_string()),
+            "no server path: {body}"
+        );
+        let renewed = api.register(&join, "gpu-1").await;
+        assert_ne!(renewed.node_token, first.node_token);
+        server.shutdown().await;
+
+        // Credentials survive a restart; the revoked one stays revoked.
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let (status, _) = api
+            .post(
+                "/v1/agents/register",
+                &renewed.node_token,
+                serde_json::to_value(register_request("gpu-1")).unwrap(),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, _) = api
+            .post(
+                "/v1/agents/register",
+                &first.node_token,
+                serde_json::to_value(register_request("gpu-1")).unwrap(),
+            )
+            .await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_holding_work_is_removed_only_with_force() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let node = api.register(server.join_token(), "gpu-1").await;
+        let job = api.submit(&admin, spec("a", "default", 1)).await;
+        wait_for_desired(&api, &node.node_token, node.epoch, &[], 1).await;
+        let (status, body) = api
+            .call(
+                reqwest::Method::DELETE,
+                "/v1/nodes/gpu-1",
+                Some(&admin),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::CONFLICT, "{body}");
+        assert!(error_of(&body).message.contains("--force"), "{body}");
+        let (status, body) = api
+            .call(
+                reqwest::Method::DELETE,
+                "/v1/nodes/gpu-1?force=true",
+                Some(&admin),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+        let (status, _) = api.get("/v1/nodes/gpu-1", &admin).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        let view = api.job(&admin, job).await;
+        assert_eq!(view.state, "pending", "re-queued: {:?}", view.history);
+        // Its credential went with it.
+        let (status, _) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &node.node_token,
+                heartbeat_body(node.epoch, Vec::new(), 0, 0),
+            )
+            .await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        server.shutdown().await;
+        // And it stays removed after a restart.
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let (status, _) = api.get("/v1/nodes/gpu-1", &admin).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_commit_makes_the_server_read_only_and_nothing_unsaved_is_acknowledged() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = test_config(dir.path());
+        // A store that may not grow past 1 MiB: it fills up.
+        config.store_max_mib = Some(1);
+        let server = Server::start(config).await.unwrap();
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let node = api.register(server.join_token(), "gpu-1").await;
+        let mut acknowledged = Vec::new();
+        let mut refusal = None;
+        let padding = "x".repeat(16 * 1024);
+        for i in 0..400 {
+            let mut job = spec(&format!("j{i}"), "default", 1);
+            job["gpu_models"] = json!(["A100-40GB"]);
+            job["env"] = json!({ "PADDING": padding });
+            let (status, body) = api.post("/v1/jobs", &admin, json!({ "spec": job })).await;
+            if status == StatusCode::CREATED {
+                acknowledged.push(body["id"].as_u64().unwrap());
+            } else {
+                refusal = Some((status, body));
+                break;
+            }
+        }
+        let (status, body) = refusal.expect("the store fills up");
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(!acknowledged.is_empty());
+        // Read-only from now on: writes answer 503 with the reason,
+        // heartbeats too (no answer may carry unsaved state), and /healthz
+        // says so.
+        let (status, body) = api
+            .post(
+                "/v1/jobs",
+                &admin,
+                json!({ "spec": spec("late", "default", 1) }),
+            )
+            .await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(error_of(&body).message.contains("read-only"), "{body}");
+        let (status, _) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &node.node_token,
+                heartbeat_body(node.epoch, Vec::new(), 0, 0),
+            )
+            .await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        let (status, body) = api.call(reqwest::Method::GET, "/healthz", None, None).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.to_string().contains("read-only"), "{body}");
+        server.shutdown().await;
+
+        // Restarted with room: exactly the acknowledged jobs are there.
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let mut found: Vec<u64> = api
+            .all_jobs(&admin, "", 1000)
+            .await
+            .iter()
+            .map(|j| j.id)
+            .collect();
+        found.sort_unstable();
+        assert_eq!(found, acknowledged);
+        let (status, _) = api.call(reqwest::Method::GET, "/healthz", None, None).await;
+        assert_eq!(status, StatusCode::OK);
+        server.shutdown().await;
     })
     .await;
 }
