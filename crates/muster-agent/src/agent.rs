@@ -31,7 +31,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub struct AgentConfig {
     /// `http://host:port` of the server.
     pub server: String,
-    pub join_token: String,
+    /// The join token: needed only to join as a new node (no credential
+    /// in the state directory yet, or the credential was revoked).
+    pub join_token: Option<String>,
     pub name: String,
     /// How other nodes reach this one (a gang's master address).
     pub address: String,
@@ -54,6 +56,46 @@ pub struct AgentConfig {
     pub allow_root_tasks: bool,
     /// The most processes and threads one task may have at once.
     pub task_pids_max: Option<u64>,
+}
+
+/// The node's credential, in its state directory (mode 0600).
+pub const CREDENTIAL_FILE: &str = "node.credential";
+
+fn read_credential(path: &std::path::Path) -> Result<Option<String>, String> {
+    match std::fs::read_to_string(path) {
+        Ok(text) if !text.trim().is_empty() => Ok(Some(text.trim().to_string())),
+        Ok(_) => Ok(None),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(format!(
+            "cannot read the node credential {}: {error}",
+            path.display()
+        )),
+    }
+}
+
+/// Writes the credential for the owner only, replacing the file whole.
+fn write_credential(path: &std::path::Path, token: &str) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let temporary = path.with_extension("new");
+    let write = || -> std::io::Result<()> {
+        let _ = std::fs::remove_file(&temporary);
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&temporary)?;
+        file.write_all(token.as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&temporary, path)
+    };
+    write().map_err(|error| {
+        format!(
+            "cannot keep the node credential in {}: {error}; check that the state directory is \
+             writable",
+            path.display()
+        )
+    })
 }
 
 fn now_ms() -> u64 {
@@ -133,11 +175,9 @@ pub async fn run(
         })
         .collect();
     let uuids: BTreeMap<u32, String> = gpus.iter().map(|g| (g.index, g.uuid.clone())).collect();
-    let epoch = now_ms();
     let register = RegisterRequest {
         name: config.name.clone(),
         address: config.address.clone(),
-        epoch,
         gpus,
         cpu_milli: machine_cpu_milli(),
         memory_mib: machine_memory_mib(),
@@ -206,9 +246,20 @@ pub async fn run(
     let core_config = CoreConfig {
         fence_margin_ms: config.fence_margin.as_millis() as u64,
     };
-    let (mut core, outputs) = AgentCore::new(core_config, epoch, now_ms(), lease, adopted);
+    let (mut core, outputs) = AgentCore::new(core_config, now_ms(), lease, adopted);
+    let credential_file = config.state_dir.join(CREDENTIAL_FILE);
+    let credential = read_credential(&credential_file)?;
+    if credential.is_none() && config.join_token.is_none() {
+        return Err(format!(
+            "this node has no credential yet ({} is missing): pass the join token with \
+             --join-token-file or MUSTER_JOIN_TOKEN to join the cluster",
+            credential_file.display()
+        ));
+    }
     let mut shell = Shell {
-        joiner: Client::new(&config.server, &config.join_token),
+        credential,
+        credential_file,
+        join_token: config.join_token.clone(),
         client: None,
         register,
         runtime: Arc::clone(&runtime),
@@ -295,7 +346,11 @@ enum Answer {
 /// What the agent's loop holds besides the core: connections, the runtime,
 /// the names of the tasks, the request in flight.
 struct Shell {
-    joiner: Client,
+    /// This node's own credential (from an earlier registration), kept in
+    /// the state directory; registrations use it, else the join token.
+    credential: Option<String>,
+    credential_file: PathBuf,
+    join_token: Option<String>,
     /// With the node's token, once registered.
     client: Option<Client>,
     register: RegisterRequest,
@@ -328,7 +383,12 @@ impl Shell {
                     deadline_ms,
                     ..
                 } => {
-                    let joiner = self.joiner.clone();
+                    let token = self
+                        .credential
+                        .clone()
+                        .or_else(|| self.join_token.clone())
+                        .unwrap_or_default();
+                    let joiner = Client::new(&self.server, &token);
                     let request = self.register.clone();
                     let limit = self.limit(deadline_ms);
                     self.in_flight = Some(Box::pin(async move {
@@ -493,10 +553,16 @@ impl Shell {
                 sequence,
                 result: Ok(registered),
             } => {
+                if self.credential.as_deref() != Some(registered.node_token.as_str()) {
+                    write_credential(&self.credential_file, &registered.node_token)?;
+                    self.credential = Some(registered.node_token.clone());
+                }
                 self.client = Some(Client::new(&self.server, &registered.node_token));
                 self.logs.set_token(&registered.node_token);
+                tracing::info!(epoch = registered.epoch, "registered");
                 Input::Registered {
                     sequence,
+                    epoch: registered.epoch,
                     lease_ms: registered.lease_ms,
                     heartbeat_ms: registered.heartbeat_ms,
                 }
@@ -505,10 +571,34 @@ impl Shell {
                 sequence,
                 result: Err(error),
             } => {
-                if error.code().is_some() {
-                    return Err(format!("the server refused to register this node: {error}"));
+                match error.code() {
+                    // The credential was revoked (an admin reset the
+                    // identity, or removed the node): join anew with the
+                    // join token, if this agent has it.
+                    Some(ErrorCode::Unauthenticated) if self.credential.is_some() => {
+                        let Some(_) = &self.join_token else {
+                            return Err(format!(
+                                "the server no longer accepts this node's credential ({error}); \
+                                 an admin reset its identity or removed it: restart the agent \
+                                 with the join token (--join-token-file or MUSTER_JOIN_TOKEN) \
+                                 to join again"
+                            ));
+                        };
+                        tracing::warn!(
+                            "the node's credential was refused (identity reset or node \
+                             removed): joining again with the join token"
+                        );
+                        let _ = std::fs::remove_file(&self.credential_file);
+                        self.credential = None;
+                    }
+                    // The server cannot save anything now: try again.
+                    Some(ErrorCode::Unavailable | ErrorCode::Internal) | None => {
+                        tracing::warn!("cannot register yet: {error}");
+                    }
+                    Some(_) => {
+                        return Err(format!("the server refused to register this node: {error}"));
+                    }
                 }
-                tracing::warn!("cannot register yet: {error}");
                 Input::RegisterFailed { sequence }
             }
             Answer::Heartbeat {

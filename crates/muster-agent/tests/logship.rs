@@ -38,7 +38,6 @@ async fn setup(max_log_bytes: u64) -> (Setup, String, u64) {
         .register(&RegisterRequest {
             name: "n1".into(),
             address: "127.0.0.1".into(),
-            epoch: 1,
             gpus: Vec::new(),
             cpu_milli: 4000,
             memory_mib: 4096,
@@ -63,7 +62,7 @@ async fn setup(max_log_bytes: u64) -> (Setup, String, u64) {
             .heartbeat(
                 "n1",
                 &HeartbeatRequest {
-                    epoch: 1,
+                    epoch: registered.epoch,
                     observed: Vec::new(),
                     wait_ms: 500,
                     known_version: 0,

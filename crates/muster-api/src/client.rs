@@ -38,6 +38,12 @@ pub struct JobFilter {
     pub state: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// Only jobs not finished.
+    pub active: bool,
+    /// The most jobs in one page (the server's default: 100).
+    pub limit: Option<u32>,
+    /// Where the previous page ended (its `next_cursor`).
+    pub cursor: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -142,10 +148,15 @@ impl Client {
 
     pub async fn jobs(&self, filter: &JobFilter) -> Result<JobList, ClientError> {
         let mut query = Vec::new();
+        let limit = filter.limit.map(|limit| limit.to_string());
+        let active = filter.active.then(|| "true".to_string());
         for (key, value) in [
             ("queue", &filter.queue),
             ("state", &filter.state),
             ("user", &filter.user),
+            ("active", &active),
+            ("limit", &limit),
+            ("cursor", &filter.cursor),
         ] {
             if let Some(value) = value {
                 query.push(format!("{key}={}", encode(value)));
@@ -157,6 +168,39 @@ impl Client {
             format!("?{}", query.join("&"))
         };
         self.get(&format!("/v1/jobs{suffix}")).await
+    }
+
+    /// Up to `most` jobs of `filter` (every one: `None`), newest first,
+    /// page by page.
+    pub async fn all_jobs(
+        &self,
+        filter: &JobFilter,
+        most: Option<usize>,
+    ) -> Result<(Vec<JobView>, bool), ClientError> {
+        let mut filter = filter.clone();
+        let mut jobs = Vec::new();
+        loop {
+            if let Some(most) = most {
+                let left = most.saturating_sub(jobs.len());
+                filter.limit = Some(left.clamp(1, 1000) as u32);
+            } else {
+                filter.limit = Some(1000);
+            }
+            let page = self.jobs(&filter).await?;
+            jobs.extend(page.jobs);
+            let full = most.is_some_and(|most| jobs.len() >= most);
+            match page.next_cursor {
+                Some(cursor) if !full => filter.cursor = Some(cursor),
+                // Whether more jobs were left out.
+                Some(_) => return Ok((jobs, true)),
+                None => return Ok((jobs, false)),
+            }
+        }
+    }
+
+    pub async fn remove_node(&self, name: &str, force: bool) -> Result<NodeRemoved, ClientError> {
+        let url = format!("{}/v1/nodes/{}?force={force}", self.base, encode(name));
+        self.send(self.http.delete(&url), &url).await
     }
 
     pub async fn job(&self, id: u64) -> Result<JobView, ClientError> {

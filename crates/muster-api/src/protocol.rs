@@ -124,6 +124,15 @@ pub struct GpuView {
     pub nvlink_domain: u32,
 }
 
+/// The answer to `DELETE /v1/nodes/{name}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct NodeRemoved {
+    pub name: String,
+    /// Jobs whose work on the node was stopped to be placed again.
+    pub requeued_jobs: Vec<u64>,
+}
+
 /// `POST /v1/agents/register`: with the join token for a new node name,
 /// with the node's own credential (the `node_token` an earlier
 /// registration returned) for a node the cluster knows.

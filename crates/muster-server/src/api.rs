@@ -252,6 +252,8 @@ fn check_name(what: &str, name: &str) -> Result<(), ApiError> {
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct JobQuery {
+    /// Only jobs not finished (pending, running, stopping).
+    active: Option<bool>,
     /// Only jobs of this queue.
     queue: Option<String>,
     /// Only jobs in this state (pending, running, stopping, succeeded,
@@ -405,12 +407,14 @@ async fn list_jobs(
     };
     let queue = query.queue.filter(|q| !q.is_empty());
     let user = query.user.filter(|u| !u.is_empty());
+    let active = query.active.unwrap_or(false);
     let mut jobs: Vec<JobView> = {
         let core = shared.lock();
         let control = core.control();
         control
             .jobs_newest_first(before.map(JobId))
             .filter(|job| state.is_none_or(|state| job.state == state))
+            .filter(|job| !active || !job.state.is_final())
             .filter(|job| queue.as_deref().is_none_or(|q| job.spec.queue.0 == q))
             .filter(|job| user.as_deref().is_none_or(|u| job.user == u))
             .take(limit as usize)
@@ -419,7 +423,7 @@ async fn list_jobs(
     };
     // Retired jobs are finished ones: the store is asked only when they
     // can match.
-    if state.is_none_or(JobState::is_final) {
+    if !active && state.is_none_or(JobState::is_final) {
         let filter = crate::store::JobFilter {
             state: state.map(|s| s.name().to_string()),
             user: user.clone(),
@@ -660,7 +664,7 @@ pub struct RemoveQuery {
     delete, path = "/v1/nodes/{name}", tag = "nodes",
     params(("name" = String, Path, description = "the node's name"), RemoveQuery),
     responses(
-        (status = 204, description = "removed"),
+        (status = 200, description = "removed", body = NodeRemoved),
         (status = 404, body = ErrorBody),
         (status = 409, description = "it holds work; drain it or pass force", body = ErrorBody),
     ),
@@ -670,15 +674,25 @@ async fn remove_node(
     State(shared): Shared_,
     PathParams(name): PathParams<String>,
     Params(query): Params<RemoveQuery>,
-) -> Result<StatusCode, ApiError> {
+) -> Result<Json<NodeRemoved>, ApiError> {
     let input = Input::RemoveNode {
         node: NodeName(name.clone()),
         force: query.force.unwrap_or(false),
     };
-    let (_, durable) = shared.apply(input, Batch::default())?;
+    let (outputs, durable) = shared.apply(input, Batch::default())?;
     durable.wait().await?;
-    tracing::info!(node = %name, "node removed by an admin");
-    Ok(StatusCode::NO_CONTENT)
+    let requeued_jobs: Vec<u64> = outputs
+        .iter()
+        .filter_map(|output| match output {
+            muster_control::Output::JobChanged(id) => Some(id.0),
+            _ => None,
+        })
+        .collect();
+    tracing::info!(node = %name, ?requeued_jobs, "node removed by an admin");
+    Ok(Json(NodeRemoved {
+        name,
+        requeued_jobs,
+    }))
 }
 
 /// Reset a node's identity: its credential is revoked, so its agent (or

@@ -918,6 +918,8 @@ async fn finished_jobs_leave_memory_and_stay_listed_and_readable_from_the_store(
         assert_eq!(odd_cancelled.len(), 10);
         let pending = api.all_jobs(&admin, "state=pending", 100).await;
         assert_eq!(pending.len(), 10);
+        let active = api.all_jobs(&admin, "active=true", 4).await;
+        assert_eq!(active.len(), 10);
         // A retired job reads back whole, and cancelling it again is
         // harmless.
         let first = api.job(&admin, ids[0]).await;
@@ -1120,7 +1122,8 @@ async fn a_node_holding_work_is_removed_only_with_force() {
                 None,
             )
             .await;
-        assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["requeued_jobs"], json!([job]));
         let (status, _) = api.get("/v1/nodes/gpu-1", &admin).await;
         assert_eq!(status, StatusCode::NOT_FOUND);
         let view = api.job(&admin, job).await;

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -287,12 +287,6 @@ fn load_average() -> String {
         .unwrap_or_else(|| "unknown".to_string())
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 // ---------------------------------------------------------------------------
 // Child processes
 
@@ -435,8 +429,8 @@ async fn start_child_agent(dir: &Path, server: &ChildServer, gpus: &str) -> Resu
         "agent".to_string(),
         "--server".to_string(),
         server.url.clone(),
-        "--join-token".to_string(),
-        server.join_token.clone(),
+        "--join-token-file".to_string(),
+        server.data_dir.join("join.token").display().to_string(),
         "--name".to_string(),
         name.to_string(),
         "--address".to_string(),
@@ -675,9 +669,8 @@ async fn agents(args: AgentsBench) -> Result<()> {
     };
 
     // Register every agent, 64 at a time.
-    let epoch = now_ms();
     let registered_at = Instant::now();
-    let mut nodes: Vec<(u64, String, String)> = Vec::with_capacity(args.count as usize);
+    let mut nodes: Vec<(u64, String, String, u64)> = Vec::with_capacity(args.count as usize);
     let joiner = Client::new(&url, &join_token);
     let names: Vec<u64> = (0..args.count).collect();
     for chunk in names.chunks(64) {
@@ -687,7 +680,6 @@ async fn agents(args: AgentsBench) -> Result<()> {
             let request = RegisterRequest {
                 name: format!("bench-{agent:05}"),
                 address: "127.0.0.1".to_string(),
-                epoch,
                 gpus: simulated_gpus(agent),
                 cpu_milli: 64_000,
                 memory_mib: 512 * 1024,
@@ -706,7 +698,7 @@ async fn agents(args: AgentsBench) -> Result<()> {
         for call in calls {
             let (agent, name, answer) = call.await.context("a registration task failed")?;
             match answer {
-                Ok(Ok(answer)) => nodes.push((agent, name, answer.node_token)),
+                Ok(Ok(answer)) => nodes.push((agent, name, answer.node_token, answer.epoch)),
                 Ok(Err(error)) => {
                     return Err(anyhow!(error))
                         .with_context(|| format!("cannot register {name} at {url}"));
@@ -728,7 +720,7 @@ async fn agents(args: AgentsBench) -> Result<()> {
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let count = nodes.len() as u64;
     let mut tasks = Vec::with_capacity(nodes.len());
-    for (position, (_, name, token)) in nodes.into_iter().enumerate() {
+    for (position, (_, name, token, epoch)) in nodes.into_iter().enumerate() {
         let client = Client::new(&url, &token);
         let measuring = measuring.clone();
         let mut stopped = stopped.clone();

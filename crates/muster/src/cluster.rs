@@ -1,7 +1,7 @@
 //! `muster server`, `muster agent` and `muster up` (both in one process).
 
 use crate::commands::{DEFAULT_SERVER, config_path, default_data_dir};
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use muster_agent::{AgentConfig, GpuBackend, NvmlBackend, SimulatedBackend};
 use std::net::SocketAddr;
@@ -30,6 +30,15 @@ pub struct ServerArgs {
     /// left out between them.
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     pub max_log_bytes: u64,
+    /// How long a finished job stays in the server's memory; older ones are
+    /// read from the store when asked for (`muster ps --all`, describe).
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = parse_duration_ms)]
+    pub retention: u64,
+    /// The most the store (muster.db) may grow to, e.g. 20GiB; past it the
+    /// server turns read-only (writes answer 503, /healthz says why)
+    /// instead of losing what it acknowledged. Default: no limit.
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
+    pub store_max_size: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -37,9 +46,12 @@ pub struct AgentArgs {
     /// The server's URL.
     #[arg(long, env = "MUSTER_SERVER")]
     pub server: String,
-    /// The join token (the server's join.token file).
-    #[arg(long, env = "MUSTER_JOIN_TOKEN", hide_env_values = true)]
-    pub join_token: String,
+    /// A file holding the join token (the server's join.token), or set
+    /// MUSTER_JOIN_TOKEN. Needed only to join as a new node: the agent then
+    /// keeps its own credential in its state directory (node.credential)
+    /// and registers with that. Never pass a secret on the command line.
+    #[arg(long, value_name = "PATH")]
+    pub join_token_file: Option<PathBuf>,
     /// The node's name (default: the host name).
     #[arg(long)]
     pub name: Option<String>,
@@ -154,6 +166,9 @@ pub struct UpArgs {
     /// The most bytes kept of each job's output (see `muster server --help`).
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     pub max_log_bytes: u64,
+    /// How long a finished job stays in the server's memory.
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = parse_duration_ms)]
+    pub retention: u64,
     #[command(flatten)]
     pub isolation: IsolationArgs,
 }
@@ -256,12 +271,16 @@ fn server_config(
     lease_ms: u64,
     placement: muster_sched::PlacementPolicy,
     max_log_bytes: u64,
+    retention_ms: u64,
+    store_max_bytes: Option<u64>,
 ) -> muster_server::ServerConfig {
     muster_server::ServerConfig {
         listen,
         lease_ms,
         placement,
         max_log_bytes,
+        retention_ms,
+        store_max_mib: store_max_bytes.map(|bytes| bytes.div_ceil(1 << 20)),
         ..muster_server::ServerConfig::new(data_dir)
     }
 }
@@ -276,6 +295,8 @@ pub fn server(args: ServerArgs) -> Result<()> {
             args.lease,
             args.placement,
             args.max_log_bytes,
+            args.retention,
+            args.store_max_size,
         ))
         .await?;
         eprintln!("muster server listening on http://{}", handle.addr());
@@ -285,7 +306,11 @@ pub fn server(args: ServerArgs) -> Result<()> {
             data_dir.join("join.token").display()
         );
         if handle.first_start {
-            eprintln!("first start: the admin token is {}", handle.admin_token());
+            eprintln!(
+                "first start: new tokens written; `muster` on this machine reads the admin \
+                 token from {} with MUSTER_TOKEN=$(cat ...) or --token",
+                data_dir.join("admin.token").display()
+            );
         }
         shutdown_signal().await;
         handle.shutdown().await;
@@ -306,6 +331,23 @@ fn backend(simulate: Option<&str>, name: &str) -> Result<(Arc<dyn GpuBackend>, O
     }
 }
 
+/// The join token, from `--join-token-file` or `MUSTER_JOIN_TOKEN`.
+fn join_token(file: Option<&std::path::Path>) -> Result<Option<String>> {
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the join token from {}", path.display()))?;
+        let token = text.trim();
+        if token.is_empty() {
+            bail!("{} is empty; it should hold the server's join token", path.display());
+        }
+        return Ok(Some(token.to_string()));
+    }
+    Ok(std::env::var("MUSTER_JOIN_TOKEN")
+        .ok()
+        .map(|token| token.trim().to_string())
+        .filter(|token| !token.is_empty()))
+}
+
 pub fn agent(args: AgentArgs) -> Result<()> {
     init_logging();
     let name = args.name.clone().unwrap_or_else(host_name);
@@ -317,7 +359,7 @@ pub fn agent(args: AgentArgs) -> Result<()> {
     let (cgroups, supervisor) = isolation(&args.isolation, &name, &state_dir)?;
     let config = AgentConfig {
         server: args.server.clone(),
-        join_token: args.join_token.clone(),
+        join_token: join_token(args.join_token_file.as_deref())?,
         name: name.clone(),
         address: args.address.clone().unwrap_or_else(host_name),
         state_dir,
@@ -370,6 +412,8 @@ pub fn up(args: UpArgs) -> Result<()> {
             10_000,
             args.placement,
             args.max_log_bytes,
+            args.retention,
+            None,
         ))
         .await?;
         let url = format!("http://{}", handle.addr());
@@ -390,7 +434,7 @@ pub fn up(args: UpArgs) -> Result<()> {
         .with_context(|| format!("cannot write {}", config_file.display()))?;
         let agent = AgentConfig {
             server: url.clone(),
-            join_token: handle.join_token().to_string(),
+            join_token: Some(handle.join_token().to_string()),
             name: name.clone(),
             address: "127.0.0.1".to_string(),
             state_dir: data_dir.join("agent"),

@@ -468,6 +468,10 @@ pub struct PsArgs {
     /// Include finished jobs.
     #[arg(long, short = 'a')]
     pub all: bool,
+    /// Show at most this many jobs, newest first (0: every one; the list
+    /// is read from the server a page at a time).
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -478,22 +482,24 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
         queue: args.queue.clone(),
         state: args.state.clone(),
         user: args.user.clone(),
+        // Finished jobs only with --all or when their state is asked for.
+        active: !args.all && args.state.is_none(),
+        ..JobFilter::default()
     };
-    let list = runtime()?
-        .block_on(client.jobs(&filter))
+    let most = (args.limit > 0).then_some(args.limit);
+    let (jobs, more) = runtime()?
+        .block_on(client.all_jobs(&filter, most))
         .map_err(anyhow::Error::from)?;
-    let jobs: Vec<&JobView> = list
-        .jobs
-        .iter()
-        .filter(|j| {
-            args.all
-                || args.state.is_some()
-                || !matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled")
-        })
-        .collect();
+    let jobs: Vec<&JobView> = jobs.iter().collect();
     if args.connection.json {
         print_json(&jobs)?;
         return Ok(0);
+    }
+    if more {
+        eprintln!(
+            "the {} most recent jobs; --limit N shows more, --limit 0 all of them",
+            jobs.len()
+        );
     }
     table(
         &[
@@ -650,11 +656,36 @@ pub fn cancel(args: JobArgs) -> Result<u8, Failure> {
 }
 
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct NodesArgs {
+    #[command(subcommand)]
+    pub action: Option<NodesAction>,
     /// Show this node in detail (GPUs, free capacity, allocations).
     pub node: Option<String>,
     #[command(flatten)]
     pub connection: Connection,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum NodesAction {
+    /// Remove a node (admin). Refused while it holds running work unless
+    /// --force, which re-queues that work. Its credential goes with it: an
+    /// agent still running there joins again as a new node only with the
+    /// join token.
+    Remove {
+        /// The node's name.
+        node: String,
+        /// Remove it even while it holds work (re-queued).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Revoke a node's credential (admin): its agent is refused, and the
+    /// join token may register the name again (a reinstalled machine, a
+    /// lost state directory, a leaked credential).
+    ResetIdentity {
+        /// The node's name.
+        node: String,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -725,6 +756,41 @@ fn describe_node(node: &NodeView) {
 
 pub fn nodes(args: NodesArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
+    match &args.action {
+        Some(NodesAction::Remove { node, force }) => {
+            let removed = runtime()?
+                .block_on(client.remove_node(node, *force))
+                .map_err(anyhow::Error::from)?;
+            if args.connection.json {
+                print_json(&removed)?;
+            } else if removed.requeued_jobs.is_empty() {
+                outln!("node {} removed", removed.name);
+            } else {
+                let jobs: Vec<String> = removed.requeued_jobs.iter().map(u64::to_string).collect();
+                outln!(
+                    "node {} removed; re-queued job(s) {}",
+                    removed.name,
+                    jobs.join(", ")
+                );
+            }
+            return Ok(0);
+        }
+        Some(NodesAction::ResetIdentity { node }) => {
+            let view = runtime()?
+                .block_on(client.node_action(node, "reset-identity"))
+                .map_err(anyhow::Error::from)?;
+            if args.connection.json {
+                print_json(&view)?;
+            } else {
+                outln!(
+                    "node {}: credential revoked; its agent joins again with the join token",
+                    view.name
+                );
+            }
+            return Ok(0);
+        }
+        None => {}
+    }
     if let Some(name) = &args.node {
         let node = runtime()?
             .block_on(client.node(name))
@@ -746,6 +812,7 @@ pub fn nodes(args: NodesArgs) -> Result<u8, Failure> {
     table(
         &[
             "NAME", "STATE", "POOL", "RACK", "GPUS", "CPUS", "MEMORY", "BACKEND", "DRIVER", "SEEN",
+            "NOTE",
         ],
         list.nodes
             .iter()
@@ -767,6 +834,9 @@ pub fn nodes(args: NodesArgs) -> Result<u8, Failure> {
                     n.backend.clone(),
                     n.driver_version.clone().unwrap_or_else(|| "-".into()),
                     format!("{} ago", ago(n.last_heartbeat_ms)),
+                    n.excluded
+                        .as_deref()
+                        .map_or_else(String::new, |why| format!("not scheduled: {why}")),
                 ]
             })
             .collect(),

@@ -128,7 +128,8 @@ fn muster_up_runs_jobs_end_to_end() {
 fn a_server_with_three_agents_runs_a_gang() {
     let env = Env::new();
     let (_server, data) = env.start_server();
-    let join = std::fs::read_to_string(data.join("join.token")).expect("join token");
+    let join = data.join("join.token");
+    let join = join.to_str().expect("a UTF-8 path");
     let token = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
     let mut agents = Vec::new();
     for name in ["node-a", "node-b", "node-c"] {
@@ -143,8 +144,8 @@ fn a_server_with_three_agents_runs_a_gang() {
                 "agent",
                 "--server",
                 &env.url,
-                "--join-token",
-                join.trim(),
+                "--join-token-file",
+                join,
                 "--name",
                 name,
                 "--address",

@@ -217,7 +217,8 @@ fn a_task_writing_at_full_speed_does_not_delay_heartbeats() {
             "16MiB",
         ],
     );
-    let join = std::fs::read_to_string(data.join("join.token")).expect("join token");
+    let join = data.join("join.token");
+    let join = join.to_str().expect("a UTF-8 path");
     let token = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
     env.flags = vec![
         "--server".into(),
@@ -232,8 +233,8 @@ fn a_task_writing_at_full_speed_does_not_delay_heartbeats() {
             "agent",
             "--server",
             &env.url,
-            "--join-token",
-            join.trim(),
+            "--join-token-file",
+            join,
             "--name",
             "node-a",
             "--address",
@@ -370,7 +371,8 @@ fn a_restarted_agent_resumes_shipping_where_the_server_is() {
         "server",
         &["server", "--listen", &listen, "--data-dir", &data_arg],
     );
-    let join = std::fs::read_to_string(data.join("join.token")).expect("join token");
+    let join = data.join("join.token");
+    let join = join.to_str().expect("a UTF-8 path");
     let token = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
     env.flags = vec![
         "--server".into(),
@@ -384,8 +386,8 @@ fn a_restarted_agent_resumes_shipping_where_the_server_is() {
         "agent",
         "--server",
         &env.url,
-        "--join-token",
-        join.trim(),
+        "--join-token-file",
+        join,
         "--name",
         "node-a",
         "--address",

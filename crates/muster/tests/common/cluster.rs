@@ -115,13 +115,13 @@ impl Cluster {
     /// its state under `dir/NAME`, its output in `dir/NAME.log`.
     pub fn agent_with(&self, name: &str, server_url: &str, gpus: &str, extra: &[&str]) -> Daemon {
         let state = self.path(name);
-        let join_token = self.token("join.token");
+        let join_token = self.path("server").join("join.token");
         let mut args = vec![
             "agent",
             "--server",
             server_url,
-            "--join-token",
-            &join_token,
+            "--join-token-file",
+            join_token.to_str().expect("utf-8 path"),
             "--name",
             name,
             "--address",
