@@ -76,9 +76,15 @@ fn read_credential(path: &std::path::Path) -> Result<Option<String>, String> {
 /// Writes the credential for the owner only, replacing the file whole.
 fn write_credential(path: &std::path::Path, token: &str) -> Result<(), String> {
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     let temporary = path.with_extension("new");
     let write = || -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)?;
+        }
         let _ = std::fs::remove_file(&temporary);
         let mut file = std::fs::OpenOptions::new()
             .write(true)

@@ -338,7 +338,10 @@ fn join_token(file: Option<&std::path::Path>) -> Result<Option<String>> {
             .with_context(|| format!("cannot read the join token from {}", path.display()))?;
         let token = text.trim();
         if token.is_empty() {
-            bail!("{} is empty; it should hold the server's join token", path.display());
+            bail!(
+                "{} is empty; it should hold the server's join token",
+                path.display()
+            );
         }
         return Ok(Some(token.to_string()));
     }

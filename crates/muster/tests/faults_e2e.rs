@@ -46,10 +46,10 @@ fn a_server_killed_during_a_burst_loses_no_acknowledged_job() {
     let acknowledged = acknowledged.lock().unwrap().clone();
     assert!(acknowledged.len() >= 100);
     cluster.start_server();
-    let jobs = rt
-        .block_on(cluster.client().jobs(&Default::default()))
-        .expect("jobs listed")
-        .jobs;
+    // Every job, page by page.
+    let (jobs, _) = rt
+        .block_on(cluster.client().all_jobs(&Default::default(), None))
+        .expect("jobs listed");
     let mut ids: Vec<u64> = jobs.iter().map(|j| j.id).collect();
     ids.sort_unstable();
     let before = ids.len();

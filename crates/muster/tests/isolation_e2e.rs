@@ -112,14 +112,12 @@ fn five_hundred_short_jobs_leave_no_process_behind() {
     });
     assert_eq!(ids.len(), 500);
     wait_until("500 jobs to succeed", Duration::from_secs(600), || {
-        rt.block_on(client.jobs(&Default::default()))
-            .is_ok_and(|list| {
-                list.jobs
-                    .iter()
-                    .filter(|job| job.state == "succeeded")
-                    .count()
-                    == 500
-            })
+        let succeeded = muster_api::client::JobFilter {
+            state: Some("succeeded".to_string()),
+            ..Default::default()
+        };
+        rt.block_on(client.all_jobs(&succeeded, None))
+            .is_ok_and(|(jobs, _)| jobs.len() == 500)
     });
     eprintln!(
         "500 short jobs through one agent in {:.1} s",

@@ -1,0 +1,212 @@
+//! Nodes at the boundary, end to end with the real binary: odd node specs
+//! never stop a healthy node's jobs, the join token cannot take a known
+//! node's name, and a node's own credential carries it across agent
+//! restarts.
+
+mod common;
+
+use common::cluster::{Cluster, runtime, spawn, state, wait_for_nodes};
+use common::wait_until;
+use muster_api::client::{Client, ClientError};
+use muster_api::protocol::{ErrorCode, GpuView, RegisterRequest};
+use std::time::Duration;
+
+fn register_request(name: &str, models: &[&str]) -> RegisterRequest {
+    RegisterRequest {
+        name: name.to_string(),
+        address: "127.0.0.1".to_string(),
+        gpus: models
+            .iter()
+            .enumerate()
+            .map(|(index, model)| GpuView {
+                index: index as u32,
+                uuid: format!("GPU-{name}-{index}"),
+                model: model.to_string(),
+                memory_mib: 16_384,
+                nvlink_domain: 0,
+            })
+            .collect(),
+        cpu_milli: 8_000,
+        memory_mib: 64 * 1024,
+        pool: None,
+        rack: None,
+        backend: "simulated".to_string(),
+        driver_version: None,
+        cuda_version: None,
+    }
+}
+
+#[test]
+fn odd_nodes_do_not_stop_a_healthy_nodes_jobs() {
+    let cluster = Cluster::start("10s");
+    let url = cluster.url();
+    let _healthy = cluster.agent("healthy", &url);
+    // The mixed GPUs `muster agent --help` suggests.
+    let _mixed = cluster.agent_with("mixed", &url, "2xA100-40GB,4xL4", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    let joiner = Client::new(&url, &cluster.token("join.token"));
+    wait_for_nodes(&rt, &client, 2);
+
+    // A 65-GPU agent is refused with the reason, and says so as it exits.
+    let mut big = cluster.agent_with("big", &url, "65xH100-80GB", &[]);
+    let status = (0..600)
+        .find_map(|_| {
+            std::thread::sleep(Duration::from_millis(50));
+            big.0.try_wait().expect("wait")
+        })
+        .expect("the 65-GPU agent stops");
+    assert!(!status.success());
+    let log = std::fs::read_to_string(cluster.path("big.log")).unwrap();
+    assert!(
+        log.contains("65 GPUs") && log.contains("at most 64"),
+        "{log}"
+    );
+    // 70 nodes of 70 distinct GPU models (registered by hand; they never
+    // heartbeat, so they are lost after the lease).
+    for i in 0..70 {
+        let model = format!("MODEL-{i}");
+        rt.block_on(joiner.register(&register_request(&format!("odd-{i}"), &[&model])))
+            .expect("a node of a new model joins");
+    }
+    wait_for_nodes(&rt, &client, 72);
+
+    // Jobs still run: on the healthy node, on each model of the mixed
+    // one, and on one of the 70 models while its node is up.
+    let submit = |models: &[&str]| {
+        let spec = serde_json::json!({
+            "name": "probe", "gpus": 1, "gpu_models": models, "command": ["true"],
+            // A node mixing models offers each model a share of its CPUs
+            // and memory in proportion to its GPUs (this machine may have
+            // two cores).
+            "cpus": 0.1, "memory": "64MiB",
+        });
+        rt.block_on(client.submit(spec)).expect("submitted")
+    };
+    let on_healthy = submit(&["H100-80GB"]);
+    let on_l4 = submit(&["L4"]);
+    let on_a100 = submit(&["A100-40GB"]);
+    for id in [on_healthy, on_l4, on_a100] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while state(&rt, &client, id) != "succeeded" {
+            if std::time::Instant::now() > deadline {
+                let job = rt.block_on(client.job(id));
+                let server_log = std::fs::read_to_string(cluster.path("server.log"));
+                panic!("job {id} did not succeed: {job:?}\n{server_log:?}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    let job = rt.block_on(client.job(on_l4)).unwrap();
+    assert_eq!(job.tasks[0].node, "mixed");
+    let index = job.tasks[0].gpus[0].0;
+    assert!((2..6).contains(&index), "an L4 (indices 2 to 5): {index}");
+    let job = rt.block_on(client.job(on_a100)).unwrap();
+    assert_eq!(job.tasks[0].node, "mixed");
+    assert!(job.tasks[0].gpus[0].0 < 2);
+    let job = rt.block_on(client.job(on_healthy)).unwrap();
+    assert_eq!(job.tasks[0].node, "healthy");
+    // The server's log has no failed cycle.
+    let server_log = std::fs::read_to_string(cluster.path("server.log")).unwrap();
+    assert!(
+        !server_log.contains("scheduling cycle failed"),
+        "{server_log}"
+    );
+}
+
+#[test]
+fn the_join_token_cannot_take_a_known_node_and_its_credential_survives_restarts() {
+    let cluster = Cluster::start("10s");
+    let url = cluster.url();
+    let mut agent = Some(cluster.agent("node-a", &url));
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    let credential_now = || {
+        std::fs::read_to_string(cluster.path("node-a").join("node.credential")).unwrap_or_default()
+    };
+    wait_until("the credential file", Duration::from_secs(10), || {
+        cluster.path("node-a").join("node.credential").exists()
+    });
+    let credential = credential_now();
+    let mode = std::fs::metadata(cluster.path("node-a").join("node.credential"))
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
+        .unwrap();
+    assert_eq!(mode, 0o600, "owner-only");
+    let spec = serde_json::json!({
+        "name": "long", "gpus": 1, "env": {"HF_TOKEN": "secret-of-alice"},
+        "command": ["sleep", "6"],
+    });
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the job to run", Duration::from_secs(30), || {
+        state(&rt, &client, id) == "running"
+    });
+
+    // An impostor with the join token is refused, and learns nothing.
+    let joiner = Client::new(&url, &cluster.token("join.token"));
+    let refused = rt
+        .block_on(joiner.register(&register_request("node-a", &["H100-80GB"])))
+        .unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::Conflict), "{refused}");
+    assert!(!refused.to_string().contains("secret-of-alice"));
+
+    // The agent restarts without the join token: its credential registers
+    // it again, it adopts its task, and the job runs to success once.
+    drop(agent.take());
+    agent = Some(spawn(
+        cluster.dir.path(),
+        "node-a.log",
+        &[
+            "agent",
+            "--server",
+            &url,
+            "--name",
+            "node-a",
+            "--address",
+            "127.0.0.1",
+            "--simulate-gpus",
+            "1xH100-80GB",
+            "--state-dir",
+            cluster.path("node-a").to_str().unwrap(),
+        ],
+    ));
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    while state(&rt, &client, id) != "succeeded" {
+        if std::time::Instant::now() > deadline {
+            let job = rt.block_on(client.job(id));
+            let log = std::fs::read_to_string(cluster.path("node-a.log"));
+            panic!("job {id} did not succeed: {job:?}\n{log:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let job = rt.block_on(client.job(id)).unwrap();
+    assert_eq!(job.attempts, 1, "never re-run: {:?}", job.history);
+    assert_eq!(credential_now(), credential, "the same credential");
+    let log = std::fs::read_to_string(cluster.path("node-a.log")).unwrap();
+    assert!(log.matches("registered").count() >= 2, "{log}");
+
+    // An admin resets the identity: the agent is refused, and without the
+    // join token it stops with a clear error.
+    let reset = rt.block_on(client.node_action("node-a", "reset-identity"));
+    assert!(reset.is_ok(), "{reset:?}");
+    let mut running = agent.take().unwrap();
+    let status = (0..600)
+        .find_map(|_| {
+            std::thread::sleep(Duration::from_millis(50));
+            running.0.try_wait().expect("wait")
+        })
+        .expect("the agent stops once its credential is revoked");
+    assert!(!status.success());
+    let log = std::fs::read_to_string(cluster.path("node-a.log")).unwrap();
+    assert!(log.contains("join token"), "{log}");
+    // With the join token it joins again as a new identity.
+    let _again = cluster.agent("node-a", &url);
+    wait_until("node-a to be ready again", Duration::from_secs(30), || {
+        rt.block_on(client.node("node-a"))
+            .is_ok_and(|node| node.state == "ready")
+            && !credential_now().is_empty()
+            && credential_now() != credential
+    });
+    let error: Result<_, ClientError> = rt.block_on(client.remove_node("node-a", false));
+    assert!(error.is_ok(), "an idle node is removed: {error:?}");
+}
