@@ -84,15 +84,15 @@ impl World {
     }
 
     fn epoch(&self, node: &str) -> u64 {
-        self.control.node(&NodeName::from(node)).unwrap().epoch
+        self.control.node(&NodeName::from(node)).expect("present").epoch
     }
 
     fn allocation_state(&self, task: &DesiredTask) -> AllocationState {
-        self.control.allocation(task.allocation).unwrap().state
+        self.control.allocation(task.allocation).expect("present").state
     }
 
     fn job(&self, id: u64) -> &muster_control::Job {
-        self.control.job(JobId(id)).unwrap()
+        self.control.job(JobId(id)).expect("present")
     }
 
     fn state(&self, id: u64) -> JobState {
@@ -235,7 +235,7 @@ fn reports_with_an_old_generation_are_ignored() {
     world.report("a", vec![running(&tasks[0])]);
     world.report("a", vec![stale]);
     assert_eq!(world.state(1), JobState::Running);
-    let allocation = world.control.allocation(tasks[0].allocation).unwrap();
+    let allocation = world.control.allocation(tasks[0].allocation).expect("present");
     assert_eq!(allocation.state, AllocationState::Running);
 }
 
@@ -265,7 +265,7 @@ fn a_heartbeat_from_an_old_epoch_is_refused() {
                 observed: vec![],
             },
         )
-        .unwrap_err();
+        .expect_err("refused");
     assert!(error.to_string().contains("register"), "{error}");
 }
 
@@ -357,7 +357,7 @@ fn a_start_on_a_gpu_that_went_bad_after_the_snapshot_is_not_applied() {
         &SchedulingPolicy::default(),
         &mut ChaCha8Rng::seed_from_u64(1),
     )
-    .unwrap();
+    .expect("present");
     assert_eq!(outcome.started.len(), 1);
     // Between the snapshot and applying the outcome, GPU 2 fails.
     world.step(Input::GpuHealth {
@@ -434,12 +434,12 @@ fn an_old_or_duplicated_heartbeat_applies_nothing() {
         world
             .control
             .node(&NodeName::from("a"))
-            .unwrap()
+            .expect("present")
             .last_heartbeat,
         world.now
     );
     assert_ne!(
-        before.node(&NodeName::from("a")).unwrap().last_heartbeat,
+        before.node(&NodeName::from("a")).expect("present").last_heartbeat,
         world.now
     );
     assert!(world.desired("a")[0].stop, "still told to stop");
@@ -527,7 +527,7 @@ fn a_node_with_work_is_removed_only_with_force_which_requeues_the_work() {
                 force: false,
             },
         )
-        .unwrap_err();
+        .expect_err("refused");
     assert!(refused.to_string().contains("--force"), "{refused}");
     let outputs = world
         .control
@@ -538,8 +538,8 @@ fn a_node_with_work_is_removed_only_with_force_which_requeues_the_work() {
                 force: true,
             },
         )
-        .unwrap();
-    world.control.check_invariants().unwrap();
+        .expect("present");
+    world.control.check_invariants().expect("present");
     assert!(outputs.contains(&muster_control::Output::NodeRemoved(NodeName::from("a"))));
     assert!(world.control.node(&NodeName::from("a")).is_none());
     // b's task is told to stop; once it exits the job waits in line again.
@@ -557,8 +557,8 @@ fn a_node_with_work_is_removed_only_with_force_which_requeues_the_work() {
                 force: false,
             },
         )
-        .unwrap();
-    world.control.check_invariants().unwrap();
+        .expect("present");
+    world.control.check_invariants().expect("present");
 }
 
 #[test]
@@ -600,7 +600,7 @@ fn a_node_spec_the_cluster_cannot_take_is_refused_with_every_reason() {
                 software: Software::default(),
             },
         )
-        .unwrap_err();
+        .expect_err("refused");
     let text = error.to_string();
     assert!(
         text.contains("65 GPUs") && text.contains("at most 64"),
@@ -622,7 +622,7 @@ fn a_node_spec_the_cluster_cannot_take_is_refused_with_every_reason() {
 fn a_submission_never_acknowledged_is_withdrawn() {
     let mut world = World::new(&["a"]);
     world.submit(1, 1, 1);
-    world.control.withdraw(JobId(1)).unwrap();
+    world.control.withdraw(JobId(1)).expect("present");
     assert!(world.control.job(JobId(1)).is_none());
     world.submit(2, 1, 1);
     world.cycle();

@@ -232,7 +232,7 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                             memory_limit: false,
                         };
                         match (pattern >> (3 * i)) & 7 {
-                            0 | 1 | 2 => Some(base),
+                            0..=2 => Some(base),
                             3 => Some(Observed {
                                 exited: Some(Some(0)),
                                 ..base

@@ -432,7 +432,7 @@ async fn list_jobs(
         for stored in shared.store.retired_jobs(&filter, before, limit).await? {
             jobs.push(FoundJob::from_store(stored)?.view());
         }
-        jobs.sort_by(|a, b| b.id.cmp(&a.id));
+        jobs.sort_by_key(|job| std::cmp::Reverse(job.id));
         jobs.dedup_by_key(|job| job.id);
         jobs.truncate(limit as usize);
     }
