@@ -84,11 +84,17 @@ impl World {
     }
 
     fn epoch(&self, node: &str) -> u64 {
-        self.control.node(&NodeName::from(node)).expect("present").epoch
+        self.control
+            .node(&NodeName::from(node))
+            .expect("present")
+            .epoch
     }
 
     fn allocation_state(&self, task: &DesiredTask) -> AllocationState {
-        self.control.allocation(task.allocation).expect("present").state
+        self.control
+            .allocation(task.allocation)
+            .expect("present")
+            .state
     }
 
     fn job(&self, id: u64) -> &muster_control::Job {
@@ -235,7 +241,10 @@ fn reports_with_an_old_generation_are_ignored() {
     world.report("a", vec![running(&tasks[0])]);
     world.report("a", vec![stale]);
     assert_eq!(world.state(1), JobState::Running);
-    let allocation = world.control.allocation(tasks[0].allocation).expect("present");
+    let allocation = world
+        .control
+        .allocation(tasks[0].allocation)
+        .expect("present");
     assert_eq!(allocation.state, AllocationState::Running);
 }
 
@@ -439,7 +448,10 @@ fn an_old_or_duplicated_heartbeat_applies_nothing() {
         world.now
     );
     assert_ne!(
-        before.node(&NodeName::from("a")).expect("present").last_heartbeat,
+        before
+            .node(&NodeName::from("a"))
+            .expect("present")
+            .last_heartbeat,
         world.now
     );
     assert!(world.desired("a")[0].stop, "still told to stop");
