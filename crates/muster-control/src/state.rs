@@ -370,10 +370,17 @@ pub struct ControlPlane {
     pub(crate) excluded: BTreeMap<NodeName, String>,
 }
 
+/// Notes a change; duplicates are removed once the input is handled
+/// ([`dedup_outputs`]), so that noting costs O(1) however many changes one
+/// input makes (a cycle may start tens of thousands of jobs).
 fn changed(outputs: &mut Vec<Output>, output: Output) {
-    if !outputs.contains(&output) {
-        outputs.push(output);
-    }
+    outputs.push(output);
+}
+
+/// Removes repeated outputs, keeping the first of each in order.
+fn dedup_outputs(outputs: &mut Vec<Output>) {
+    let mut seen = BTreeSet::new();
+    outputs.retain(|output| seen.insert(output.clone()));
 }
 
 impl ControlPlane {
@@ -540,7 +547,10 @@ impl ControlPlane {
     }
 
     pub fn handle(&mut self, now: Time, input: Input) -> Result<Vec<Output>, ControlError> {
-        let result = self.handle_input(now, input);
+        let mut result = self.handle_input(now, input);
+        if let Ok(outputs) = &mut result {
+            dedup_outputs(outputs);
+        }
         self.debug_check();
         result
     }
@@ -1282,7 +1292,8 @@ impl ControlPlane {
     /// room; a preemption whose victim still runs. A start that needs
     /// preemptions waits for its victims to exit (next cycles place it).
     pub fn apply_outcome(&mut self, now: Time, outcome: &Outcome) -> Vec<Output> {
-        let outputs = self.apply_outcome_inner(now, outcome);
+        let mut outputs = self.apply_outcome_inner(now, outcome);
+        dedup_outputs(&mut outputs);
         self.debug_check();
         outputs
     }

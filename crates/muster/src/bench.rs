@@ -5,7 +5,7 @@
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, Subcommand, ValueEnum};
-use muster_api::client::Client;
+use muster_api::client::{Client, JobFilter};
 use muster_api::protocol::{GpuView, HeartbeatRequest, RegisterRequest};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -40,6 +40,53 @@ pub enum BenchCommand {
     /// Short jobs (`true`) through one real agent, back to back: jobs per
     /// second over the first and the last 1,000, and what is left behind.
     ShortJobs(ShortJobsBench),
+    /// Whether cost follows live work or history: many short jobs through
+    /// 8 real agents; at 10%, 50% and 100% of them finished, jobs/s, the
+    /// server's RSS, heartbeat latency (p50, p99) and `GET /v1/jobs` time.
+    History(HistoryBench),
+    /// One scheduling cycle of the server's control plane (snapshot,
+    /// engine, applying the outcome) over N simulated nodes and M pending
+    /// jobs.
+    Cycle(CycleBench),
+}
+
+#[derive(Debug, Args)]
+pub struct HistoryBench {
+    /// Jobs in all.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(100..=10_000_000))]
+    pub count: u64,
+    /// Real agents (8 simulated GPUs each; each job takes one).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub agents: u64,
+    /// The most jobs submitted and not yet ended at any time.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub window: u64,
+    /// The server's retention of finished jobs in memory (`muster server
+    /// --retention`).
+    #[arg(long, default_value = "60s")]
+    pub retention: String,
+}
+
+#[derive(Debug, Args)]
+pub struct CycleBench {
+    /// The task shapes: an openb pod list (as `cargo bench -p muster-sched`
+    /// uses); each pending job is one of its tasks at random, and 0.5% are
+    /// gangs of 2 to 4 eight-GPU tasks.
+    #[arg(
+        long,
+        default_value = "../shared/traces/openb/openb_pod_list_default.csv"
+    )]
+    pub tasks: PathBuf,
+    /// Simulated nodes (8 GPUs each, 5 models as the engine's benchmark).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub nodes: u64,
+    /// Pending jobs (the engine's benchmark mix: whole GPUs and shares).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub pending: u64,
+    /// Cycles to time (the first places most jobs; later ones find the
+    /// cluster full).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub cycles: u64,
 }
 
 #[derive(Debug, Args)]
@@ -160,6 +207,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::SubmitToRunning(args) => submit_to_running(args).await,
             BenchCommand::Supervision(args) => supervision(args).await,
             BenchCommand::ShortJobs(args) => short_jobs(args).await,
+            BenchCommand::History(args) => history(args).await,
+            BenchCommand::Cycle(args) => cycle(args),
         }
     })
 }
@@ -371,6 +420,14 @@ struct ChildServer {
 }
 
 async fn start_child_server(dir: &Path, lease: Duration) -> Result<ChildServer> {
+    start_child_server_with(dir, lease, &[]).await
+}
+
+async fn start_child_server_with(
+    dir: &Path,
+    lease: Duration,
+    extra: &[String],
+) -> Result<ChildServer> {
     let port = free_port()?;
     let data_dir = dir.join("server");
     let log = dir.join("server.log");
@@ -383,6 +440,7 @@ async fn start_child_server(dir: &Path, lease: Duration) -> Result<ChildServer> 
         "--lease".to_string(),
         format!("{}s", lease.as_secs().max(1)),
     ];
+    let args: Vec<String> = args.into_iter().chain(extra.iter().cloned()).collect();
     let mut process = ChildProcess::spawn("server", &args, &log)?;
     let url = format!("http://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -423,8 +481,19 @@ async fn start_child_server(dir: &Path, lease: Duration) -> Result<ChildServer> 
 /// A real agent child process joined to `server`, waited for until its
 /// node is ready.
 async fn start_child_agent(dir: &Path, server: &ChildServer, gpus: &str) -> Result<ChildProcess> {
-    let name = "bench-agent";
-    let log = dir.join("agent.log");
+    start_named_agent(dir, server, gpus, "bench-agent", "agent").await
+}
+
+/// A real agent child process named `name`, its state in `dir/STATE` and
+/// its output in `dir/STATE.log`.
+async fn start_named_agent(
+    dir: &Path,
+    server: &ChildServer,
+    gpus: &str,
+    name: &str,
+    state: &str,
+) -> Result<ChildProcess> {
+    let log = dir.join(format!("{state}.log"));
     let args = vec![
         "agent".to_string(),
         "--server".to_string(),
@@ -438,7 +507,7 @@ async fn start_child_agent(dir: &Path, server: &ChildServer, gpus: &str) -> Resu
         "--simulate-gpus".to_string(),
         gpus.to_string(),
         "--state-dir".to_string(),
-        dir.join("agent").display().to_string(),
+        dir.join(state).display().to_string(),
     ];
     let mut process = ChildProcess::spawn("agent", &args, &log)?;
     let admin = Client::new(&server.url, &server.admin_token);
@@ -1310,5 +1379,344 @@ async fn short_jobs(args: ShortJobsBench) -> Result<()> {
         "  supervisors left afterwards: {}",
         supervisors_left(&state_dir, Duration::from_secs(10)).await
     );
+    Ok(())
+}
+
+/// The p-th percentile (0 to 100) of sorted durations, in milliseconds.
+fn percentile_ms(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[rank.min(sorted.len() - 1)].as_secs_f64() * 1000.0
+}
+
+/// One measurement of `muster bench history`.
+struct HistoryPoint {
+    finished: u64,
+    jobs_per_second: f64,
+    rss_mib: f64,
+    heartbeat: (f64, f64),
+    list: (f64, f64),
+    list_succeeded: (f64, f64),
+}
+
+async fn history(args: HistoryBench) -> Result<()> {
+    let dir = temp_dir()?;
+    let extra = vec!["--retention".to_string(), args.retention.clone()];
+    let mut server = start_child_server_with(dir.path(), Duration::from_secs(10), &extra).await?;
+    let mut agents = Vec::new();
+    for index in 0..args.agents {
+        let name = format!("bench-{index}");
+        agents.push(start_named_agent(dir.path(), &server, "8xH100-80GB", &name, &name).await?);
+    }
+    let client = Client::new(&server.url, &server.admin_token);
+    // A probe node that takes no work: its heartbeats go the way every
+    // agent's do (lock, the control plane, the durability barrier).
+    let joiner = Client::new(&server.url, &server.join_token);
+    let probe = joiner
+        .register(&RegisterRequest {
+            name: "bench-probe".to_string(),
+            address: "127.0.0.1".to_string(),
+            gpus: Vec::new(),
+            cpu_milli: 1000,
+            memory_mib: 1024,
+            pool: Some("muster-bench-probe".to_string()),
+            rack: None,
+            backend: "simulated".to_string(),
+            driver_version: None,
+            cuda_version: None,
+        })
+        .await
+        .context("cannot register the probe node")?;
+    let probe_client = Client::new(&server.url, &probe.node_token);
+    let spec = serde_json::json!({
+        "name": "bench-true",
+        "command": ["true"],
+        "gpus": 1,
+        "cpus": 0.01,
+        "memory": "16MiB",
+    });
+    let checkpoints: Vec<u64> = [10, 50, 100]
+        .iter()
+        .map(|percent| (args.count * percent / 100).max(1))
+        .collect();
+    let load_before = load_average();
+    let started = Instant::now();
+    let mut outstanding: std::collections::VecDeque<u64> = std::collections::VecDeque::new();
+    let mut submitted = 0u64;
+    let mut ended = 0u64;
+    let mut failed = 0u64;
+    let mut points = Vec::new();
+    let mut sequence = 0u64;
+    let mut segment = (Instant::now(), 0u64);
+    let mut last_progress = Instant::now();
+    while ended < args.count {
+        while submitted < args.count && (outstanding.len() as u64) < args.window {
+            outstanding.push_back(client.submit(spec.clone()).await.context("cannot submit")?);
+            submitted += 1;
+        }
+        let Some(&oldest) = outstanding.front() else {
+            break;
+        };
+        let job = client.job(oldest).await.context("cannot read a job")?;
+        if is_terminal(&job.state) {
+            outstanding.pop_front();
+            ended += 1;
+            if job.state != "succeeded" {
+                failed += 1;
+            }
+            last_progress = Instant::now();
+            if checkpoints.contains(&ended) {
+                let rate = (ended - segment.1) as f64 / segment.0.elapsed().as_secs_f64();
+                // Heartbeats: 200 in a row, answered at once.
+                let mut beats = Vec::with_capacity(200);
+                for _ in 0..200 {
+                    sequence += 1;
+                    let request = HeartbeatRequest {
+                        epoch: probe.epoch,
+                        observed: Vec::new(),
+                        wait_ms: 0,
+                        known_version: 0,
+                        unhealthy_gpus: Vec::new(),
+                        sequence,
+                    };
+                    let sent = Instant::now();
+                    probe_client
+                        .heartbeat("bench-probe", &request)
+                        .await
+                        .context("a probe heartbeat failed")?;
+                    beats.push(sent.elapsed());
+                }
+                beats.sort_unstable();
+                let time_list = async |filter: &JobFilter| -> Result<(f64, f64)> {
+                    let mut took = Vec::with_capacity(20);
+                    for _ in 0..20 {
+                        let sent = Instant::now();
+                        client.jobs(filter).await.context("cannot list jobs")?;
+                        took.push(sent.elapsed());
+                    }
+                    took.sort_unstable();
+                    Ok((percentile_ms(&took, 50.0), percentile_ms(&took, 99.0)))
+                };
+                let list = time_list(&JobFilter::default()).await?;
+                let list_succeeded = time_list(&JobFilter {
+                    state: Some("succeeded".to_string()),
+                    ..JobFilter::default()
+                })
+                .await?;
+                let point = HistoryPoint {
+                    finished: ended,
+                    jobs_per_second: rate,
+                    rss_mib: mib(status_kib(server.process.pid(), "VmRSS")?),
+                    heartbeat: (percentile_ms(&beats, 50.0), percentile_ms(&beats, 99.0)),
+                    list,
+                    list_succeeded,
+                };
+                eprintln!(
+                    "{} finished: {:.1} jobs/s, server RSS {:.1} MiB, heartbeat p50 {:.2} ms \
+                     p99 {:.2} ms, GET /v1/jobs p50 {:.2} ms",
+                    point.finished,
+                    point.jobs_per_second,
+                    point.rss_mib,
+                    point.heartbeat.0,
+                    point.heartbeat.1,
+                    point.list.0
+                );
+                points.push(point);
+                segment = (Instant::now(), ended);
+            }
+            continue;
+        }
+        if last_progress.elapsed() > Duration::from_secs(60) {
+            bail!(
+                "no job ended for 60 s (job {oldest} is {}); see the logs in {}",
+                job.state,
+                dir.path().display()
+            );
+        }
+        for (index, agent) in agents.iter_mut().enumerate() {
+            agent.check_alive(&dir.path().join(format!("bench-{index}.log")))?;
+        }
+        server.process.check_alive(&server.log)?;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed();
+    println!(
+        "muster bench history: {} jobs of `true` (1 GPU each) through {} agents (8 simulated \
+         GPUs each), at most {} outstanding, retention {}; load average {load_before} before",
+        args.count, args.agents, args.window, args.retention
+    );
+    println!(
+        "  {:.1} s in all ({:.1} jobs/s); not succeeded: {failed}",
+        elapsed.as_secs_f64(),
+        args.count as f64 / elapsed.as_secs_f64()
+    );
+    println!(
+        "  {:>9} {:>8} {:>8} {:>17} {:>17} {:>25}",
+        "finished",
+        "jobs/s",
+        "RSS MiB",
+        "heartbeat p50/p99",
+        "GET /v1/jobs p50/p99",
+        "?state=succeeded p50/p99"
+    );
+    for point in &points {
+        println!(
+            "  {:>9} {:>8.1} {:>8.1} {:>8.2}/{:<8.2} {:>9.2}/{:<10.2} {:>12.2}/{:<12.2}",
+            point.finished,
+            point.jobs_per_second,
+            point.rss_mib,
+            point.heartbeat.0,
+            point.heartbeat.1,
+            point.list.0,
+            point.list.1,
+            point.list_succeeded.0,
+            point.list_succeeded.1
+        );
+    }
+    if let (Some(first), Some(last)) = (points.first(), points.last()) {
+        println!(
+            "  last / first: jobs/s {:.2}, RSS {:.2}, heartbeat p99 {:.2}, GET /v1/jobs p50 {:.2}",
+            last.jobs_per_second / first.jobs_per_second,
+            last.rss_mib / first.rss_mib,
+            last.heartbeat.1 / first.heartbeat.1,
+            last.list.0 / first.list.0
+        );
+    }
+    Ok(())
+}
+
+/// One scheduling cycle of the control plane, as the server runs it, over
+/// simulated nodes and pending jobs shaped as the engine's own benchmark.
+fn cycle(args: CycleBench) -> Result<()> {
+    use muster_control::{ControlConfig, ControlPlane, Input, Software};
+    use muster_model::{
+        CpuMilli, GpuModel, GpuRequest, GpuSpec, JobId, JobSpec, MemoryMib, NodeName, NodeSpec,
+        PoolName, QueueName, RackName, Time,
+    };
+    use rand::{Rng, SeedableRng};
+    const MODELS: [&str; 5] = ["G2", "G3", "V100M32", "V100M16", "T4"];
+    const MODEL_WEIGHTS: [u32; 5] = [55, 10, 15, 10, 10];
+    let text = std::fs::read_to_string(&args.tasks)
+        .with_context(|| format!("cannot read the task shapes {}", args.tasks.display()))?;
+    let shapes = muster_sim::trace::parse_openb_tasks(&text, &args.tasks.display().to_string())
+        .map_err(|error| anyhow!("{error}"))?;
+    if shapes.is_empty() {
+        bail!("{} lists no tasks", args.tasks.display());
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    let mut control = ControlPlane::new(ControlConfig::default());
+    let now = Time(1_000_000);
+    let built = Instant::now();
+    let total: u32 = MODEL_WEIGHTS.iter().sum();
+    for index in 0..args.nodes {
+        let mut pick = rng.random_range(0..total);
+        let mut model = 0;
+        while pick >= MODEL_WEIGHTS[model] {
+            pick -= MODEL_WEIGHTS[model];
+            model += 1;
+        }
+        let name = format!("node-{index:05}");
+        let spec = NodeSpec {
+            name: NodeName(name.clone()),
+            pool: PoolName::from("default"),
+            rack: RackName(format!("rack-{:04}", index / 16)),
+            gpus: (0..8)
+                .map(|gpu| GpuSpec {
+                    index: gpu,
+                    uuid: format!("GPU-{name}-{gpu}"),
+                    model: GpuModel::new(MODELS[model]),
+                    memory: MemoryMib(32 * 1024),
+                    nvlink_domain: gpu / 4,
+                })
+                .collect(),
+            cpu: CpuMilli(96_000),
+            memory: MemoryMib(393_216),
+        };
+        control
+            .handle(
+                now,
+                Input::Register {
+                    spec,
+                    address: "10.0.0.1".to_string(),
+                    software: Software::default(),
+                },
+            )
+            .map_err(|error| anyhow!("{error}"))?;
+    }
+    for id in 1..=args.pending {
+        let gang = id % 200 == 0;
+        let mut spec = if gang {
+            let mut spec = JobSpec::simple(
+                "bench-gang",
+                "team-0",
+                GpuRequest::Whole(8),
+                vec!["true".into()],
+            );
+            spec.nodes = rng.random_range(2..=4);
+            spec.cpu_per_node = CpuMilli(32_000);
+            spec.memory_per_node = MemoryMib(65_536);
+            spec
+        } else {
+            let task = &shapes[rng.random_range(0..shapes.len())];
+            let mut spec = JobSpec::simple("bench", "team-0", task.gpus, vec!["true".into()]);
+            spec.cpu_per_node = task.cpu;
+            spec.memory_per_node = task.memory;
+            spec.gpu_models = task.gpu_models.clone();
+            spec
+        };
+        spec.queue = QueueName(format!("team-{}", id % 4));
+        control
+            .handle(
+                Time(now.0 + id),
+                Input::Submit {
+                    id: JobId(id),
+                    spec,
+                    user: "bench".to_string(),
+                },
+            )
+            .map_err(|error| anyhow!("{error}"))?;
+    }
+    eprintln!(
+        "built {} nodes and {} pending jobs in {:.1} s",
+        args.nodes,
+        args.pending,
+        built.elapsed().as_secs_f64()
+    );
+    let policy = muster_sched::SchedulingPolicy::default();
+    println!(
+        "muster bench cycle: {} nodes (8 GPUs each), {} pending jobs shaped like {} (+0.5% \
+         gangs), policy {:?}",
+        args.nodes,
+        args.pending,
+        args.tasks.display(),
+        policy.placement
+    );
+    println!(
+        "  {:>5} {:>10} {:>10} {:>10} {:>10} {:>9}",
+        "cycle", "snapshot s", "engine s", "apply s", "total s", "started"
+    );
+    for number in 1..=args.cycles {
+        let at = Time(now.0 + args.pending + number * 1000);
+        let started = Instant::now();
+        let (snapshot, pending) = control.scheduling_input(at);
+        let snapshot_took = started.elapsed();
+        let engine = Instant::now();
+        let outcome = muster_sched::schedule(&snapshot, &pending, &policy, &mut rng)
+            .map_err(|error| anyhow!("{error}"))?;
+        let engine_took = engine.elapsed();
+        let apply = Instant::now();
+        control.apply_outcome(at, &outcome);
+        let apply_took = apply.elapsed();
+        println!(
+            "  {number:>5} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>9}",
+            snapshot_took.as_secs_f64(),
+            engine_took.as_secs_f64(),
+            apply_took.as_secs_f64(),
+            started.elapsed().as_secs_f64(),
+            outcome.started.len()
+        );
+    }
     Ok(())
 }
