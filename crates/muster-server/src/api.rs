@@ -429,7 +429,17 @@ async fn list_jobs(
             user: user.clone(),
             queue: queue.clone(),
         };
-        for stored in shared.store.retired_jobs(&filter, before, limit).await? {
+        // A full page from memory leaves room only for retired jobs newer
+        // than its oldest (usually none: the newest page reads nothing
+        // from the store).
+        let after = (jobs.len() == limit as usize)
+            .then(|| jobs.last().map(|job| job.id))
+            .flatten();
+        for stored in shared
+            .store
+            .retired_jobs(&filter, before, after, limit)
+            .await?
+        {
             jobs.push(FoundJob::from_store(stored)?.view());
         }
         jobs.sort_by_key(|job| std::cmp::Reverse(job.id));

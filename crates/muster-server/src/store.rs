@@ -414,16 +414,17 @@ impl SqliteStore {
         )))
     }
 
-    /// Retired jobs matching `filter` with an id below `before`, newest
-    /// first, at most `limit`.
+    /// Retired jobs matching `filter` with an id below `before` and above
+    /// `after`, newest first, at most `limit`.
     pub async fn retired_jobs(
         &self,
         filter: &JobFilter,
         before: Option<u64>,
+        after: Option<u64>,
         limit: u32,
     ) -> Result<Vec<StoredJob>, StoreError> {
         let rows = sqlx::query(
-            "SELECT id, record FROM jobs WHERE retired = 1 AND id < ?1 \
+            "SELECT id, record FROM jobs WHERE retired = 1 AND id < ?1 AND id > ?6 \
              AND (?2 IS NULL OR state = ?2) AND (?3 IS NULL OR user = ?3) \
              AND (?4 IS NULL OR queue = ?4) ORDER BY id DESC LIMIT ?5",
         )
@@ -432,6 +433,7 @@ impl SqliteStore {
         .bind(&filter.user)
         .bind(&filter.queue)
         .bind(i64::from(limit))
+        .bind(after.map_or(-1, to_i64))
         .fetch_all(&self.pool)
         .await
         .map_err(database)?;
