@@ -175,15 +175,16 @@ impl NodeFree {
     }
 }
 
-/// See [`ClusterState::state_key`].
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct NodeStateKey {
+/// See [`ClusterState::state_key`]: borrowed from the cluster, so keying a
+/// node allocates nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeStateKey<'a> {
     model: u32,
     cpu_milli: u64,
     memory_mib: u64,
-    nvlink_domain: Vec<u32>,
-    gpu_healthy: Vec<bool>,
-    free: NodeFree,
+    nvlink_domain: &'a [u32],
+    gpu_healthy: &'a [bool],
+    free: &'a NodeFree,
 }
 
 /// Concrete GPUs a task gets on a node: (GPU index, thousandths taken).
@@ -671,16 +672,15 @@ impl ClusterState {
 
     /// Everything a score can depend on except the node's name: two nodes
     /// with equal keys score the same for every shape.
-    pub fn state_key(&self, node: NodeIndex) -> NodeStateKey {
+    pub fn state_key(&self, node: NodeIndex) -> NodeStateKey<'_> {
         let info = &self.nodes[node as usize];
-        let free = &self.free[node as usize];
         NodeStateKey {
             model: info.model,
             cpu_milli: info.cpu_milli,
             memory_mib: info.memory_mib,
-            nvlink_domain: info.nvlink_domain.clone(),
-            gpu_healthy: info.gpu_healthy.clone(),
-            free: free.clone(),
+            nvlink_domain: &info.nvlink_domain,
+            gpu_healthy: &info.gpu_healthy,
+            free: &self.free[node as usize],
         }
     }
 

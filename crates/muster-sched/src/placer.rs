@@ -83,10 +83,12 @@ impl ShapeIndex {
         };
         // Nodes in equal states score equally: score each state once (at the
         // start of a cycle most nodes are empty, so there are few states).
-        let mut memo: BTreeMap<crate::cluster::NodeStateKey, u32> = BTreeMap::new();
+        let mut memo: BTreeMap<crate::cluster::NodeStateKey<'_>, u32> = BTreeMap::new();
         let mut cache = ProfileCache::default();
         for node in 0..cluster.len() as NodeIndex {
-            if index.excluded[node as usize] {
+            // A node without room now is infeasible (the level it starts
+            // with): no key, no score. In a busy cluster that is most.
+            if index.excluded[node as usize] || !cluster.has_room(node, shape) {
                 continue;
             }
             let key = cluster.state_key(node);
