@@ -141,7 +141,7 @@ fn identify(shared: &Shared, token: &str) -> Option<Identity> {
         return Some(Identity::Join);
     }
     shared
-        .lock()
+        .read()
         .node_of_token(token)
         .map(|name| Identity::Node(name.0.clone()))
 }
@@ -300,7 +300,7 @@ impl FoundJob {
 
 async fn find_job(shared: &Shared, id: JobId) -> Result<FoundJob, ApiError> {
     {
-        let core = shared.lock();
+        let core = shared.read();
         if let Some(job) = core.control().job(id) {
             return Ok(FoundJob {
                 job: job.clone(),
@@ -409,7 +409,7 @@ async fn list_jobs(
     let user = query.user.filter(|u| !u.is_empty());
     let active = query.active.unwrap_or(false);
     let mut jobs: Vec<JobView> = {
-        let core = shared.lock();
+        let core = shared.read();
         let control = core.control();
         control
             .jobs_newest_first(before.map(JobId))
@@ -631,7 +631,7 @@ async fn job_logs(
     security(("bearer" = []))
 )]
 async fn list_nodes(State(shared): Shared_) -> Json<NodeList> {
-    let core = shared.lock();
+    let core = shared.read();
     let nodes = core
         .control()
         .nodes()
@@ -651,7 +651,7 @@ async fn get_node(
     State(shared): Shared_,
     PathParams(name): PathParams<String>,
 ) -> Result<Json<NodeView>, ApiError> {
-    let core = shared.lock();
+    let core = shared.read();
     let node = core
         .control()
         .node(&NodeName(name.clone()))
@@ -721,7 +721,7 @@ async fn reset_identity(
     let node = NodeName(name.clone());
     shared.reset_identity(&node)?.wait().await?;
     tracing::info!(node = %name, "node identity reset by an admin");
-    let core = shared.lock();
+    let core = shared.read();
     let found = core
         .control()
         .node(&node)
@@ -736,7 +736,7 @@ async fn node_input(
 ) -> Result<Json<NodeView>, ApiError> {
     let (_, durable) = shared.apply(input, Batch::default())?;
     durable.wait().await?;
-    let core = shared.lock();
+    let core = shared.read();
     let node = core
         .control()
         .node(&NodeName(name.clone()))
@@ -815,7 +815,7 @@ async fn drain_node(
     security(("bearer" = []))
 )]
 async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
-    let core = shared.lock();
+    let core = shared.read();
     let mut pools: std::collections::BTreeMap<String, PoolView> = Default::default();
     for node in core.control().nodes() {
         let view = node_view(&core, node);
@@ -853,7 +853,7 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
     security(("bearer" = []))
 )]
 async fn list_queues(State(shared): Shared_) -> Json<QueueList> {
-    let core = shared.lock();
+    let core = shared.read();
     Json(QueueList {
         queues: queue_views(&core),
     })
@@ -910,7 +910,7 @@ async fn set_queue(
     durable.wait().await?;
     shared.wake_scheduler.notify_one();
     tracing::info!(queue = %name, "queue set");
-    let core = shared.lock();
+    let core = shared.read();
     let view = queue_views(&core)
         .into_iter()
         .find(|view| view.name == name)
@@ -1110,7 +1110,7 @@ async fn heartbeat(
     // Its own changes become durable with the barrier below.
     // The health report of an old or duplicated heartbeat is old too.
     let known_unhealthy = {
-        let core = shared.lock();
+        let core = shared.read();
         let newer = core
             .control()
             .newer_heartbeat(&name, request.epoch, request.sequence)
@@ -1153,7 +1153,7 @@ async fn heartbeat(
         }
     }
     let (version, desired, covered) = {
-        let core = shared.lock();
+        let core = shared.read();
         let version = *versions.borrow();
         let desired = core
             .control()
@@ -1205,7 +1205,7 @@ async fn push_logs(
     let allocation = AllocationId(chunk.allocation);
     // The job's limit is shared by its tasks.
     let tasks = {
-        let core = shared.lock();
+        let core = shared.read();
         let Some(found) = core.control().allocation(allocation) else {
             return Err(ApiError::not_found(format!(
                 "no allocation {allocation}; send logs only for allocations this node was given"

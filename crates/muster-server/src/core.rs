@@ -23,7 +23,7 @@ use muster_api::protocol::ErrorCode;
 use muster_control::{ControlConfig, ControlPlane, Input, Output, Records};
 use muster_model::{NodeName, QueueSpec, Time};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::{Notify, watch};
 
@@ -315,7 +315,9 @@ pub struct Settings {
 #[derive(Debug)]
 pub struct Shared {
     pub settings: Settings,
-    core: Mutex<Core>,
+    /// Reads (views, token lookups, snapshots) share it; changes take it
+    /// alone.
+    core: RwLock<Core>,
     pub writer: Writer,
     /// Retired jobs are read from here.
     pub store: crate::store::SqliteStore,
@@ -329,6 +331,16 @@ pub struct Shared {
     pub logs: std::sync::Arc<crate::logstore::LogStore>,
     /// Becomes true when the server shuts down (ends long polls).
     pub shutdown: watch::Receiver<bool>,
+}
+
+/// A panic interrupted a change: the state cannot be trusted.
+fn poisoned() -> ! {
+    tracing::error!(
+        "a panic interrupted a change to the control plane; its state cannot be trusted: \
+         aborting (a restart rebuilds it from the store)"
+    );
+    eprintln!("muster server: the control plane's lock is poisoned; aborting");
+    std::process::abort();
 }
 
 /// The answer to every change once the store has failed.
@@ -356,7 +368,7 @@ impl Shared {
     ) -> Shared {
         Shared {
             settings,
-            core: Mutex::new(core),
+            core: RwLock::new(core),
             writer,
             store,
             wake_scheduler: Notify::new(),
@@ -368,20 +380,21 @@ impl Shared {
         }
     }
 
-    /// The state, locked. Never held across an `.await`. A lock poisoned
-    /// by a panic mid-change is not recovered: the process aborts, and a
-    /// restart rebuilds the state from the store.
-    pub fn lock(&self) -> MutexGuard<'_, Core> {
-        match self.core.lock() {
+    /// The state, locked for a change. Never held across an `.await`. A
+    /// lock poisoned by a panic mid-change is not recovered: the process
+    /// aborts, and a restart rebuilds the state from the store.
+    pub fn lock(&self) -> RwLockWriteGuard<'_, Core> {
+        match self.core.write() {
             Ok(guard) => guard,
-            Err(_) => {
-                tracing::error!(
-                    "a panic interrupted a change to the control plane; its state cannot be \
-                     trusted: aborting (a restart rebuilds it from the store)"
-                );
-                eprintln!("muster server: the control plane's lock is poisoned; aborting");
-                std::process::abort();
-            }
+            Err(_) => poisoned(),
+        }
+    }
+
+    /// The state, locked for reading (shared with other readers).
+    pub fn read(&self) -> RwLockReadGuard<'_, Core> {
+        match self.core.read() {
+            Ok(guard) => guard,
+            Err(_) => poisoned(),
         }
     }
 

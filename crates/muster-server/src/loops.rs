@@ -51,7 +51,7 @@ pub async fn scheduling_loop(
         if shared.read_only_reason().is_some() {
             continue;
         }
-        let (snapshot, pending) = shared.lock().control().scheduling_input(now());
+        let (snapshot, pending) = shared.read().control().scheduling_input(now());
         if pending.is_empty() {
             continue;
         }
