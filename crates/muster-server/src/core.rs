@@ -325,6 +325,9 @@ pub struct Shared {
     pub wake_scheduler: Notify,
     /// Bumped on every job change and log append (wakes log followers).
     pub changes: watch::Sender<u64>,
+    /// Bumped on every change of the control plane's state (the scheduling
+    /// loop skips cycles while it stands still).
+    pub state_version: std::sync::atomic::AtomicU64,
     pub admin_token: String,
     pub join_token: String,
     /// Task logs, bounded per task.
@@ -373,6 +376,7 @@ impl Shared {
             store,
             wake_scheduler: Notify::new(),
             changes: watch::channel(0).0,
+            state_version: std::sync::atomic::AtomicU64::new(0),
             admin_token,
             join_token,
             logs: std::sync::Arc::new(logs),
@@ -464,6 +468,8 @@ impl Shared {
         if outputs.is_empty() {
             return;
         }
+        self.state_version
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         if outputs.iter().any(|o| matches!(o, Output::JobChanged(_))) {
             self.changes.send_modify(|version| *version += 1);
         }

@@ -8,6 +8,7 @@ use muster_sched::{SchedulingPolicy, schedule};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::SeedableRng;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -34,6 +35,10 @@ pub async fn scheduling_loop(
     // submissions) share the next cycle, and cycles use at most about a
     // third of a core, however long a cycle over many pending jobs takes.
     let mut next_cycle = tokio::time::Instant::now();
+    // A cycle that changed nothing, over a state that has not changed
+    // since, would decide the same: skipped, but for a cycle every
+    // IDLE_RECHECK (priorities age, fair share decays).
+    let mut settled: Option<(u64, tokio::time::Instant)> = None;
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
@@ -51,6 +56,13 @@ pub async fn scheduling_loop(
         if shared.read_only_reason().is_some() {
             continue;
         }
+        let version = shared.state_version.load(Ordering::SeqCst);
+        if let Some((seen, at)) = settled
+            && seen == version
+            && at.elapsed() < IDLE_RECHECK
+        {
+            continue;
+        }
         let (snapshot, pending) = shared.read().control().scheduling_input(now());
         if pending.is_empty() {
             continue;
@@ -65,7 +77,12 @@ pub async fn scheduling_loop(
             Ok((outcome, returned)) => {
                 rng = returned;
                 match outcome {
-                    Ok(outcome) => shared.apply_outcome(&outcome),
+                    Ok(outcome) => {
+                        shared.apply_outcome(&outcome);
+                        let after = shared.state_version.load(Ordering::SeqCst);
+                        // Nothing changed: not even a pending reason.
+                        settled = (after == version).then_some((version, cycle_started));
+                    }
                     Err(error) => tracing::error!(%error, "a scheduling cycle failed"),
                 }
             }
@@ -77,6 +94,9 @@ pub async fn scheduling_loop(
         next_cycle = cycle_started + cycle_started.elapsed() * 3 + MIN_CYCLE_GAP;
     }
 }
+
+/// The longest a settled scheduler waits before a cycle with no change.
+const IDLE_RECHECK: Duration = Duration::from_secs(5);
 
 /// The least time between the starts of two scheduling cycles.
 const MIN_CYCLE_GAP: Duration = Duration::from_millis(5);

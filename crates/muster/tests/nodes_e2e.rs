@@ -138,8 +138,11 @@ fn the_join_token_cannot_take_a_known_node_and_its_credential_survives_restarts(
         "command": ["sleep", "6"],
     });
     let id = rt.block_on(client.submit(spec)).expect("submitted");
-    wait_until("the job to run", Duration::from_secs(30), || {
-        state(&rt, &client, id) == "running"
+    // Running as the agent reported it (its supervisor is up), not only
+    // placed.
+    wait_until("the task to run", Duration::from_secs(30), || {
+        rt.block_on(client.job(id))
+            .is_ok_and(|job| job.tasks.first().is_some_and(|t| t.state == "running"))
     });
 
     // An impostor with the join token is refused, and learns nothing.
