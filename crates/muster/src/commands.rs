@@ -697,11 +697,17 @@ pub struct PoolsArgs {
 fn gpu_summary(node: &NodeView) -> String {
     let total = node.gpus.len();
     let free: f64 = node.gpu_free.iter().map(|&m| f64::from(m) / 1000.0).sum();
-    let model = node.gpus.first().map_or("-", |g| g.model.as_str());
+    // A node may hold several models: each once, in index order.
+    let mut models: Vec<&str> = Vec::new();
+    for gpu in &node.gpus {
+        if !models.contains(&gpu.model.as_str()) {
+            models.push(&gpu.model);
+        }
+    }
     if total == 0 {
         "-".to_string()
     } else {
-        format!("{free:.2}/{total} free {model}")
+        format!("{free:.2}/{total} free {}", models.join("+"))
     }
 }
 
