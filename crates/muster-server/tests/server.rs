@@ -1219,3 +1219,45 @@ async fn a_failed_commit_makes_the_server_read_only_and_nothing_unsaved_is_ackno
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_breaks_an_invariant_is_refused_with_the_reason() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let id = api.submit(&admin, spec("a", "default", 1)).await;
+        server.shutdown().await;
+        // Damage the store: the pending job now claims to run on an
+        // allocation that does not exist.
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .connect_with(
+                sqlx::sqlite::SqliteConnectOptions::new().filename(dir.path().join("muster.db")),
+            )
+            .await
+            .unwrap();
+        let record: String = sqlx::query_scalar("SELECT record FROM jobs WHERE id = ?1")
+            .bind(id as i64)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        let mut record: Value = serde_json::from_str(&record).unwrap();
+        record["state"] = json!("running");
+        record["allocations"] = json!([999]);
+        sqlx::query("UPDATE jobs SET record = ?1 WHERE id = ?2")
+            .bind(record.to_string())
+            .bind(id as i64)
+            .execute(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+        let error = Server::start(test_config(dir.path()))
+            .await
+            .expect_err("an inconsistent store is refused");
+        let text = format!("{error:#}");
+        assert!(text.contains("inconsistent"), "{text}");
+        assert!(text.contains("missing allocation 999"), "{text}");
+    })
+    .await;
+}
