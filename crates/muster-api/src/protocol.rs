@@ -182,7 +182,9 @@ pub struct ObservedAllocation {
     )]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<i32>))]
     pub exited: Option<Option<i32>>,
-    /// The agent stopped it because it could not renew its lease.
+    /// The node failed, not the task: the agent stopped it because it
+    /// could not renew its lease, or it is gone with no record of how it
+    /// ended (its host restarted). Its job is re-queued as a lost node's.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub fenced: bool,
     /// It ended because it reached its memory limit.

@@ -197,9 +197,9 @@ pub struct Observed {
     pub allocation: AllocationId,
     pub generation: u64,
     pub exited: Option<Option<i32>>,
-    /// The node stopped it because it could not renew its lease: the task
-    /// did not fail, its node did (the job is re-queued per its retry
-    /// policy for node failures).
+    /// The node stopped it because it could not renew its lease, or it is
+    /// gone with no record of how it ended: the task did not fail, its node
+    /// did (the job is re-queued per its retry policy for node failures).
     pub fenced: bool,
     /// The kernel killed it (or a process of it) at its memory limit.
     pub memory_limit: bool,
@@ -1081,7 +1081,9 @@ impl ControlPlane {
                 now,
                 job,
                 StopCause::NodeLost,
-                &format!("node {name} fenced its tasks (lease not renewed)"),
+                &format!(
+                    "node {name} fenced its task (lease not renewed) or lost it (no exit record)"
+                ),
                 outputs,
             );
         }

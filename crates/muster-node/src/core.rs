@@ -169,7 +169,10 @@ pub struct ObservedTask {
     /// `None` while it runs; then its exit code (`None` inside: a signal,
     /// or it vanished).
     pub exited: Option<Option<i32>>,
-    /// It was stopped because the lease could not be renewed.
+    /// The node failed, not the task: it was stopped because the lease
+    /// could not be renewed, or it is gone with no record of how it ended
+    /// (its host restarted). The control plane re-queues its job as a lost
+    /// node's, never takes it as failed.
     pub fenced: bool,
     /// It ended at its memory limit.
     pub memory_limit: bool,
@@ -270,7 +273,14 @@ impl Task {
                 TaskState::Running | TaskState::Stopping => None,
                 TaskState::Exited { exit, .. } => Some(exit.code()),
             },
-            fenced: self.fenced,
+            fenced: self.fenced
+                || matches!(
+                    self.state,
+                    TaskState::Exited {
+                        exit: TaskExit::Vanished,
+                        ..
+                    }
+                ),
             memory_limit: matches!(
                 self.state,
                 TaskState::Exited {

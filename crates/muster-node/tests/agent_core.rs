@@ -545,6 +545,32 @@ fn a_restarted_agent_fences_adopted_tasks_that_would_outlive_the_old_lease() {
 }
 
 #[test]
+fn a_task_gone_without_a_record_is_reported_as_the_node_s_failure_not_the_task_s() {
+    // Its host restarted: the runtime's record names the task, but no
+    // process and no exit record are left.
+    let lease = LeaseRecord {
+        last_renewal_ms: 500,
+        lease_ms: LEASE_MS,
+    };
+    let adopted = vec![AdoptedTask {
+        task: id(4, 4),
+        job: Some(4),
+        gpus: Some(vec![0]),
+        stop_signal: Signal::Term,
+        grace_period_ms: 20_000,
+        exit: Some(TaskExit::Vanished),
+    }];
+    let mut node = Node::with(Some(lease), adopted);
+    let outputs = node.registered();
+    let Some(Output::SendHeartbeat { observed, .. }) = heartbeat(&outputs) else {
+        panic!("{outputs:?}");
+    };
+    assert_eq!(observed.len(), 1);
+    assert_eq!(observed[0].exited, Some(None), "ended, with no code");
+    assert!(observed[0].fenced, "the node failed: re-queued, not failed");
+}
+
+#[test]
 fn an_adopted_task_of_unknown_gpus_holds_back_every_start_until_it_is_gone() {
     let adopted = vec![AdoptedTask {
         task: id(4, 4),
