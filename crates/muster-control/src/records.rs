@@ -152,6 +152,14 @@ impl ControlPlane {
                     .finished
                     .insert((job.finished.unwrap_or(Time(0)), id));
             }
+            if job.state == crate::JobState::Running
+                && let (Some(limit), Some(started)) = (job.spec.max_runtime, job.started)
+            {
+                let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+                control
+                    .deadlines
+                    .insert((started.plus_millis(limit_ms), id));
+            }
             if control.jobs.insert(id, job).is_some() {
                 return Err(RestoreError(format!("job {id} is stored twice")));
             }

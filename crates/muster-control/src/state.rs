@@ -32,6 +32,8 @@ pub enum JobState {
     Succeeded,
     Failed,
     Cancelled,
+    /// It ran into its `max_runtime` and was stopped.
+    TimedOut,
 }
 
 impl JobState {
@@ -43,6 +45,7 @@ impl JobState {
             JobState::Succeeded => "succeeded",
             JobState::Failed => "failed",
             JobState::Cancelled => "cancelled",
+            JobState::TimedOut => "timed_out",
         }
     }
 
@@ -54,6 +57,7 @@ impl JobState {
             JobState::Succeeded,
             JobState::Failed,
             JobState::Cancelled,
+            JobState::TimedOut,
         ]
         .into_iter()
         .find(|state| state.name() == text)
@@ -62,7 +66,7 @@ impl JobState {
     pub fn is_final(self) -> bool {
         matches!(
             self,
-            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled | JobState::TimedOut
         )
     }
 }
@@ -75,6 +79,8 @@ pub enum StopCause {
     /// A task exited non-zero; the others are stopped.
     TaskFailed,
     NodeLost,
+    /// It reached its `max_runtime`.
+    TimeLimit,
 }
 
 /// An allocation's state as the control plane knows it.
@@ -368,6 +374,9 @@ pub struct ControlPlane {
     pub(crate) memory_limited: BTreeSet<JobId>,
     /// Nodes the last scheduling cycle left out, with why (memory only).
     pub(crate) excluded: BTreeMap<NodeName, String>,
+    /// When each running job with a `max_runtime` reaches it (an entry may
+    /// outlive its attempt: checked against the job when due).
+    pub(crate) deadlines: BTreeSet<(Time, JobId)>,
 }
 
 /// Notes a change; duplicates are removed once the input is handled
@@ -402,6 +411,7 @@ impl ControlPlane {
             heartbeat_sequences: BTreeMap::new(),
             memory_limited: BTreeSet::new(),
             excluded: BTreeMap::new(),
+            deadlines: BTreeSet::new(),
         }
     }
 
@@ -726,6 +736,7 @@ impl ControlPlane {
             }
             Input::Tick => {
                 self.account_usage(now);
+                self.enforce_time_limits(now, &mut outputs);
                 self.expire_leases(now, &mut outputs);
                 self.retire(now, &mut outputs);
             }
@@ -791,6 +802,37 @@ impl ControlPlane {
             }
         }
         Ok(outputs)
+    }
+
+    /// Stops running jobs that reached their `max_runtime`: their stop
+    /// signal and grace period, then the kill, as for a cancel.
+    fn enforce_time_limits(&mut self, now: Time, outputs: &mut Vec<Output>) {
+        while let Some(&(due, id)) = self.deadlines.first() {
+            if due > now {
+                break;
+            }
+            self.deadlines.pop_first();
+            let Some(job) = self.jobs.get(&id) else {
+                continue;
+            };
+            let Some(limit) = job.spec.max_runtime else {
+                continue;
+            };
+            let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+            let still_due = job.state == JobState::Running
+                && job
+                    .started
+                    .is_some_and(|started| started.plus_millis(limit_ms) <= now);
+            if still_due {
+                self.stop_job(
+                    now,
+                    id,
+                    StopCause::TimeLimit,
+                    &format!("time limit reached ({} s)", limit.as_secs_f64()),
+                    outputs,
+                );
+            }
+        }
     }
 
     /// Takes finished jobs older than the retention out of the hot state,
@@ -911,6 +953,7 @@ impl ControlPlane {
         };
         let (state, note) = match job.stop_cause {
             Some(StopCause::Cancel) => (JobState::Cancelled, "cancelled".to_string()),
+            Some(StopCause::TimeLimit) => (JobState::TimedOut, "timed out".to_string()),
             Some(StopCause::Preempted) => (JobState::Pending, "preempted; re-queued".to_string()),
             Some(StopCause::NodeLost) if job.spec.retry.on_node_failure => {
                 (JobState::Pending, "node lost; re-queued".to_string())
@@ -1475,6 +1518,10 @@ impl ControlPlane {
                 .insert(allocation.id);
             self.by_job.entry(id).or_default().push(allocation.id);
             self.allocations.insert(allocation.id, allocation);
+        }
+        if let Some(limit) = job.spec.max_runtime {
+            let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+            self.deadlines.insert((now.plus_millis(limit_ms), id));
         }
         if let Some(job) = self.jobs.get_mut(&id) {
             job.state = JobState::Running;

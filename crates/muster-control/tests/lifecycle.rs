@@ -640,3 +640,41 @@ fn a_submission_never_acknowledged_is_withdrawn() {
     world.cycle();
     assert!(world.control.withdraw(JobId(2)).is_err(), "it has started");
 }
+
+#[test]
+fn a_job_past_its_max_runtime_is_stopped_and_ends_timed_out() {
+    let mut world = World::new(&["a"]);
+    let mut spec = JobSpec::simple("job", "default", GpuRequest::Whole(1), vec!["x".into()]);
+    spec.max_runtime = Some(std::time::Duration::from_secs(5));
+    world.step(Input::Submit {
+        id: JobId(1),
+        spec,
+        user: "alice".into(),
+    });
+    world.cycle();
+    let task = world.desired("a")[0].clone();
+    world.report("a", vec![running(&task)]);
+    world.advance(4_999);
+    world.step(Input::Tick);
+    assert_eq!(world.state(1), JobState::Running, "not before the limit");
+    world.advance(1);
+    world.step(Input::Tick);
+    assert_eq!(world.state(1), JobState::Stopping);
+    let stop = world.desired("a")[0].clone();
+    assert!(stop.stop, "told to stop with its signal and grace period");
+    // Killed by the stop signal: timed out, not failed, not retried.
+    world.report("a", vec![exited(&task, 143)]);
+    assert_eq!(world.state(1), JobState::TimedOut);
+    assert!(world.state(1).is_final());
+    let history: Vec<&str> = world
+        .job(1)
+        .history
+        .iter()
+        .map(|(_, what)| what.as_str())
+        .collect();
+    assert!(
+        history.iter().any(|what| what.contains("time limit")),
+        "{history:?}"
+    );
+    assert_eq!(world.job(1).attempts, 1);
+}

@@ -257,7 +257,7 @@ pub struct JobQuery {
     /// Only jobs of this queue.
     queue: Option<String>,
     /// Only jobs in this state (pending, running, stopping, succeeded,
-    /// failed, cancelled).
+    /// failed, cancelled, timed_out).
     state: Option<String>,
     /// Only jobs of this user.
     user: Option<String>,
@@ -386,7 +386,7 @@ async fn list_jobs(
         Some(text) => Some(JobState::parse(text).ok_or_else(|| {
             ApiError::invalid(format!(
                 "unknown job state {text:?}; accepted: pending, running, stopping, succeeded, \
-                 failed, cancelled"
+                 failed, cancelled, timed_out"
             ))
         })?),
     };

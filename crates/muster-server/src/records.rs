@@ -52,6 +52,7 @@ fn stop_cause_name(cause: StopCause) -> &'static str {
         StopCause::Preempted => "preempted",
         StopCause::TaskFailed => "task_failed",
         StopCause::NodeLost => "node_lost",
+        StopCause::TimeLimit => "time_limit",
     }
 }
 
@@ -61,6 +62,7 @@ fn parse_stop_cause(name: &str) -> Option<StopCause> {
         StopCause::Preempted,
         StopCause::TaskFailed,
         StopCause::NodeLost,
+        StopCause::TimeLimit,
     ]
     .into_iter()
     .find(|cause| stop_cause_name(*cause) == name)

@@ -1025,7 +1025,7 @@ async fn idle_agent(args: IdleAgentBench) -> Result<()> {
 // muster bench submit-to-running
 
 fn is_terminal(state: &str) -> bool {
-    matches!(state, "succeeded" | "failed" | "cancelled")
+    matches!(state, "succeeded" | "failed" | "cancelled" | "timed_out")
 }
 
 async fn submit_to_running(args: SubmitToRunningBench) -> Result<()> {

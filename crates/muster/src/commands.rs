@@ -59,6 +59,8 @@ pub mod exit {
     pub const AUTH: u8 = 4;
     pub const UNAVAILABLE: u8 = 5;
     pub const INVALID: u8 = 6;
+    /// `muster run`: the job reached its time limit (as `timeout(1)`).
+    pub const TIMED_OUT: u8 = 124;
 }
 
 /// An error with the exit code it maps to.
@@ -235,6 +237,11 @@ pub struct RunArgs {
     /// Submit and return the job id without waiting.
     #[arg(long, short = 'd')]
     pub detach: bool,
+    /// A time limit (e.g. 30m, 2h, 90s): at it the job gets its stop
+    /// signal, its grace period, then is killed, and ends `timed_out`
+    /// (`muster run` then exits 124).
+    #[arg(long, value_name = "DURATION")]
+    pub time: Option<String>,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -299,6 +306,9 @@ fn run_spec(args: &RunArgs) -> Result<serde_json::Value> {
     if let Some(class) = &args.priority_class {
         spec["priority_class"] = class.clone().into();
     }
+    if let Some(time) = &args.time {
+        spec["max_runtime"] = time.clone().into();
+    }
     if !args.gpu_models.is_empty() {
         spec["gpu_models"] = args.gpu_models.clone().into();
     }
@@ -329,6 +339,7 @@ fn job_exit_status(job: &JobView) -> u8 {
     match job.state.as_str() {
         "succeeded" => 0,
         "cancelled" => 130,
+        "timed_out" => exit::TIMED_OUT,
         _ => job.exit_code.map_or(exit::FAILURE, |code| {
             u8::try_from(code).unwrap_or(exit::FAILURE).max(1)
         }),
@@ -426,6 +437,9 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
 pub struct SubmitArgs {
     /// The job spec (YAML; see docs/job-spec.md), `-` for standard input.
     pub file: PathBuf,
+    /// A time limit (e.g. 30m, 2h), replacing the spec's `max_runtime`.
+    #[arg(long, value_name = "DURATION")]
+    pub time: Option<String>,
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -443,7 +457,11 @@ pub fn submit(args: SubmitArgs) -> Result<u8, Failure> {
     let spec = muster_api::parse_job_spec_yaml(&text)
         .map_err(|errors| anyhow!("{}: invalid job spec:\n{errors}", args.file.display()))?;
     let wire = muster_api::JobSpec::from(&spec);
-    let value = serde_json::to_value(&wire).context("cannot encode the job spec")?;
+    let mut value = serde_json::to_value(&wire).context("cannot encode the job spec")?;
+    if let Some(time) = &args.time {
+        value["max_runtime"] = time.clone().into();
+        muster_api::parse_job_spec_value(&value).map_err(|errors| anyhow!("--time: {errors}"))?;
+    }
     let client = args.connection.client()?;
     let id = runtime()?
         .block_on(client.submit(value))
@@ -1006,6 +1024,7 @@ mod tests {
             gpu_models: Vec::new(),
             env: vec!["A=1".into()],
             detach: false,
+            time: None,
             command: command.iter().map(|s| s.to_string()).collect(),
             connection: Connection {
                 server: None,

@@ -118,6 +118,21 @@ fn muster_up_runs_jobs_end_to_end() {
         processes_with(&marker) == 0
     });
 
+    // A time limit stops the job and `muster run` says so with 124.
+    let started = std::time::Instant::now();
+    let output = env.muster(&["run", "--time", "2s", "--", "sleep", "60"]);
+    assert_eq!(output.status.code(), Some(124), "{output:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "stopped at the limit"
+    );
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("timed_out"),
+        "{output:?}"
+    );
+    let timed_out = json(&env.muster(&["ps", "--state", "timed_out", "--json"]));
+    assert_eq!(timed_out.as_array().map(Vec::len), Some(1), "{timed_out}");
+
     // Unknown job: a clear error and its own exit code.
     let output = env.muster(&["describe", "999999"]);
     assert_eq!(output.status.code(), Some(3), "{output:?}");
