@@ -93,6 +93,10 @@ pub struct JobView {
     pub started_ms: Option<u64>,
     pub finished_ms: Option<u64>,
     pub exit_code: Option<i32>,
+    /// The rank whose failure ended the job (the first to fail on its own;
+    /// the others were stopped because of it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_rank: Option<u32>,
     pub attempts: u32,
     pub command: Vec<String>,
     pub tasks: Vec<TaskView>,

@@ -137,6 +137,10 @@ pub struct Job {
     /// Attempts started (the first included).
     pub attempts: u32,
     pub exit_code: Option<i32>,
+    /// The first rank of the current attempt that failed on its own (not
+    /// stopped by muster), and how: its exit code (`None`: a signal). A
+    /// gang's outcome is this rank's, not that of the ranks stopped after.
+    pub first_failure: Option<(u32, Option<i32>)>,
     pub started: Option<Time>,
     pub finished: Option<Time>,
     /// Allocations of the current attempt.
@@ -583,6 +587,7 @@ impl ControlPlane {
                         stop_cause: None,
                         attempts: 0,
                         exit_code: None,
+                        first_failure: None,
                         started: None,
                         finished: None,
                         allocations: Vec::new(),
@@ -963,22 +968,36 @@ impl ControlPlane {
                 (JobState::Pending, "node lost; re-queued".to_string())
             }
             _ if failed_code.is_some() || any_lost || codes.iter().any(Option::is_none) => {
-                let code = failed_code.or(codes.iter().flatten().copied().find(|&c| c != 0));
+                // The rank that failed first on its own, else the first
+                // failing code in rank order.
+                let (first_rank, code) = match job.first_failure {
+                    Some((rank, code)) => (Some(rank), code),
+                    None => (
+                        None,
+                        failed_code.or(codes.iter().flatten().copied().find(|&c| c != 0)),
+                    ),
+                };
+                let rank_note = first_rank
+                    .filter(|_| job.spec.nodes > 1)
+                    .map_or(String::new(), |rank| format!(" (rank {rank})"));
                 job.exit_code = code;
                 if job.spec.retry.on_exit_failure && job.attempts < job.spec.retry.max_attempts {
                     (
                         JobState::Pending,
-                        format!("failed (exit code {code:?}); retrying"),
+                        match code {
+                            Some(code) => format!("failed (exit code {code}{rank_note}); retrying"),
+                            None => format!("failed (killed by a signal{rank_note}); retrying"),
+                        },
                     )
                 } else {
                     (
                         JobState::Failed,
                         match code {
                             _ if self.memory_limited.contains(&id) => {
-                                "failed: killed by the memory limit".to_string()
+                                format!("failed: killed by the memory limit{rank_note}")
                             }
-                            Some(code) => format!("failed: exit code {code}"),
-                            None => "failed: killed by a signal".to_string(),
+                            Some(code) => format!("failed: exit code {code}{rank_note}"),
+                            None => format!("failed: killed by a signal{rank_note}"),
                         },
                     )
                 }
@@ -994,6 +1013,7 @@ impl ControlPlane {
         self.memory_limited.remove(&id);
         if state == JobState::Pending {
             job.allocations.clear();
+            job.first_failure = None;
         } else {
             job.finished = Some(now);
             self.finished.insert((now, id));
@@ -1088,6 +1108,16 @@ impl ControlPlane {
                         touched.insert(job);
                     }
                     (_, Some(code)) => {
+                        // The first rank to fail on its own while the job
+                        // runs (not one muster stopped) decides its outcome.
+                        if code != Some(0)
+                            && state != AllocationState::Stopping
+                            && let Some(entry) = self.jobs.get_mut(&job)
+                            && entry.state == JobState::Running
+                            && entry.first_failure.is_none()
+                        {
+                            entry.first_failure = Some((rank, code));
+                        }
                         self.set_allocation_state(id, AllocationState::Exited { code });
                         touched.insert(job);
                         if report.memory_limit {

@@ -678,3 +678,31 @@ fn a_job_past_its_max_runtime_is_stopped_and_ends_timed_out() {
     );
     assert_eq!(world.job(1).attempts, 1);
 }
+
+/// Issue 11: rank 1 exited 3 (its own failure); rank 0 was then stopped by
+/// muster and died of SIGTERM (143). The job's outcome is rank 1's.
+#[test]
+fn a_gang_s_outcome_is_the_first_rank_that_failed_on_its_own() {
+    let mut world = World::new(&["a", "b"]);
+    world.submit(1, 2, 1);
+    world.cycle();
+    let mut tasks: Vec<(String, DesiredTask)> = Vec::new();
+    for node in ["a", "b"] {
+        for task in world.desired(node) {
+            world.report(node, vec![running(&task)]);
+            tasks.push((node.to_string(), task));
+        }
+    }
+    tasks.sort_by_key(|(_, task)| task.rank);
+    let (node0, rank0) = tasks[0].clone();
+    let (node1, rank1) = tasks[1].clone();
+    world.report(&node1, vec![exited(&rank1, 3)]);
+    assert_eq!(world.state(1), JobState::Stopping);
+    world.report(&node0, vec![exited(&rank0, 143)]);
+    let job = world.job(1);
+    assert_eq!(job.state, JobState::Failed);
+    assert_eq!(job.exit_code, Some(3), "rank 1's code, not rank 0's 143");
+    assert_eq!(job.first_failure, Some((1, Some(3))));
+    let last = job.history.last().map(|(_, what)| what.as_str());
+    assert_eq!(last, Some("failed: exit code 3 (rank 1)"));
+}

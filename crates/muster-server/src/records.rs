@@ -37,6 +37,9 @@ pub struct JobRecord {
     pub stop_cause: Option<String>,
     pub attempts: u32,
     pub exit_code: Option<i32>,
+    /// The first rank that failed on its own, and its code.
+    #[serde(default)]
+    pub first_failure: Option<(u32, Option<i32>)>,
     pub started_ms: Option<u64>,
     pub finished_ms: Option<u64>,
     /// Allocations of the current attempt.
@@ -79,6 +82,7 @@ impl From<&Job> for JobRecord {
             stop_cause: job.stop_cause.map(|c| stop_cause_name(c).to_string()),
             attempts: job.attempts,
             exit_code: job.exit_code,
+            first_failure: job.first_failure,
             started_ms: job.started.map(|t| t.0),
             finished_ms: job.finished.map(|t| t.0),
             allocations: job.allocations.iter().map(|a| a.0).collect(),
@@ -112,6 +116,7 @@ impl JobRecord {
             stop_cause,
             attempts: self.attempts,
             exit_code: self.exit_code,
+            first_failure: self.first_failure,
             started: self.started_ms.map(Time),
             finished: self.finished_ms.map(Time),
             allocations: self.allocations.into_iter().map(AllocationId).collect(),
@@ -385,6 +390,7 @@ mod tests {
             stop_cause: Some(StopCause::Preempted),
             attempts: 2,
             exit_code: None,
+            first_failure: Some((1, Some(3))),
             started: Some(Time(2_000)),
             finished: None,
             allocations: vec![AllocationId(3)],

@@ -55,6 +55,10 @@ pub fn job_view<'a>(
         started_ms: job.started.map(|t| t.0),
         finished_ms: job.finished.map(|t| t.0),
         exit_code: job.exit_code,
+        failed_rank: job
+            .first_failure
+            .filter(|_| job.state == JobState::Failed)
+            .map(|(rank, _)| rank),
         attempts: job.attempts,
         command: job.spec.command.clone(),
         tasks,

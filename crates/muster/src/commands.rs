@@ -421,12 +421,19 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
         // The log is complete once the job is final.
         let job = client.job(id).await.map_err(anyhow::Error::from)?;
         if job.state != "succeeded" {
-            eprintln!(
-                "job {id} {}{}",
-                job.state,
-                job.exit_code
-                    .map_or(String::new(), |c| format!(" (exit code {c})"))
-            );
+            let mut detail = Vec::new();
+            if let Some(code) = job.exit_code {
+                detail.push(format!("exit code {code}"));
+            }
+            if let Some(rank) = job.failed_rank {
+                detail.push(format!("rank {rank}; `muster logs --rank {rank} {id}`"));
+            }
+            let detail = if detail.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", detail.join(", "))
+            };
+            eprintln!("job {id} {}{detail}", job.state);
         }
         Ok(job_exit_status(&job))
     })
@@ -583,6 +590,13 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
     outln!("  state:     {}", job.state);
     if let Some(code) = job.exit_code {
         outln!("  exit code: {code}");
+    }
+    if let Some(rank) = job.failed_rank {
+        outln!(
+            "  failed:    rank {rank} first (the others were stopped because of it); \
+             `muster logs --rank {rank} {}`",
+            job.id
+        );
     }
     outln!("  user:      {}", job.user);
     outln!(

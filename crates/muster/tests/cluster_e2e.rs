@@ -234,6 +234,23 @@ fn a_server_with_three_agents_runs_a_gang() {
         "the gang's tasks ran at the same time"
     );
 
+    // A gang's outcome is the rank that failed on its own: rank 1 exits 3,
+    // rank 0 is then stopped by muster (SIGTERM, 143) and does not count.
+    let output = cli(&[
+        "run",
+        "--nodes",
+        "2",
+        "--gpus",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$MUSTER_NODE_RANK\" = 1 ]; then sleep 1; echo 'rank1: CUDA OOM'; exit 3; fi; sleep 60",
+    ]);
+    assert_eq!(output.status.code(), Some(3), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("rank 1"), "{stderr}");
+
     // GPU indices never overlap between jobs on a node.
     let mut ids = Vec::new();
     for _ in 0..6 {
