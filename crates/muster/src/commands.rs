@@ -2,7 +2,7 @@
 //! `nodes`, `cordon`, `uncordon`, `drain`, `queues`, `queue set`. They talk
 //! to the server through `muster_api::client`.
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use muster_api::client::{Client, ClientError, JobFilter};
 use muster_api::protocol::{ErrorCode, JobView, NodeView, QueueUpdate};
@@ -234,6 +234,13 @@ pub struct RunArgs {
     /// Environment variables for the job (NAME=VALUE), repeatable.
     #[arg(long = "env", short = 'e', value_name = "NAME=VALUE")]
     pub env: Vec<String>,
+    /// Which of this shell's environment variables the job gets, as
+    /// `srun --export`: ALL (the default), NONE, or a list like
+    /// PATH,VIRTUAL_ENV. muster's own (MUSTER_*, PET_*), the GPU variables
+    /// and per-login ones (HOME, USER, SHELL, PWD, ...) never go; `-e`
+    /// wins over them.
+    #[arg(long, value_name = "ALL|NONE|VARS", default_value = "ALL")]
+    pub export: String,
     /// Submit and return the job id without waiting.
     #[arg(long, short = 'd')]
     pub detach: bool,
@@ -319,11 +326,20 @@ fn run_spec(args: &RunArgs) -> Result<serde_json::Value> {
         spec["working_dir"] = dir.into();
     }
     let mut env = serde_json::Map::new();
+    for (key, value) in exported(&args.export, std::env::vars_os())? {
+        env.insert(key, value.into());
+    }
     for pair in &args.env {
-        let (key, value) = pair
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--env: expected NAME=VALUE, got {pair:?}"))?;
-        env.insert(key.to_string(), value.into());
+        let (key, value) = match pair.split_once('=') {
+            Some((key, value)) => (key.to_string(), value.to_string()),
+            // `-e NAME`: the value this shell has.
+            None => (
+                pair.clone(),
+                std::env::var(pair)
+                    .map_err(|_| anyhow!("--env {pair}: not set in this shell; pass NAME=VALUE"))?,
+            ),
+        };
+        env.insert(key, value.into());
     }
     if !env.is_empty() {
         spec["env"] = env.into();
@@ -332,6 +348,77 @@ fn run_spec(args: &RunArgs) -> Result<serde_json::Value> {
     // trip (the server validates again).
     muster_api::parse_job_spec_value(&spec).map_err(|errors| anyhow!("{errors}"))?;
     Ok(spec)
+}
+
+/// Variables of the submitter's shell that mean nothing on another machine
+/// or as another user; never exported.
+const NOT_EXPORTED: [&str; 14] = [
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "PWD",
+    "OLDPWD",
+    "SHLVL",
+    "_",
+    "MAIL",
+    "TERM",
+    "DISPLAY",
+    "HOSTNAME",
+    "XAUTHORITY",
+    "TMUX",
+];
+
+/// What `--export` sends from `vars` (the shell's environment): every
+/// variable with a valid, unreserved name (ALL), none (NONE), or the ones
+/// listed (each must be set).
+fn exported(
+    export: &str,
+    vars: impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Result<Vec<(String, String)>> {
+    let vars: std::collections::BTreeMap<String, String> = vars
+        .filter_map(|(key, value)| Some((key.into_string().ok()?, value.into_string().ok()?)))
+        .collect();
+    let sendable = |name: &str| {
+        let valid = name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        let reserved = name.starts_with("MUSTER_")
+            || name.starts_with("PET_")
+            || matches!(name, "CUDA_VISIBLE_DEVICES" | "NVIDIA_VISIBLE_DEVICES");
+        valid
+            && !reserved
+            && !NOT_EXPORTED.contains(&name)
+            && !name.starts_with("SSH_")
+            && !name.starts_with("XDG_")
+            && !name.starts_with("DBUS_")
+    };
+    match export.trim() {
+        text if text.eq_ignore_ascii_case("ALL") => Ok(vars
+            .into_iter()
+            .filter(|(name, value)| sendable(name) && !value.contains('\0'))
+            .collect()),
+        text if text.eq_ignore_ascii_case("NONE") => Ok(Vec::new()),
+        list => list
+            .split(',')
+            .map(str::trim)
+            .filter(|name| !name.is_empty())
+            .map(|name| {
+                if !sendable(name) {
+                    bail!(
+                        "--export {name}: muster sets it itself, or it is a per-login variable \
+                         or not a variable name"
+                    );
+                }
+                let value = vars
+                    .get(name)
+                    .ok_or_else(|| anyhow!("--export {name}: not set in this shell"))?;
+                Ok((name.to_string(), value.clone()))
+            })
+            .collect(),
+    }
 }
 
 /// The exit status `muster run` returns for a finished job.
@@ -1039,6 +1126,7 @@ mod tests {
             env: vec!["A=1".into()],
             detach: false,
             time: None,
+            export: "NONE".into(),
             command: command.iter().map(|s| s.to_string()).collect(),
             connection: Connection {
                 server: None,
@@ -1062,5 +1150,50 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("--gpus"), "{error}");
+    }
+}
+
+#[cfg(test)]
+mod export_tests {
+    use super::exported;
+    use std::ffi::OsString;
+
+    fn shell() -> impl Iterator<Item = (OsString, OsString)> {
+        [
+            ("PATH", "/venv/bin:/usr/bin"),
+            ("VIRTUAL_ENV", "/venv"),
+            ("HOME", "/home/alice"),
+            ("MUSTER_TOKEN", "secret"),
+            ("CUDA_VISIBLE_DEVICES", "3"),
+            ("SSH_AUTH_SOCK", "/tmp/x"),
+            ("BASH_FUNC_f%%", "() { :; }"),
+            ("MYVAR", "hello"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (OsString::from(k), OsString::from(v)))
+    }
+
+    #[test]
+    fn all_sends_the_shell_but_never_muster_s_own_or_per_login_variables() {
+        let sent = exported("ALL", shell()).expect("exported");
+        let names: Vec<&str> = sent.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names, ["MYVAR", "PATH", "VIRTUAL_ENV"]);
+    }
+
+    #[test]
+    fn none_and_lists_limit_it_and_a_missing_name_is_an_error() {
+        assert!(exported("none", shell()).expect("none").is_empty());
+        let sent = exported("PATH, MYVAR", shell()).expect("a list");
+        assert_eq!(
+            sent,
+            [
+                ("PATH".to_string(), "/venv/bin:/usr/bin".to_string()),
+                ("MYVAR".to_string(), "hello".to_string())
+            ]
+        );
+        let error = exported("NOPE", shell()).expect_err("unset");
+        assert!(error.to_string().contains("not set"), "{error}");
+        let error = exported("MUSTER_TOKEN", shell()).expect_err("reserved");
+        assert!(error.to_string().contains("muster sets it"), "{error}");
     }
 }

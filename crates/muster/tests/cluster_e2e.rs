@@ -118,6 +118,44 @@ fn muster_up_runs_jobs_end_to_end() {
         processes_with(&marker) == 0
     });
 
+    // The submitter's environment reaches the job (as `srun --export=ALL`):
+    // a tool found only through this shell's PATH (a virtualenv, say) runs
+    // by its bare name, and an exported variable arrives; `--export NONE`
+    // keeps them home.
+    let venv = common::task_writable(env.dir.path(), "venv-bin");
+    let tool = venv.join("hello-tool");
+    std::fs::write(&tool, "#!/bin/sh\necho \"tool says $MYVAR\"\n").unwrap();
+    std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        venv.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let output = env
+        .command()
+        .env("PATH", &path)
+        .env("MYVAR", "hello")
+        .args(["run", "--", "hello-tool"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    assert!(stdout(&output).contains("tool says hello"), "{output:?}");
+    let output = env
+        .command()
+        .env("MYVAR", "hello")
+        .args([
+            "run",
+            "--export",
+            "NONE",
+            "--",
+            "sh",
+            "-c",
+            "echo \"[$MYVAR]\"",
+        ])
+        .output()
+        .unwrap();
+    assert!(stdout(&output).contains("[]"), "{output:?}");
+
     // A time limit stops the job and `muster run` says so with 124.
     let started = std::time::Instant::now();
     let output = env.muster(&["run", "--time", "2s", "--", "sleep", "60"]);
