@@ -37,7 +37,7 @@ pub enum Command {
     /// Print a job's output.
     Logs(crate::commands::LogsArgs),
     /// Cancel a job (its processes get the stop signal, then are killed).
-    Cancel(crate::commands::JobArgs),
+    Cancel(crate::commands::CancelArgs),
     /// List nodes, or show one (`muster nodes NAME`).
     Nodes(crate::commands::NodesArgs),
     /// Stop placing new work on a node.

@@ -249,8 +249,9 @@ pub struct RunArgs {
     /// (`muster run` then exits 124).
     #[arg(long, value_name = "DURATION")]
     pub time: Option<String>,
-    /// The command and its arguments.
-    #[arg(last = true, required = true)]
+    /// The command and its arguments (after `--` when an argument of it
+    /// starts with `-` before the command's name).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<String>,
     #[command(flatten)]
     pub connection: Connection,
@@ -761,17 +762,43 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
     Ok(0)
 }
 
-pub fn cancel(args: JobArgs) -> Result<u8, Failure> {
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    /// The job ids.
+    #[arg(required = true)]
+    pub jobs: Vec<u64>,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// Cancels every job named; the exit status is the first failure's (the
+/// others are still cancelled).
+pub fn cancel(args: CancelArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
-    let job = runtime()?
-        .block_on(client.cancel(args.job))
-        .map_err(anyhow::Error::from)?;
-    if args.connection.json {
-        print_json(&job)?;
-    } else {
-        outln!("job {} {}", job.id, job.state);
+    let rt = runtime()?;
+    let mut views = Vec::new();
+    let mut status = 0;
+    for &id in &args.jobs {
+        match rt.block_on(client.cancel(id)) {
+            Ok(job) => {
+                if !args.connection.json {
+                    outln!("job {} {}", job.id, job.state);
+                }
+                views.push(job);
+            }
+            Err(error) => {
+                let failure = Failure::from(anyhow::Error::from(error));
+                eprintln!("error: job {id}: {:#}", failure.error);
+                if status == 0 {
+                    status = failure.code;
+                }
+            }
+        }
     }
-    Ok(0)
+    if args.connection.json {
+        print_json(&views)?;
+    }
+    Ok(status)
 }
 
 #[derive(Debug, Args)]

@@ -118,6 +118,11 @@ fn muster_up_runs_jobs_end_to_end() {
         processes_with(&marker) == 0
     });
 
+    // No `--` needed before a command whose arguments follow it.
+    let output = env.muster(&["run", "echo", "no", "dashes", "--needed"]);
+    assert!(output.status.success(), "{output:?}");
+    assert!(stdout(&output).contains("no dashes --needed"), "{output:?}");
+
     // The submitter's environment reaches the job (as `srun --export=ALL`):
     // a tool found only through this shell's PATH (a virtualenv, say) runs
     // by its bare name, and an exported variable arrives; `--export NONE`
@@ -322,8 +327,17 @@ fn a_server_with_three_agents_runs_a_gang() {
     assert_eq!(job["state"], "pending");
     let reason = job["pending_reason"].as_str().unwrap();
     assert!(reason.contains("no node can ever run this job"), "{reason}");
+    // Several jobs in one cancel; an unknown one is named, the others still
+    // cancelled, and the exit status says not found.
+    let mut args = vec!["cancel"];
+    args.extend(ids.iter().map(String::as_str));
+    args.push("999999");
+    let output = cli(&args);
+    assert_eq!(output.status.code(), Some(3), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("job 999999"));
     for id in &ids {
-        cli(&["cancel", id]);
+        let state = json(&cli(&["describe", id, "--json"]))["state"].clone();
+        assert!(state == "stopping" || state == "cancelled", "{id}: {state}");
     }
     drop(agents);
 }
