@@ -381,15 +381,25 @@ async fn list_jobs(
     State(shared): Shared_,
     Params(query): Params<JobQuery>,
 ) -> Result<Json<JobList>, ApiError> {
-    let state = match query.state.as_deref().filter(|s| !s.is_empty()) {
+    // One state or a comma list, in any case.
+    let states: Option<Vec<JobState>> = match query.state.as_deref().filter(|s| !s.is_empty()) {
         None => None,
-        Some(text) => Some(JobState::parse(text).ok_or_else(|| {
-            ApiError::invalid(format!(
-                "unknown job state {text:?}; accepted: pending, running, stopping, succeeded, \
-                 failed, cancelled, timed_out"
-            ))
-        })?),
+        Some(text) => Some(
+            text.split(',')
+                .map(str::trim)
+                .filter(|name| !name.is_empty())
+                .map(|name| {
+                    JobState::parse(&name.to_ascii_lowercase()).ok_or_else(|| {
+                        ApiError::invalid(format!(
+                            "unknown job state {name:?}; accepted: pending, running, stopping, \
+                             succeeded, failed, cancelled, timed_out (one, or a comma list)"
+                        ))
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+        ),
     };
+    let wanted = |state: JobState| states.as_ref().is_none_or(|list| list.contains(&state));
     let limit = query.limit.unwrap_or(DEFAULT_PAGE);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(ApiError::invalid(format!(
@@ -413,7 +423,7 @@ async fn list_jobs(
         let control = core.control();
         control
             .jobs_newest_first(before.map(JobId))
-            .filter(|job| state.is_none_or(|state| job.state == state))
+            .filter(|job| wanted(job.state))
             .filter(|job| !active || !job.state.is_final())
             .filter(|job| queue.as_deref().is_none_or(|q| job.spec.queue.0 == q))
             .filter(|job| user.as_deref().is_none_or(|u| job.user == u))
@@ -423,9 +433,15 @@ async fn list_jobs(
     };
     // Retired jobs are finished ones: the store is asked only when they
     // can match.
-    if !active && state.is_none_or(JobState::is_final) {
+    let finished_wanted: Option<Vec<String>> = states.as_ref().map(|list| {
+        list.iter()
+            .filter(|state| state.is_final())
+            .map(|state| state.name().to_string())
+            .collect()
+    });
+    if !active && finished_wanted.as_ref().is_none_or(|list| !list.is_empty()) {
         let filter = crate::store::JobFilter {
-            state: state.map(|s| s.name().to_string()),
+            states: finished_wanted,
             user: user.clone(),
             queue: queue.clone(),
         };

@@ -115,7 +115,8 @@ pub struct Loaded {
 /// Which retired jobs to list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct JobFilter {
-    pub state: Option<String>,
+    /// Any of these states (`None`: any).
+    pub states: Option<Vec<String>>,
     pub user: Option<String>,
     pub queue: Option<String>,
 }
@@ -423,20 +424,34 @@ impl SqliteStore {
         after: Option<u64>,
         limit: u32,
     ) -> Result<Vec<StoredJob>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT id, record FROM jobs WHERE retired = 1 AND id < ?1 AND id > ?6 \
-             AND (?2 IS NULL OR state = ?2) AND (?3 IS NULL OR user = ?3) \
-             AND (?4 IS NULL OR queue = ?4) ORDER BY id DESC LIMIT ?5",
-        )
-        .bind(before.map_or(i64::MAX, to_i64))
-        .bind(&filter.state)
-        .bind(&filter.user)
-        .bind(&filter.queue)
-        .bind(i64::from(limit))
-        .bind(after.map_or(-1, to_i64))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(database)?;
+        let mut query: sqlx::QueryBuilder<sqlx::Sqlite> =
+            sqlx::QueryBuilder::new("SELECT id, record FROM jobs WHERE retired = 1 AND id < ");
+        query.push_bind(before.map_or(i64::MAX, to_i64));
+        query.push(" AND id > ");
+        query.push_bind(after.map_or(-1, to_i64));
+        if let Some(states) = &filter.states {
+            query.push(" AND state IN (");
+            let mut list = query.separated(", ");
+            for state in states {
+                list.push_bind(state.clone());
+            }
+            query.push(")");
+        }
+        if let Some(user) = &filter.user {
+            query.push(" AND user = ");
+            query.push_bind(user.clone());
+        }
+        if let Some(queue) = &filter.queue {
+            query.push(" AND queue = ");
+            query.push_bind(queue.clone());
+        }
+        query.push(" ORDER BY id DESC LIMIT ");
+        query.push_bind(i64::from(limit));
+        let rows = query
+            .build()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(database)?;
         let mut jobs = Vec::with_capacity(rows.len());
         for row in rows {
             let id: i64 = row.try_get("id").map_err(database)?;

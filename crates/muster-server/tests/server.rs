@@ -920,6 +920,12 @@ async fn finished_jobs_leave_memory_and_stay_listed_and_readable_from_the_store(
         assert_eq!(pending.len(), 10);
         let active = api.all_jobs(&admin, "active=true", 4).await;
         assert_eq!(active.len(), 10);
+        // States in any case, and lists of them.
+        let both = api.all_jobs(&admin, "state=Cancelled,PENDING", 8).await;
+        assert_eq!(both.len(), 30);
+        let (status, body) = api.get("/v1/jobs?state=pending,nope", &admin).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(error_of(&body).message.contains("\"nope\""), "{body}");
         // A retired job reads back whole, and cancelling it again is
         // harmless.
         let first = api.job(&admin, ids[0]).await;

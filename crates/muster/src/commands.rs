@@ -478,7 +478,11 @@ fn ask_to_cancel(id: u64) -> bool {
 }
 
 pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
-    let spec = run_spec(&args)?;
+    // A spec this side can tell is wrong: invalid input, exit code 6.
+    let spec = run_spec(&args).map_err(|error| Failure {
+        code: exit::INVALID,
+        error,
+    })?;
     let client = args.connection.client()?;
     let rt = runtime()?;
     rt.block_on(async {
@@ -549,8 +553,10 @@ pub fn submit(args: SubmitArgs) -> Result<u8, Failure> {
         std::fs::read_to_string(&args.file)
             .with_context(|| format!("cannot read {}", args.file.display()))?
     };
-    let spec = muster_api::parse_job_spec_yaml(&text)
-        .map_err(|errors| anyhow!("{}: invalid job spec:\n{errors}", args.file.display()))?;
+    let spec = muster_api::parse_job_spec_yaml(&text).map_err(|errors| Failure {
+        code: exit::INVALID,
+        error: anyhow!("{}: invalid job spec:\n{errors}", args.file.display()),
+    })?;
     let wire = muster_api::JobSpec::from(&spec);
     let mut value = serde_json::to_value(&wire).context("cannot encode the job spec")?;
     if let Some(time) = &args.time {
@@ -605,7 +611,8 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
         .map_err(anyhow::Error::from)?;
     let jobs: Vec<&JobView> = jobs.iter().collect();
     if args.connection.json {
-        print_json(&jobs)?;
+        // The API's shape: `{"jobs": [...]}`.
+        print_json(&serde_json::json!({ "jobs": jobs }))?;
         return Ok(0);
     }
     if more {
@@ -796,7 +803,7 @@ pub fn cancel(args: CancelArgs) -> Result<u8, Failure> {
         }
     }
     if args.connection.json {
-        print_json(&views)?;
+        print_json(&serde_json::json!({ "jobs": views }))?;
     }
     Ok(status)
 }
@@ -958,7 +965,7 @@ pub fn nodes(args: NodesArgs) -> Result<u8, Failure> {
         .block_on(client.nodes())
         .map_err(anyhow::Error::from)?;
     if args.connection.json {
-        print_json(&list.nodes)?;
+        print_json(&list)?;
         return Ok(0);
     }
     table(
@@ -1023,7 +1030,7 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
         .block_on(client.pools())
         .map_err(anyhow::Error::from)?;
     if args.connection.json {
-        print_json(&list.pools)?;
+        print_json(&list)?;
         return Ok(0);
     }
     table(
@@ -1104,7 +1111,7 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
     }
     let list = rt.block_on(client.queues()).map_err(anyhow::Error::from)?;
     if args.connection.json {
-        print_json(&list.queues)?;
+        print_json(&list)?;
         return Ok(0);
     }
     table(

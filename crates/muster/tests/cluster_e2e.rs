@@ -85,7 +85,7 @@ fn muster_up_runs_jobs_end_to_end() {
     assert_eq!(output.status.code(), Some(3), "{output:?}");
 
     let jobs = json(&env.muster(&["ps", "--all", "--json"]));
-    let jobs = jobs.as_array().expect("a list");
+    let jobs = jobs["jobs"].as_array().expect("a list");
     assert_eq!(jobs.len(), 2);
     let failed = jobs
         .iter()
@@ -174,7 +174,11 @@ fn muster_up_runs_jobs_end_to_end() {
         "{output:?}"
     );
     let timed_out = json(&env.muster(&["ps", "--state", "timed_out", "--json"]));
-    assert_eq!(timed_out.as_array().map(Vec::len), Some(1), "{timed_out}");
+    assert_eq!(
+        timed_out["jobs"].as_array().map(Vec::len),
+        Some(1),
+        "{timed_out}"
+    );
 
     // Unknown job: a clear error and its own exit code.
     let output = env.muster(&["describe", "999999"]);
@@ -224,15 +228,15 @@ fn a_server_with_three_agents_runs_a_gang() {
         env.muster(&all)
     };
     common::wait_until("three nodes", Duration::from_secs(30), || {
-        json(&cli(&["nodes", "--json"]))
+        json(&cli(&["nodes", "--json"]))["nodes"]
             .as_array()
             .map_or(0, Vec::len)
             == 3
     });
 
     let pools = json(&cli(&["pools", "--json"]));
-    assert_eq!(pools[0]["name"], "default");
-    assert_eq!(pools[0]["gpus"], 12);
+    assert_eq!(pools["pools"][0]["name"], "default");
+    assert_eq!(pools["pools"][0]["gpus"], 12);
     let node = json(&cli(&["nodes", "node-b", "--json"]));
     assert_eq!(node["gpus"].as_array().map(Vec::len), Some(4));
 
@@ -359,7 +363,7 @@ fn bad_input_gets_clear_errors() {
     let spec = env.path("bad.yaml");
     std::fs::write(&spec, "name: x\ngpu: 8\nnodes: 0\ncommand: [true]\n").unwrap();
     let output = with(token.trim(), &["submit", spec.to_str().unwrap()]);
-    assert!(!output.status.success());
+    assert_eq!(output.status.code(), Some(6), "invalid input: {output:?}");
     let errors = String::from_utf8_lossy(&output.stderr);
     assert!(errors.contains("did you mean \"gpus\""), "{errors}");
     assert!(
@@ -373,6 +377,8 @@ fn bad_input_gets_clear_errors() {
     let id = stdout(&output).trim().to_string();
     let output = with(token.trim(), &["describe", "424242"]);
     assert_eq!(output.status.code(), Some(3));
+    let output = with(token.trim(), &["run", "--gpus", "lots", "--", "true"]);
+    assert_eq!(output.status.code(), Some(6), "invalid input: {output:?}");
     let job = json(&with(token.trim(), &["describe", &id, "--json"]));
     assert_eq!(job["name"], "ok");
     assert!(

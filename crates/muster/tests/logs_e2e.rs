@@ -67,7 +67,8 @@ impl Env {
     /// The id of the only job, or of the job named in `ps`.
     fn last_job(&self) -> String {
         let jobs = self.json(&["ps", "--all", "--json"]);
-        jobs.as_array()
+        jobs["jobs"]
+            .as_array()
             .and_then(|jobs| jobs.iter().filter_map(|j| j["id"].as_u64()).max())
             .expect("a job")
             .to_string()
@@ -246,7 +247,7 @@ fn a_task_writing_at_full_speed_does_not_delay_heartbeats() {
         ],
     );
     wait_until("the node", Duration::from_secs(30), || {
-        env.json(&["nodes", "--json"])
+        env.json(&["nodes", "--json"])["nodes"]
             .as_array()
             .is_some_and(|nodes| !nodes.is_empty())
     });
