@@ -437,14 +437,49 @@ fn job_exit_status(job: &JobView) -> u8 {
 /// Prints a task's output from `offset`, page by page, until the job has
 /// ended and every byte was printed (`follow`), or until the end of what
 /// the server has now; returns the offset reached.
-async fn print_logs(
+async fn print_logs(client: &Client, id: u64, rank: u32, offset: u64, follow: bool) -> Result<u64> {
+    print_rank_logs(client, id, rank, offset, follow, false).await
+}
+
+/// Writes `data` with `[rank N] ` before each line (as `srun -l`); a line
+/// not yet ended waits in `partial` for the rest of it.
+fn write_prefixed(rank: u32, partial: &mut Vec<u8>, data: &[u8]) {
+    partial.extend_from_slice(data);
+    let Some(last) = partial.iter().rposition(|&b| b == b'\n') else {
+        return;
+    };
+    let mut out = Vec::with_capacity(partial.len() + 16);
+    for line in partial[..=last].split_inclusive(|&b| b == b'\n') {
+        out.extend_from_slice(format!("[rank {rank}] ").as_bytes());
+        out.extend_from_slice(line);
+    }
+    partial.drain(..=last);
+    write_bytes(&out);
+}
+
+/// Every rank's output at once, each line prefixed with its rank.
+async fn print_all_ranks(client: &Client, id: u64, ranks: u32, follow: bool) -> Result<()> {
+    let mut followers = tokio::task::JoinSet::new();
+    for rank in 0..ranks {
+        let client = client.clone();
+        followers.spawn(async move { print_rank_logs(&client, id, rank, 0, follow, true).await });
+    }
+    while let Some(done) = followers.join_next().await {
+        done.context("a log follower failed")??;
+    }
+    Ok(())
+}
+
+async fn print_rank_logs(
     client: &Client,
     id: u64,
     rank: u32,
     mut offset: u64,
     follow: bool,
+    prefixed: bool,
 ) -> Result<u64> {
     let mut task = None;
+    let mut partial = Vec::new();
     loop {
         let page = client
             .task_logs(id, rank, task, offset, None, follow)
@@ -456,10 +491,18 @@ async fn print_logs(
         }
         task = page.allocation.or(task);
         if !page.data.is_empty() {
-            write_bytes(&page.data);
+            if prefixed {
+                write_prefixed(rank, &mut partial, &page.data);
+            } else {
+                write_bytes(&page.data);
+            }
         }
         offset = page.next_offset;
         if page.complete || (!follow && !page.more) {
+            if prefixed && !partial.is_empty() {
+                partial.push(b'\n');
+                write_prefixed(rank, &mut partial, &[]);
+            }
             return Ok(offset);
         }
     }
@@ -496,8 +539,16 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
             return Ok::<u8, anyhow::Error>(0);
         }
         eprintln!("job {id} submitted; following its output (Ctrl-C to detach or cancel)");
+        let ranks = args.nodes;
+        let followed = async {
+            if ranks > 1 {
+                print_all_ranks(&client, id, ranks, true).await
+            } else {
+                follow_logs(&client, id, 0, 0).await.map(|_| ())
+            }
+        };
         tokio::select! {
-            result = follow_logs(&client, id, 0, 0) => {
+            result = followed => {
                 result?;
             }
             _ = tokio::signal::ctrl_c() => {
@@ -751,9 +802,10 @@ pub struct LogsArgs {
     /// Keep printing new output until the job ends.
     #[arg(long, short = 'f')]
     pub follow: bool,
-    /// Which task (node rank) to show.
-    #[arg(long, default_value_t = 0)]
-    pub rank: u32,
+    /// Which task (node rank) to show (default: every rank of a multi-node
+    /// job, each line prefixed `[rank N]`).
+    #[arg(long)]
+    pub rank: Option<u32>,
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -762,7 +814,19 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
     runtime()?
         .block_on(async {
-            print_logs(&client, args.job, args.rank, 0, args.follow).await?;
+            match args.rank {
+                Some(rank) => {
+                    print_logs(&client, args.job, rank, 0, args.follow).await?;
+                }
+                None => {
+                    let job = client.job(args.job).await?;
+                    if job.nodes > 1 {
+                        print_all_ranks(&client, args.job, job.nodes, args.follow).await?;
+                    } else {
+                        print_logs(&client, args.job, 0, 0, args.follow).await?;
+                    }
+                }
+            }
             Ok::<(), anyhow::Error>(())
         })
         .map_err(Failure::from)?;

@@ -297,6 +297,11 @@ fn a_server_with_three_agents_runs_a_gang() {
     assert_eq!(output.status.code(), Some(3), "{output:?}");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("rank 1"), "{stderr}");
+    // Every rank's output, each line with its rank (as `srun -l`).
+    assert!(
+        stdout(&output).contains("[rank 1] rank1: CUDA OOM"),
+        "{output:?}"
+    );
 
     // GPU indices never overlap between jobs on a node.
     let mut ids = Vec::new();
