@@ -242,12 +242,30 @@ impl Client {
         limit: Option<u64>,
         follow: bool,
     ) -> Result<LogsResponse, ClientError> {
+        self.task_logs_of_attempt(id, rank, None, allocation, offset, limit, follow)
+            .await
+    }
+
+    /// As [`Client::task_logs`], of one attempt (1 for the first; `None`:
+    /// the latest).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn task_logs_of_attempt(
+        &self,
+        id: u64,
+        rank: u32,
+        attempt: Option<u32>,
+        allocation: Option<u64>,
+        offset: u64,
+        limit: Option<u64>,
+        follow: bool,
+    ) -> Result<LogsResponse, ClientError> {
+        let attempt = attempt.map_or(String::new(), |attempt| format!("&attempt={attempt}"));
         let limit = limit.map_or(String::new(), |limit| format!("&limit={limit}"));
         let allocation = allocation.map_or(String::new(), |allocation| {
             format!("&allocation={allocation}")
         });
         let url = format!(
-            "{}/v1/jobs/{id}/logs?rank={rank}&offset={offset}{limit}{allocation}&follow={follow}",
+            "{}/v1/jobs/{id}/logs?rank={rank}&offset={offset}{limit}{allocation}{attempt}&follow={follow}",
             self.base
         );
         self.send(self.http.get(&url).timeout(Duration::from_secs(60)), &url)

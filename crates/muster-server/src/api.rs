@@ -519,6 +519,8 @@ pub struct LogsQuery {
     allocation: Option<u64>,
     /// Wait up to 10 s for new output before answering.
     follow: Option<bool>,
+    /// Which attempt's output (1 for the first; default: the latest).
+    attempt: Option<u32>,
 }
 
 /// How long after its job ended, and after the last byte arrived, a task's
@@ -562,12 +564,24 @@ async fn job_logs(
                     job.spec.nodes.saturating_sub(1)
                 )));
             }
-            let allocation = found
-                .allocations
-                .values()
-                .filter(|a| a.rank == rank)
-                .map(|a| a.id)
-                .next_back();
+            // Each attempt gave every rank one allocation, in id order.
+            let mut of_rank = found.allocations.values().filter(|a| a.rank == rank);
+            let allocation = match query.attempt {
+                None => of_rank.map(|a| a.id).next_back(),
+                Some(0) => {
+                    return Err(ApiError::invalid(
+                        "attempt counts from 1 (the first attempt)",
+                    ));
+                }
+                Some(attempt) => Some(of_rank.nth(attempt as usize - 1).map(|a| a.id).ok_or_else(
+                    || {
+                        ApiError::not_found(format!(
+                            "job {id} has no attempt {attempt} (it made {})",
+                            job.attempts
+                        ))
+                    },
+                )?),
+            };
             let finished = job
                 .state
                 .is_final()

@@ -806,6 +806,9 @@ pub struct LogsArgs {
     /// job, each line prefixed `[rank N]`).
     #[arg(long)]
     pub rank: Option<u32>,
+    /// An earlier attempt's output (1 for the first; default: the latest).
+    #[arg(long, value_name = "K")]
+    pub attempt: Option<u32>,
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -814,6 +817,29 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
     runtime()?
         .block_on(async {
+            if let Some(attempt) = args.attempt {
+                // One attempt's output, whole, of one rank (0 by default).
+                let rank = args.rank.unwrap_or(0);
+                let mut offset = 0;
+                loop {
+                    let page = client
+                        .task_logs_of_attempt(
+                            args.job,
+                            rank,
+                            Some(attempt),
+                            None,
+                            offset,
+                            None,
+                            false,
+                        )
+                        .await?;
+                    write_bytes(&page.data);
+                    offset = page.next_offset;
+                    if !page.more {
+                        return Ok(());
+                    }
+                }
+            }
             match args.rank {
                 Some(rank) => {
                     print_logs(&client, args.job, rank, 0, args.follow).await?;
