@@ -419,16 +419,6 @@ fn a_restarted_agent_resumes_shipping_where_the_server_is() {
     assert_same_bytes("after the agent restart", &output.stdout, &expected);
     let job = env.json(&["describe", &id, "--json"]);
     assert_eq!(job["state"], "succeeded", "{job}");
-    // Every attempt's output is kept: the first one's still reads back.
-    let first = env.muster(&["logs", "--attempt", "1", &id]);
-    assert!(first.status.success(), "{first:?}");
-    let mut expected_first = vec![b'x'; 5000];
-    expected_first.push(b'\n');
-    assert_same_bytes("attempt 1", &first.stdout, &expected_first);
-    let second = env.muster(&["logs", "--attempt", "2", &id]);
-    assert_same_bytes("attempt 2", &second.stdout, b"second attempt\n");
-    let none = env.muster(&["logs", "--attempt", "3", &id]);
-    assert_eq!(none.status.code(), Some(3), "{none:?}");
 }
 
 /// The length and the bytes on disk of a job's task log on the agent.
@@ -490,5 +480,15 @@ fn a_follower_reads_a_retried_job_from_the_start_of_its_new_task() {
     );
     let job = env.json(&["describe", &id, "--json"]);
     assert_eq!(job["state"], "succeeded", "{job}");
+    // Every attempt's output is kept: the first one's still reads back.
+    let first = env.muster(&["logs", "--attempt", "1", &id]);
+    assert!(first.status.success(), "{first:?}");
+    let mut expected_first = vec![b'x'; 5000];
+    expected_first.push(b'\n');
+    assert_same_bytes("attempt 1", &first.stdout, &expected_first);
+    let second = env.muster(&["logs", "--attempt", "2", &id]);
+    assert_same_bytes("attempt 2", &second.stdout, b"second attempt\n");
+    let none = env.muster(&["logs", "--attempt", "3", &id]);
+    assert_eq!(none.status.code(), Some(3), "{none:?}");
     assert_eq!(job["attempts"], 2, "{job}");
 }
