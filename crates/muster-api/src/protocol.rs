@@ -348,6 +348,10 @@ pub struct LogsResponse {
     /// task and `next_offset` 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocation: Option<u64>,
+    /// How many bytes of output the server knows the task wrote (an offset
+    /// a little below it reads the latest output).
+    #[serde(default)]
+    pub end: u64,
 }
 
 /// Bytes as a base64 string (standard alphabet, padded).

@@ -597,6 +597,7 @@ async fn job_logs(
                 more: true,
                 complete: false,
                 allocation: Some(latest.0),
+                end: 0,
             }));
         }
         let read = match allocation {
@@ -638,6 +639,7 @@ async fn job_logs(
             more,
             complete,
             allocation: allocation.map(|a| a.0),
+            end: read.end,
         };
         if !follow || !empty || complete || tokio::time::Instant::now() >= deadline {
             return Ok(Json(response));

@@ -351,6 +351,9 @@ fn run_spec(args: &RunArgs) -> Result<serde_json::Value> {
     Ok(spec)
 }
 
+/// How much of a failed rank's output `describe` reads (its last lines).
+const TAIL_BYTES: u64 = 4096;
+
 /// Variables of the submitter's shell that mean nothing on another machine
 /// or as another user; never exported.
 const NOT_EXPORTED: [&str; 14] = [
@@ -743,6 +746,24 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
              `muster logs --rank {rank} {}`",
             job.id
         );
+        // The end of that rank's output: why it failed, usually.
+        let tail = runtime()?.block_on(async {
+            let probe = client
+                .task_logs(job.id, rank, None, 0, Some(1), false)
+                .await?;
+            let from = probe.end.saturating_sub(TAIL_BYTES);
+            client
+                .task_logs(job.id, rank, None, from, Some(TAIL_BYTES), false)
+                .await
+        });
+        if let Ok(page) = tail {
+            let text = String::from_utf8_lossy(&page.data);
+            let lines: Vec<&str> = text.lines().collect();
+            outln!("  its last output:");
+            for line in &lines[lines.len().saturating_sub(10)..] {
+                outln!("    {line}");
+            }
+        }
     }
     outln!("  user:      {}", job.user);
     outln!(

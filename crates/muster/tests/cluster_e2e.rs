@@ -302,6 +302,16 @@ fn a_server_with_three_agents_runs_a_gang() {
         stdout(&output).contains("[rank 1] rank1: CUDA OOM"),
         "{output:?}"
     );
+    // `describe` names the rank and shows the end of its output.
+    let failed = json(&cli(&["ps", "--state", "failed", "--json"]));
+    let failed_id = failed["jobs"][0]["id"]
+        .as_u64()
+        .expect("the failed gang")
+        .to_string();
+    assert_eq!(failed["jobs"][0]["failed_rank"], 1, "{failed}");
+    let text = stdout(&cli(&["describe", &failed_id]));
+    assert!(text.contains("rank 1 first"), "{text}");
+    assert!(text.contains("rank1: CUDA OOM"), "{text}");
 
     // GPU indices never overlap between jobs on a node.
     let mut ids = Vec::new();
