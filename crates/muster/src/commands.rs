@@ -883,8 +883,14 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
 #[derive(Debug, Args)]
 pub struct CancelArgs {
     /// The job ids.
-    #[arg(required = true)]
+    #[arg(required_unless_present_any = ["name", "mine"])]
     pub jobs: Vec<u64>,
+    /// Every unfinished job of this name (with --mine: of yours only).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Every unfinished job of yours ($USER) (with --name: of that name).
+    #[arg(long)]
+    pub mine: bool,
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -894,9 +900,38 @@ pub struct CancelArgs {
 pub fn cancel(args: CancelArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
     let rt = runtime()?;
+    let mut ids = args.jobs.clone();
+    if args.name.is_some() || args.mine {
+        let user = if args.mine {
+            Some(
+                std::env::var("USER")
+                    .ok()
+                    .filter(|u| !u.is_empty())
+                    .ok_or_else(|| anyhow!("--mine: $USER is not set"))?,
+            )
+        } else {
+            None
+        };
+        let filter = JobFilter {
+            user,
+            active: true,
+            ..JobFilter::default()
+        };
+        let (jobs, _) = rt
+            .block_on(client.all_jobs(&filter, None))
+            .map_err(anyhow::Error::from)?;
+        ids.extend(
+            jobs.iter()
+                .filter(|job| args.name.as_ref().is_none_or(|name| &job.name == name))
+                .map(|job| job.id),
+        );
+        if ids.is_empty() {
+            eprintln!("no unfinished job matches");
+        }
+    }
     let mut views = Vec::new();
     let mut status = 0;
-    for &id in &args.jobs {
+    for &id in &ids {
         match rt.block_on(client.cancel(id)) {
             Ok(job) => {
                 if !args.connection.json {

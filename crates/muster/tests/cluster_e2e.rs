@@ -161,6 +161,20 @@ fn muster_up_runs_jobs_end_to_end() {
         .unwrap();
     assert!(stdout(&output).contains("[]"), "{output:?}");
 
+    // Cancel by name: every unfinished job of that name.
+    for _ in 0..2 {
+        let output = env.muster(&["run", "--detach", "--name", "napper", "--", "sleep", "60"]);
+        assert!(output.status.success(), "{output:?}");
+    }
+    let output = env.muster(&["cancel", "--name", "napper", "--json"]);
+    assert!(output.status.success(), "{output:?}");
+    let cancelled = json(&output);
+    assert_eq!(
+        cancelled["jobs"].as_array().map(Vec::len),
+        Some(2),
+        "{cancelled}"
+    );
+
     // A time limit stops the job and `muster run` says so with 124.
     let started = std::time::Instant::now();
     let output = env.muster(&["run", "--time", "2s", "--", "sleep", "60"]);
