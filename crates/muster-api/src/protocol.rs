@@ -77,7 +77,7 @@ pub struct EventView {
 }
 
 /// `GET /v1/jobs/{id}` and the items of `GET /v1/jobs`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobView {
     pub id: u64,
@@ -87,8 +87,8 @@ pub struct JobView {
     pub priority_class: String,
     pub state: String,
     pub nodes: u32,
-    /// Per node, e.g. "8" or "0.25".
-    pub gpus_per_node: String,
+    /// GPUs per node, a number: whole GPUs (8) or a share of one (0.25).
+    pub gpus_per_node: f64,
     pub submitted_ms: u64,
     pub started_ms: Option<u64>,
     pub finished_ms: Option<u64>,
@@ -107,7 +107,7 @@ pub struct JobView {
     pub history: Vec<EventView>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobList {
     pub jobs: Vec<JobView>,

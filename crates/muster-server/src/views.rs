@@ -6,18 +6,8 @@ use muster_api::protocol::{
     DesiredAllocation, EventView, GpuView, JobView, NodeView, QueueView, TaskView,
 };
 use muster_control::{Allocation, AllocationId, AllocationState, DesiredTask, Job, JobState, Node};
-use muster_model::{GpuRequest, QueueName, QueueSpec};
+use muster_model::{QueueName, QueueSpec};
 use std::collections::BTreeMap;
-
-pub fn gpus_text(request: GpuRequest) -> String {
-    match request {
-        GpuRequest::Whole(count) => count.to_string(),
-        GpuRequest::Shared(share) => {
-            let text = format!("{:.3}", f64::from(share.0) / 1000.0);
-            text.trim_end_matches('0').to_string()
-        }
-    }
-}
 
 /// A job as the API shows it; `allocation` finds its allocations (in the
 /// hot state, or among those read from the store for a retired job).
@@ -50,7 +40,7 @@ pub fn job_view<'a>(
         priority_class: job.spec.priority_class.name.clone(),
         state: job.state.name().to_string(),
         nodes: job.spec.nodes,
-        gpus_per_node: gpus_text(job.spec.gpus_per_node),
+        gpus_per_node: f64::from(job.spec.gpus_per_node.total().0) / 1000.0,
         submitted_ms: job.submitted.0,
         started_ms: job.started.map(|t| t.0),
         finished_ms: job.finished.map(|t| t.0),
@@ -189,18 +179,5 @@ pub fn desired_view(task: DesiredTask) -> DesiredAllocation {
         stop: task.stop,
         user: Some(task.user),
         memory_mib: (task.memory_mib > 0).then_some(task.memory_mib),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use muster_model::GpuMilli;
-
-    #[test]
-    fn gpu_counts_read_as_written() {
-        assert_eq!(gpus_text(GpuRequest::Whole(8)), "8");
-        assert_eq!(gpus_text(GpuRequest::Shared(GpuMilli(250))), "0.25");
-        assert_eq!(gpus_text(GpuRequest::Shared(GpuMilli(5))), "0.005");
     }
 }

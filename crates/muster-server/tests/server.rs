@@ -278,7 +278,7 @@ async fn jobs_are_submitted_listed_and_cancelled() {
         assert_eq!(job.state, "pending");
         assert_eq!(job.name, "first");
         assert_eq!(job.queue, "team-a");
-        assert_eq!(job.gpus_per_node, "1");
+        assert_eq!(job.gpus_per_node, 1.0);
         assert_eq!(job.user, "admin");
         assert!(job.pending_reason.is_some());
         assert!(job.queue_position.is_some(), "{job:?}");

@@ -351,6 +351,12 @@ fn run_spec(args: &RunArgs) -> Result<serde_json::Value> {
     Ok(spec)
 }
 
+/// GPUs as people write them: `8`, `0.25`.
+fn gpus_text(gpus: f64) -> String {
+    let text = format!("{gpus:.3}");
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
 /// How much of a failed rank's output `describe` reads (its last lines).
 const TAIL_BYTES: u64 = 4096;
 
@@ -708,7 +714,7 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
                     j.queue.clone(),
                     j.state.clone(),
                     j.nodes.to_string(),
-                    j.gpus_per_node.clone(),
+                    gpus_text(j.gpus_per_node),
                     ago(j.submitted_ms),
                     place,
                 ]
@@ -774,7 +780,7 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
     outln!(
         "  asks:      {} node(s) x {} GPU(s)",
         job.nodes,
-        job.gpus_per_node
+        gpus_text(job.gpus_per_node)
     );
     outln!("  command:   {}", job.command.join(" "));
     outln!("  attempts:  {}", job.attempts);
@@ -1351,6 +1357,14 @@ mod export_tests {
         ]
         .into_iter()
         .map(|(k, v)| (OsString::from(k), OsString::from(v)))
+    }
+
+    #[test]
+    fn gpu_counts_read_as_written() {
+        assert_eq!(super::gpus_text(8.0), "8");
+        assert_eq!(super::gpus_text(0.25), "0.25");
+        assert_eq!(super::gpus_text(0.005), "0.005");
+        assert_eq!(super::gpus_text(0.0), "0");
     }
 
     #[test]
