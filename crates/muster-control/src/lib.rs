@@ -15,5 +15,5 @@
 mod records;
 mod state;
 
-pub use records::{ChangedRecords, Counters, Records, RestoreError};
+pub use records::{ChangedRecords, Counters, MemoryStore, Records, RestoreError};
 pub use state::*;

@@ -15,7 +15,7 @@
 
 use crate::{Allocation, ControlConfig, ControlPlane, Job, Node, Output};
 use muster_model::{JobId, NodeName, QueueSpec, Time};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The counters that hand out ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -196,5 +196,65 @@ impl ControlPlane {
     /// The ids of hot jobs (for a shell that must tell hot from retired).
     pub fn is_hot(&self, id: JobId) -> bool {
         self.jobs.contains_key(&id)
+    }
+}
+
+/// A store kept in memory by the rules a real one is written and read by:
+/// each input's [`ChangedRecords`] written over the earlier ones (removed
+/// nodes deleted, retired jobs kept), and [`MemoryStore::load`] reading
+/// back what a restarting server loads. The fault simulation and the
+/// property tests use it; the server's SQLite store follows the same rules.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MemoryStore {
+    pub jobs: BTreeMap<JobId, Job>,
+    pub allocations: BTreeMap<crate::AllocationId, Allocation>,
+    pub nodes: BTreeMap<NodeName, Node>,
+    pub counters: Counters,
+}
+
+impl MemoryStore {
+    /// Writes what one input changed.
+    pub fn write(&mut self, changes: ChangedRecords<'_>) {
+        for job in changes.jobs {
+            self.jobs.insert(job.id, job.clone());
+        }
+        for allocation in changes.allocations {
+            self.allocations.insert(allocation.id, allocation.clone());
+        }
+        for node in changes.nodes {
+            self.nodes.insert(node.spec.name.clone(), node.clone());
+        }
+        for name in changes.removed_nodes {
+            self.nodes.remove(&name);
+        }
+        if let Some(counters) = changes.counters {
+            self.counters = counters;
+        }
+    }
+
+    /// What a server restarting at `now` loads: every job not finished,
+    /// finished ones within `retention_ms`, their allocations, the nodes
+    /// and the counters.
+    pub fn load(&self, now: Time, retention_ms: u64) -> Records {
+        let hot = |job: &Job| {
+            !job.state.is_final()
+                || job
+                    .finished
+                    .is_some_and(|at| now.millis_since(at) < retention_ms)
+        };
+        let jobs: Vec<Job> = self.jobs.values().filter(|job| hot(job)).cloned().collect();
+        let ids: BTreeSet<JobId> = jobs.iter().map(|job| job.id).collect();
+        Records {
+            jobs,
+            allocations: self
+                .allocations
+                .values()
+                .filter(|allocation| ids.contains(&allocation.job))
+                .cloned()
+                .collect(),
+            nodes: self.nodes.values().cloned().collect(),
+            queues: Vec::new(),
+            counters: self.counters,
+        }
     }
 }

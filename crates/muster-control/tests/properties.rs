@@ -4,7 +4,7 @@
 //! state: `restore(persist(s)) == s`.
 
 use muster_control::{
-    AllocationId, ControlConfig, ControlPlane, Input, Job, Observed, Output, Records, Software,
+    ControlConfig, ControlPlane, Input, MemoryStore, Observed, Output, Records, Software,
 };
 use muster_model::{
     CpuMilli, GpuModel, GpuRequest, GpuSpec, JobId, JobSpec, MemoryMib, NodeName, NodeSpec,
@@ -14,7 +14,6 @@ use muster_sched::{SchedulingPolicy, schedule};
 use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::collections::BTreeMap;
 
 const NODES: [&str; 3] = ["a", "b", "c"];
 
@@ -101,62 +100,6 @@ fn spec(name: &str, gpus: u32, mixed: bool) -> NodeSpec {
     }
 }
 
-/// A store as the server keeps one: each input's changed records written
-/// over the earlier ones, removed nodes deleted.
-#[derive(Default)]
-struct Store {
-    jobs: BTreeMap<JobId, Job>,
-    allocations: BTreeMap<AllocationId, muster_control::Allocation>,
-    nodes: BTreeMap<NodeName, muster_control::Node>,
-    counters: muster_control::Counters,
-}
-
-impl Store {
-    fn write(&mut self, control: &ControlPlane, outputs: &[Output]) {
-        let changes = control.changed_records(outputs);
-        for job in changes.jobs {
-            self.jobs.insert(job.id, job.clone());
-        }
-        for allocation in changes.allocations {
-            self.allocations.insert(allocation.id, allocation.clone());
-        }
-        for node in changes.nodes {
-            self.nodes.insert(node.spec.name.clone(), node.clone());
-        }
-        for name in changes.removed_nodes {
-            self.nodes.remove(&name);
-        }
-        if let Some(counters) = changes.counters {
-            self.counters = counters;
-        }
-    }
-
-    /// What a restarting server loads: every job not finished, finished
-    /// ones within the retention, and their allocations.
-    fn load(&self, now: Time, retention_ms: u64) -> Records {
-        let hot = |job: &Job| {
-            !job.state.is_final()
-                || job
-                    .finished
-                    .is_some_and(|t| now.millis_since(t) < retention_ms)
-        };
-        let jobs: Vec<Job> = self.jobs.values().filter(|j| hot(j)).cloned().collect();
-        let allocations = self
-            .allocations
-            .values()
-            .filter(|a| jobs.iter().any(|j| j.id == a.job))
-            .cloned()
-            .collect();
-        Records {
-            jobs,
-            allocations,
-            nodes: self.nodes.values().cloned().collect(),
-            queues: Vec::new(),
-            counters: self.counters,
-        }
-    }
-}
-
 /// The durable part of a state, for comparison: the place in line is
 /// memory only, and leases start anew at a restore.
 fn durable(records: Records, now: Time) -> Records {
@@ -173,7 +116,7 @@ fn durable(records: Records, now: Time) -> Records {
 fn run(steps: &[Step]) -> Result<(), TestCaseError> {
     let config = ControlConfig::default();
     let mut control = ControlPlane::new(config.clone());
-    let mut store = Store::default();
+    let mut store = MemoryStore::default();
     let mut now = Time(1_000);
     let mut next_job = 1u64;
     let mut rng = ChaCha8Rng::seed_from_u64(7);
@@ -326,7 +269,7 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
             }
         };
         prop_assert_eq!(control.check_invariants(), Ok(()), "after {:?}", step);
-        store.write(&control, &outputs);
+        store.write(control.changed_records(&outputs));
         // What the store holds reads back as the state.
         let restored =
             ControlPlane::restore(config.clone(), store.load(now, config.retention_ms), now)

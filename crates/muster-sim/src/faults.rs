@@ -23,8 +23,8 @@
 //! every job must have succeeded with nothing left running.
 
 use muster_control::{
-    Allocation, AllocationId, ControlConfig, ControlError, ControlPlane, Counters, DesiredTask,
-    Input, Job, JobState, Node, NodeState, Observed, Output, Records, RestoreError, Software,
+    AllocationId, ControlConfig, ControlError, ControlPlane, DesiredTask, Input, JobState,
+    MemoryStore, NodeState, Observed, Output, RestoreError, Software,
 };
 use muster_model::{
     CpuMilli, GpuModel, GpuRequest, GpuSpec, JobId, JobSpec, MemoryMib, NodeName, NodeSpec,
@@ -262,62 +262,20 @@ enum Event {
     Heal,
 }
 
-/// The durable copy, written by the rules `muster-server` writes by
-/// ([`ControlPlane::changed_records`]) and read back as it reads
-/// ([`ControlPlane::restore`], with every job not finished and finished
-/// ones within the retention). Retired jobs stay here, as in the server's
-/// store.
-#[derive(Debug, Clone, Default)]
-struct Store {
-    jobs: BTreeMap<JobId, Job>,
-    allocations: BTreeMap<AllocationId, Allocation>,
-    nodes: BTreeMap<NodeName, Node>,
-    counters: Counters,
+/// The durable copy: muster-control's [`MemoryStore`], written and read
+/// by the rules `muster-server` writes and reads its store by
+/// ([`ControlPlane::changed_records`], [`ControlPlane::restore`] of every
+/// job not finished and finished ones within the retention). Retired jobs
+/// stay in it, as in the server's store.
+type Store = MemoryStore;
+
+fn persist(store: &mut Store, control: &ControlPlane, outputs: &[Output]) {
+    store.write(control.changed_records(outputs));
 }
 
-impl Store {
-    fn persist(&mut self, control: &ControlPlane, outputs: &[Output]) {
-        let changes = control.changed_records(outputs);
-        for job in changes.jobs {
-            self.jobs.insert(job.id, job.clone());
-        }
-        for allocation in changes.allocations {
-            self.allocations.insert(allocation.id, allocation.clone());
-        }
-        for node in changes.nodes {
-            self.nodes.insert(node.spec.name.clone(), node.clone());
-        }
-        for name in changes.removed_nodes {
-            self.nodes.remove(&name);
-        }
-        if let Some(counters) = changes.counters {
-            self.counters = counters;
-        }
-    }
-
-    fn restore(&self, config: ControlConfig, now: Time) -> Result<ControlPlane, RestoreError> {
-        let hot = |job: &Job| {
-            !job.state.is_final()
-                || job
-                    .finished
-                    .is_some_and(|t| now.millis_since(t) < config.retention_ms)
-        };
-        let jobs: Vec<Job> = self.jobs.values().filter(|j| hot(j)).cloned().collect();
-        let ids: BTreeSet<JobId> = jobs.iter().map(|j| j.id).collect();
-        let records = Records {
-            jobs,
-            allocations: self
-                .allocations
-                .values()
-                .filter(|a| ids.contains(&a.job))
-                .cloned()
-                .collect(),
-            nodes: self.nodes.values().cloned().collect(),
-            queues: Vec::new(),
-            counters: self.counters,
-        };
-        ControlPlane::restore(config, records, now)
-    }
+fn restore(store: &Store, config: ControlConfig, now: Time) -> Result<ControlPlane, RestoreError> {
+    let records = store.load(now, config.retention_ms);
+    ControlPlane::restore(config, records, now)
 }
 
 /// What the node's disk knows about a task (the runtime's records).
@@ -713,7 +671,7 @@ impl<'a> World<'a> {
 
     fn server_step(&mut self, input: Input) -> Result<Vec<Output>, ControlError> {
         let outputs = self.control.handle(Time(self.now), input)?;
-        self.store.persist(&self.control, &outputs);
+        persist(&mut self.store, &self.control, &outputs);
         Ok(outputs)
     }
 
@@ -735,7 +693,7 @@ impl<'a> World<'a> {
         .map_err(|error| self.fail(format!("the scheduler refused the cluster: {error}")))?;
         let before = self.control.counters().next_allocation;
         let outputs = self.control.apply_outcome(now, &outcome);
-        self.store.persist(&self.control, &outputs);
+        persist(&mut self.store, &self.control, &outputs);
         let created: Vec<(u64, JobId, u32, String)> = (before
             ..self.control.counters().next_allocation)
             .filter_map(|id| {
@@ -1344,10 +1302,7 @@ impl<'a> World<'a> {
             return;
         }
         self.server_up = true;
-        match self
-            .store
-            .restore(self.control.config().clone(), Time(self.now))
-        {
+        match restore(&self.store, self.control.config().clone(), Time(self.now)) {
             Ok(control) => self.control = control,
             Err(error) => {
                 // Kept for `check`, which reports it.
