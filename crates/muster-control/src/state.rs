@@ -242,6 +242,10 @@ pub enum Input {
         /// that does not number its heartbeats (always applied).
         sequence: u64,
         observed: Vec<Observed>,
+        /// The GPU indices the agent's health checks find out of service
+        /// (`None`: not reported); applied, as [`Input::GpuHealth`], before
+        /// the tasks, and only from a newer heartbeat.
+        unhealthy: Option<Vec<u32>>,
     },
     /// An agent's view of its GPUs' health: the indices out of service.
     GpuHealth {
@@ -684,11 +688,16 @@ impl ControlPlane {
                 epoch,
                 sequence,
                 observed,
+                unhealthy,
             } => {
                 // An old or duplicated heartbeat still renews the lease (the
                 // agent was alive when it sent it, and counts its own lease
-                // from then, never later), but reports nothing.
+                // from then, never later), but reports nothing: neither its
+                // tasks nor its GPUs' health, both as old as it is.
                 let newer = self.newer_heartbeat(&node, epoch, sequence)?;
+                if newer && let Some(unhealthy) = unhealthy {
+                    self.gpu_health(now, &node, epoch, unhealthy, &mut outputs)?;
+                }
                 let observed = if newer { Some(&observed[..]) } else { None };
                 self.heartbeat(now, &node, epoch, observed, &mut outputs)?;
                 if newer && sequence > 0 {
@@ -698,47 +707,8 @@ impl ControlPlane {
             Input::GpuHealth {
                 node,
                 epoch,
-                mut unhealthy,
-            } => {
-                let entry = self
-                    .nodes
-                    .get_mut(&node)
-                    .ok_or_else(|| ControlError::NodeNotFound(node.clone()))?;
-                if entry.epoch != epoch {
-                    return Err(ControlError::Conflict(format!(
-                        "node {node} registered again since (epoch {} is current, not {epoch})",
-                        entry.epoch
-                    )));
-                }
-                unhealthy.sort_unstable();
-                unhealthy.dedup();
-                unhealthy.retain(|&index| (index as usize) < entry.spec.gpus.len());
-                if entry.unhealthy_gpus != unhealthy {
-                    entry.unhealthy_gpus = unhealthy.clone();
-                    outputs.push(Output::NodeChanged(node.clone()));
-                    // Work on a GPU that went bad moves elsewhere, as if its
-                    // node had failed (per the job's retry policy).
-                    let jobs: BTreeSet<JobId> = self
-                        .live_allocations(&node)
-                        .filter(|a| {
-                            matches!(
-                                a.state,
-                                AllocationState::Assigned | AllocationState::Running
-                            ) && a.gpus.iter().any(|(index, _)| unhealthy.contains(index))
-                        })
-                        .map(|a| a.job)
-                        .collect();
-                    for job in jobs {
-                        self.stop_job(
-                            now,
-                            job,
-                            StopCause::NodeLost,
-                            &format!("a GPU of node {node} is unhealthy"),
-                            &mut outputs,
-                        );
-                    }
-                }
-            }
+                unhealthy,
+            } => self.gpu_health(now, &node, epoch, unhealthy, &mut outputs)?,
             Input::Tick => {
                 self.account_usage(now);
                 self.enforce_time_limits(now, &mut outputs);
@@ -807,6 +777,58 @@ impl ControlPlane {
             }
         }
         Ok(outputs)
+    }
+
+    /// The node's GPUs out of service are `unhealthy`: work on a GPU that
+    /// went bad moves elsewhere, as if its node had failed (per the job's
+    /// retry policy), and nothing new lands there.
+    fn gpu_health(
+        &mut self,
+        now: Time,
+        node: &NodeName,
+        epoch: u64,
+        mut unhealthy: Vec<u32>,
+        outputs: &mut Vec<Output>,
+    ) -> Result<(), ControlError> {
+        let entry = self
+            .nodes
+            .get_mut(node)
+            .ok_or_else(|| ControlError::NodeNotFound(node.clone()))?;
+        if entry.epoch != epoch {
+            return Err(ControlError::Conflict(format!(
+                "node {node} registered again since (epoch {} is current, not {epoch})",
+                entry.epoch
+            )));
+        }
+        unhealthy.sort_unstable();
+        unhealthy.dedup();
+        unhealthy.retain(|&index| (index as usize) < entry.spec.gpus.len());
+        if entry.unhealthy_gpus != unhealthy {
+            entry.unhealthy_gpus = unhealthy.clone();
+            outputs.push(Output::NodeChanged(node.clone()));
+            // Work on a GPU that went bad moves elsewhere, as if its
+            // node had failed (per the job's retry policy).
+            let jobs: BTreeSet<JobId> = self
+                .live_allocations(node)
+                .filter(|a| {
+                    matches!(
+                        a.state,
+                        AllocationState::Assigned | AllocationState::Running
+                    ) && a.gpus.iter().any(|(index, _)| unhealthy.contains(index))
+                })
+                .map(|a| a.job)
+                .collect();
+            for job in jobs {
+                self.stop_job(
+                    now,
+                    job,
+                    StopCause::NodeLost,
+                    &format!("a GPU of node {node} is unhealthy"),
+                    outputs,
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Stops running jobs that reached their `max_runtime`: their stop

@@ -80,6 +80,7 @@ impl World {
             epoch,
             sequence,
             observed,
+            unhealthy: None,
         });
     }
 
@@ -272,6 +273,7 @@ fn a_heartbeat_from_an_old_epoch_is_refused() {
                 epoch: 0,
                 sequence: 1,
                 observed: vec![],
+                unhealthy: None,
             },
         )
         .expect_err("refused");
@@ -494,6 +496,7 @@ fn epochs_are_issued_by_the_control_plane_and_only_move_forward() {
             epoch: old,
             sequence: 10,
             observed: vec![],
+            unhealthy: None,
         },
     );
     assert!(refused.is_err());
@@ -705,4 +708,34 @@ fn a_gang_s_outcome_is_the_first_rank_that_failed_on_its_own() {
     assert_eq!(job.first_failure, Some((1, Some(3))));
     let last = job.history.last().map(|(_, what)| what.as_str());
     assert_eq!(last, Some("failed: exit code 3 (rank 1)"));
+}
+
+#[test]
+fn a_heartbeat_s_gpu_health_applies_only_when_the_heartbeat_is_newer() {
+    let mut world = World::new(&["a"]);
+    let beat = |world: &mut World, sequence: u64, unhealthy: Vec<u32>| {
+        let epoch = world.epoch("a");
+        world.step(Input::Heartbeat {
+            node: NodeName::from("a"),
+            epoch,
+            sequence,
+            observed: vec![],
+            unhealthy: Some(unhealthy),
+        });
+    };
+    let unhealthy = |world: &World| {
+        world
+            .control
+            .node(&NodeName::from("a"))
+            .expect("present")
+            .unhealthy_gpus
+            .clone()
+    };
+    beat(&mut world, 5, vec![2, 0, 2, 99]);
+    assert_eq!(unhealthy(&world), vec![0, 2], "sorted, deduplicated, in range");
+    // An older heartbeat (sent before the GPUs failed) arrives late.
+    beat(&mut world, 4, vec![]);
+    assert_eq!(unhealthy(&world), vec![0, 2], "an old report changes nothing");
+    beat(&mut world, 6, vec![]);
+    assert!(unhealthy(&world).is_empty(), "a newer one does");
 }

@@ -210,6 +210,7 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                             epoch,
                             sequence: 0,
                             observed,
+                            unhealthy: None,
                         },
                     )
                     .unwrap_or_default()

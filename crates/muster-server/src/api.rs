@@ -1140,34 +1140,13 @@ async fn heartbeat(
         })
         .collect();
     // Its own changes become durable with the barrier below.
-    // The health report of an old or duplicated heartbeat is old too.
-    let known_unhealthy = {
-        let core = shared.read();
-        let newer = core
-            .control()
-            .newer_heartbeat(&name, request.epoch, request.sequence)
-            .unwrap_or(true);
-        core.control()
-            .node(&name)
-            .filter(|_| newer)
-            .map(|node| node.unhealthy_gpus.clone())
-    };
-    if known_unhealthy.is_some_and(|known| known != request.unhealthy_gpus) {
-        let _ = shared.apply(
-            Input::GpuHealth {
-                node: name.clone(),
-                epoch: request.epoch,
-                unhealthy: request.unhealthy_gpus.clone(),
-            },
-            Batch::default(),
-        )?;
-    }
     let _ = shared.apply(
         Input::Heartbeat {
             node: name.clone(),
             epoch: request.epoch,
             sequence: request.sequence,
             observed,
+            unhealthy: Some(request.unhealthy_gpus.clone()),
         },
         Batch::default(),
     )?;

@@ -907,37 +907,30 @@ impl<'a> World<'a> {
                 observed,
                 unhealthy,
             } => {
-                // As muster-server does: a changed health report first,
-                // unless the heartbeat is an old one.
+                // One input, as muster-server sends it: the control plane
+                // decides what of it is new.
                 let newer = self
                     .control
                     .newer_heartbeat(&name, epoch, sequence)
                     .unwrap_or(true);
-                let known = self
-                    .control
-                    .node(&name)
-                    .filter(|_| newer)
-                    .map(|n| n.unhealthy_gpus.clone());
-                if known.is_some_and(|known| known != unhealthy) {
-                    let health = Input::GpuHealth {
-                        node: name.clone(),
-                        epoch,
-                        unhealthy: unhealthy.clone(),
-                    };
-                    if self.server_step(health).is_ok() {
-                        self.log(format!(
-                            "server learns {name} GPUs {unhealthy:?} are unhealthy"
-                        ));
-                    }
-                }
+                let known = self.control.node(&name).map(|n| n.unhealthy_gpus.clone());
                 let input = Input::Heartbeat {
                     node: name.clone(),
                     epoch,
                     sequence,
                     observed,
+                    unhealthy: Some(unhealthy),
                 };
                 match self.server_step(input) {
                     Ok(_) => {
+                        let now_unhealthy =
+                            self.control.node(&name).map(|n| n.unhealthy_gpus.clone());
+                        if now_unhealthy != known {
+                            self.log(format!(
+                                "server learns {name} GPUs {:?} are unhealthy",
+                                now_unhealthy.unwrap_or_default()
+                            ));
+                        }
                         let desired = self.control.desired(&name);
                         self.log(format!(
                             "server {} {name} (heartbeat {sequence}); desired {}",
