@@ -152,13 +152,12 @@ impl ControlPlane {
                     .finished
                     .insert((job.finished.unwrap_or(Time(0)), id));
             }
-            if job.state == crate::JobState::Running
-                && let (Some(limit), Some(started)) = (job.spec.max_runtime, job.started)
+            if matches!(
+                job.state,
+                crate::JobState::Running | crate::JobState::Stopping
+            ) && let Some(due) = crate::state::deadline_of(&job)
             {
-                let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
-                control
-                    .deadlines
-                    .insert((started.plus_millis(limit_ms), id));
+                control.deadlines.insert((due, id));
             }
             if control.jobs.insert(id, job).is_some() {
                 return Err(RestoreError(format!("job {id} is stored twice")));

@@ -394,6 +394,14 @@ fn changed(outputs: &mut Vec<Output>, output: Output) {
     outputs.push(output);
 }
 
+/// When the current attempt of `job` reaches its `max_runtime`, if it has
+/// one and has started.
+pub(crate) fn deadline_of(job: &Job) -> Option<Time> {
+    let limit = job.spec.max_runtime?;
+    let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+    Some(job.started?.plus_millis(limit_ms))
+}
+
 /// Removes repeated outputs, keeping the first of each in order.
 fn dedup_outputs(outputs: &mut Vec<Output>) {
     let mut seen = BTreeSet::new();
@@ -842,15 +850,8 @@ impl ControlPlane {
             let Some(job) = self.jobs.get(&id) else {
                 continue;
             };
-            let Some(limit) = job.spec.max_runtime else {
-                continue;
-            };
-            let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
-            let still_due = job.state == JobState::Running
-                && job
-                    .started
-                    .is_some_and(|started| started.plus_millis(limit_ms) <= now);
-            if still_due {
+            let limit = job.spec.max_runtime.unwrap_or_default();
+            if job.state == JobState::Running {
                 self.stop_job(
                     now,
                     id,
@@ -1033,6 +1034,11 @@ impl ControlPlane {
         job.stop_cause = None;
         job.history.push((now, note));
         self.memory_limited.remove(&id);
+        // The attempt ended: its time limit goes with it (the index holds
+        // running work only, not history).
+        if let Some(due) = deadline_of(job) {
+            self.deadlines.remove(&(due, id));
+        }
         if state == JobState::Pending {
             job.allocations.clear();
             job.first_failure = None;
@@ -1571,14 +1577,13 @@ impl ControlPlane {
             self.by_job.entry(id).or_default().push(allocation.id);
             self.allocations.insert(allocation.id, allocation);
         }
-        if let Some(limit) = job.spec.max_runtime {
-            let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
-            self.deadlines.insert((now.plus_millis(limit_ms), id));
-        }
         if let Some(job) = self.jobs.get_mut(&id) {
             job.state = JobState::Running;
             job.attempts += 1;
             job.started = Some(now);
+            if let Some(due) = deadline_of(job) {
+                self.deadlines.insert((due, id));
+            }
             job.allocations = created;
             job.pending_reason = None;
             job.queue_position = None;
@@ -1724,6 +1729,24 @@ impl ControlPlane {
             .collect();
         if finished != self.finished {
             return Err("the index of finished jobs is out of date".to_string());
+        }
+        // Every running job with a time limit is indexed; an entry is only
+        // ever for a running or stopping job's current attempt (a stopping
+        // job's entry may already be spent).
+        let running: BTreeSet<(Time, JobId)> = self
+            .jobs
+            .values()
+            .filter(|job| job.state == JobState::Running)
+            .filter_map(|job| Some((deadline_of(job)?, job.id)))
+            .collect();
+        let stale = self.deadlines.iter().any(|&(due, id)| {
+            !self.jobs.get(&id).is_some_and(|job| {
+                matches!(job.state, JobState::Running | JobState::Stopping)
+                    && deadline_of(job) == Some(due)
+            })
+        });
+        if !running.is_subset(&self.deadlines) || stale {
+            return Err("the index of time limits is out of date".to_string());
         }
         for node in self.nodes.values() {
             if node.epoch >= self.next_epoch {

@@ -732,10 +732,18 @@ fn a_heartbeat_s_gpu_health_applies_only_when_the_heartbeat_is_newer() {
             .clone()
     };
     beat(&mut world, 5, vec![2, 0, 2, 99]);
-    assert_eq!(unhealthy(&world), vec![0, 2], "sorted, deduplicated, in range");
+    assert_eq!(
+        unhealthy(&world),
+        vec![0, 2],
+        "sorted, deduplicated, in range"
+    );
     // An older heartbeat (sent before the GPUs failed) arrives late.
     beat(&mut world, 4, vec![]);
-    assert_eq!(unhealthy(&world), vec![0, 2], "an old report changes nothing");
+    assert_eq!(
+        unhealthy(&world),
+        vec![0, 2],
+        "an old report changes nothing"
+    );
     beat(&mut world, 6, vec![]);
     assert!(unhealthy(&world).is_empty(), "a newer one does");
 }

@@ -23,6 +23,7 @@ enum Step {
         gpus: u32,
         nodes: u32,
         retry: bool,
+        limited: bool,
     },
     Cancel(u64),
     Register {
@@ -58,8 +59,8 @@ enum Step {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        3 => (1u32..=4, 1u32..=2, any::<bool>())
-            .prop_map(|(gpus, nodes, retry)| Step::Submit { gpus, nodes, retry }),
+        3 => (1u32..=4, 1u32..=2, any::<bool>(), any::<bool>())
+            .prop_map(|(gpus, nodes, retry, limited)| Step::Submit { gpus, nodes, retry, limited }),
         1 => (1u64..12).prop_map(Step::Cancel),
         2 => (0..NODES.len(), 1u32..=4, any::<bool>())
             .prop_map(|(node, gpus, mixed)| Step::Register { node, gpus, mixed }),
@@ -122,11 +123,19 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     for step in steps {
         let outputs: Vec<Output> = match step {
-            Step::Submit { gpus, nodes, retry } => {
+            Step::Submit {
+                gpus,
+                nodes,
+                retry,
+                limited,
+            } => {
                 let mut job =
                     JobSpec::simple("job", "default", GpuRequest::Whole(*gpus), vec!["x".into()]);
                 job.nodes = *nodes;
                 job.retry.on_node_failure = *retry;
+                if *limited {
+                    job.max_runtime = Some(std::time::Duration::from_secs(6));
+                }
                 let id = JobId(next_job);
                 next_job += 1;
                 control
