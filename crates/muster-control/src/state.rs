@@ -564,6 +564,36 @@ impl ControlPlane {
         }
     }
 
+    /// The live allocations on `node` that `which` picks are lost (they may
+    /// still run there until the node fences them) and their jobs stopped
+    /// for `cause`.
+    fn lose_work(
+        &mut self,
+        now: Time,
+        node: &NodeName,
+        which: impl Fn(&Allocation) -> bool,
+        cause: StopCause,
+        why: &str,
+        outputs: &mut Vec<Output>,
+    ) {
+        let mut jobs = BTreeSet::new();
+        for id in self.live_ids(node) {
+            let Some(job) = self
+                .allocations
+                .get(&id)
+                .filter(|a| which(a))
+                .map(|a| a.job)
+            else {
+                continue;
+            };
+            jobs.insert(job);
+            self.set_allocation_state(id, AllocationState::Lost);
+        }
+        for job in jobs {
+            self.stop_job(now, job, cause, why, outputs);
+        }
+    }
+
     /// Live allocation ids on `node`, copied (for loops that change them).
     fn live_ids(&self, node: &NodeName) -> Vec<AllocationId> {
         self.live_by_node
@@ -632,33 +662,16 @@ impl ControlPlane {
                         || old.spec.cpu > spec.cpu
                         || old.spec.memory > spec.memory;
                     if shrunk {
-                        let jobs: BTreeSet<JobId> = self
-                            .live_allocations(&name)
-                            .filter(|a| {
-                                a.gpus.iter().any(|(i, _)| *i as usize >= spec.gpus.len())
-                                    || old.spec.cpu > spec.cpu
-                                    || old.spec.memory > spec.memory
-                            })
-                            .map(|a| a.job)
-                            .collect();
-                        for id in self.live_ids(&name) {
-                            if self
-                                .allocations
-                                .get(&id)
-                                .is_some_and(|a| jobs.contains(&a.job))
-                            {
-                                self.set_allocation_state(id, AllocationState::Lost);
-                            }
-                        }
-                        for job in jobs {
-                            self.stop_job(
-                                now,
-                                job,
-                                StopCause::NodeLost,
-                                &format!("node {name} registered with fewer resources"),
-                                &mut outputs,
-                            );
-                        }
+                        let (gpus, cpu, memory) = (spec.gpus.len(), spec.cpu, spec.memory);
+                        let cut = old.spec.cpu > cpu || old.spec.memory > memory;
+                        self.lose_work(
+                            now,
+                            &name,
+                            |a| cut || a.gpus.iter().any(|(i, _)| *i as usize >= gpus),
+                            StopCause::NodeLost,
+                            &format!("node {name} registered with fewer resources"),
+                            &mut outputs,
+                        );
                     }
                 }
                 let (cordoned, draining, unhealthy_gpus) = self
@@ -761,18 +774,14 @@ impl ControlPlane {
                         list.join(", ")
                     )));
                 }
-                for id in self.live_ids(&node) {
-                    self.set_allocation_state(id, AllocationState::Lost);
-                }
-                for job in jobs {
-                    self.stop_job(
-                        now,
-                        job,
-                        StopCause::Preempted,
-                        &format!("node {node} removed"),
-                        &mut outputs,
-                    );
-                }
+                self.lose_work(
+                    now,
+                    &node,
+                    |_| true,
+                    StopCause::Preempted,
+                    &format!("node {node} removed"),
+                    &mut outputs,
+                );
                 self.nodes.remove(&node);
                 self.heartbeat_sequences.remove(&node);
                 self.excluded.remove(&node);
@@ -1256,22 +1265,14 @@ impl ControlPlane {
                 node.state = NodeState::Lost;
             }
             changed(outputs, Output::NodeChanged(name.clone()));
-            let mut jobs = BTreeSet::new();
-            for id in self.live_ids(&name) {
-                if let Some(allocation) = self.allocations.get(&id) {
-                    jobs.insert(allocation.job);
-                }
-                self.set_allocation_state(id, AllocationState::Lost);
-            }
-            for job in jobs {
-                self.stop_job(
-                    now,
-                    job,
-                    StopCause::NodeLost,
-                    &format!("node {name} lost"),
-                    outputs,
-                );
-            }
+            self.lose_work(
+                now,
+                &name,
+                |_| true,
+                StopCause::NodeLost,
+                &format!("node {name} lost"),
+                outputs,
+            );
         }
     }
 
