@@ -80,7 +80,7 @@ fn is_plain_name(name: &str) -> bool {
 }
 
 /// `[A-Za-z_][A-Za-z0-9_]*`
-fn is_env_name(name: &str) -> bool {
+pub fn is_env_name(name: &str) -> bool {
     let bytes = name.as_bytes();
     bytes
         .first()
@@ -90,7 +90,8 @@ fn is_env_name(name: &str) -> bool {
             .all(|byte| byte.is_ascii_alphanumeric() || *byte == b'_')
 }
 
-fn is_reserved_env_name(name: &str) -> bool {
+/// A variable muster sets itself (`MUSTER_*`, `PET_*`, the GPU ones).
+pub fn is_reserved_env_name(name: &str) -> bool {
     RESERVED_ENV_PREFIXES
         .iter()
         .any(|prefix| name.starts_with(prefix))

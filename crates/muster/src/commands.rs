@@ -389,17 +389,10 @@ fn exported(
     let vars: std::collections::BTreeMap<String, String> = vars
         .filter_map(|(key, value)| Some((key.into_string().ok()?, value.into_string().ok()?)))
         .collect();
+    // The spec's own rules for names and reserved variables.
     let sendable = |name: &str| {
-        let valid = name
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        let reserved = name.starts_with("MUSTER_")
-            || name.starts_with("PET_")
-            || matches!(name, "CUDA_VISIBLE_DEVICES" | "NVIDIA_VISIBLE_DEVICES");
-        valid
-            && !reserved
+        muster_api::is_env_name(name)
+            && !muster_api::is_reserved_env_name(name)
             && !NOT_EXPORTED.contains(&name)
             && !name.starts_with("SSH_")
             && !name.starts_with("XDG_")
