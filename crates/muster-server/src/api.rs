@@ -1041,8 +1041,6 @@ async fn register_agent(
 ) -> Result<Json<RegisterResponse>, ApiError> {
     let spec = node_spec(&request)?;
     let name = spec.name.clone();
-    let fresh =
-        new_token().map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
     let input = Input::Register {
         spec,
         address: request.address.trim().to_string(),
@@ -1068,6 +1066,9 @@ async fn register_agent(
                     ));
                 }
                 Identity::Join => {
+                    // A new node: its own credential from now on.
+                    let fresh = new_token()
+                        .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
                     core.set_credential(&name, fresh.clone());
                     fresh
                 }
