@@ -96,6 +96,8 @@ fn write_credential(path: &std::path::Path, token: &str) -> Result<(), String> {
         std::fs::rename(&temporary, path)
     };
     write().map_err(|error| {
+        // Nothing half-written is left in the state directory.
+        let _ = std::fs::remove_file(&temporary);
         format!(
             "cannot keep the node credential in {}: {error}; check that the state directory is \
              writable",
