@@ -9,8 +9,19 @@ use muster_sched::{
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-/// Free GPU thousandths per GPU, CPU and memory, per node.
-type FreeResources = BTreeMap<NodeName, (Vec<u32>, u64, u64)>;
+/// What a start needs to know of each node that can take work now: free
+/// GPU thousandths, CPU and memory, which GPUs went bad, and its address.
+/// Hashed, not ordered: a cycle looks a node up once per task it starts
+/// (a search of an ordered map compares names on the heap at every step).
+type FreeResources = std::collections::HashMap<NodeName, FreeNode>;
+
+struct FreeNode {
+    gpus: Vec<u32>,
+    cpu: u64,
+    memory: u64,
+    unhealthy: Vec<u32>,
+    address: String,
+}
 
 /// An allocation's id, unique for the life of the cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -273,7 +284,7 @@ pub enum Input {
 }
 
 /// What changed, for the shell to persist and to wake agents.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Output {
     JobChanged(JobId),
     NodeChanged(NodeName),
@@ -404,8 +415,12 @@ pub(crate) fn deadline_of(job: &Job) -> Option<Time> {
 
 /// Removes repeated outputs, keeping the first of each in order.
 fn dedup_outputs(outputs: &mut Vec<Output>) {
-    let mut seen = BTreeSet::new();
-    outputs.retain(|output| seen.insert(output.clone()));
+    let keep: Vec<bool> = {
+        let mut seen = std::collections::HashSet::with_capacity(outputs.len());
+        outputs.iter().map(|output| seen.insert(output)).collect()
+    };
+    let mut keep = keep.into_iter();
+    outputs.retain(|_| keep.next().unwrap_or(true));
 }
 
 impl ControlPlane {
@@ -1362,30 +1377,36 @@ impl ControlPlane {
     /// Free GPU thousandths per (node, GPU), CPU and memory per node, as the
     /// allocations holding resources leave them now.
     fn free_now(&self) -> FreeResources {
+        // Only nodes that can take work now: ready and not cordoned.
         let mut free: FreeResources = self
             .nodes
             .values()
+            .filter(|n| n.state == NodeState::Ready && !n.cordoned)
             .map(|n| {
                 (
                     n.spec.name.clone(),
-                    (vec![1000; n.spec.gpus.len()], n.spec.cpu.0, n.spec.memory.0),
+                    FreeNode {
+                        gpus: vec![1000; n.spec.gpus.len()],
+                        cpu: n.spec.cpu.0,
+                        memory: n.spec.memory.0,
+                        unhealthy: n.unhealthy_gpus.clone(),
+                        address: n.address.clone(),
+                    },
                 )
             })
             .collect();
-        let live = self
-            .live_by_node
-            .values()
-            .flatten()
-            .filter_map(|id| self.allocations.get(id));
-        for allocation in live {
-            if let Some((gpus, cpu, memory)) = free.get_mut(&allocation.node) {
+        for (name, ids) in &self.live_by_node {
+            let Some(node) = free.get_mut(name) else {
+                continue;
+            };
+            for allocation in ids.iter().filter_map(|id| self.allocations.get(id)) {
                 for &(index, milli) in &allocation.gpus {
-                    if let Some(slot) = gpus.get_mut(index as usize) {
+                    if let Some(slot) = node.gpus.get_mut(index as usize) {
                         *slot = slot.saturating_sub(u32::from(milli));
                     }
                 }
-                *cpu = cpu.saturating_sub(allocation.cpu.0);
-                *memory = memory.saturating_sub(allocation.memory.0);
+                node.cpu = node.cpu.saturating_sub(allocation.cpu.0);
+                node.memory = node.memory.saturating_sub(allocation.memory.0);
             }
         }
         free
@@ -1443,10 +1464,13 @@ impl ControlPlane {
                 .jobs
                 .get(&start.job)
                 .is_some_and(|j| j.state == JobState::Pending);
-            if !pending || !self.take_if_fits(&mut free, &start.tasks) {
+            if !pending {
                 continue;
             }
-            self.start_job(now, start.job, &start.tasks, &mut outputs);
+            let Some(master) = Self::take_if_fits(&mut free, &start.tasks) else {
+                continue;
+            };
+            self.start_job(now, start.job, &start.tasks, master, &mut outputs);
         }
         let positions: BTreeMap<JobId, u32> = outcome
             .order
@@ -1478,44 +1502,49 @@ impl ControlPlane {
     }
 
     /// Whether `tasks` (one per node) still fit: nodes ready, uncordoned,
-    /// their GPUs healthy and free in `free`; if so, takes them from `free`.
-    fn take_if_fits(&self, free: &mut FreeResources, tasks: &[SchedAllocation]) -> bool {
-        let nodes: BTreeSet<&NodeName> = tasks.iter().map(|task| &task.node).collect();
-        let fits = nodes.len() == tasks.len()
+    /// their GPUs healthy and free in `free`; if so, takes them from `free`
+    /// and answers the first task's node address (the gang's master).
+    fn take_if_fits(free: &mut FreeResources, tasks: &[SchedAllocation]) -> Option<String> {
+        // One task per node (a gang has a few: compare them pairwise).
+        let distinct = tasks
+            .iter()
+            .enumerate()
+            .all(|(i, task)| tasks[..i].iter().all(|other| other.node != task.node));
+        let fits = distinct
             && tasks.iter().all(|task| {
-                let (Some(node), Some((gpus, cpu, memory))) =
-                    (self.nodes.get(&task.node), free.get(&task.node))
-                else {
-                    return false;
+                let Some(node) = free.get(&task.node) else {
+                    return false; // gone, not ready or cordoned
                 };
-                node.state == NodeState::Ready
-                && !node.cordoned
                 // A GPU may have gone bad since the snapshot.
-                && !task
+                !task
                     .gpus
                     .iter()
-                    .any(|(index, _)| node.unhealthy_gpus.contains(index))
-                && task.gpus.iter().all(|&(index, milli)| {
-                    gpus.get(index as usize)
-                        .is_some_and(|slot| *slot >= u32::from(milli))
-                })
-                && *cpu >= task.cpu.0
-                && *memory >= task.memory.0
+                    .any(|(index, _)| node.unhealthy.contains(index))
+                    && task.gpus.iter().all(|&(index, milli)| {
+                        node.gpus
+                            .get(index as usize)
+                            .is_some_and(|slot| *slot >= u32::from(milli))
+                    })
+                    && node.cpu >= task.cpu.0
+                    && node.memory >= task.memory.0
             });
-        if fits {
-            for task in tasks {
-                if let Some((gpus, cpu, memory)) = free.get_mut(&task.node) {
-                    for &(index, milli) in &task.gpus {
-                        if let Some(slot) = gpus.get_mut(index as usize) {
-                            *slot -= u32::from(milli);
-                        }
+        if !fits {
+            return None;
+        }
+        let mut master = None;
+        for task in tasks {
+            if let Some(node) = free.get_mut(&task.node) {
+                for &(index, milli) in &task.gpus {
+                    if let Some(slot) = node.gpus.get_mut(index as usize) {
+                        *slot -= u32::from(milli);
                     }
-                    *cpu -= task.cpu.0;
-                    *memory -= task.memory.0;
                 }
+                node.cpu -= task.cpu.0;
+                node.memory -= task.memory.0;
+                master.get_or_insert_with(|| node.address.clone());
             }
         }
-        fits
+        Some(master.unwrap_or_else(|| "127.0.0.1".to_string()))
     }
 
     fn start_job(
@@ -1523,37 +1552,48 @@ impl ControlPlane {
         now: Time,
         id: JobId,
         tasks: &[SchedAllocation],
+        master: String,
         outputs: &mut Vec<Output>,
     ) {
         let Some(job) = self.jobs.get(&id) else {
             return;
         };
-        let master = tasks
-            .first()
-            .and_then(|t| self.nodes.get(&t.node))
-            .map(|n| n.address.clone())
-            .unwrap_or_else(|| "127.0.0.1".to_string());
-        let port = self.config.master_port_base + (id.0 % 20_000) as u16;
-        let nnodes = tasks.len();
-        let gpus_per_node = job.spec.gpus_per_node.gpu_count().max(1);
-        let mut created = Vec::new();
+        let port = (self.config.master_port_base + (id.0 % 20_000) as u16).to_string();
+        let nnodes = tasks.len().to_string();
+        let gpus_per_node = job.spec.gpus_per_node.gpu_count().max(1).to_string();
+        let job_id = id.0.to_string();
+        let mut created = Vec::with_capacity(tasks.len());
         for (rank, task) in tasks.iter().enumerate() {
-            let mut env = job.spec.env.clone();
+            let rank_text = rank.to_string();
             let contract = [
-                ("MUSTER_JOB_ID", id.0.to_string()),
-                ("MUSTER_NODE_RANK", rank.to_string()),
-                ("MUSTER_NNODES", nnodes.to_string()),
-                ("MUSTER_MASTER_ADDR", master.clone()),
-                ("MUSTER_MASTER_PORT", port.to_string()),
-                ("PET_NNODES", nnodes.to_string()),
-                ("PET_NODE_RANK", rank.to_string()),
-                ("PET_MASTER_ADDR", master.clone()),
-                ("PET_MASTER_PORT", port.to_string()),
-                ("PET_NPROC_PER_NODE", gpus_per_node.to_string()),
+                ("MUSTER_JOB_ID", &job_id),
+                ("MUSTER_NODE_RANK", &rank_text),
+                ("MUSTER_NNODES", &nnodes),
+                ("MUSTER_MASTER_ADDR", &master),
+                ("MUSTER_MASTER_PORT", &port),
+                ("PET_NNODES", &nnodes),
+                ("PET_NODE_RANK", &rank_text),
+                ("PET_MASTER_ADDR", &master),
+                ("PET_MASTER_PORT", &port),
+                ("PET_NPROC_PER_NODE", &gpus_per_node),
             ];
-            for (key, value) in contract {
-                env.insert(key.to_string(), value);
-            }
+            // Built in one go from the entries (the contract's last, so it
+            // wins over a job variable of the same name), not one insert at
+            // a time: this runs once per task started.
+            let mut entries: Vec<(String, String)> =
+                Vec::with_capacity(job.spec.env.len() + contract.len());
+            entries.extend(
+                job.spec
+                    .env
+                    .iter()
+                    .map(|(key, value)| (key.clone(), value.clone())),
+            );
+            entries.extend(
+                contract
+                    .iter()
+                    .map(|(key, value)| ((*key).to_string(), (*value).clone())),
+            );
+            let env: BTreeMap<String, String> = entries.into_iter().collect();
             let allocation = Allocation {
                 id: AllocationId(self.next_allocation),
                 job: id,
@@ -1571,10 +1611,15 @@ impl ControlPlane {
             self.next_generation += 1;
             changed(outputs, Output::DesiredChanged(task.node.clone()));
             created.push(allocation.id);
-            self.live_by_node
-                .entry(allocation.node.clone())
-                .or_default()
-                .insert(allocation.id);
+            match self.live_by_node.get_mut(&allocation.node) {
+                Some(live) => {
+                    live.insert(allocation.id);
+                }
+                None => {
+                    self.live_by_node
+                        .insert(allocation.node.clone(), BTreeSet::from([allocation.id]));
+                }
+            }
             self.by_job.entry(id).or_default().push(allocation.id);
             self.allocations.insert(allocation.id, allocation);
         }
@@ -1588,9 +1633,14 @@ impl ControlPlane {
             job.allocations = created;
             job.pending_reason = None;
             job.queue_position = None;
-            let nodes: Vec<String> = tasks.iter().map(|t| t.node.0.clone()).collect();
-            job.history
-                .push((now, format!("started on {}", nodes.join(", "))));
+            let mut line = String::from("started on ");
+            for (position, task) in tasks.iter().enumerate() {
+                if position > 0 {
+                    line.push_str(", ");
+                }
+                line.push_str(&task.node.0);
+            }
+            job.history.push((now, line));
             changed(outputs, Output::JobChanged(id));
         }
     }

@@ -172,6 +172,54 @@ fn a_gang_gets_one_consistent_environment() {
 }
 
 #[test]
+fn the_contract_environment_wins_over_a_job_variable_of_the_same_name() {
+    let mut world = World::new(&["a"]);
+    let mut spec = JobSpec::simple("job", "default", GpuRequest::Whole(1), vec!["true".into()]);
+    spec.env.insert("MUSTER_JOB_ID".into(), "forged".into());
+    spec.env.insert("PET_NNODES".into(), "64".into());
+    spec.env.insert("A_FIRST".into(), "kept".into());
+    spec.env.insert("ZZ_LAST".into(), "kept too".into());
+    world.step(Input::Submit {
+        id: JobId(9),
+        spec,
+        user: "alice".into(),
+    });
+    world.cycle();
+    let tasks = world.desired("a");
+    assert_eq!(tasks.len(), 1);
+    let env = &tasks[0].env;
+    assert_eq!(env["MUSTER_JOB_ID"], "9");
+    assert_eq!(env["PET_NNODES"], "1");
+    assert_eq!(env["A_FIRST"], "kept");
+    assert_eq!(env["ZZ_LAST"], "kept too");
+    assert_eq!(env["MUSTER_MASTER_ADDR"], "10.0.0.1");
+    assert_eq!(env.len(), 12, "{env:?}");
+}
+
+#[test]
+fn a_start_on_a_node_cordoned_after_the_snapshot_is_not_applied() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 4);
+    let (snapshot, pending) = world.control.scheduling_input(world.now);
+    let outcome = schedule(
+        &snapshot,
+        &pending,
+        &SchedulingPolicy::default(),
+        &mut ChaCha8Rng::seed_from_u64(1),
+    )
+    .expect("present");
+    assert_eq!(outcome.started.len(), 1);
+    world.step(Input::Cordon {
+        node: NodeName::from("a"),
+        cordoned: true,
+    });
+    world.control.apply_outcome(world.now, &outcome);
+    world.control.check_invariants().expect("invariants hold");
+    assert_eq!(world.state(1), JobState::Pending);
+    assert!(world.desired("a").is_empty());
+}
+
+#[test]
 fn a_failed_task_stops_the_gang_and_fails_the_job() {
     let mut world = World::new(&["a", "b"]);
     world.submit(1, 2, 4);

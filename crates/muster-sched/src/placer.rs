@@ -2,8 +2,12 @@
 //!
 //! [`Placer`] keeps, for every task shape it has been asked about, the score
 //! level of every node (an index: per level, a bit set of nodes). A placement
-//! changes one node, so only that node is re-scored, once per known shape;
-//! finding the best node is then a walk down the levels to the first set bit.
+//! changes one node, so only that node needs re-scoring; it is noted in a
+//! change log, and a shape's index re-scores the nodes changed since it last
+//! looked when it is next asked (each node once, however often it changed
+//! meanwhile: rare shapes skip most of the work, and nothing is spent on
+//! shapes never asked again). Finding the best node is then a walk down the
+//! levels to the first set bit.
 //! This makes exactly the decisions of [`best_node_by_scan`], which scores
 //! every node for every task; a property test holds the two together.
 
@@ -65,66 +69,50 @@ struct ShapeIndex {
     level_of: Vec<u32>,
     /// Indexed by level (levels are at most [`crate::policy::MAX_LEVEL`]).
     buckets: Vec<Option<Bucket>>,
+    /// How much of the placer's change log this index has taken in.
+    seen: usize,
 }
 
 impl ShapeIndex {
-    fn build(
-        cluster: &ClusterState,
-        scorer: &Scorer,
-        shape: &TaskShape,
-        fragmentation: &[f64],
-    ) -> Self {
+    /// The index of `shape` for the cluster as it is now, having taken in
+    /// the change log up to `seen`. Nodes still in the state they started
+    /// in score as the others of their start class (equal states score
+    /// equally: at the start of a cycle most nodes are empty, so there are
+    /// few classes, each scored once); nodes changed since score on their
+    /// own.
+    fn build(placer: &mut PlacerParts<'_>, shape: &TaskShape, seen: usize) -> Self {
+        let cluster = placer.cluster;
         let mut index = ShapeIndex {
+            seen,
             excluded: (0..cluster.len() as NodeIndex)
                 .map(|node| cluster.static_filter(node, shape).is_some())
                 .collect(),
             level_of: vec![INFEASIBLE; cluster.len()],
             buckets: Vec::new(),
         };
-        // Nodes in equal states score equally: score each state once (at the
-        // start of a cycle most nodes are empty, so there are few states).
-        let mut memo: BTreeMap<crate::cluster::NodeStateKey<'_>, u32> = BTreeMap::new();
-        let mut cache = ProfileCache::default();
+        let mut memo: Vec<Option<u32>> = vec![None; placer.class_count];
         for node in 0..cluster.len() as NodeIndex {
             // A node without room now is infeasible (the level it starts
-            // with): no key, no score. In a busy cluster that is most.
+            // with): no score. In a busy cluster that is most.
             if index.excluded[node as usize] || !cluster.has_room(node, shape) {
                 continue;
             }
-            let key = cluster.state_key(node);
-            let level = *memo.entry(key).or_insert_with(|| {
-                cache.reset();
-                scorer
-                    .evaluate_passing_static(
-                        cluster,
-                        node,
-                        shape,
-                        fragmentation[node as usize],
-                        &mut cache,
-                    )
-                    .map_or(INFEASIBLE, |evaluation| evaluation.level)
-            });
+            let class = placer.class_of[node as usize];
+            let level = if placer.latest_change[node as usize] == u32::MAX {
+                match memo[class as usize] {
+                    Some(level) => level,
+                    None => {
+                        let level = placer.level(node, shape);
+                        memo[class as usize] = Some(level);
+                        level
+                    }
+                }
+            } else {
+                placer.level(node, shape)
+            };
             index.set(cluster.len(), node, level);
         }
         index
-    }
-
-    fn update(
-        &mut self,
-        cluster: &ClusterState,
-        scorer: &Scorer,
-        shape: &TaskShape,
-        node: NodeIndex,
-        fragmentation_now: f64,
-        cache: &mut ProfileCache,
-    ) {
-        if self.excluded[node as usize] {
-            return;
-        }
-        let level = scorer
-            .evaluate_passing_static(cluster, node, shape, fragmentation_now, cache)
-            .map_or(INFEASIBLE, |evaluation| evaluation.level);
-        self.set(cluster.len(), node, level);
     }
 
     fn set(&mut self, nodes: usize, node: NodeIndex, level: u32) {
@@ -221,15 +209,68 @@ pub struct Placer {
     indexed: bool,
     /// Each node's current fragmentation (FGD), kept with the indexes.
     fragmentation: Vec<f64>,
-    cache: ProfileCache,
+    /// Nodes in the order they changed (one entry per change); indexes take
+    /// it in when they are next used. Bounded by the placements and releases
+    /// of one placer's life (one scheduling cycle).
+    changes: Vec<NodeIndex>,
+    /// Each node's latest entry in `changes` (`u32::MAX`: none): an index
+    /// re-scores a node at its latest entry only.
+    latest_change: Vec<u32>,
+    /// Each node's latest release's entry in `changes` (`u32::MAX`: none).
+    last_release: Vec<u32>,
+    /// Each node's state class at the start (equal states, equal class).
+    class_of: Vec<u32>,
+    class_count: usize,
+    /// GPU profiles, shared by every node and shape that needs one.
+    profiles: ProfileCache,
+}
+
+/// The parts of a [`Placer`] a shape index is built and updated from.
+struct PlacerParts<'a> {
+    cluster: &'a ClusterState,
+    scorer: &'a Scorer,
+    fragmentation: &'a [f64],
+    latest_change: &'a [u32],
+    class_of: &'a [u32],
+    class_count: usize,
+    profiles: &'a mut ProfileCache,
+}
+
+impl PlacerParts<'_> {
+    /// `node`'s level for `shape`, the node known to pass the static filters.
+    fn level(&mut self, node: NodeIndex, shape: &TaskShape) -> u32 {
+        self.scorer
+            .evaluate_passing_static(
+                self.cluster,
+                node,
+                shape,
+                self.fragmentation[node as usize],
+                self.profiles,
+            )
+            .map_or(INFEASIBLE, |evaluation| evaluation.level)
+    }
 }
 
 impl Placer {
     pub fn new(cluster: ClusterState, scorer: Scorer) -> Self {
         let indexed = scorer.policy != PlacementPolicy::Random;
+        let cluster_len = cluster.len();
+        let (class_of, class_count) = if indexed {
+            let mut classes: BTreeMap<crate::cluster::NodeStateKey<'_>, u32> = BTreeMap::new();
+            let class_of: Vec<u32> = (0..cluster_len as NodeIndex)
+                .map(|node| {
+                    let next = classes.len() as u32;
+                    *classes.entry(cluster.state_key(node)).or_insert(next)
+                })
+                .collect();
+            (class_of, classes.len())
+        } else {
+            (Vec::new(), 0)
+        };
+        let mut profiles = ProfileCache::default();
         let fragmentation = if indexed {
             (0..cluster.len() as NodeIndex)
-                .map(|node| scorer.fragmentation_now(&cluster, node))
+                .map(|node| scorer.fragmentation_now_cached(&cluster, node, &mut profiles))
                 .collect()
         } else {
             Vec::new()
@@ -240,7 +281,20 @@ impl Placer {
             indexes: BTreeMap::new(),
             indexed,
             fragmentation,
-            cache: ProfileCache::default(),
+            changes: Vec::new(),
+            latest_change: if indexed {
+                vec![u32::MAX; cluster_len]
+            } else {
+                Vec::new()
+            },
+            last_release: if indexed {
+                vec![u32::MAX; cluster_len]
+            } else {
+                Vec::new()
+            },
+            class_of,
+            class_count,
+            profiles,
         }
     }
 
@@ -252,7 +306,12 @@ impl Placer {
             indexes: BTreeMap::new(),
             indexed: false,
             fragmentation: Vec::new(),
-            cache: ProfileCache::default(),
+            changes: Vec::new(),
+            latest_change: Vec::new(),
+            last_release: Vec::new(),
+            class_of: Vec::new(),
+            class_count: 0,
+            profiles: ProfileCache::default(),
         }
     }
 
@@ -272,27 +331,62 @@ impl Placer {
         if !self.indexed {
             return;
         }
+        self.fragmentation[node as usize] =
+            self.scorer
+                .fragmentation_now_cached(&self.cluster, node, &mut self.profiles);
+        self.latest_change[node as usize] = self.changes.len() as u32;
+        self.changes.push(node);
+    }
+
+    /// The index of `shape`, built or brought up to date with the nodes
+    /// changed since it was last used.
+    fn index(&mut self, shape: &TaskShape) -> Option<&ShapeIndex> {
+        if !self.indexed {
+            return None;
+        }
         let Placer {
             cluster,
             scorer,
             indexes,
             fragmentation,
-            cache,
+            changes,
+            latest_change,
+            last_release,
+            class_of,
+            class_count,
+            profiles,
             ..
         } = self;
-        let now = scorer.fragmentation_now(cluster, node);
-        fragmentation[node as usize] = now;
-        cache.reset();
-        for (shape, index) in indexes.iter_mut() {
-            index.update(cluster, scorer, shape, node, now, cache);
+        let mut parts = PlacerParts {
+            cluster,
+            scorer,
+            fragmentation,
+            latest_change,
+            class_of,
+            class_count: *class_count,
+            profiles,
+        };
+        let index = indexes
+            .entry(*shape)
+            .or_insert_with(|| ShapeIndex::build(&mut parts, shape, changes.len()));
+        let seen = index.seen;
+        for (position, &node) in changes.iter().enumerate().skip(seen) {
+            let at = node as usize;
+            if parts.latest_change[at] as usize != position || index.excluded[at] {
+                continue;
+            }
+            // Resources only shrink between releases: a node that had no
+            // room when the index last looked, and gave nothing back since,
+            // still has none.
+            if index.level_of[at] == INFEASIBLE && last_release[at].wrapping_add(1) as usize <= seen
+            {
+                continue;
+            }
+            let level = parts.level(node, shape);
+            index.set(parts.cluster.len(), node, level);
         }
-    }
-
-    fn ensure_index(&mut self, shape: &TaskShape) {
-        if self.indexed && !self.indexes.contains_key(shape) {
-            let index = ShapeIndex::build(&self.cluster, &self.scorer, shape, &self.fragmentation);
-            self.indexes.insert(*shape, index);
-        }
+        index.seen = changes.len();
+        Some(index)
     }
 
     /// Feasible nodes for `shape`, best first (random order for `random`).
@@ -302,11 +396,8 @@ impl Placer {
         excluded: &dyn Fn(NodeIndex) -> bool,
         rng: &mut R,
     ) -> Vec<NodeIndex> {
-        if self.indexed {
-            self.ensure_index(shape);
-            if let Some(index) = self.indexes.get(shape) {
-                return index.ranked().filter(|&node| !excluded(node)).collect();
-            }
+        if let Some(index) = self.index(shape) {
+            return index.ranked().filter(|&node| !excluded(node)).collect();
         }
         let mut scored: Vec<(u32, NodeIndex)> = (0..self.cluster.len() as NodeIndex)
             .filter(|&node| !excluded(node))
@@ -366,21 +457,30 @@ impl Placer {
                 }
                 node
             }
-            _ if self.indexed => {
-                self.ensure_index(shape);
-                self.indexes
-                    .get(shape)?
-                    .ranked()
-                    .find(|&node| !excluded(node))?
-            }
+            _ if self.indexed => self.index(shape)?.ranked().find(|&node| !excluded(node))?,
             _ => best_node_by_scan(&self.cluster, &self.scorer, shape, excluded)?.0,
         };
         self.placement_on(node, shape)
     }
 
     /// The placement of `shape` on `node` under the policy's GPU choice.
-    pub fn placement_on(&self, node: NodeIndex, shape: &TaskShape) -> Option<TaskPlacement> {
-        let evaluation = self.scorer.evaluate(&self.cluster, node, shape)?;
+    pub fn placement_on(&mut self, node: NodeIndex, shape: &TaskShape) -> Option<TaskPlacement> {
+        let evaluation = if self.indexed {
+            // As the index scored it: the node's fragmentation and GPU
+            // profiles are already known.
+            if !self.cluster.fits(node, shape) {
+                return None;
+            }
+            self.scorer.evaluate_passing_static(
+                &self.cluster,
+                node,
+                shape,
+                self.fragmentation[node as usize],
+                &mut self.profiles,
+            )?
+        } else {
+            self.scorer.evaluate(&self.cluster, node, shape)?
+        };
         Some(TaskPlacement {
             node,
             gpus: grants(evaluation.pick, shape.per_gpu_milli()),
@@ -423,29 +523,54 @@ impl Placer {
                 }),
             };
         }
-        let mut ranked = self.ranked_nodes(shape, excluded, rng);
-        if self.cluster.len() != self.cluster.real_len() {
+        // Candidates best first, taken only as far as needed: the first rack
+        // to gather `needed` of them wins, usually long before the end of
+        // the list (most gangs find room in the first racks they look at).
+        let scanned = if self.indexed {
+            self.index(shape);
+            None
+        } else {
+            Some(self.ranked_nodes(shape, excluded, rng))
+        };
+        let mut ranked: Vec<NodeIndex> = Vec::new();
+        let mut per_rack: BTreeMap<u16, Vec<NodeIndex>> = BTreeMap::new();
+        let mut chosen: Option<Vec<NodeIndex>> = None;
+        {
+            let cluster = &self.cluster;
+            let candidates: Box<dyn Iterator<Item = NodeIndex> + '_> = match &scanned {
+                Some(list) => Box::new(list.iter().copied()),
+                None => Box::new(
+                    self.indexes
+                        .get(shape)
+                        .into_iter()
+                        .flat_map(ShapeIndex::ranked)
+                        .filter(|&node| !excluded(node)),
+                ),
+            };
             // One task per real node: of a node's sub-nodes, only the best
-            // ranked one stays a candidate.
+            // ranked one is a candidate.
+            let split = cluster.len() != cluster.real_len();
             let mut seen = std::collections::BTreeSet::new();
-            ranked.retain(|&node| seen.insert(self.cluster.nodes[node as usize].real));
+            for node in candidates {
+                if split && !seen.insert(cluster.nodes[node as usize].real) {
+                    continue;
+                }
+                ranked.push(node);
+                let members = per_rack
+                    .entry(cluster.nodes[node as usize].rack)
+                    .or_default();
+                members.push(node);
+                if members.len() == needed {
+                    chosen = Some(members.clone());
+                    break;
+                }
+            }
         }
-        if ranked.len() < needed {
+        if chosen.is_none() && ranked.len() < needed {
             return Err(GangFailure::TooFewNodes {
                 feasible: ranked.len() as u32,
                 needed: tasks,
             });
-        }
-        let mut per_rack: BTreeMap<u16, Vec<NodeIndex>> = BTreeMap::new();
-        let mut chosen: Option<Vec<NodeIndex>> = None;
-        for &node in &ranked {
-            let rack = self.cluster.nodes[node as usize].rack;
-            let members = per_rack.entry(rack).or_default();
-            members.push(node);
-            if members.len() == needed {
-                chosen = Some(members.clone());
-                break;
-            }
         }
         let nodes = match chosen {
             Some(nodes) => nodes,
@@ -498,6 +623,9 @@ impl Placer {
     pub fn release(&mut self, placement: &TaskPlacement) {
         self.cluster.give_back(placement);
         self.node_changed(placement.node);
+        if self.indexed {
+            self.last_release[placement.node as usize] = self.changes.len() as u32 - 1;
+        }
     }
 
     /// For each node, the first filter it fails for `shape`. Filters count

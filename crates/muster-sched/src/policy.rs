@@ -341,20 +341,28 @@ pub struct GpuProfile {
     saved: Vec<f64>,
 }
 
-/// GPU profiles of the states one node can reach with one placement, so
-/// that shapes asking the same of GPUs share them. Valid for one node state:
-/// call [`ProfileCache::reset`] when the node or its state changes.
+/// GPU profiles by what they depend on: the GPU model and the free capacity
+/// of each GPU, sorted (a profile does not care which GPU is which). Nodes in
+/// equal GPU states share one, and so do the shapes that leave a node's GPUs
+/// alike. Valid for one [`TypicalWorkload`] and one cluster's model ids;
+/// bounded (it starts over past [`ProfileCache::LIMIT`] profiles).
 #[derive(Debug, Clone, Default)]
 pub struct ProfileCache {
-    entries: Vec<((u16, GpuPick), GpuProfile)>,
-    spare: Vec<GpuProfile>,
+    /// Nodes of at most [`PACKED_GPUS`] GPUs: the key packed in a number.
+    packed: std::collections::HashMap<u128, u32, BuildKeyHasher>,
+    /// Larger nodes: the model's two halves, then the sorted free capacity.
+    long: std::collections::HashMap<Vec<u16>, u32, BuildKeyHasher>,
+    profiles: Vec<GpuProfile>,
+    key: Vec<u16>,
 }
 
+/// GPUs whose free capacity (0..=1000, 10 bits each) packs into a `u128`
+/// beside the model (32 bits).
+const PACKED_GPUS: usize = 9;
+
 impl ProfileCache {
-    pub fn reset(&mut self) {
-        self.spare
-            .extend(self.entries.drain(..).map(|(_, profile)| profile));
-    }
+    /// Most profiles kept (each is a few hundred bytes).
+    pub const LIMIT: usize = 1 << 16;
 
     fn get_or_compute(
         &mut self,
@@ -364,20 +372,94 @@ impl ProfileCache {
         per_gpu: u16,
         pick: GpuPick,
     ) -> &GpuProfile {
-        let key = (per_gpu, pick);
-        if let Some(position) = self.entries.iter().position(|(k, _)| *k == key) {
-            return &self.entries[position].1;
-        }
+        let position = self.position(workload, free, node, per_gpu, pick);
+        &self.profiles[position as usize]
+    }
+
+    /// The position of the profile for `free` after `pick`, computed if new.
+    fn position(
+        &mut self,
+        workload: &TypicalWorkload,
+        free: &[u16],
+        node: &NodeStatic,
+        per_gpu: u16,
+        pick: GpuPick,
+    ) -> u32 {
         let mut buffer = [0u16; 64];
         let after = &mut buffer[..free.len().min(64)];
         after.copy_from_slice(&free[..after.len()]);
         apply_pick(after, pick, per_gpu);
-        let mut profile = self.spare.pop().unwrap_or_default();
+        after.sort_unstable();
+        let packed = (after.len() <= PACKED_GPUS).then(|| {
+            after.iter().fold(u128::from(node.model), |key, &slot| {
+                (key << 10) | u128::from(slot.min(1023))
+            }) | ((after.len() as u128) << 122)
+        });
+        let found = match packed {
+            Some(key) => self.packed.get(&key),
+            None => {
+                self.key.clear();
+                self.key
+                    .extend([(node.model >> 16) as u16, node.model as u16]);
+                self.key.extend_from_slice(after);
+                self.long.get(self.key.as_slice())
+            }
+        };
+        if let Some(&position) = found {
+            return position;
+        }
+        if self.profiles.len() >= Self::LIMIT {
+            self.packed.clear();
+            self.long.clear();
+            self.profiles.clear();
+        }
+        let mut profile = GpuProfile::default();
         workload.profile_into(after, node, &mut profile);
-        self.entries.push((key, profile));
-        &self.entries[self.entries.len() - 1].1
+        let position = self.profiles.len() as u32;
+        match packed {
+            Some(key) => {
+                self.packed.insert(key, position);
+            }
+            None => {
+                self.long.insert(self.key.clone(), position);
+            }
+        }
+        self.profiles.push(profile);
+        position
     }
 }
+
+/// A multiply-and-fold hash (FNV-1a for byte strings): the keys are a few
+/// small integers, where the standard library's DoS-resistant hasher costs
+/// more than the lookup (and nothing here comes from outside the engine).
+#[derive(Debug, Clone, Copy)]
+struct KeyHasher(u64);
+
+impl Default for KeyHasher {
+    fn default() -> Self {
+        KeyHasher(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn write_u128(&mut self, value: u128) {
+        let folded = ((value as u64) ^ ((value >> 64) as u64).rotate_left(29))
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = folded ^ (folded >> 32);
+    }
+}
+
+type BuildKeyHasher = std::hash::BuildHasherDefault<KeyHasher>;
 
 /// The highest score level any policy gives: FGD, best-fit and packing
 /// score 0..=100; `fgd-consolidate` splits each FGD level into
@@ -541,6 +623,23 @@ impl Scorer {
             free.cpu_milli,
             free.memory_mib,
         )
+    }
+
+    /// [`Scorer::fragmentation_now`], sharing GPU profiles through `cache`.
+    pub fn fragmentation_now_cached(
+        &self,
+        cluster: &ClusterState,
+        node: NodeIndex,
+        cache: &mut ProfileCache,
+    ) -> f64 {
+        if !self.policy.uses_fragmentation() {
+            return 0.0;
+        }
+        let info = &cluster.nodes[node as usize];
+        let free = &cluster.free[node as usize];
+        let profile = cache.get_or_compute(&self.workload, &free.gpu, info, 0, 0);
+        self.workload
+            .fragmentation_with(profile, info, free.cpu_milli, free.memory_mib)
     }
 
     /// Scores `node`, known to pass the static filters for `shape`, given

@@ -287,6 +287,11 @@ struct QueueState {
     spec: QueueSpec,
     in_use: u64,
     usage: f64,
+    /// The lowest priority among the queue's preemptible running jobs at the
+    /// cycle's start (`None`: it has none). Jobs started in the cycle are
+    /// never victims, and one preempted only raises the true minimum, so
+    /// this bounds who can be a victim from below.
+    lowest_victim_priority: Option<i32>,
 }
 
 /// The cycle's queues, each in a slot: running jobs and the preemption search
@@ -461,6 +466,7 @@ pub fn schedule<R: Rng>(
             spec: spec.clone(),
             in_use: 0,
             usage: snapshot.usage.get(&spec.name).copied().unwrap_or(0.0),
+            lowest_victim_priority: None,
         });
     }
     let queue_entry = |queues: &mut Queues, name: &QueueName| {
@@ -468,10 +474,12 @@ pub fn schedule<R: Rng>(
             spec: QueueSpec::best_effort(name.0.clone()),
             in_use: 0,
             usage: snapshot.usage.get(name).copied().unwrap_or(0.0),
+            lowest_victim_priority: None,
         })
     };
 
     let mut live: Vec<Live> = Vec::with_capacity(snapshot.running.len());
+    let mut victims: Vec<usize> = Vec::new();
     for job in &snapshot.running {
         let mut placements: Vec<TaskPlacement> = Vec::with_capacity(job.tasks.len());
         for allocation in &job.tasks {
@@ -483,7 +491,16 @@ pub fn schedule<R: Rng>(
             }
         }
         let queue = queue_entry(&mut queues, &job.queue);
-        queues.states[queue].in_use += job.total_gpu();
+        let state = &mut queues.states[queue];
+        state.in_use += job.total_gpu();
+        if job.preemptible {
+            state.lowest_victim_priority = Some(
+                state
+                    .lowest_victim_priority
+                    .map_or(job.priority, |lowest| lowest.min(job.priority)),
+            );
+            victims.push(live.len());
+        }
         live.push(Live {
             job: std::borrow::Cow::Borrowed(job),
             queue,
@@ -523,6 +540,7 @@ pub fn schedule<R: Rng>(
         placer: Placer::new(cluster, scorer),
         queues,
         live,
+        victims,
         outcome: Outcome {
             excluded_nodes,
             ..Outcome::default()
@@ -604,6 +622,9 @@ struct Cycle<'a> {
     placer: Placer,
     queues: Queues,
     live: Vec<Live<'a>>,
+    /// Positions in `live` of the jobs that may be preempted (running at
+    /// the cycle's start and preemptible).
+    victims: Vec<usize>,
     outcome: Outcome,
     /// The reservation's holder, shadow time, and node set.
     reservation: Option<(JobId, Option<Time>, BTreeSet<NodeIndex>)>,
@@ -742,6 +763,7 @@ impl Cycle<'_> {
             spec: QueueSpec::best_effort(job.queue.0.clone()),
             in_use: 0,
             usage: 0.0,
+            lowest_victim_priority: None,
         });
         self.queues.states[queue].in_use += job.total_gpu();
         let cluster = self.placer.cluster();
@@ -755,7 +777,9 @@ impl Cycle<'_> {
                 queue: job.queue.clone(),
                 priority: job.priority,
                 started: self.now,
-                tasks: tasks.clone(),
+                // Never read: a job started in this cycle is no victim, and
+                // reservations read `placements`.
+                tasks: Vec::new(),
                 expected_end: job
                     .estimated_runtime_ms
                     .map(|estimate| self.now.plus_millis(estimate)),
@@ -823,7 +847,28 @@ impl Cycle<'_> {
         let Some(job_queue) = self.queues.slot(&job.queue) else {
             return false;
         };
-        let mut candidates: Vec<usize> = (0..self.live.len())
+        // Who could be a victim at all (see `eligible`): a lower priority
+        // job of the same queue; of a queue above its guarantee, any job
+        // while this job's queue stays within its own, else a lower priority
+        // one. Most cycles have none: skip the scan.
+        let preemptor = &self.queues.states[job_queue];
+        let preemptor_within = preemptor.in_use + job.total_gpu() <= preemptor.guaranteed();
+        let possible = self.queues.states.iter().enumerate().any(|(slot, state)| {
+            state.lowest_victim_priority.is_some_and(|lowest| {
+                if slot == job_queue {
+                    lowest < job.priority
+                } else {
+                    state.in_use > state.guaranteed() && (preemptor_within || lowest < job.priority)
+                }
+            })
+        });
+        if !possible {
+            return false;
+        }
+        let mut candidates: Vec<usize> = self
+            .victims
+            .iter()
+            .copied()
             .filter(|&i| !self.live[i].preempted)
             .filter(|&i| self.eligible(job, job_queue, &self.live[i], 0).is_some())
             .collect();

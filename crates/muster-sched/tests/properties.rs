@@ -177,7 +177,7 @@ proptest! {
     }
 
     /// The indexed placer makes exactly the decisions of the scanning one,
-    /// through a sequence of placements and releases.
+    /// for tasks and gangs, through a sequence of placements and releases.
     #[test]
     fn indexed_placer_decides_as_the_scan_does(
         raw_nodes in proptest::collection::vec(node_strategy(), 1..16),
@@ -213,6 +213,14 @@ proptest! {
         let mut placed = Vec::new();
         let none = |_: u32| false;
         for (i, shape) in shapes.iter().enumerate() {
+            // Every third shape, a gang of two or three is chosen first (and
+            // not taken): the same nodes and GPUs, or the same failure.
+            if i % 3 == 2 {
+                let tasks = 2 + (i as u32 / 3) % 2;
+                let a = indexed.choose_gang(shape, tasks, None, &none, &mut rng);
+                let b = scanning.choose_gang(shape, tasks, None, &none, &mut rng);
+                prop_assert_eq!(&a, &b, "gang at task {}", i);
+            }
             let a = indexed.place(shape, &none, &mut rng);
             let b = scanning.place(shape, &none, &mut rng);
             prop_assert_eq!(&a, &b, "task {}", i);

@@ -14,6 +14,12 @@ mod sim;
 use clap::Parser;
 use std::process::ExitCode;
 
+/// mimalloc instead of the system allocator: the server's scheduling cycle
+/// and state changes allocate many small objects, where glibc's malloc spent
+/// a third of the time (docs/benchmarks.md, "One scheduling cycle").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     // `muster supervise STATE_DIR KEY`: a task's supervisor, started by the
     // agent by absolute path for each task. Dispatched before the CLI is
