@@ -13,7 +13,7 @@ use std::fmt;
 /// GPU thousandths, CPU and memory, which GPUs went bad, and its address.
 /// Hashed, not ordered: a cycle looks a node up once per task it starts
 /// (a search of an ordered map compares names on the heap at every step).
-type FreeResources = std::collections::HashMap<NodeName, FreeNode>;
+type FreeResources = muster_model::hashing::LookupMap<NodeName, FreeNode>;
 
 struct FreeNode {
     gpus: Vec<u32>,
@@ -416,7 +416,10 @@ pub(crate) fn deadline_of(job: &Job) -> Option<Time> {
 /// Removes repeated outputs, keeping the first of each in order.
 fn dedup_outputs(outputs: &mut Vec<Output>) {
     let keep: Vec<bool> = {
-        let mut seen = std::collections::HashSet::with_capacity(outputs.len());
+        let mut seen = muster_model::hashing::LookupSet::with_capacity_and_hasher(
+            outputs.len(),
+            Default::default(),
+        );
         outputs.iter().map(|output| seen.insert(output)).collect()
     };
     let mut keep = keep.into_iter();

@@ -5,6 +5,7 @@
 //! randomness and no environment. Wire formats (serde, YAML) live in
 //! `muster-api`, which validates into these types.
 
+pub mod hashing;
 mod job;
 mod node;
 mod quantity;

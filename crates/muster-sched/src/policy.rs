@@ -349,9 +349,9 @@ pub struct GpuProfile {
 #[derive(Debug, Clone, Default)]
 pub struct ProfileCache {
     /// Nodes of at most [`PACKED_GPUS`] GPUs: the key packed in a number.
-    packed: std::collections::HashMap<u128, u32, BuildKeyHasher>,
+    packed: muster_model::hashing::LookupMap<u128, u32>,
     /// Larger nodes: the model's two halves, then the sorted free capacity.
-    long: std::collections::HashMap<Vec<u16>, u32, BuildKeyHasher>,
+    long: muster_model::hashing::LookupMap<Vec<u16>, u32>,
     profiles: Vec<GpuProfile>,
     key: Vec<u16>,
 }
@@ -428,38 +428,6 @@ impl ProfileCache {
         position
     }
 }
-
-/// A multiply-and-fold hash (FNV-1a for byte strings): the keys are a few
-/// small integers, where the standard library's DoS-resistant hasher costs
-/// more than the lookup (and nothing here comes from outside the engine).
-#[derive(Debug, Clone, Copy)]
-struct KeyHasher(u64);
-
-impl Default for KeyHasher {
-    fn default() -> Self {
-        KeyHasher(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl std::hash::Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-
-    fn write_u128(&mut self, value: u128) {
-        let folded = ((value as u64) ^ ((value >> 64) as u64).rotate_left(29))
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.0 = folded ^ (folded >> 32);
-    }
-}
-
-type BuildKeyHasher = std::hash::BuildHasherDefault<KeyHasher>;
 
 /// The highest score level any policy gives: FGD, best-fit and packing
 /// score 0..=100; `fgd-consolidate` splits each FGD level into
