@@ -53,4 +53,7 @@ pub use validate::{
     MAX_NODES, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, is_env_name, is_reserved_env_name,
     validate,
 };
-pub use wire::{CheckpointSpec, CommandSpec, JobSpec, Quantity, RetrySpec, TopologySpec};
+pub use wire::{
+    CheckpointSpec, CommandSpec, JobSpec, Quantity, RetrySpec, TopologySpec, dependency_text,
+    parse_dependency,
+};

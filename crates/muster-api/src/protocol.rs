@@ -99,6 +99,10 @@ pub struct JobView {
     pub failed_rank: Option<u32>,
     pub attempts: u32,
     pub command: Vec<String>,
+    /// Jobs it waits for, as specs write them: `12` (to succeed),
+    /// `any:12` (to end), `notok:12` (to fail).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub after: Vec<String>,
     pub tasks: Vec<TaskView>,
     /// Why it waits, in words (pending jobs only).
     pub pending_reason: Option<String>,

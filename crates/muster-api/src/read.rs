@@ -31,6 +31,7 @@ pub(crate) const JOB_FIELDS: &[&str] = &[
     "checkpoint",
     "retry",
     "topology",
+    "after",
 ];
 pub(crate) const CHECKPOINT_FIELDS: &[&str] = &["signal", "grace_period", "interval"];
 pub(crate) const RETRY_FIELDS: &[&str] = &["max_attempts", "on_node_failure", "on_exit_failure"];
@@ -46,6 +47,8 @@ const SECTIONS: &[(&str, &[&str])] = &[
 const ALIASES: &[(&str, &str)] = &[
     ("args", "command"),
     ("cmd", "command"),
+    ("dependency", "after"),
+    ("depends_on", "after"),
     ("environment", "env"),
     ("gpu_type", "gpu_models"),
     ("num_nodes", "nodes"),
@@ -371,7 +374,44 @@ impl Reader {
                 .map(|section| TopologySpec {
                     same_rack: self.string(section, "same_rack", "topology.same_rack"),
                 }),
+            after: self.after(map),
         }
+    }
+
+    /// `after:` as a list of ids and `kind:id` texts, one of them, or a
+    /// comma-separated text.
+    fn after(&mut self, map: &Map<String, Value>) -> Vec<String> {
+        const ACCEPTED: &str = "a job id like 12, a text like \"any:12\", or a list of them";
+        let (items, listed): (Vec<&Value>, bool) = match given(map, "after") {
+            None => return Vec::new(),
+            Some(Value::Array(items)) => (items.iter().collect(), true),
+            Some(other) => (vec![other], false),
+        };
+        let mut texts = Vec::new();
+        for (index, item) in items.into_iter().enumerate() {
+            let path = if listed {
+                format!("after[{index}]")
+            } else {
+                "after".to_string()
+            };
+            match item {
+                Value::Number(_) | Value::String(_) => match scalar_text(item) {
+                    Ok(text) => texts.extend(
+                        text.split(',')
+                            .map(str::trim)
+                            .filter(|part| !part.is_empty())
+                            .map(str::to_string),
+                    ),
+                    Err(message) => self.fail("after", path, message),
+                },
+                other => self.fail(
+                    "after",
+                    path,
+                    format!("expected {ACCEPTED}, got {}", describe_value(other)),
+                ),
+            }
+        }
+        texts
     }
 
     fn string(&mut self, map: &Map<String, Value>, key: &str, path: &str) -> Option<String> {

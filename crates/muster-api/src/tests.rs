@@ -71,6 +71,7 @@ retry:
   on_exit_failure: true
 topology:
   same_rack: required
+after: [3, "any:4"]
 "#;
 
 fn full_spec() -> model::JobSpec {
@@ -120,6 +121,16 @@ fn full_spec() -> model::JobSpec {
         topology: Some(model::TopologyConstraint {
             same_rack: model::TopologyStrength::Required,
         }),
+        after: vec![
+            model::Dependency {
+                job: model::JobId(3),
+                kind: model::DependencyKind::Ok,
+            },
+            model::Dependency {
+                job: model::JobId(4),
+                kind: model::DependencyKind::Any,
+            },
+        ],
     }
 }
 
@@ -534,7 +545,7 @@ fn unknown_fields_get_the_closest_name_at_every_level() {
     assert_eq!(
         errors("name: a\ncommand: [x]\nzzz: 1\n"),
         [
-            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, working_dir, image, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology"
+            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, working_dir, image, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after"
         ]
     );
     assert_eq!(
@@ -914,4 +925,69 @@ proptest! {
         spec.estimated_runtime = spec.max_runtime;
         round_trip(&spec);
     }
+}
+
+#[test]
+fn dependencies() {
+    use model::{Dependency, DependencyKind};
+    let dependency = |job: u64, kind| Dependency {
+        job: model::JobId(job),
+        kind,
+    };
+    assert_eq!(
+        parse("name: a\ncommand: x\nafter: [12, \"any:13\", \"afternotok:14\", \"OK:15\"]\n").after,
+        vec![
+            dependency(12, DependencyKind::Ok),
+            dependency(13, DependencyKind::Any),
+            dependency(14, DependencyKind::NotOk),
+            dependency(15, DependencyKind::Ok),
+        ]
+    );
+    assert_eq!(
+        parse("name: a\ncommand: x\nafter: 7\n").after,
+        vec![dependency(7, DependencyKind::Ok)]
+    );
+    assert_eq!(
+        parse("name: a\ncommand: x\nafter: \"7, any:8\"\n").after,
+        vec![
+            dependency(7, DependencyKind::Ok),
+            dependency(8, DependencyKind::Any)
+        ]
+    );
+    round_trip(&parse(
+        "name: a\ncommand: x\nafter: [3, \"any:4\", \"notok:5\"]\n",
+    ));
+    check(
+        "after: [\"later:3\"]",
+        &[
+            "after[0]: unknown dependency kind \"later\"; expected a job id like 12 (wait for it to succeed), \"any:12\" (to end) or \"notok:12\" (to fail)",
+        ],
+    );
+    check(
+        "after: [0, -1, \"x\"]",
+        &[
+            "after[0]: expected a job id like 12 (wait for it to succeed), \"any:12\" (to end) or \"notok:12\" (to fail), got \"0\"",
+            "after[1]: expected a job id like 12 (wait for it to succeed), \"any:12\" (to end) or \"notok:12\" (to fail), got \"-1\"",
+            "after[2]: expected a job id like 12 (wait for it to succeed), \"any:12\" (to end) or \"notok:12\" (to fail), got \"x\"",
+        ],
+    );
+    check(
+        "after: [3, \"any:3\"]",
+        &["after[1]: job 3 is named twice; name each job once"],
+    );
+    check(
+        "after: {job: 3}",
+        &[
+            "after: expected a job id like 12, a text like \"any:12\", or a list of them, got a mapping",
+        ],
+    );
+    let many: Vec<String> = (1..=65).map(|id| id.to_string()).collect();
+    check(
+        &format!("after: [{}]", many.join(", ")),
+        &["after: at most 64 jobs, got 65; chain them through an intermediate job"],
+    );
+    assert_eq!(
+        errors("name: a\ncommand: x\ndepends_on: 3\n"),
+        ["depends_on: unknown field; did you mean \"after\"?"]
+    );
 }

@@ -180,6 +180,7 @@ impl Checker {
         let checkpoint = self.checkpoint(spec);
         let retry = self.retry(spec);
         let topology = self.topology(spec);
+        let after = self.after(&spec.after);
         model::JobSpec {
             name: spec.name.clone(),
             queue: model::QueueName(queue),
@@ -201,7 +202,42 @@ impl Checker {
             checkpoint,
             retry,
             topology,
+            after,
         }
+    }
+
+    fn after(&mut self, written: &[String]) -> Vec<model::Dependency> {
+        let mut after: Vec<model::Dependency> = Vec::new();
+        for (index, text) in written.iter().enumerate() {
+            let path = format!("after[{index}]");
+            match crate::wire::parse_dependency(text) {
+                Ok(dependency) => {
+                    if after.iter().any(|d| d.job == dependency.job) {
+                        self.error(
+                            &path,
+                            format!(
+                                "job {} is named twice; name each job once",
+                                dependency.job.0
+                            ),
+                        );
+                    } else {
+                        after.push(dependency);
+                    }
+                }
+                Err(message) => self.error(&path, message),
+            }
+        }
+        if after.len() > model::MAX_DEPENDENCIES {
+            self.error(
+                "after",
+                format!(
+                    "at most {} jobs, got {}; chain them through an intermediate job",
+                    model::MAX_DEPENDENCIES,
+                    after.len()
+                ),
+            );
+        }
+        after
     }
 
     fn name(&mut self, name: &str) {

@@ -135,6 +135,9 @@ pub struct JobSpec {
     pub retry: Option<RetrySpec>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub topology: Option<TopologySpec>,
+    /// Jobs to wait for: `12` (to succeed), `"any:12"`, `"notok:12"`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub after: Vec<String>,
 }
 
 impl JobSpec {
@@ -213,7 +216,47 @@ impl From<&model::JobSpec> for JobSpec {
             topology: spec.topology.map(|topology| TopologySpec {
                 same_rack: Some(strength_name(topology.same_rack).to_string()),
             }),
+            after: spec.after.iter().map(dependency_text).collect(),
         }
+    }
+}
+
+/// A dependency as written: `12` waits for job 12 to succeed, `any:12` for
+/// it to end, `notok:12` for it to fail.
+pub fn dependency_text(dependency: &model::Dependency) -> String {
+    match dependency.kind {
+        model::DependencyKind::Ok => dependency.job.0.to_string(),
+        kind => format!("{}:{}", kind.name(), dependency.job.0),
+    }
+}
+
+/// Reads one dependency: `12`, `ok:12`, `any:12`, `notok:12` (the Slurm
+/// names `afterok:12`, `afterany:12`, `afternotok:12` too).
+pub fn parse_dependency(text: &str) -> Result<model::Dependency, String> {
+    const ACCEPTED: &str =
+        "a job id like 12 (wait for it to succeed), \"any:12\" (to end) or \"notok:12\" (to fail)";
+    let text = text.trim();
+    let (kind, id) = match text.split_once(':') {
+        None => (model::DependencyKind::Ok, text),
+        Some((kind, id)) => match model::DependencyKind::parse(&kind.to_ascii_lowercase()) {
+            Some(kind) => (kind, id),
+            None => {
+                return Err(format!(
+                    "unknown dependency kind {}; expected {ACCEPTED}",
+                    crate::error::quote(kind)
+                ));
+            }
+        },
+    };
+    match id.trim().parse::<u64>() {
+        Ok(id) if id > 0 => Ok(model::Dependency {
+            job: model::JobId(id),
+            kind,
+        }),
+        _ => Err(format!(
+            "expected {ACCEPTED}, got {}",
+            crate::error::quote(text)
+        )),
     }
 }
 

@@ -188,6 +188,7 @@ impl ControlPlane {
                 return Err(RestoreError(format!("allocation {id} is stored twice")));
             }
         }
+        control.waiting = control.waiting_from_jobs();
         control.check_invariants().map_err(RestoreError)?;
         Ok(control)
     }

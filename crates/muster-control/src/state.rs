@@ -396,6 +396,11 @@ pub struct ControlPlane {
     /// When each running job with a `max_runtime` reaches it (an entry may
     /// outlive its attempt: checked against the job when due).
     pub(crate) deadlines: BTreeSet<(Time, JobId)>,
+    /// (dependency, dependent): a pending job waiting for a job of the hot
+    /// state that has not ended. An entry leaves when the dependency ends
+    /// (met: the dependent may start once nothing else holds it; not met:
+    /// the dependent is cancelled) or the dependent leaves pending.
+    pub(crate) waiting: BTreeSet<(JobId, JobId)>,
 }
 
 /// Notes a change; duplicates are removed once the input is handled
@@ -411,6 +416,14 @@ pub(crate) fn deadline_of(job: &Job) -> Option<Time> {
     let limit = job.spec.max_runtime?;
     let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
     Some(job.started?.plus_millis(limit_ms))
+}
+
+/// A dependency as specs write it: `12`, `any:12`, `notok:12`.
+fn dependency_text(dependency: &muster_model::Dependency) -> String {
+    match dependency.kind {
+        muster_model::DependencyKind::Ok => dependency.job.0.to_string(),
+        kind => format!("{}:{}", kind.name(), dependency.job.0),
+    }
 }
 
 /// Removes repeated outputs, keeping the first of each in order.
@@ -446,6 +459,7 @@ impl ControlPlane {
             memory_limited: BTreeSet::new(),
             excluded: BTreeMap::new(),
             deadlines: BTreeSet::new(),
+            waiting: BTreeSet::new(),
         }
     }
 
@@ -544,11 +558,151 @@ impl ControlPlane {
                 job.state.name()
             )));
         }
+        let after: Vec<JobId> = job.spec.after.iter().map(|d| d.job).collect();
         self.jobs.remove(&id);
         self.by_job.remove(&id);
         self.last_reasons.remove(&id);
+        for dependency in after {
+            self.waiting.remove(&(dependency, id));
+        }
+        // A job waiting for this one (it could only have guessed the id)
+        // waits for a job that never was: as for one long gone, it is met.
+        let dependents: Vec<(JobId, JobId)> = self
+            .waiting
+            .range((id, JobId(0))..=(id, JobId(u64::MAX)))
+            .copied()
+            .collect();
+        for entry in dependents {
+            self.waiting.remove(&entry);
+        }
         self.debug_check();
         Ok(())
+    }
+
+    /// The dependency index as the jobs say it should be.
+    pub(crate) fn waiting_from_jobs(&self) -> BTreeSet<(JobId, JobId)> {
+        self.jobs
+            .values()
+            .filter(|job| job.state == JobState::Pending)
+            .flat_map(|job| {
+                job.spec.after.iter().filter_map(|dependency| {
+                    let other = self.jobs.get(&dependency.job)?;
+                    (!other.state.is_final()).then_some((dependency.job, job.id))
+                })
+            })
+            .collect()
+    }
+
+    /// Whether `job` still waits for a dependency (one in the hot state
+    /// that has not ended).
+    pub fn is_waiting(&self, job: &Job) -> bool {
+        job.spec.after.iter().any(|dependency| {
+            self.jobs
+                .get(&dependency.job)
+                .is_some_and(|other| !other.state.is_final())
+        })
+    }
+
+    /// The pending reason of a job held by its dependencies (`None`: none
+    /// holds it), naming the first one `holds` says still holds it.
+    fn waiting_reason(&self, spec: &JobSpec, holds: impl Fn(JobId) -> bool) -> Option<String> {
+        let holding: Vec<&muster_model::Dependency> =
+            spec.after.iter().filter(|d| holds(d.job)).collect();
+        let first = holding.first()?;
+        let more = match holding.len() - 1 {
+            0 => String::new(),
+            1 => " and 1 more job".to_string(),
+            n => format!(" and {n} more jobs"),
+        };
+        Some(format!(
+            "waiting for job {} {}{more} (after: {})",
+            first.job,
+            first.kind.waiting_for(),
+            spec.after
+                .iter()
+                .map(dependency_text)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    }
+
+    /// A job just ended: the jobs waiting for it go on (met) or are
+    /// cancelled (not met), and so on for those they hold in turn.
+    fn release_dependents(&mut self, now: Time, ended: JobId, outputs: &mut Vec<Output>) {
+        let mut work = vec![ended];
+        while let Some(ended) = work.pop() {
+            let Some(succeeded) = self
+                .jobs
+                .get(&ended)
+                .map(|job| job.state == JobState::Succeeded)
+            else {
+                continue;
+            };
+            let entries: Vec<(JobId, JobId)> = self
+                .waiting
+                .range((ended, JobId(0))..=(ended, JobId(u64::MAX)))
+                .copied()
+                .collect();
+            for entry in entries {
+                self.waiting.remove(&entry);
+                let dependent = entry.1;
+                let Some(job) = self.jobs.get(&dependent) else {
+                    continue;
+                };
+                if job.state != JobState::Pending {
+                    continue;
+                }
+                let Some(dependency) = job.spec.after.iter().find(|d| d.job == ended).copied()
+                else {
+                    continue;
+                };
+                if dependency.kind.met_by(succeeded) {
+                    let reason = self.waiting_reason(&job.spec, |other| {
+                        self.waiting.contains(&(other, dependent))
+                    });
+                    if let Some(job) = self.jobs.get_mut(&dependent) {
+                        job.pending_reason = reason;
+                        job.history
+                            .push((now, format!("job {ended} ended as this job waited for it")));
+                    }
+                    changed(outputs, Output::JobChanged(dependent));
+                } else {
+                    let state = self
+                        .jobs
+                        .get(&ended)
+                        .map_or("ended", |job| job.state.name());
+                    let note = format!(
+                        "cancelled: job {ended} {state}, and this job waited for it {}",
+                        dependency.kind.waiting_for()
+                    );
+                    self.cancel_pending(now, dependent, note, outputs);
+                    work.push(dependent);
+                }
+            }
+        }
+    }
+
+    /// Ends a pending job as cancelled with `note`, leaving the index of
+    /// dependencies.
+    fn cancel_pending(&mut self, now: Time, id: JobId, note: String, outputs: &mut Vec<Output>) {
+        let Some(job) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        if job.state != JobState::Pending {
+            return;
+        }
+        job.state = JobState::Cancelled;
+        job.finished = Some(now);
+        job.pending_reason = None;
+        job.queue_position = None;
+        job.history.push((now, note));
+        let after: Vec<JobId> = job.spec.after.iter().map(|d| d.job).collect();
+        self.finished.insert((now, id));
+        self.last_reasons.remove(&id);
+        for dependency in after {
+            self.waiting.remove(&(dependency, id));
+        }
+        outputs.push(Output::JobChanged(id));
     }
 
     /// In debug builds, panics when an invariant does not hold.
@@ -636,6 +790,34 @@ impl ControlPlane {
                 if self.jobs.contains_key(&id) {
                     return Err(ControlError::Conflict(format!("job {id} already exists")));
                 }
+                // Dependencies name jobs of the hot state (the shell looks
+                // older ones up in its store and keeps only those still to
+                // come); one already ended must have ended the right way.
+                let mut waits_for = Vec::new();
+                for dependency in &spec.after {
+                    let Some(other) = self.jobs.get(&dependency.job) else {
+                        return Err(ControlError::Invalid(format!(
+                            "after: there is no job {} (or it ended too long ago to be \
+                             waited for here)",
+                            dependency.job
+                        )));
+                    };
+                    if !other.state.is_final() {
+                        waits_for.push(dependency.job);
+                    } else if !dependency.kind.met_by(other.state == JobState::Succeeded) {
+                        return Err(ControlError::Invalid(format!(
+                            "after: job {} already {}, so this job would wait for it {} \
+                             forever",
+                            dependency.job,
+                            other.state.name(),
+                            dependency.kind.waiting_for()
+                        )));
+                    }
+                }
+                let pending_reason = self.waiting_reason(&spec, |job| waits_for.contains(&job));
+                for dependency in waits_for {
+                    self.waiting.insert((dependency, id));
+                }
                 self.jobs.insert(
                     id,
                     Job {
@@ -652,7 +834,7 @@ impl ControlPlane {
                         finished: None,
                         allocations: Vec::new(),
                         history: vec![(now, "submitted".to_string())],
-                        pending_reason: None,
+                        pending_reason,
                         queue_position: None,
                     },
                 );
@@ -922,14 +1104,8 @@ impl ControlPlane {
             .ok_or(ControlError::JobNotFound(id))?;
         match job.state {
             JobState::Pending => {
-                job.state = JobState::Cancelled;
-                job.finished = Some(now);
-                self.finished.insert((now, id));
-                self.last_reasons.remove(&id);
-                job.pending_reason = None;
-                job.queue_position = None;
-                job.history.push((now, "cancelled".to_string()));
-                outputs.push(Output::JobChanged(id));
+                self.cancel_pending(now, id, "cancelled".to_string(), outputs);
+                self.release_dependents(now, id, outputs);
             }
             JobState::Running | JobState::Stopping => {
                 self.stop_job(now, id, StopCause::Cancel, "cancel requested", outputs);
@@ -1073,6 +1249,9 @@ impl ControlPlane {
             job.finished = Some(now);
             self.finished.insert((now, id));
             self.last_reasons.remove(&id);
+            changed(outputs, Output::JobChanged(id));
+            self.release_dependents(now, id, outputs);
+            return;
         }
         changed(outputs, Output::JobChanged(id));
     }
@@ -1350,7 +1529,7 @@ impl ControlPlane {
         let pending = self
             .jobs
             .values()
-            .filter(|job| job.state == JobState::Pending)
+            .filter(|job| job.state == JobState::Pending && !self.is_waiting(job))
             .map(|job| PendingJob {
                 id: job.id,
                 queue: job.spec.queue.clone(),
@@ -1801,6 +1980,9 @@ impl ControlPlane {
         });
         if !running.is_subset(&self.deadlines) || stale {
             return Err("the index of time limits is out of date".to_string());
+        }
+        if self.waiting != self.waiting_from_jobs() {
+            return Err("the index of dependencies is out of date".to_string());
         }
         for node in self.nodes.values() {
             if node.epoch >= self.next_epoch {

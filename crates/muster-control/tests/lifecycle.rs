@@ -795,3 +795,185 @@ fn a_heartbeat_s_gpu_health_applies_only_when_the_heartbeat_is_newer() {
     beat(&mut world, 6, vec![]);
     assert!(unhealthy(&world).is_empty(), "a newer one does");
 }
+
+mod dependencies {
+    use super::*;
+    use muster_control::ControlError;
+    use muster_model::{Dependency, DependencyKind};
+
+    fn submit_after(world: &mut World, id: u64, after: &[(u64, DependencyKind)]) {
+        let mut spec = JobSpec::simple("job", "default", GpuRequest::Whole(1), vec!["true".into()]);
+        spec.after = after
+            .iter()
+            .map(|&(job, kind)| Dependency {
+                job: JobId(job),
+                kind,
+            })
+            .collect();
+        world.step(Input::Submit {
+            id: JobId(id),
+            spec,
+            user: "alice".into(),
+        });
+    }
+
+    /// Runs job `id` (the only one the node is given) to exit `code`.
+    fn finish(world: &mut World, id: u64, code: i32) {
+        world.cycle();
+        let task = world
+            .desired("a")
+            .into_iter()
+            .find(|t| t.job == JobId(id))
+            .expect("the job was started");
+        world.report("a", vec![exited(&task, code)]);
+        assert_eq!(
+            world.state(id),
+            if code == 0 {
+                JobState::Succeeded
+            } else {
+                JobState::Failed
+            }
+        );
+    }
+
+    #[test]
+    fn a_job_waits_for_its_dependency_to_succeed_then_runs() {
+        let mut world = World::new(&["a"]);
+        world.submit(1, 1, 1);
+        submit_after(&mut world, 2, &[(1, DependencyKind::Ok)]);
+        assert_eq!(
+            world.job(2).pending_reason.as_deref(),
+            Some("waiting for job 1 to succeed (after: 1)")
+        );
+        // Room for both, but job 2 is held.
+        world.cycle();
+        assert_eq!(world.state(1), JobState::Running);
+        assert_eq!(world.state(2), JobState::Pending);
+        let task = world.desired("a").remove(0);
+        world.report("a", vec![exited(&task, 0)]);
+        assert_eq!(world.state(1), JobState::Succeeded);
+        world.cycle();
+        assert_eq!(world.state(2), JobState::Running);
+    }
+
+    #[test]
+    fn a_failed_dependency_cancels_its_dependents_and_theirs_saying_why() {
+        let mut world = World::new(&["a"]);
+        world.submit(1, 1, 1);
+        submit_after(&mut world, 2, &[(1, DependencyKind::Ok)]);
+        submit_after(&mut world, 3, &[(2, DependencyKind::Ok)]);
+        // Job 4 waits for job 2 to end however: job 2's cancellation meets it.
+        submit_after(&mut world, 4, &[(2, DependencyKind::Any)]);
+        finish(&mut world, 1, 3);
+        assert_eq!(world.state(2), JobState::Cancelled);
+        let why = &world.job(2).history.last().expect("history").1;
+        assert_eq!(
+            why,
+            "cancelled: job 1 failed, and this job waited for it to succeed"
+        );
+        assert_eq!(world.state(3), JobState::Cancelled);
+        assert_eq!(world.state(4), JobState::Pending);
+        world.cycle();
+        assert_eq!(world.state(4), JobState::Running);
+    }
+
+    #[test]
+    fn notok_runs_after_a_failure_and_is_cancelled_by_a_success() {
+        let mut world = World::new(&["a"]);
+        world.submit(1, 1, 1);
+        submit_after(&mut world, 2, &[(1, DependencyKind::NotOk)]);
+        finish(&mut world, 1, 0);
+        assert_eq!(world.state(2), JobState::Cancelled);
+
+        world.submit(3, 1, 1);
+        submit_after(&mut world, 4, &[(3, DependencyKind::NotOk)]);
+        finish(&mut world, 3, 1);
+        world.cycle();
+        assert_eq!(world.state(4), JobState::Running);
+    }
+
+    #[test]
+    fn cancelling_a_pending_dependency_releases_any_and_cancels_ok() {
+        let mut world = World::new(&["a"]);
+        world.submit(1, 1, 1);
+        submit_after(&mut world, 2, &[(1, DependencyKind::Any)]);
+        submit_after(&mut world, 3, &[(1, DependencyKind::Ok)]);
+        world.step(Input::Cancel { job: JobId(1) });
+        assert_eq!(world.state(3), JobState::Cancelled);
+        assert_eq!(world.job(2).pending_reason, None);
+        world.cycle();
+        assert_eq!(world.state(2), JobState::Running);
+    }
+
+    #[test]
+    fn a_job_waiting_for_two_runs_only_when_both_are_met() {
+        let mut world = World::new(&["a"]);
+        world.submit(1, 1, 1);
+        world.submit(2, 1, 1);
+        submit_after(
+            &mut world,
+            3,
+            &[(1, DependencyKind::Ok), (2, DependencyKind::Ok)],
+        );
+        assert_eq!(
+            world.job(3).pending_reason.as_deref(),
+            Some("waiting for job 1 to succeed and 1 more job (after: 1, 2)")
+        );
+        world.cycle();
+        let tasks = world.desired("a");
+        let first = tasks.iter().find(|t| t.job == JobId(1)).expect("job 1");
+        world.report("a", vec![exited(first, 0), running(&tasks[1])]);
+        assert_eq!(
+            world.job(3).pending_reason.as_deref(),
+            Some("waiting for job 2 to succeed (after: 1, 2)")
+        );
+        world.cycle();
+        assert_eq!(world.state(3), JobState::Pending);
+    }
+
+    #[test]
+    fn a_dependency_that_is_unknown_or_already_unmet_is_refused() {
+        let mut world = World::new(&["a"]);
+        let mut spec = JobSpec::simple("job", "default", GpuRequest::Whole(1), vec!["true".into()]);
+        spec.after = vec![Dependency {
+            job: JobId(99),
+            kind: DependencyKind::Ok,
+        }];
+        let refused = world.control.handle(
+            world.now,
+            Input::Submit {
+                id: JobId(1),
+                spec: spec.clone(),
+                user: "alice".into(),
+            },
+        );
+        assert!(
+            matches!(&refused, Err(ControlError::Invalid(m)) if m.contains("there is no job 99")),
+            "{refused:?}"
+        );
+        world.submit(2, 1, 1);
+        finish(&mut world, 2, 1);
+        spec.after[0].job = JobId(2);
+        let refused = world.control.handle(
+            world.now,
+            Input::Submit {
+                id: JobId(3),
+                spec: spec.clone(),
+                user: "alice".into(),
+            },
+        );
+        assert!(
+            matches!(&refused, Err(ControlError::Invalid(m)) if m.contains("job 2 already failed")),
+            "{refused:?}"
+        );
+        // Met already: accepted and free to run.
+        spec.after[0].kind = DependencyKind::NotOk;
+        world.step(Input::Submit {
+            id: JobId(3),
+            spec,
+            user: "alice".into(),
+        });
+        world.cycle();
+        assert_eq!(world.state(3), JobState::Running);
+    }
+}

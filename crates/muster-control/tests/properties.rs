@@ -24,6 +24,9 @@ enum Step {
         nodes: u32,
         retry: bool,
         limited: bool,
+        /// Wait for the job this many submissions back, of this kind
+        /// (0 ok, 1 any, 2 notok).
+        after: Option<(u64, u8)>,
     },
     Cancel(u64),
     Register {
@@ -59,8 +62,8 @@ enum Step {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        3 => (1u32..=4, 1u32..=2, any::<bool>(), any::<bool>())
-            .prop_map(|(gpus, nodes, retry, limited)| Step::Submit { gpus, nodes, retry, limited }),
+        3 => (1u32..=4, 1u32..=2, any::<bool>(), any::<bool>(), prop::option::of((1u64..4, 0u8..3)))
+            .prop_map(|(gpus, nodes, retry, limited, after)| Step::Submit { gpus, nodes, retry, limited, after }),
         1 => (1u64..12).prop_map(Step::Cancel),
         2 => (0..NODES.len(), 1u32..=4, any::<bool>())
             .prop_map(|(node, gpus, mixed)| Step::Register { node, gpus, mixed }),
@@ -128,10 +131,23 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                 nodes,
                 retry,
                 limited,
+                after,
             } => {
                 let mut job =
                     JobSpec::simple("job", "default", GpuRequest::Whole(*gpus), vec!["x".into()]);
                 job.nodes = *nodes;
+                if let Some((back, kind)) = after
+                    && next_job > *back
+                {
+                    job.after = vec![muster_model::Dependency {
+                        job: JobId(next_job - back),
+                        kind: match kind {
+                            0 => muster_model::DependencyKind::Ok,
+                            1 => muster_model::DependencyKind::Any,
+                            _ => muster_model::DependencyKind::NotOk,
+                        },
+                    }];
+                }
                 job.retry.on_node_failure = *retry;
                 if *limited {
                     job.max_runtime = Some(std::time::Duration::from_secs(6));

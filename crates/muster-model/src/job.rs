@@ -149,6 +149,68 @@ pub struct TopologyConstraint {
     pub same_rack: TopologyStrength,
 }
 
+/// What a job waits for of another (Slurm's `afterok`, `afterany`,
+/// `afternotok`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DependencyKind {
+    /// The other job succeeded (the default).
+    Ok,
+    /// The other job ended, however.
+    Any,
+    /// The other job failed, was cancelled or timed out.
+    NotOk,
+}
+
+impl DependencyKind {
+    /// The name in specs and on the command line (`ok`, `any`, `notok`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DependencyKind::Ok => "ok",
+            DependencyKind::Any => "any",
+            DependencyKind::NotOk => "notok",
+        }
+    }
+
+    /// Accepts `ok`/`afterok`, `any`/`afterany`, `notok`/`afternotok`.
+    pub fn parse(text: &str) -> Option<DependencyKind> {
+        match text.strip_prefix("after").unwrap_or(text) {
+            "ok" => Some(DependencyKind::Ok),
+            "any" => Some(DependencyKind::Any),
+            "notok" => Some(DependencyKind::NotOk),
+            _ => None,
+        }
+    }
+
+    /// Whether another job ending as it did (`succeeded` or not) meets
+    /// this dependency.
+    pub fn met_by(self, succeeded: bool) -> bool {
+        match self {
+            DependencyKind::Ok => succeeded,
+            DependencyKind::Any => true,
+            DependencyKind::NotOk => !succeeded,
+        }
+    }
+
+    /// What the dependent waits for, for pending reasons ("to succeed").
+    pub fn waiting_for(self) -> &'static str {
+        match self {
+            DependencyKind::Ok => "to succeed",
+            DependencyKind::Any => "to end",
+            DependencyKind::NotOk => "to fail",
+        }
+    }
+}
+
+/// A job that must end (as `kind` says) before this one may start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Dependency {
+    pub job: JobId,
+    pub kind: DependencyKind,
+}
+
+/// Most dependencies one job may have.
+pub const MAX_DEPENDENCIES: usize = 64;
+
 /// A validated job spec. Built by `muster-api` from YAML or JSON; every field
 /// here already satisfies its rules.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,6 +238,8 @@ pub struct JobSpec {
     pub checkpoint: CheckpointPolicy,
     pub retry: RetryPolicy,
     pub topology: Option<TopologyConstraint>,
+    /// Jobs that must end first (each once, at most [`MAX_DEPENDENCIES`]).
+    pub after: Vec<Dependency>,
 }
 
 impl JobSpec {
@@ -202,6 +266,7 @@ impl JobSpec {
             checkpoint: CheckpointPolicy::default(),
             retry: RetryPolicy::default(),
             topology: None,
+            after: Vec::new(),
         }
     }
 

@@ -318,6 +318,48 @@ async fn find_job(shared: &Shared, id: JobId) -> Result<FoundJob, ApiError> {
     }
 }
 
+/// Dependencies on jobs that left the hot state (ended longer ago than the
+/// retention) are settled here from the store: met ones are dropped, one
+/// that can no longer be met or names no job is refused, so the control
+/// plane only ever waits for jobs it holds.
+async fn resolve_retired_dependencies(
+    shared: &Shared,
+    spec: &mut muster_model::JobSpec,
+) -> Result<(), ApiError> {
+    let retired: Vec<muster_model::Dependency> = {
+        let core = shared.read();
+        spec.after
+            .iter()
+            .filter(|dependency| !core.control().is_hot(dependency.job))
+            .copied()
+            .collect()
+    };
+    for dependency in retired {
+        let job = match shared.store.retired_job(dependency.job.0).await? {
+            Some(stored) => FoundJob::from_store(stored)?.job,
+            None => {
+                return Err(ApiError::invalid(format!(
+                    "after: there is no job {}; name a job that exists (muster ps --all)",
+                    dependency.job
+                )));
+            }
+        };
+        if !dependency
+            .kind
+            .met_by(job.state == muster_control::JobState::Succeeded)
+        {
+            return Err(ApiError::invalid(format!(
+                "after: job {} {}, so this job would wait for it {} forever",
+                dependency.job,
+                job.state.name(),
+                dependency.kind.waiting_for()
+            )));
+        }
+        spec.after.retain(|d| d.job != dependency.job);
+    }
+    Ok(())
+}
+
 /// Submit a job. Answers once the job is durable.
 #[utoipa::path(
     post, path = "/v1/jobs", tag = "jobs",
@@ -346,8 +388,9 @@ async fn submit_job(
             user.to_string()
         }
     };
-    let spec = muster_api::parse_job_spec_value(&request.spec)
+    let mut spec = muster_api::parse_job_spec_value(&request.spec)
         .map_err(|errors| ApiError::invalid(errors.to_string()))?;
+    resolve_retired_dependencies(&shared, &mut spec).await?;
     let (_, durable, id) = shared.apply_with(
         |core: &mut Core| {
             let id = JobId(core.next_job);

@@ -51,6 +51,12 @@ pub fn job_view<'a>(
             .map(|(rank, _)| rank),
         attempts: job.attempts,
         command: job.spec.command.clone(),
+        after: job
+            .spec
+            .after
+            .iter()
+            .map(muster_api::dependency_text)
+            .collect(),
         tasks,
         pending_reason: if job.state == JobState::Pending {
             Some(

@@ -249,6 +249,12 @@ pub struct RunArgs {
     /// (`muster run` then exits 124).
     #[arg(long, value_name = "DURATION")]
     pub time: Option<String>,
+    /// Start only after these jobs end: `12` (after it succeeds), `any:12`
+    /// (after it ends, however), `notok:12` (after it fails); a comma list
+    /// or the flag again. If one cannot be met (e.g. job 12 fails), this job
+    /// is cancelled with that reason. Slurm's `afterok:12` works too.
+    #[arg(long, value_name = "ID,...", value_delimiter = ',')]
+    pub after: Vec<String>,
     /// The command and its arguments (after `--` when an argument of it
     /// starts with `-` before the command's name).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
@@ -316,6 +322,9 @@ fn run_spec(args: &RunArgs) -> Result<serde_json::Value> {
     }
     if let Some(time) = &args.time {
         spec["max_runtime"] = time.clone().into();
+    }
+    if !args.after.is_empty() {
+        spec["after"] = args.after.clone().into();
     }
     if !args.gpu_models.is_empty() {
         spec["gpu_models"] = args.gpu_models.clone().into();
@@ -592,6 +601,12 @@ pub struct SubmitArgs {
     /// A time limit (e.g. 30m, 2h), replacing the spec's `max_runtime`.
     #[arg(long, value_name = "DURATION")]
     pub time: Option<String>,
+    /// Start only after these jobs end: `12` (after it succeeds), `any:12`
+    /// (after it ends, however), `notok:12` (after it fails); a comma list
+    /// or the flag again. If one cannot be met (e.g. job 12 fails), this job
+    /// is cancelled with that reason. Slurm's `afterok:12` works too.
+    #[arg(long, value_name = "ID,...", value_delimiter = ',')]
+    pub after: Vec<String>,
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -614,7 +629,15 @@ pub fn submit(args: SubmitArgs) -> Result<u8, Failure> {
     let mut value = serde_json::to_value(&wire).context("cannot encode the job spec")?;
     if let Some(time) = &args.time {
         value["max_runtime"] = time.clone().into();
-        muster_api::parse_job_spec_value(&value).map_err(|errors| anyhow!("--time: {errors}"))?;
+    }
+    if !args.after.is_empty() {
+        value["after"] = args.after.clone().into();
+    }
+    if args.time.is_some() || !args.after.is_empty() {
+        muster_api::parse_job_spec_value(&value).map_err(|errors| Failure {
+            code: exit::INVALID,
+            error: anyhow!("invalid option:\n{errors}"),
+        })?;
     }
     let client = args.connection.client()?;
     let id = runtime()?
@@ -776,6 +799,9 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
         gpus_text(job.gpus_per_node)
     );
     outln!("  command:   {}", job.command.join(" "));
+    if !job.after.is_empty() {
+        outln!("  after:     {}", job.after.join(", "));
+    }
     outln!("  attempts:  {}", job.attempts);
     if let Some(reason) = &job.pending_reason {
         outln!("  pending:   {reason}");
@@ -1305,6 +1331,7 @@ mod tests {
             env: vec!["A=1".into()],
             detach: false,
             time: None,
+            after: Vec::new(),
             export: "NONE".into(),
             command: command.iter().map(|s| s.to_string()).collect(),
             connection: Connection {

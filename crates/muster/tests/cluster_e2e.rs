@@ -175,6 +175,58 @@ fn muster_up_runs_jobs_end_to_end() {
         "{cancelled}"
     );
 
+    // Dependencies: B waits for A to succeed, C for A to end however. A
+    // fails: B is cancelled saying why, C runs.
+    let output = env.muster(&["run", "--detach", "--", "sh", "-c", "sleep 2; exit 3"]);
+    let a = stdout(&output).trim().to_string();
+    let output = env.muster(&["run", "--detach", "--after", &a, "--", "echo", "b"]);
+    assert!(output.status.success(), "{output:?}");
+    let b = stdout(&output).trim().to_string();
+    let waiting = json(&env.muster(&["describe", &b, "--json"]));
+    assert_eq!(waiting["state"], "pending", "{waiting}");
+    assert_eq!(
+        waiting["after"],
+        serde_json::json!([a.clone()]),
+        "{waiting}"
+    );
+    assert_eq!(
+        waiting["pending_reason"],
+        format!("waiting for job {a} to succeed (after: {a})"),
+        "{waiting}"
+    );
+    let any = format!("any:{a}");
+    let output = env.muster(&["run", "--after", &any, "--", "echo", "ran after any"]);
+    assert!(output.status.success(), "{output:?}");
+    assert!(stdout(&output).contains("ran after any"), "{output:?}");
+    let cancelled = json(&env.muster(&["describe", &b, "--json"]));
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
+    let last = &cancelled["history"]
+        .as_array()
+        .expect("a list")
+        .last()
+        .expect("an event")["what"];
+    assert_eq!(
+        last,
+        &format!("cancelled: job {a} failed, and this job waited for it to succeed")
+    );
+    let text = stdout(&env.muster(&["describe", &b]));
+    assert!(text.contains(&format!("after:     {a}")), "{text}");
+    // One that can never be met, or names no job, is refused at once.
+    let output = env.muster(&["run", "--after", &a, "--", "true"]);
+    assert_eq!(output.status.code(), Some(6), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains(&format!("job {a} already failed")),
+        "{output:?}"
+    );
+    let spec = env.path("after.yaml");
+    std::fs::write(&spec, "name: after-nothing\ncommand: [\"true\"]\n").unwrap();
+    let output = env.muster(&["submit", "--after", "999999", spec.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(6), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("there is no job 999999"),
+        "{output:?}"
+    );
+
     // A time limit stops the job and `muster run` says so with 124.
     let started = std::time::Instant::now();
     let output = env.muster(&["run", "--time", "2s", "--", "sleep", "60"]);
