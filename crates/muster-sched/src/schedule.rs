@@ -478,7 +478,9 @@ pub fn schedule<R: Rng>(
         })
     };
 
-    let mut live: Vec<Live> = Vec::with_capacity(snapshot.running.len());
+    // Room for every job that could start, at once (growing by doubling
+    // would touch twice the memory).
+    let mut live: Vec<Live> = Vec::with_capacity(snapshot.running.len() + pending.len());
     let mut victims: Vec<usize> = Vec::new();
     for job in &snapshot.running {
         let mut placements: Vec<TaskPlacement> = Vec::with_capacity(job.tasks.len());
@@ -543,6 +545,8 @@ pub fn schedule<R: Rng>(
         victims,
         outcome: Outcome {
             excluded_nodes,
+            started: Vec::with_capacity(pending.len()),
+            order: Vec::with_capacity(pending.len()),
             ..Outcome::default()
         },
         reservation: None,
