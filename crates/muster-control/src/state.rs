@@ -1530,7 +1530,8 @@ impl ControlPlane {
         // (and faults in) twice the memory.
         let held = |job: &&Job| job.state == JobState::Pending && !self.is_waiting(job);
         let mut pending = Vec::with_capacity(self.jobs.values().filter(held).count());
-        pending.extend(self.jobs.values().filter(held).map(|job| PendingJob {
+        pending.extend(self.jobs.values().filter(held).map(|job| {
+            PendingJob {
                 id: job.id,
                 queue: job.spec.queue.clone(),
                 priority: job.spec.priority_class.value,
@@ -1543,7 +1544,8 @@ impl ControlPlane {
                     .estimated_runtime
                     .or(job.spec.max_runtime)
                     .map(|d| d.as_millis() as u64),
-            }));
+            }
+        }));
         let snapshot = Snapshot {
             now,
             nodes: self.node_inputs(),
