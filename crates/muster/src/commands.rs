@@ -448,32 +448,103 @@ fn job_exit_status(job: &JobView) -> u8 {
 /// Prints a task's output from `offset`, page by page, until the job has
 /// ended and every byte was printed (`follow`), or until the end of what
 /// the server has now; returns the offset reached.
-async fn print_logs(client: &Client, id: u64, rank: u32, offset: u64, follow: bool) -> Result<u64> {
-    print_rank_logs(client, id, rank, offset, follow, false).await
+async fn print_logs(
+    client: &Client,
+    id: u64,
+    rank: u32,
+    offset: u64,
+    follow: bool,
+    format: LogFormat,
+) -> Result<u64> {
+    print_rank_logs(client, id, rank, offset, follow, format).await
 }
 
-/// Writes `data` with `[rank N] ` before each line (as `srun -l`); a line
-/// not yet ended waits in `partial` for the rest of it.
-fn write_prefixed(rank: u32, partial: &mut Vec<u8>, data: &[u8]) {
+/// How task output is printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LogFormat {
+    /// The task's bytes, unchanged.
+    Raw,
+    /// Each line with `[rank N] ` before it (as `srun -l`).
+    Prefixed,
+    /// One JSON object per line: `{"event": "output", "job", "rank",
+    /// "line"}` (`--json`; invalid UTF-8 replaced).
+    Json,
+}
+
+impl LogFormat {
+    fn of(json: bool, ranks: u32) -> LogFormat {
+        if json {
+            LogFormat::Json
+        } else if ranks > 1 {
+            LogFormat::Prefixed
+        } else {
+            LogFormat::Raw
+        }
+    }
+}
+
+/// Writes `data` as `format` says, whole lines at a time; a line not yet
+/// ended waits in `partial` for the rest of it.
+fn write_lines(job: u64, rank: u32, format: LogFormat, partial: &mut Vec<u8>, data: &[u8]) {
+    if format == LogFormat::Raw {
+        write_bytes(data);
+        return;
+    }
     partial.extend_from_slice(data);
     let Some(last) = partial.iter().rposition(|&b| b == b'\n') else {
         return;
     };
     let mut out = Vec::with_capacity(partial.len() + 16);
     for line in partial[..=last].split_inclusive(|&b| b == b'\n') {
-        out.extend_from_slice(format!("[rank {rank}] ").as_bytes());
-        out.extend_from_slice(line);
+        match format {
+            LogFormat::Json => {
+                let text = String::from_utf8_lossy(line.strip_suffix(b"\n").unwrap_or(line));
+                let event = serde_json::json!({
+                    "event": "output",
+                    "job": job,
+                    "rank": rank,
+                    "line": text,
+                });
+                out.extend_from_slice(event.to_string().as_bytes());
+                out.push(b'\n');
+            }
+            _ => {
+                out.extend_from_slice(format!("[rank {rank}] ").as_bytes());
+                out.extend_from_slice(line);
+            }
+        }
     }
     partial.drain(..=last);
     write_bytes(&out);
 }
 
-/// Every rank's output at once, each line prefixed with its rank.
-async fn print_all_ranks(client: &Client, id: u64, ranks: u32, follow: bool) -> Result<()> {
+/// Ends what `write_lines` left waiting: a last line without its newline.
+fn flush_lines(job: u64, rank: u32, format: LogFormat, partial: &mut Vec<u8>) {
+    if format != LogFormat::Raw && !partial.is_empty() {
+        partial.push(b'\n');
+        write_lines(job, rank, format, partial, &[]);
+    }
+}
+
+/// Prints one JSON object on a line of its own (`--json` event streams).
+fn print_json_line(value: &serde_json::Value) {
+    let mut line = value.to_string().into_bytes();
+    line.push(b'\n');
+    write_bytes(&line);
+}
+
+/// Every rank's output at once, each line marked with its rank.
+async fn print_all_ranks(
+    client: &Client,
+    id: u64,
+    ranks: u32,
+    follow: bool,
+    format: LogFormat,
+) -> Result<()> {
     let mut followers = tokio::task::JoinSet::new();
     for rank in 0..ranks {
         let client = client.clone();
-        followers.spawn(async move { print_rank_logs(&client, id, rank, 0, follow, true).await });
+        followers.spawn(async move { print_rank_logs(&client, id, rank, 0, follow, format).await });
     }
     while let Some(done) = followers.join_next().await {
         done.context("a log follower failed")??;
@@ -487,7 +558,7 @@ async fn print_rank_logs(
     rank: u32,
     mut offset: u64,
     follow: bool,
-    prefixed: bool,
+    format: LogFormat,
 ) -> Result<u64> {
     let mut task = None;
     let mut partial = Vec::new();
@@ -502,25 +573,24 @@ async fn print_rank_logs(
         }
         task = page.allocation.or(task);
         if !page.data.is_empty() {
-            if prefixed {
-                write_prefixed(rank, &mut partial, &page.data);
-            } else {
-                write_bytes(&page.data);
-            }
+            write_lines(id, rank, format, &mut partial, &page.data);
         }
         offset = page.next_offset;
         if page.complete || (!follow && !page.more) {
-            if prefixed && !partial.is_empty() {
-                partial.push(b'\n');
-                write_prefixed(rank, &mut partial, &[]);
-            }
+            flush_lines(id, rank, format, &mut partial);
             return Ok(offset);
         }
     }
 }
 
-async fn follow_logs(client: &Client, id: u64, rank: u32, offset: u64) -> Result<u64> {
-    print_logs(client, id, rank, offset, true).await
+async fn follow_logs(
+    client: &Client,
+    id: u64,
+    rank: u32,
+    offset: u64,
+    format: LogFormat,
+) -> Result<u64> {
+    print_logs(client, id, rank, offset, true, format).await
 }
 
 fn ask_to_cancel(id: u64) -> bool {
@@ -549,13 +619,19 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
             }
             return Ok::<u8, anyhow::Error>(0);
         }
-        eprintln!("job {id} submitted; following its output (Ctrl-C to detach or cancel)");
+        let json = args.connection.json;
+        if json {
+            print_json_line(&serde_json::json!({ "event": "submitted", "job": id }));
+        } else {
+            eprintln!("job {id} submitted; following its output (Ctrl-C to detach or cancel)");
+        }
         let ranks = args.nodes;
+        let format = LogFormat::of(json, ranks);
         let followed = async {
             if ranks > 1 {
-                print_all_ranks(&client, id, ranks, true).await
+                print_all_ranks(&client, id, ranks, true, format).await
             } else {
-                follow_logs(&client, id, 0, 0).await.map(|_| ())
+                follow_logs(&client, id, 0, 0, format).await.map(|_| ())
             }
         };
         tokio::select! {
@@ -574,7 +650,16 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
         }
         // The log is complete once the job is final.
         let job = client.job(id).await.map_err(anyhow::Error::from)?;
-        if job.state != "succeeded" {
+        if json {
+            print_json_line(&serde_json::json!({
+                "event": "ended",
+                "job": id,
+                "state": job.state,
+                "exit_code": job.exit_code,
+                "failed_rank": job.failed_rank,
+                "exit_status": job_exit_status(&job),
+            }));
+        } else if job.state != "succeeded" {
             let mut detail = Vec::new();
             if let Some(code) = job.exit_code {
                 detail.push(format!("exit code {code}"));
@@ -863,9 +948,12 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
     runtime()?
         .block_on(async {
+            let json = args.connection.json;
             if let Some(attempt) = args.attempt {
                 // One attempt's output, whole, of one rank (0 by default).
                 let rank = args.rank.unwrap_or(0);
+                let format = LogFormat::of(json, 1);
+                let mut partial = Vec::new();
                 let mut offset = 0;
                 loop {
                     let page = client
@@ -879,23 +967,26 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
                             false,
                         )
                         .await?;
-                    write_bytes(&page.data);
+                    write_lines(args.job, rank, format, &mut partial, &page.data);
                     offset = page.next_offset;
                     if !page.more {
+                        flush_lines(args.job, rank, format, &mut partial);
                         return Ok(());
                     }
                 }
             }
             match args.rank {
                 Some(rank) => {
-                    print_logs(&client, args.job, rank, 0, args.follow).await?;
+                    let format = LogFormat::of(json, 1);
+                    print_logs(&client, args.job, rank, 0, args.follow, format).await?;
                 }
                 None => {
                     let job = client.job(args.job).await?;
+                    let format = LogFormat::of(json, job.nodes);
                     if job.nodes > 1 {
-                        print_all_ranks(&client, args.job, job.nodes, args.follow).await?;
+                        print_all_ranks(&client, args.job, job.nodes, args.follow, format).await?;
                     } else {
-                        print_logs(&client, args.job, 0, 0, args.follow).await?;
+                        print_logs(&client, args.job, 0, 0, args.follow, format).await?;
                     }
                 }
             }

@@ -175,6 +175,67 @@ fn muster_up_runs_jobs_end_to_end() {
         "{cancelled}"
     );
 
+    // --json on run and logs: one JSON object per line, numbers as numbers.
+    let output = env.muster(&[
+        "run",
+        "--json",
+        "--",
+        "sh",
+        "-c",
+        "echo one; printf two; exit 4",
+    ]);
+    assert_eq!(output.status.code(), Some(4), "{output:?}");
+    let events: Vec<serde_json::Value> = stdout(&output)
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("each line is JSON"))
+        .collect();
+    assert_eq!(events.len(), 4, "{events:?}");
+    assert_eq!(events[0]["event"], "submitted");
+    let job = events[0]["job"].as_u64().expect("a job id");
+    assert_eq!(
+        events[1],
+        serde_json::json!({"event": "output", "job": job, "rank": 0, "line": "one"})
+    );
+    assert_eq!(events[2]["line"], "two", "a last line without its newline");
+    assert_eq!(events[3]["event"], "ended");
+    assert_eq!(events[3]["state"], "failed");
+    assert_eq!(events[3]["exit_code"], 4);
+    assert_eq!(events[3]["exit_status"], 4);
+    let output = env.muster(&["logs", "--json", &job.to_string()]);
+    let lines: Vec<serde_json::Value> = stdout(&output)
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("each line is JSON"))
+        .collect();
+    assert_eq!(lines, events[1..3].to_vec());
+
+    // Ctrl-C on `muster run`, answered yes: the job is cancelled, exit 130.
+    let mut child = env
+        .command()
+        .args(["run", "--", "sleep", "60"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("muster run starts");
+    common::wait_until("the job to run", Duration::from_secs(30), || {
+        let running = json(&env.muster(&["ps", "--state", "running", "--json"]));
+        running["jobs"]
+            .as_array()
+            .is_some_and(|jobs| jobs.iter().any(|j| j["command"][0] == "sleep"))
+    });
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .expect("SIGINT sent");
+    std::io::Write::write_all(child.stdin.as_mut().expect("stdin"), b"y\n").expect("answered");
+    let output = child.wait_with_output().expect("muster run ends");
+    assert_eq!(output.status.code(), Some(130), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("cancelled"),
+        "{output:?}"
+    );
+
     // Dependencies: B waits for A to succeed, C for A to end however. A
     // fails: B is cancelled saying why, C runs.
     let output = env.muster(&["run", "--detach", "--", "sh", "-c", "sleep 2; exit 3"]);
@@ -460,6 +521,19 @@ fn bad_input_gets_clear_errors() {
     assert_eq!(output.status.code(), Some(3));
     let output = with(token.trim(), &["run", "--gpus", "lots", "--", "true"]);
     assert_eq!(output.status.code(), Some(6), "invalid input: {output:?}");
+    // The other documented exit codes: 2 usage, 5 unreachable, 1 any other
+    // failure (here a spec file that is not there).
+    let output = with(token.trim(), &["ps", "--no-such-flag"]);
+    assert_eq!(output.status.code(), Some(2), "usage: {output:?}");
+    let output = env.muster(&["ps", "--server", "http://127.0.0.1:1", "--token", "x"]);
+    assert_eq!(output.status.code(), Some(5), "unreachable: {output:?}");
+    let missing = env.path("no-such-spec.yaml");
+    let output = with(token.trim(), &["submit", missing.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1), "failure: {output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("no-such-spec.yaml"),
+        "{output:?}"
+    );
     let job = json(&with(token.trim(), &["describe", &id, "--json"]));
     assert_eq!(job["name"], "ok");
     assert!(
