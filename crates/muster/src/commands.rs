@@ -593,6 +593,43 @@ async fn follow_logs(
     print_logs(client, id, rank, offset, true, format).await
 }
 
+/// The reason the API gives a pending job no cycle has looked at yet.
+const NO_CYCLE_YET: &str = "waiting for the next scheduling cycle";
+
+/// While job `id` is pending, prints why (on stderr, or as a `pending`
+/// event with `--json`) at once and again whenever the reason changes;
+/// once the job has left pending it says nothing more. Runs until dropped.
+async fn report_pending(client: &Client, id: u64, json: bool) {
+    /// How often the job is read while it waits.
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+    // A job that starts at once says nothing.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let mut said: Option<String> = None;
+    loop {
+        if let Ok(job) = client.job(id).await {
+            if job.state != "pending" {
+                std::future::pending::<()>().await;
+            }
+            if let Some(reason) = job.pending_reason
+                && said.as_ref() != Some(&reason)
+                && reason != NO_CYCLE_YET
+            {
+                if json {
+                    print_json_line(&serde_json::json!({
+                        "event": "pending",
+                        "job": id,
+                        "reason": reason,
+                    }));
+                } else {
+                    eprintln!("job {id} pending: {reason}");
+                }
+                said = Some(reason);
+            }
+        }
+        tokio::time::sleep(EVERY).await;
+    }
+}
+
 fn ask_to_cancel(id: u64) -> bool {
     eprint!("\ncancel job {id}? [y/N] ");
     let _ = std::io::stderr().flush();
@@ -610,6 +647,12 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
     let client = args.connection.client()?;
     let rt = runtime()?;
     rt.block_on(async {
+        // Ctrl-C is caught from before the job exists, so one pressed as it
+        // starts asks too instead of leaving it running unasked.
+        let mut interrupt = (!args.detach)
+            .then(|| tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()))
+            .transpose()
+            .context("cannot catch Ctrl-C")?;
         let id = client.submit(spec).await.map_err(anyhow::Error::from)?;
         if args.detach {
             if args.connection.json {
@@ -638,7 +681,14 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
             result = followed => {
                 result?;
             }
-            _ = tokio::signal::ctrl_c() => {
+            // Never ends: says why the job waits while it is pending.
+            () = report_pending(&client, id, json) => {}
+            Some(()) = async {
+                match interrupt.as_mut() {
+                    Some(interrupt) => interrupt.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {
                 if ask_to_cancel(id) {
                     client.cancel(id).await.map_err(anyhow::Error::from)?;
                     eprintln!("job {id} cancelled");

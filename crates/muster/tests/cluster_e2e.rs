@@ -187,7 +187,9 @@ fn muster_up_runs_jobs_end_to_end() {
     assert_eq!(output.status.code(), Some(4), "{output:?}");
     let events: Vec<serde_json::Value> = stdout(&output)
         .lines()
-        .map(|line| serde_json::from_str(line).expect("each line is JSON"))
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).expect("each line is JSON"))
+        // A slow cycle may give a `pending` event first.
+        .filter(|event| event["event"] != "pending")
         .collect();
     assert_eq!(events.len(), 4, "{events:?}");
     assert_eq!(events[0]["event"], "submitted");
@@ -238,7 +240,7 @@ fn muster_up_runs_jobs_end_to_end() {
 
     // Dependencies: B waits for A to succeed, C for A to end however. A
     // fails: B is cancelled saying why, C runs.
-    let output = env.muster(&["run", "--detach", "--", "sh", "-c", "sleep 2; exit 3"]);
+    let output = env.muster(&["run", "--detach", "--", "sh", "-c", "sleep 4; exit 3"]);
     let a = stdout(&output).trim().to_string();
     let output = env.muster(&["run", "--detach", "--after", &a, "--", "echo", "b"]);
     assert!(output.status.success(), "{output:?}");
@@ -259,6 +261,13 @@ fn muster_up_runs_jobs_end_to_end() {
     let output = env.muster(&["run", "--after", &any, "--", "echo", "ran after any"]);
     assert!(output.status.success(), "{output:?}");
     assert!(stdout(&output).contains("ran after any"), "{output:?}");
+    // While it waited, `muster run` said why.
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains(&format!(
+            "pending: waiting for job {a} to end (after: any:{a})"
+        )),
+        "{output:?}"
+    );
     let cancelled = json(&env.muster(&["describe", &b, "--json"]));
     assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
     let last = &cancelled["history"]
