@@ -106,6 +106,11 @@ pub struct JobView {
     pub tasks: Vec<TaskView>,
     /// Why it waits, in words (pending jobs only).
     pub pending_reason: Option<String>,
+    /// Why it waits, as a short code (pending jobs only): `dependency`,
+    /// `capacity`, `quota`, `never-fits`, `rack`, `reservation`, `blocked`,
+    /// `unscheduled`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_code: Option<String>,
     /// Its place in line among pending jobs (1 = next).
     pub queue_position: Option<u32>,
     pub history: Vec<EventView>,

@@ -593,6 +593,24 @@ impl ControlPlane {
             .collect()
     }
 
+    /// A short code for why job `id` is pending (`None`: it is not):
+    /// `dependency`, `unscheduled` (no cycle has looked at it yet), or the
+    /// last cycle's reason's [`muster_sched::PendingReason::code`].
+    pub fn pending_code(&self, id: JobId) -> Option<&'static str> {
+        let job = self.jobs.get(&id)?;
+        if job.state != JobState::Pending {
+            return None;
+        }
+        if self.is_waiting(job) {
+            return Some("dependency");
+        }
+        Some(
+            self.last_reasons
+                .get(&id)
+                .map_or("unscheduled", muster_sched::PendingReason::code),
+        )
+    }
+
     /// Whether `job` still waits for a dependency (one in the hot state
     /// that has not ended).
     pub fn is_waiting(&self, job: &Job) -> bool {

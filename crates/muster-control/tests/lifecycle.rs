@@ -307,6 +307,14 @@ fn a_job_larger_than_the_cluster_stays_pending_with_a_reason() {
     let reason = job.pending_reason.as_deref().unwrap_or_default();
     assert!(reason.contains("no node can ever run this job"), "{reason}");
     assert_eq!(job.queue_position, Some(1));
+    assert_eq!(world.control.pending_code(JobId(1)), Some("never-fits"));
+    // One that fits the node but not beside a running job holds the
+    // reservation (EASY backfill is the default).
+    world.submit(2, 1, 4);
+    world.submit(3, 1, 4);
+    world.cycle();
+    assert_eq!(world.state(2), JobState::Running);
+    assert_eq!(world.control.pending_code(JobId(3)), Some("reservation"));
 }
 
 #[test]
@@ -840,7 +848,9 @@ mod dependencies {
     fn a_job_waits_for_its_dependency_to_succeed_then_runs() {
         let mut world = World::new(&["a"]);
         world.submit(1, 1, 1);
+        assert_eq!(world.control.pending_code(JobId(1)), Some("unscheduled"));
         submit_after(&mut world, 2, &[(1, DependencyKind::Ok)]);
+        assert_eq!(world.control.pending_code(JobId(2)), Some("dependency"));
         assert_eq!(
             world.job(2).pending_reason.as_deref(),
             Some("waiting for job 1 to succeed (after: 1)")
@@ -848,6 +858,7 @@ mod dependencies {
         // Room for both, but job 2 is held.
         world.cycle();
         assert_eq!(world.state(1), JobState::Running);
+        assert_eq!(world.control.pending_code(JobId(1)), None);
         assert_eq!(world.state(2), JobState::Pending);
         let task = world.desired("a").remove(0);
         world.report("a", vec![exited(&task, 0)]);

@@ -1070,6 +1070,29 @@ fn filter_words(filters: &FilterCounts) -> String {
     }
 }
 
+impl PendingReason {
+    /// A short code for the reason, for columns and scripts (the sentence
+    /// is [`PendingReason`]'s `Display`): `quota`, `never-fits`,
+    /// `capacity`, `rack` (a gang that needs one rack finds none large
+    /// enough), `reservation` (behind or holding one), `blocked` (behind a
+    /// blocked job, backfill off).
+    pub fn code(&self) -> &'static str {
+        match self {
+            PendingReason::QuotaExceeded { .. } => "quota",
+            PendingReason::NeverFits { .. } => "never-fits",
+            PendingReason::NoCapacity {
+                gang: Some(GangFailure::NoRackLargeEnough { .. }),
+                ..
+            } => "rack",
+            PendingReason::NoCapacity { .. } => "capacity",
+            PendingReason::BehindReservation { .. } | PendingReason::HoldsReservation { .. } => {
+                "reservation"
+            }
+            PendingReason::BehindBlockedJob { .. } => "blocked",
+        }
+    }
+}
+
 impl std::fmt::Display for PendingReason {
     /// The reason in words, for `muster describe`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -277,11 +277,17 @@ const MAX_PAGE: u32 = 1000;
 struct FoundJob {
     job: Job,
     allocations: BTreeMap<AllocationId, Allocation>,
+    /// Why it waits, as a code (pending jobs of the hot state only).
+    pending_code: Option<&'static str>,
 }
 
 impl FoundJob {
     fn view(&self) -> JobView {
-        job_view(&self.job, &|id| self.allocations.get(&id))
+        job_view(
+            &self.job,
+            &|id| self.allocations.get(&id),
+            self.pending_code,
+        )
     }
 
     fn from_store((record, allocations): crate::store::StoredJob) -> Result<FoundJob, ApiError> {
@@ -294,7 +300,11 @@ impl FoundJob {
             .map(|record| record.into_allocation().map(|a| (a.id, a)))
             .collect::<Result<_, _>>()
             .map_err(internal)?;
-        Ok(FoundJob { job, allocations })
+        Ok(FoundJob {
+            job,
+            allocations,
+            pending_code: None,
+        })
     }
 }
 
@@ -309,6 +319,7 @@ async fn find_job(shared: &Shared, id: JobId) -> Result<FoundJob, ApiError> {
                     .job_allocations(id)
                     .map(|a| (a.id, a.clone()))
                     .collect(),
+                pending_code: core.control().pending_code(id),
             });
         }
     }
@@ -471,7 +482,13 @@ async fn list_jobs(
             .filter(|job| queue.as_deref().is_none_or(|q| job.spec.queue.0 == q))
             .filter(|job| user.as_deref().is_none_or(|u| job.user == u))
             .take(limit as usize)
-            .map(|job| job_view(job, &|id| control.allocation(id)))
+            .map(|job| {
+                job_view(
+                    job,
+                    &|id| control.allocation(id),
+                    control.pending_code(job.id),
+                )
+            })
             .collect()
     };
     // Retired jobs are finished ones: the store is asked only when they

@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 pub fn job_view<'a>(
     job: &Job,
     allocation: &dyn Fn(AllocationId) -> Option<&'a Allocation>,
+    pending_code: Option<&str>,
 ) -> JobView {
     let tasks = job
         .allocations
@@ -68,6 +69,9 @@ pub fn job_view<'a>(
             None
         },
         queue_position: job.queue_position,
+        pending_code: pending_code
+            .filter(|_| job.state == JobState::Pending)
+            .map(str::to_string),
         history: job
             .history
             .iter()

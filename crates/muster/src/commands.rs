@@ -846,10 +846,16 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
         ],
         jobs.iter()
             .map(|j| {
+                // Running: its nodes. Pending: why, as a short code
+                // (`muster describe` has the sentence).
                 let place = if j.tasks.is_empty() {
-                    j.pending_reason
+                    j.pending_code
                         .clone()
-                        .map(|r| r.chars().take(60).collect())
+                        .or_else(|| {
+                            j.pending_reason
+                                .as_ref()
+                                .map(|r| r.chars().take(60).collect())
+                        })
                         .unwrap_or_default()
                 } else {
                     j.tasks

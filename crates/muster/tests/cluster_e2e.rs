@@ -247,6 +247,13 @@ fn muster_up_runs_jobs_end_to_end() {
     let b = stdout(&output).trim().to_string();
     let waiting = json(&env.muster(&["describe", &b, "--json"]));
     assert_eq!(waiting["state"], "pending", "{waiting}");
+    assert_eq!(waiting["pending_code"], "dependency", "{waiting}");
+    let listed = stdout(&env.muster(&["ps", "--state", "pending"]));
+    let row = listed
+        .lines()
+        .find(|line| line.starts_with(&format!("{b} ")))
+        .unwrap_or_else(|| panic!("job {b} listed: {listed}"));
+    assert!(row.trim_end().ends_with("dependency"), "{listed}");
     assert_eq!(
         waiting["after"],
         serde_json::json!([a.clone()]),
