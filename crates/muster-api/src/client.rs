@@ -142,7 +142,21 @@ impl Client {
     }
 
     pub async fn submit(&self, spec: serde_json::Value) -> Result<u64, ClientError> {
-        let response: SubmitResponse = self.post("/v1/jobs", &SubmitRequest { spec }, None).await?;
+        self.submit_with(spec, false).await
+    }
+
+    /// [`Client::submit`]; `allow_pending` queues a job no registered node
+    /// could ever hold instead of having it refused.
+    pub async fn submit_with(
+        &self,
+        spec: serde_json::Value,
+        allow_pending: bool,
+    ) -> Result<u64, ClientError> {
+        let request = SubmitRequest {
+            spec,
+            allow_pending,
+        };
+        let response: SubmitResponse = self.post("/v1/jobs", &request, None).await?;
         Ok(response.id)
     }
 

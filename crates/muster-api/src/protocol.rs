@@ -47,6 +47,10 @@ pub struct ErrorBody {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SubmitRequest {
     pub spec: serde_json::Value,
+    /// Queue it even if no registered node could ever hold it (for nodes
+    /// still to come); without it such a job is refused.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_pending: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

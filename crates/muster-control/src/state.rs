@@ -593,6 +593,90 @@ impl ControlPlane {
             .collect()
     }
 
+    /// Why no registered node could ever hold a job of `spec` (each node
+    /// taken as ready, uncordoned, healthy and empty), in words naming the
+    /// largest node; `None` when enough could, or when the cluster has no
+    /// nodes yet (jobs queue for the nodes to come). The engine's own rule
+    /// ([`muster_sched::nodes_that_could_ever_hold`]), applied to one node
+    /// of each distinct shape.
+    pub fn never_fits(&self, spec: &JobSpec) -> Option<String> {
+        if self.nodes.is_empty() {
+            return None;
+        }
+        // Nodes alike (pool, CPU, memory, GPUs) answer alike: one of each.
+        let mut shapes: BTreeMap<_, (usize, &Node)> = BTreeMap::new();
+        for node in self.nodes.values() {
+            let gpus: Vec<_> = node
+                .spec
+                .gpus
+                .iter()
+                .map(|g| (&g.model, g.memory, g.nvlink_domain))
+                .collect();
+            let key = (&node.spec.pool, node.spec.cpu, node.spec.memory, gpus);
+            shapes.entry(key).or_insert((0, node)).0 += 1;
+        }
+        let mut count: BTreeMap<&NodeName, usize> = BTreeMap::new();
+        let inputs: Vec<NodeInput> = shapes
+            .values()
+            .map(|(many, node)| {
+                count.insert(&node.spec.name, *many);
+                NodeInput::schedulable(node.spec.clone())
+            })
+            .collect();
+        let request = TaskRequest::of(spec);
+        let holding: usize = muster_sched::nodes_that_could_ever_hold(&inputs, &request)
+            .iter()
+            .map(|name| count.get(name).copied().unwrap_or(0))
+            .sum();
+        if holding >= spec.nodes as usize {
+            return None;
+        }
+        let largest = self
+            .nodes
+            .values()
+            .max_by_key(|n| (n.spec.gpus.len(), n.spec.cpu, n.spec.memory))?;
+        let models: BTreeSet<&str> = largest.spec.gpus.iter().map(|g| g.model.as_str()).collect();
+        let gpus = if models.is_empty() {
+            "no GPUs".to_string()
+        } else {
+            format!(
+                "{} GPUs ({})",
+                largest.spec.gpus.len(),
+                models.into_iter().collect::<Vec<_>>().join(", ")
+            )
+        };
+        let asks = format!(
+            "{} node(s) x {} GPU(s){}, {} CPU(s), {} MiB of memory",
+            spec.nodes,
+            f64::from(spec.gpus_per_node.total().0) / 1000.0,
+            if spec.gpu_models.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " of {}",
+                    spec.gpu_models
+                        .iter()
+                        .map(|m| m.as_str())
+                        .collect::<Vec<_>>()
+                        .join(" or ")
+                )
+            },
+            spec.cpu_per_node.0 as f64 / 1000.0,
+            spec.memory_per_node.0
+        );
+        Some(format!(
+            "no registered node can ever hold this job: it asks for {asks} per node, and \
+             {holding} of the {} nodes could hold a task; the largest node, {}, has {gpus}, \
+             {} CPU(s) and {} MiB (pool {}). Ask for less, or pass --allow-pending to queue it \
+             for nodes still to come",
+            self.nodes.len(),
+            largest.spec.name,
+            largest.spec.cpu.0 as f64 / 1000.0,
+            largest.spec.memory.0,
+            largest.spec.pool
+        ))
+    }
+
     /// A short code for why job `id` is pending (`None`: it is not):
     /// `dependency`, `unscheduled` (no cycle has looked at it yet), or the
     /// last cycle's reason's [`muster_sched::PendingReason::code`].

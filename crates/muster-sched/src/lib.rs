@@ -23,5 +23,6 @@ pub mod schedule;
 pub use fairshare::UsageLedger;
 pub use schedule::{
     Allocation, Backfill, JobStart, Outcome, PendingJob, PendingReason, Preemption,
-    PreemptionCause, Reservation, RunningJob, SchedulingPolicy, Snapshot, TaskRequest, schedule,
+    PreemptionCause, Reservation, RunningJob, SchedulingPolicy, Snapshot, TaskRequest,
+    nodes_that_could_ever_hold, schedule,
 };

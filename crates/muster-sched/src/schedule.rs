@@ -1070,6 +1070,23 @@ fn filter_words(filters: &FilterCounts) -> String {
     }
 }
 
+/// The nodes of `nodes` that could hold one task of `request` if each were
+/// ready, uncordoned, healthy and empty (a node mixing GPU models is named
+/// once): the test a submission takes before it is queued; a job needs as
+/// many as it has tasks. Nodes the engine cannot take at all are left out.
+pub fn nodes_that_could_ever_hold(nodes: &[NodeInput], request: &TaskRequest) -> Vec<NodeName> {
+    let mut cluster = ClusterState::build(nodes);
+    let shape = request.shape(&mut cluster);
+    let mut names: Vec<NodeName> = Vec::new();
+    for node in 0..cluster.len() as NodeIndex {
+        let name = &cluster.nodes[node as usize].name;
+        if names.last() != Some(name) && cluster.could_ever_fit(node, &shape) {
+            names.push(name.clone());
+        }
+    }
+    names
+}
+
 impl PendingReason {
     /// A short code for the reason, for columns and scripts (the sentence
     /// is [`PendingReason`]'s `Display`): `quota`, `never-fits`,

@@ -378,7 +378,7 @@ async fn resolve_retired_dependencies(
     params(("x-muster-user" = Option<String>, Header, description = "the user the job runs for (default: admin)")),
     responses(
         (status = 201, description = "accepted and saved", body = SubmitResponse),
-        (status = 400, description = "invalid spec: every problem, one per line", body = ErrorBody),
+        (status = 400, description = "invalid spec: every problem, one per line; or no registered node could ever hold the job (unless `allow_pending`)", body = ErrorBody),
         (status = 413, description = "body over 1 MiB", body = ErrorBody),
         (status = 503, description = "not saved: the store failed (the server is read-only)", body = ErrorBody),
     ),
@@ -402,6 +402,11 @@ async fn submit_job(
     let mut spec = muster_api::parse_job_spec_value(&request.spec)
         .map_err(|errors| ApiError::invalid(errors.to_string()))?;
     resolve_retired_dependencies(&shared, &mut spec).await?;
+    if !request.allow_pending
+        && let Some(why) = shared.read().control().never_fits(&spec)
+    {
+        return Err(ApiError::invalid(why));
+    }
     let (_, durable, id) = shared.apply_with(
         |core: &mut Core| {
             let id = JobId(core.next_job);

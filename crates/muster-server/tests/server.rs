@@ -689,7 +689,26 @@ async fn a_restart_keeps_jobs_tokens_nodes_and_allocations() {
         }
         let mut never_fits = spec("never-fits", "default", 1);
         never_fits["gpu_models"] = json!(["A100-40GB"]);
-        let pending = api.submit(&admin, never_fits).await;
+        // Refused unless asked to wait for nodes still to come.
+        let (status, body) = api
+            .post("/v1/jobs", &admin, json!({ "spec": never_fits.clone() }))
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("no registered node can ever hold this job")),
+            "{body}"
+        );
+        let (status, body) = api
+            .post(
+                "/v1/jobs",
+                &admin,
+                json!({ "spec": never_fits, "allow_pending": true }),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        let pending = body["id"].as_u64().expect("an id");
         ids.push(pending);
         let placed = wait_for_desired(&api, &node_token, epoch, &[], 3).await;
         let (status, _) = api
@@ -1172,7 +1191,14 @@ async fn a_failed_commit_makes_the_server_read_only_and_nothing_unsaved_is_ackno
             let mut job = spec(&format!("j{i}"), "default", 1);
             job["gpu_models"] = json!(["A100-40GB"]);
             job["env"] = json!({ "PADDING": padding });
-            let (status, body) = api.post("/v1/jobs", &admin, json!({ "spec": job })).await;
+            // Kept pending (no node takes A100s) so the state only grows.
+            let (status, body) = api
+                .post(
+                    "/v1/jobs",
+                    &admin,
+                    json!({ "spec": job, "allow_pending": true }),
+                )
+                .await;
             if status == StatusCode::CREATED {
                 acknowledged.push(body["id"].as_u64().unwrap());
             } else {

@@ -255,6 +255,10 @@ pub struct RunArgs {
     /// is cancelled with that reason. Slurm's `afterok:12` works too.
     #[arg(long, value_name = "ID,...", value_delimiter = ',')]
     pub after: Vec<String>,
+    /// Queue the job even if no registered node could ever hold it (for
+    /// nodes still to come); without it such a job is refused at once.
+    #[arg(long)]
+    pub allow_pending: bool,
     /// The command and its arguments (after `--` when an argument of it
     /// starts with `-` before the command's name).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
@@ -653,7 +657,10 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
             .then(|| tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()))
             .transpose()
             .context("cannot catch Ctrl-C")?;
-        let id = client.submit(spec).await.map_err(anyhow::Error::from)?;
+        let id = client
+            .submit_with(spec, args.allow_pending)
+            .await
+            .map_err(anyhow::Error::from)?;
         if args.detach {
             if args.connection.json {
                 print_json(&serde_json::json!({ "id": id }))?;
@@ -742,6 +749,10 @@ pub struct SubmitArgs {
     /// is cancelled with that reason. Slurm's `afterok:12` works too.
     #[arg(long, value_name = "ID,...", value_delimiter = ',')]
     pub after: Vec<String>,
+    /// Queue the job even if no registered node could ever hold it (for
+    /// nodes still to come); without it such a job is refused at once.
+    #[arg(long)]
+    pub allow_pending: bool,
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -776,7 +787,7 @@ pub fn submit(args: SubmitArgs) -> Result<u8, Failure> {
     }
     let client = args.connection.client()?;
     let id = runtime()?
-        .block_on(client.submit(value))
+        .block_on(client.submit_with(value, args.allow_pending))
         .map_err(anyhow::Error::from)?;
     if args.connection.json {
         print_json(&serde_json::json!({ "id": id }))?;
@@ -1479,6 +1490,7 @@ mod tests {
             detach: false,
             time: None,
             after: Vec::new(),
+            allow_pending: false,
             export: "NONE".into(),
             command: command.iter().map(|s| s.to_string()).collect(),
             connection: Connection {

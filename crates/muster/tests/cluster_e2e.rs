@@ -477,10 +477,29 @@ fn a_server_with_three_agents_runs_a_gang() {
         }
     }
 
-    // A job larger than the cluster stays pending with a reason.
+    // A job larger than the cluster is refused at once, naming the largest
+    // node; with --allow-pending it is queued and stays pending, saying why.
+    let output = cli(&["run", "--nodes", "4", "--gpus", "4", "--", "true"]);
+    assert_eq!(output.status.code(), Some(6), "{output:?}");
+    let refusal = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        refusal.contains("no registered node can ever hold this job")
+            && refusal.contains("3 of the 3 nodes could hold a task")
+            && refusal.contains("--allow-pending"),
+        "{refusal}"
+    );
     let output = cli(&[
-        "run", "--detach", "--nodes", "4", "--gpus", "4", "--", "true",
+        "run",
+        "--detach",
+        "--allow-pending",
+        "--nodes",
+        "4",
+        "--gpus",
+        "4",
+        "--",
+        "true",
     ]);
+    assert!(output.status.success(), "{output:?}");
     let big = stdout(&output).trim().to_string();
     common::wait_until("a pending reason", Duration::from_secs(30), || {
         json(&cli(&["describe", &big, "--json"]))["pending_reason"].is_string()
