@@ -189,6 +189,7 @@ impl ControlPlane {
             }
         }
         control.waiting = control.waiting_from_jobs();
+        control.node_shapes = control.node_shapes_from_nodes();
         control.check_invariants().map_err(RestoreError)?;
         Ok(control)
     }

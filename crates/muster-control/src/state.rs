@@ -401,6 +401,9 @@ pub struct ControlPlane {
     /// (met: the dependent may start once nothing else holds it; not met:
     /// the dependent is cancelled) or the dependent leaves pending.
     pub(crate) waiting: BTreeSet<(JobId, JobId)>,
+    /// Registered nodes by shape ([`NodeShape`]): the submit-time check
+    /// ([`ControlPlane::never_fits`]) asks one node of each.
+    pub(crate) node_shapes: BTreeMap<NodeShape, BTreeSet<NodeName>>,
 }
 
 /// Notes a change; duplicates are removed once the input is handled
@@ -416,6 +419,28 @@ pub(crate) fn deadline_of(job: &Job) -> Option<Time> {
     let limit = job.spec.max_runtime?;
     let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
     Some(job.started?.plus_millis(limit_ms))
+}
+
+/// What decides whether a node could ever hold a task: its pool, CPU,
+/// memory and GPUs (model, memory, NVLink domain, in order). Nodes alike in
+/// these answer alike.
+pub(crate) type NodeShape = (
+    muster_model::PoolName,
+    muster_model::CpuMilli,
+    muster_model::MemoryMib,
+    Vec<(muster_model::GpuModel, muster_model::MemoryMib, u32)>,
+);
+
+pub(crate) fn node_shape(spec: &muster_model::NodeSpec) -> NodeShape {
+    (
+        spec.pool.clone(),
+        spec.cpu,
+        spec.memory,
+        spec.gpus
+            .iter()
+            .map(|g| (g.model.clone(), g.memory, g.nvlink_domain))
+            .collect(),
+    )
 }
 
 /// A dependency as specs write it: `12`, `any:12`, `notok:12`.
@@ -460,6 +485,7 @@ impl ControlPlane {
             excluded: BTreeMap::new(),
             deadlines: BTreeSet::new(),
             waiting: BTreeSet::new(),
+            node_shapes: BTreeMap::new(),
         }
     }
 
@@ -593,6 +619,27 @@ impl ControlPlane {
             .collect()
     }
 
+    fn forget_shape(&mut self, shape: NodeShape, name: &NodeName) {
+        if let Some(names) = self.node_shapes.get_mut(&shape) {
+            names.remove(name);
+            if names.is_empty() {
+                self.node_shapes.remove(&shape);
+            }
+        }
+    }
+
+    /// The index of node shapes as the nodes say it should be.
+    pub(crate) fn node_shapes_from_nodes(&self) -> BTreeMap<NodeShape, BTreeSet<NodeName>> {
+        let mut shapes: BTreeMap<NodeShape, BTreeSet<NodeName>> = BTreeMap::new();
+        for node in self.nodes.values() {
+            shapes
+                .entry(node_shape(&node.spec))
+                .or_default()
+                .insert(node.spec.name.clone());
+        }
+        shapes
+    }
+
     /// Why no registered node could ever hold a job of `spec` (each node
     /// taken as ready, uncordoned, healthy and empty), in words naming the
     /// largest node; `None` when enough could, or when the cluster has no
@@ -604,23 +651,14 @@ impl ControlPlane {
             return None;
         }
         // Nodes alike (pool, CPU, memory, GPUs) answer alike: one of each.
-        let mut shapes: BTreeMap<_, (usize, &Node)> = BTreeMap::new();
-        for node in self.nodes.values() {
-            let gpus: Vec<_> = node
-                .spec
-                .gpus
-                .iter()
-                .map(|g| (&g.model, g.memory, g.nvlink_domain))
-                .collect();
-            let key = (&node.spec.pool, node.spec.cpu, node.spec.memory, gpus);
-            shapes.entry(key).or_insert((0, node)).0 += 1;
-        }
         let mut count: BTreeMap<&NodeName, usize> = BTreeMap::new();
-        let inputs: Vec<NodeInput> = shapes
+        let inputs: Vec<NodeInput> = self
+            .node_shapes
             .values()
-            .map(|(many, node)| {
-                count.insert(&node.spec.name, *many);
-                NodeInput::schedulable(node.spec.clone())
+            .filter_map(|names| {
+                let node = self.nodes.get(names.first()?)?;
+                count.insert(&node.spec.name, names.len());
+                Some(NodeInput::schedulable(node.spec.clone()))
             })
             .collect();
         let request = TaskRequest::of(spec);
@@ -989,6 +1027,14 @@ impl ControlPlane {
                 let epoch = self.next_epoch;
                 self.next_epoch += 1;
                 self.heartbeat_sequences.remove(&name);
+                if let Some(old) = self.nodes.get(&name) {
+                    let old = node_shape(&old.spec);
+                    self.forget_shape(old, &name);
+                }
+                self.node_shapes
+                    .entry(node_shape(&spec))
+                    .or_default()
+                    .insert(name.clone());
                 self.nodes.insert(
                     name.clone(),
                     Node {
@@ -1084,7 +1130,9 @@ impl ControlPlane {
                     &format!("node {node} removed"),
                     &mut outputs,
                 );
-                self.nodes.remove(&node);
+                if let Some(removed) = self.nodes.remove(&node) {
+                    self.forget_shape(node_shape(&removed.spec), &node);
+                }
                 self.heartbeat_sequences.remove(&node);
                 self.excluded.remove(&node);
                 outputs.retain(|o| !matches!(o, Output::NodeChanged(n) if *n == node));
@@ -2088,6 +2136,9 @@ impl ControlPlane {
         }
         if self.waiting != self.waiting_from_jobs() {
             return Err("the index of dependencies is out of date".to_string());
+        }
+        if self.node_shapes != self.node_shapes_from_nodes() {
+            return Err("the index of node shapes is out of date".to_string());
         }
         for node in self.nodes.values() {
             if node.epoch >= self.next_epoch {
