@@ -111,8 +111,9 @@ pub struct JobView {
     /// Why it waits, in words (pending jobs only).
     pub pending_reason: Option<String>,
     /// Why it waits, as a short code (pending jobs only): `dependency`,
-    /// `capacity`, `quota`, `never-fits`, `rack`, `reservation`, `blocked`,
-    /// `unscheduled`.
+    /// `capacity`, `quota`, `never-fits`, `nodes-cordoned`, `nodes-lost`,
+    /// `nodes-unavailable` (only cordoned or lost nodes could hold it),
+    /// `rack`, `reservation`, `blocked`, `unscheduled`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_code: Option<String>,
     /// Its place in line among pending jobs (1 = next).

@@ -601,16 +601,27 @@ impl ClusterState {
     /// (pool, cordon, health, model, GPU memory, and whether the node could
     /// ever hold the task when empty).
     pub fn static_filter(&self, node: NodeIndex, shape: &TaskShape) -> Option<FilterReason> {
+        self.static_filter_with(node, shape, true)
+    }
+
+    /// [`ClusterState::static_filter`]; without `availability`, a cordoned
+    /// or lost node is taken as if it were back.
+    fn static_filter_with(
+        &self,
+        node: NodeIndex,
+        shape: &TaskShape,
+        availability: bool,
+    ) -> Option<FilterReason> {
         let info = &self.nodes[node as usize];
         if let Some(pool) = shape.pool
             && info.pool != pool
         {
             return Some(FilterReason::Pool);
         }
-        if info.cordoned {
+        if availability && info.cordoned {
             return Some(FilterReason::Cordoned);
         }
-        if !info.healthy {
+        if availability && !info.healthy {
             return Some(FilterReason::Unhealthy);
         }
         let gpus = shape.gpu_count();
@@ -645,7 +656,17 @@ impl ClusterState {
 
     /// Whether `shape` would fit `node` if nothing ran there.
     pub fn could_ever_fit(&self, node: NodeIndex, shape: &TaskShape) -> bool {
-        if self.static_filter(node, shape).is_some() {
+        self.could_fit_empty(node, shape, true)
+    }
+
+    /// Whether `shape` would fit `node` if nothing ran there and the node
+    /// were uncordoned and up (a lost node back).
+    pub fn could_fit_when_available(&self, node: NodeIndex, shape: &TaskShape) -> bool {
+        self.could_fit_empty(node, shape, false)
+    }
+
+    fn could_fit_empty(&self, node: NodeIndex, shape: &TaskShape, availability: bool) -> bool {
+        if self.static_filter_with(node, shape, availability).is_some() {
             return false;
         }
         let info = &self.nodes[node as usize];

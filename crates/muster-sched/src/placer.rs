@@ -180,6 +180,9 @@ pub struct FilterCounts {
     pub feasible: u32,
     /// Nodes the task would fit on if they were empty.
     pub could_ever_fit: u32,
+    /// Nodes the task would fit on if they were empty, uncordoned and up:
+    /// more than `could_ever_fit` when cordoned or lost nodes would do.
+    pub could_fit_when_available: u32,
 }
 
 impl FilterCounts {
@@ -639,12 +642,17 @@ impl Placer {
         let mut counts = FilterCounts::default();
         // Sub-nodes of one node are adjacent: count a real node once.
         let mut last_could = None;
+        let mut last_available = None;
         let mut last_feasible = None;
         for node in 0..self.cluster.len() as NodeIndex {
             let real = Some(self.cluster.nodes[node as usize].real);
             if last_could != real && self.cluster.could_ever_fit(node, shape) {
                 counts.could_ever_fit += 1;
                 last_could = real;
+            }
+            if last_available != real && self.cluster.could_fit_when_available(node, shape) {
+                counts.could_fit_when_available += 1;
+                last_available = real;
             }
             match self.cluster.filter(node, shape) {
                 Some(reason) => *counts.rejected.entry(reason).or_default() += 1,

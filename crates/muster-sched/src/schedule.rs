@@ -244,6 +244,8 @@ pub enum PendingReason {
     /// No node can ever hold a task as the cluster stands (wrong pool, model,
     /// too large, cordoned): counts per filter.
     NeverFits { filters: FilterCounts },
+    /// Only cordoned or lost nodes could hold it: it waits for them.
+    NodesUnavailable { filters: FilterCounts },
     /// Not enough free capacity now.
     NoCapacity {
         filters: FilterCounts,
@@ -690,7 +692,11 @@ impl Cycle<'_> {
             Err(gang) => {
                 let filters = self.placer.diagnose(&shape, &excluded);
                 let reason = if filters.never_fits(job.tasks) {
-                    PendingReason::NeverFits { filters }
+                    if filters.could_fit_when_available >= job.tasks {
+                        PendingReason::NodesUnavailable { filters }
+                    } else {
+                        PendingReason::NeverFits { filters }
+                    }
                 } else if excluded_nodes.is_some()
                     && filters.feasible + filters.reserved >= job.tasks
                     && filters.feasible < job.tasks
@@ -1090,6 +1096,7 @@ pub fn nodes_that_could_ever_hold(nodes: &[NodeInput], request: &TaskRequest) ->
 impl PendingReason {
     /// A short code for the reason, for columns and scripts (the sentence
     /// is [`PendingReason`]'s `Display`): `quota`, `never-fits`,
+    /// `nodes-cordoned`, `nodes-lost`, `nodes-unavailable` (both),
     /// `capacity`, `rack` (a gang that needs one rack finds none large
     /// enough), `reservation` (behind or holding one), `blocked` (behind a
     /// blocked job, backfill off).
@@ -1097,6 +1104,17 @@ impl PendingReason {
         match self {
             PendingReason::QuotaExceeded { .. } => "quota",
             PendingReason::NeverFits { .. } => "never-fits",
+            PendingReason::NodesUnavailable { filters } => {
+                let count = |reason| filters.rejected.get(&reason).copied().unwrap_or(0);
+                match (
+                    count(crate::FilterReason::Cordoned),
+                    count(crate::FilterReason::Unhealthy),
+                ) {
+                    (_, 0) => "nodes-cordoned",
+                    (0, _) => "nodes-lost",
+                    _ => "nodes-unavailable",
+                }
+            }
             PendingReason::NoCapacity {
                 gang: Some(GangFailure::NoRackLargeEnough { .. }),
                 ..
@@ -1133,6 +1151,15 @@ impl std::fmt::Display for PendingReason {
                  hold one task even when empty ({}); ask for fewer GPUs, CPUs or memory, \
                  another pool or GPU model, or fewer nodes",
                 filters.could_ever_fit,
+                filter_words(filters)
+            ),
+            PendingReason::NodesUnavailable { filters } => write!(
+                f,
+                "waiting for nodes to come back: only {} nodes could hold one task now, {} \
+                 once cordoned or lost nodes are back ({}); `muster uncordon` or the \
+                 nodes' agents bring them back",
+                filters.could_ever_fit,
+                filters.could_fit_when_available,
                 filter_words(filters)
             ),
             PendingReason::NoCapacity { filters, gang } => {

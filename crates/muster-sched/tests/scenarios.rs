@@ -68,9 +68,15 @@ mod filtering {
             .cpus(4)
             .build();
         let outcome = cycle(&snapshot(nodes), &[job], &SchedulingPolicy::default());
-        let PendingReason::NeverFits { filters } = reason(&outcome, 1) else {
-            panic!("expected never-fits, got {:?}", reason(&outcome, 1));
+        // The cordoned and the lost node would do once back: it waits for
+        // them, and says so.
+        let why = reason(&outcome, 1);
+        assert_eq!(why.code(), "nodes-unavailable");
+        assert!(why.to_string().starts_with("waiting for nodes to come back"), "{why}");
+        let PendingReason::NodesUnavailable { filters } = why else {
+            panic!("expected nodes-unavailable, got {why:?}");
         };
+        assert_eq!((filters.could_ever_fit, filters.could_fit_when_available), (0, 2));
         for filter in [
             FilterReason::Pool,
             FilterReason::Cordoned,
@@ -81,6 +87,24 @@ mod filtering {
         ] {
             assert_eq!(filters.rejected.get(&filter), Some(&1), "{filter:?}");
         }
+    }
+
+    #[test]
+    fn a_job_that_fits_only_cordoned_or_lost_nodes_says_which() {
+        let job = MakeJob::new(1).gpus(8).build();
+        let cordoned = vec![
+            MakeNode::new("a").cordoned().build(),
+            MakeNode::new("b").gpus(4, "H100-80GB").build(),
+        ];
+        let outcome = cycle(&snapshot(cordoned), &[job.clone()], &SchedulingPolicy::default());
+        assert_eq!(reason(&outcome, 1).code(), "nodes-cordoned");
+        let lost = vec![MakeNode::new("a").unhealthy().build()];
+        let outcome = cycle(&snapshot(lost), &[job.clone()], &SchedulingPolicy::default());
+        assert_eq!(reason(&outcome, 1).code(), "nodes-lost");
+        // Too large for any node, back or not: never fits.
+        let small = vec![MakeNode::new("a").gpus(4, "H100-80GB").cordoned().build()];
+        let outcome = cycle(&snapshot(small), &[job], &SchedulingPolicy::default());
+        assert_eq!(reason(&outcome, 1).code(), "never-fits");
     }
 
     #[test]
