@@ -72,11 +72,18 @@ mod filtering {
         // them, and says so.
         let why = reason(&outcome, 1);
         assert_eq!(why.code(), "nodes-unavailable");
-        assert!(why.to_string().starts_with("waiting for nodes to come back"), "{why}");
+        assert!(
+            why.to_string()
+                .starts_with("waiting for nodes to come back"),
+            "{why}"
+        );
         let PendingReason::NodesUnavailable { filters } = why else {
             panic!("expected nodes-unavailable, got {why:?}");
         };
-        assert_eq!((filters.could_ever_fit, filters.could_fit_when_available), (0, 2));
+        assert_eq!(
+            (filters.could_ever_fit, filters.could_fit_when_available),
+            (0, 2)
+        );
         for filter in [
             FilterReason::Pool,
             FilterReason::Cordoned,
@@ -96,10 +103,18 @@ mod filtering {
             MakeNode::new("a").cordoned().build(),
             MakeNode::new("b").gpus(4, "H100-80GB").build(),
         ];
-        let outcome = cycle(&snapshot(cordoned), &[job.clone()], &SchedulingPolicy::default());
+        let outcome = cycle(
+            &snapshot(cordoned),
+            std::slice::from_ref(&job),
+            &SchedulingPolicy::default(),
+        );
         assert_eq!(reason(&outcome, 1).code(), "nodes-cordoned");
         let lost = vec![MakeNode::new("a").unhealthy().build()];
-        let outcome = cycle(&snapshot(lost), &[job.clone()], &SchedulingPolicy::default());
+        let outcome = cycle(
+            &snapshot(lost),
+            std::slice::from_ref(&job),
+            &SchedulingPolicy::default(),
+        );
         assert_eq!(reason(&outcome, 1).code(), "nodes-lost");
         // Too large for any node, back or not: never fits.
         let small = vec![MakeNode::new("a").gpus(4, "H100-80GB").cordoned().build()];
