@@ -273,7 +273,7 @@ impl Placer {
         let mut profiles = ProfileCache::default();
         let fragmentation = if indexed {
             (0..cluster.len() as NodeIndex)
-                .map(|node| scorer.fragmentation_now_cached(&cluster, node, &mut profiles))
+                .map(|node| scorer.fragmentation_now(&cluster, node, &mut profiles))
                 .collect()
         } else {
             Vec::new()
@@ -336,7 +336,7 @@ impl Placer {
         }
         self.fragmentation[node as usize] =
             self.scorer
-                .fragmentation_now_cached(&self.cluster, node, &mut self.profiles);
+                .fragmentation_now(&self.cluster, node, &mut self.profiles);
         self.latest_change[node as usize] = self.changes.len() as u32;
         self.changes.push(node);
     }

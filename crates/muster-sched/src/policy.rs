@@ -372,19 +372,6 @@ impl ProfileCache {
         per_gpu: u16,
         pick: GpuPick,
     ) -> &GpuProfile {
-        let position = self.position(workload, free, node, per_gpu, pick);
-        &self.profiles[position as usize]
-    }
-
-    /// The position of the profile for `free` after `pick`, computed if new.
-    fn position(
-        &mut self,
-        workload: &TypicalWorkload,
-        free: &[u16],
-        node: &NodeStatic,
-        per_gpu: u16,
-        pick: GpuPick,
-    ) -> u32 {
         let mut buffer = [0u16; 64];
         let after = &mut buffer[..free.len().min(64)];
         after.copy_from_slice(&free[..after.len()]);
@@ -406,7 +393,7 @@ impl ProfileCache {
             }
         };
         if let Some(&position) = found {
-            return position;
+            return &self.profiles[position as usize];
         }
         if self.profiles.len() >= Self::LIMIT {
             self.packed.clear();
@@ -425,7 +412,7 @@ impl ProfileCache {
             }
         }
         self.profiles.push(profile);
-        position
+        &self.profiles[position as usize]
     }
 }
 
@@ -579,22 +566,9 @@ impl Scorer {
     }
 
     /// The node's fragmentation now, which every shape's FGD score starts
-    /// from (computed once per node change by the index).
-    pub fn fragmentation_now(&self, cluster: &ClusterState, node: NodeIndex) -> f64 {
-        if !self.policy.uses_fragmentation() {
-            return 0.0;
-        }
-        let free = &cluster.free[node as usize];
-        self.workload.fragmentation(
-            &cluster.nodes[node as usize],
-            &free.gpu,
-            free.cpu_milli,
-            free.memory_mib,
-        )
-    }
-
-    /// [`Scorer::fragmentation_now`], sharing GPU profiles through `cache`.
-    pub fn fragmentation_now_cached(
+    /// from (computed once per node change by the index), GPU profiles
+    /// shared through `cache`.
+    pub fn fragmentation_now(
         &self,
         cluster: &ClusterState,
         node: NodeIndex,
@@ -626,22 +600,6 @@ impl Scorer {
         let info = &cluster.nodes[node as usize];
         let free = &cluster.free[node as usize];
         Some(self.evaluate_fitting_from(info, free, shape, fragmentation_now, Some(cache)))
-    }
-
-    /// Scores `node` for `shape` given its current fragmentation.
-    pub fn evaluate_from(
-        &self,
-        cluster: &ClusterState,
-        node: NodeIndex,
-        shape: &TaskShape,
-        fragmentation_now: f64,
-    ) -> Option<Evaluation> {
-        if !cluster.fits(node, shape) {
-            return None;
-        }
-        let info = &cluster.nodes[node as usize];
-        let free = &cluster.free[node as usize];
-        Some(self.evaluate_fitting_from(info, free, shape, fragmentation_now, None))
     }
 
     /// Scores a node the task is known to fit.
