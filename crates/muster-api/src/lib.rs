@@ -54,6 +54,5 @@ pub use validate::{
     validate,
 };
 pub use wire::{
-    CheckpointSpec, CommandSpec, JobSpec, Quantity, RetrySpec, TopologySpec, dependency_text,
-    parse_dependency,
+    CheckpointSpec, CommandSpec, JobSpec, Quantity, RetrySpec, TopologySpec, parse_dependency,
 };

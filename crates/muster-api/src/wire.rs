@@ -216,17 +216,8 @@ impl From<&model::JobSpec> for JobSpec {
             topology: spec.topology.map(|topology| TopologySpec {
                 same_rack: Some(strength_name(topology.same_rack).to_string()),
             }),
-            after: spec.after.iter().map(dependency_text).collect(),
+            after: spec.after.iter().map(ToString::to_string).collect(),
         }
-    }
-}
-
-/// A dependency as written: `12` waits for job 12 to succeed, `any:12` for
-/// it to end, `notok:12` for it to fail.
-pub fn dependency_text(dependency: &model::Dependency) -> String {
-    match dependency.kind {
-        model::DependencyKind::Ok => dependency.job.0.to_string(),
-        kind => format!("{}:{}", kind.name(), dependency.job.0),
     }
 }
 

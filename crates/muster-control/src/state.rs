@@ -443,12 +443,30 @@ pub(crate) fn node_shape(spec: &muster_model::NodeSpec) -> NodeShape {
     )
 }
 
-/// A dependency as specs write it: `12`, `any:12`, `notok:12`.
-fn dependency_text(dependency: &muster_model::Dependency) -> String {
-    match dependency.kind {
-        muster_model::DependencyKind::Ok => dependency.job.0.to_string(),
-        kind => format!("{}:{}", kind.name(), dependency.job.0),
+/// Why `dependency` can never be met now that its job ended as `state`
+/// (`None`: it is met). For a submission naming a job that already ended.
+pub fn never_met(dependency: &muster_model::Dependency, state: JobState) -> Option<String> {
+    (!dependency.kind.met_by(state == JobState::Succeeded)).then(|| {
+        format!(
+            "after: job {} already {}, so this job would wait for it {} forever",
+            dependency.job,
+            state.name(),
+            dependency.kind.waiting_for()
+        )
+    })
+}
+
+/// A report from `node` must carry its current epoch: one from before it
+/// registered again is refused.
+fn check_epoch(node: &Node, epoch: u64) -> Result<(), ControlError> {
+    if node.epoch == epoch {
+        return Ok(());
     }
+    Err(ControlError::Conflict(format!(
+        "node {} registered again since (epoch {} is current, not {epoch}); register \
+         before sending reports",
+        node.spec.name, node.epoch
+    )))
 }
 
 /// Removes repeated outputs, keeping the first of each in order.
@@ -760,7 +778,7 @@ impl ControlPlane {
             first.kind.waiting_for(),
             spec.after
                 .iter()
-                .map(dependency_text)
+                .map(ToString::to_string)
                 .collect::<Vec<_>>()
                 .join(", ")
         ))
@@ -944,14 +962,8 @@ impl ControlPlane {
                     };
                     if !other.state.is_final() {
                         waits_for.push(dependency.job);
-                    } else if !dependency.kind.met_by(other.state == JobState::Succeeded) {
-                        return Err(ControlError::Invalid(format!(
-                            "after: job {} already {}, so this job would wait for it {} \
-                             forever",
-                            dependency.job,
-                            other.state.name(),
-                            dependency.kind.waiting_for()
-                        )));
+                    } else if let Some(why) = never_met(dependency, other.state) {
+                        return Err(ControlError::Invalid(why));
                     }
                 }
                 let pending_reason = self.waiting_reason(&spec, |job| waits_for.contains(&job));
@@ -1161,12 +1173,7 @@ impl ControlPlane {
             .nodes
             .get_mut(node)
             .ok_or_else(|| ControlError::NodeNotFound(node.clone()))?;
-        if entry.epoch != epoch {
-            return Err(ControlError::Conflict(format!(
-                "node {node} registered again since (epoch {} is current, not {epoch})",
-                entry.epoch
-            )));
-        }
+        check_epoch(entry, epoch)?;
         unhealthy.sort_unstable();
         unhealthy.dedup();
         unhealthy.retain(|&index| (index as usize) < entry.spec.gpus.len());
@@ -1419,13 +1426,7 @@ impl ControlPlane {
             .nodes
             .get(node)
             .ok_or_else(|| ControlError::NodeNotFound(node.clone()))?;
-        if entry.epoch != epoch {
-            return Err(ControlError::Conflict(format!(
-                "node {node} registered again since (epoch {} is current, not {epoch}); \
-                 register before sending heartbeats",
-                entry.epoch
-            )));
-        }
+        check_epoch(entry, epoch)?;
         if sequence == 0 {
             return Ok(true);
         }
@@ -1445,13 +1446,7 @@ impl ControlPlane {
             .nodes
             .get_mut(name)
             .ok_or_else(|| ControlError::NodeNotFound(name.clone()))?;
-        if node.epoch != epoch {
-            return Err(ControlError::Conflict(format!(
-                "node {name} registered again since (epoch {} is current, not {epoch}); \
-                 register before sending heartbeats",
-                node.epoch
-            )));
-        }
+        check_epoch(node, epoch)?;
         node.last_heartbeat = now;
         if node.state == NodeState::Lost {
             node.state = NodeState::Ready;
@@ -1678,8 +1673,13 @@ impl ControlPlane {
         }
         // Sized once: growing a vector of 100,000 jobs by doubling touches
         // (and faults in) twice the memory.
+        let pending_jobs = self
+            .jobs
+            .values()
+            .filter(|job| job.state == JobState::Pending)
+            .count();
+        let mut pending = Vec::with_capacity(pending_jobs);
         let held = |job: &&Job| job.state == JobState::Pending && !self.is_waiting(job);
-        let mut pending = Vec::with_capacity(self.jobs.values().filter(held).count());
         pending.extend(self.jobs.values().filter(held).map(|job| {
             PendingJob {
                 id: job.id,

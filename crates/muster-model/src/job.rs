@@ -208,6 +208,17 @@ pub struct Dependency {
     pub kind: DependencyKind,
 }
 
+impl std::fmt::Display for Dependency {
+    /// As specs and the command line write it: `12` (to succeed), `any:12`,
+    /// `notok:12`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.kind {
+            DependencyKind::Ok => write!(f, "{}", self.job.0),
+            kind => write!(f, "{}:{}", kind.name(), self.job.0),
+        }
+    }
+}
+
 /// Most dependencies one job may have.
 pub const MAX_DEPENDENCIES: usize = 64;
 

@@ -355,16 +355,8 @@ async fn resolve_retired_dependencies(
                 )));
             }
         };
-        if !dependency
-            .kind
-            .met_by(job.state == muster_control::JobState::Succeeded)
-        {
-            return Err(ApiError::invalid(format!(
-                "after: job {} {}, so this job would wait for it {} forever",
-                dependency.job,
-                job.state.name(),
-                dependency.kind.waiting_for()
-            )));
+        if let Some(why) = muster_control::never_met(&dependency, job.state) {
+            return Err(ApiError::invalid(why));
         }
         spec.after.retain(|d| d.job != dependency.job);
     }

@@ -52,12 +52,7 @@ pub fn job_view<'a>(
             .map(|(rank, _)| rank),
         attempts: job.attempts,
         command: job.spec.command.clone(),
-        after: job
-            .spec
-            .after
-            .iter()
-            .map(muster_api::dependency_text)
-            .collect(),
+        after: job.spec.after.iter().map(ToString::to_string).collect(),
         tasks,
         pending_reason: if job.state == JobState::Pending {
             Some(
