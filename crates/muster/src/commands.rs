@@ -249,16 +249,8 @@ pub struct RunArgs {
     /// (`muster run` then exits 124).
     #[arg(long, value_name = "DURATION")]
     pub time: Option<String>,
-    /// Start only after these jobs end: `12` (after it succeeds), `any:12`
-    /// (after it ends, however), `notok:12` (after it fails); a comma list
-    /// or the flag again. If one cannot be met (e.g. job 12 fails), this job
-    /// is cancelled with that reason. Slurm's `afterok:12` works too.
-    #[arg(long, value_name = "ID,...", value_delimiter = ',')]
-    pub after: Vec<String>,
-    /// Queue the job even if no registered node could ever hold it (for
-    /// nodes still to come); without it such a job is refused at once.
-    #[arg(long)]
-    pub allow_pending: bool,
+    #[command(flatten)]
+    pub waiting: WaitingArgs,
     /// The command and its arguments (after `--` when an argument of it
     /// starts with `-` before the command's name).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
@@ -327,8 +319,8 @@ fn run_spec(args: &RunArgs) -> Result<serde_json::Value> {
     if let Some(time) = &args.time {
         spec["max_runtime"] = time.clone().into();
     }
-    if !args.after.is_empty() {
-        spec["after"] = args.after.clone().into();
+    if !args.waiting.after.is_empty() {
+        spec["after"] = args.waiting.after.clone().into();
     }
     if !args.gpu_models.is_empty() {
         spec["gpu_models"] = args.gpu_models.clone().into();
@@ -658,7 +650,7 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
             .transpose()
             .context("cannot catch Ctrl-C")?;
         let id = client
-            .submit_with(spec, args.allow_pending)
+            .submit_with(spec, args.waiting.allow_pending)
             .await
             .map_err(anyhow::Error::from)?;
         if args.detach {
@@ -736,13 +728,9 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
     .map_err(Failure::from)
 }
 
-#[derive(Debug, Args)]
-pub struct SubmitArgs {
-    /// The job spec (YAML; see docs/job-spec.md), `-` for standard input.
-    pub file: PathBuf,
-    /// A time limit (e.g. 30m, 2h), replacing the spec's `max_runtime`.
-    #[arg(long, value_name = "DURATION")]
-    pub time: Option<String>,
+/// What a submitted job may wait for: `run` and `submit` take them alike.
+#[derive(Debug, Args, Default)]
+pub struct WaitingArgs {
     /// Start only after these jobs end: `12` (after it succeeds), `any:12`
     /// (after it ends, however), `notok:12` (after it fails); a comma list
     /// or the flag again. If one cannot be met (e.g. job 12 fails), this job
@@ -753,6 +741,17 @@ pub struct SubmitArgs {
     /// nodes still to come); without it such a job is refused at once.
     #[arg(long)]
     pub allow_pending: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    /// The job spec (YAML; see docs/job-spec.md), `-` for standard input.
+    pub file: PathBuf,
+    /// A time limit (e.g. 30m, 2h), replacing the spec's `max_runtime`.
+    #[arg(long, value_name = "DURATION")]
+    pub time: Option<String>,
+    #[command(flatten)]
+    pub waiting: WaitingArgs,
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -776,10 +775,10 @@ pub fn submit(args: SubmitArgs) -> Result<u8, Failure> {
     if let Some(time) = &args.time {
         value["max_runtime"] = time.clone().into();
     }
-    if !args.after.is_empty() {
-        value["after"] = args.after.clone().into();
+    if !args.waiting.after.is_empty() {
+        value["after"] = args.waiting.after.clone().into();
     }
-    if args.time.is_some() || !args.after.is_empty() {
+    if args.time.is_some() || !args.waiting.after.is_empty() {
         muster_api::parse_job_spec_value(&value).map_err(|errors| Failure {
             code: exit::INVALID,
             error: anyhow!("invalid option:\n{errors}"),
@@ -787,7 +786,7 @@ pub fn submit(args: SubmitArgs) -> Result<u8, Failure> {
     }
     let client = args.connection.client()?;
     let id = runtime()?
-        .block_on(client.submit_with(value, args.allow_pending))
+        .block_on(client.submit_with(value, args.waiting.allow_pending))
         .map_err(anyhow::Error::from)?;
     if args.connection.json {
         print_json(&serde_json::json!({ "id": id }))?;
@@ -1489,8 +1488,7 @@ mod tests {
             env: vec!["A=1".into()],
             detach: false,
             time: None,
-            after: Vec::new(),
-            allow_pending: false,
+            waiting: WaitingArgs::default(),
             export: "NONE".into(),
             command: command.iter().map(|s| s.to_string()).collect(),
             connection: Connection {
