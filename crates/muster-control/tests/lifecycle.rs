@@ -53,16 +53,21 @@ impl World {
     }
 
     fn cycle(&mut self) {
+        let outcome = self.outcome();
+        self.control.apply_outcome(self.now, &outcome);
+        self.control.check_invariants().expect("invariants hold");
+    }
+
+    /// What a scheduling cycle would decide now, not yet applied.
+    fn outcome(&self) -> muster_sched::Outcome {
         let (snapshot, pending) = self.control.scheduling_input(self.now);
-        let outcome = schedule(
+        schedule(
             &snapshot,
             &pending,
             &SchedulingPolicy::default(),
             &mut ChaCha8Rng::seed_from_u64(1),
         )
-        .expect("valid cluster");
-        self.control.apply_outcome(self.now, &outcome);
-        self.control.check_invariants().expect("invariants hold");
+        .expect("valid cluster")
     }
 
     fn desired(&self, node: &str) -> Vec<DesiredTask> {
@@ -200,14 +205,7 @@ fn the_contract_environment_wins_over_a_job_variable_of_the_same_name() {
 fn a_start_on_a_node_cordoned_after_the_snapshot_is_not_applied() {
     let mut world = World::new(&["a"]);
     world.submit(1, 1, 4);
-    let (snapshot, pending) = world.control.scheduling_input(world.now);
-    let outcome = schedule(
-        &snapshot,
-        &pending,
-        &SchedulingPolicy::default(),
-        &mut ChaCha8Rng::seed_from_u64(1),
-    )
-    .expect("present");
+    let outcome = world.outcome();
     assert_eq!(outcome.started.len(), 1);
     world.step(Input::Cordon {
         node: NodeName::from("a"),
@@ -417,14 +415,7 @@ fn a_task_killed_at_its_memory_limit_fails_its_job_saying_so() {
 fn a_start_on_a_gpu_that_went_bad_after_the_snapshot_is_not_applied() {
     let mut world = World::new(&["a"]);
     world.submit(1, 1, 4);
-    let (snapshot, pending) = world.control.scheduling_input(world.now);
-    let outcome = schedule(
-        &snapshot,
-        &pending,
-        &SchedulingPolicy::default(),
-        &mut ChaCha8Rng::seed_from_u64(1),
-    )
-    .expect("present");
+    let outcome = world.outcome();
     assert_eq!(outcome.started.len(), 1);
     // Between the snapshot and applying the outcome, GPU 2 fails.
     world.step(Input::GpuHealth {

@@ -519,19 +519,7 @@ fn a_restarted_agent_fences_adopted_tasks_that_would_outlive_the_old_lease() {
     );
     assert_eq!(core.tasks().count(), 2);
     // Within the lease, the adopted task keeps running and is reported.
-    let lease = LeaseRecord {
-        last_renewal_ms: 500,
-        lease_ms: LEASE_MS,
-    };
-    let adopted = vec![AdoptedTask {
-        task: id(4, 4),
-        job: Some(4),
-        gpus: Some(vec![0]),
-        stop_signal: Signal::Term,
-        grace_period_ms: 20_000,
-        exit: None,
-    }];
-    let mut node = Node::with(Some(lease), adopted);
+    let mut node = adopted_within_lease(None);
     assert!(stops(&node.first).is_empty());
     let outputs = node.registered();
     let Some(Output::SendHeartbeat { observed, .. }) = heartbeat(&outputs) else {
@@ -548,19 +536,7 @@ fn a_restarted_agent_fences_adopted_tasks_that_would_outlive_the_old_lease() {
 fn a_task_gone_without_a_record_is_reported_as_the_node_s_failure_not_the_task_s() {
     // Its host restarted: the runtime's record names the task, but no
     // process and no exit record are left.
-    let lease = LeaseRecord {
-        last_renewal_ms: 500,
-        lease_ms: LEASE_MS,
-    };
-    let adopted = vec![AdoptedTask {
-        task: id(4, 4),
-        job: Some(4),
-        gpus: Some(vec![0]),
-        stop_signal: Signal::Term,
-        grace_period_ms: 20_000,
-        exit: Some(TaskExit::Vanished),
-    }];
-    let mut node = Node::with(Some(lease), adopted);
+    let mut node = adopted_within_lease(Some(TaskExit::Vanished));
     let outputs = node.registered();
     let Some(Output::SendHeartbeat { observed, .. }) = heartbeat(&outputs) else {
         panic!("{outputs:?}");
@@ -942,4 +918,22 @@ proptest! {
             prop_assert!(core.next_wake_ms() > now);
         }
     }
+}
+
+/// A node restarted within its lease (renewed at 500 ms) that finds job 4's
+/// task on GPU 0 again, ended as `exit` says (`None`: still running).
+fn adopted_within_lease(exit: Option<TaskExit>) -> Node {
+    let lease = LeaseRecord {
+        last_renewal_ms: 500,
+        lease_ms: LEASE_MS,
+    };
+    let adopted = vec![AdoptedTask {
+        task: id(4, 4),
+        job: Some(4),
+        gpus: Some(vec![0]),
+        stop_signal: Signal::Term,
+        grace_period_ms: 20_000,
+        exit,
+    }];
+    Node::with(Some(lease), adopted)
 }
