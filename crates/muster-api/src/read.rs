@@ -32,6 +32,8 @@ pub(crate) const JOB_FIELDS: &[&str] = &[
     "retry",
     "topology",
     "after",
+    "array",
+    "slurm_env",
 ];
 pub(crate) const CHECKPOINT_FIELDS: &[&str] = &["signal", "grace_period", "interval"];
 pub(crate) const RETRY_FIELDS: &[&str] = &["max_attempts", "on_node_failure", "on_exit_failure"];
@@ -375,6 +377,12 @@ impl Reader {
                     same_rack: self.string(section, "same_rack", "topology.same_rack"),
                 }),
             after: self.after(map),
+            array: given(map, "array").and_then(|value| {
+                scalar_text(value)
+                    .map_err(|message| self.fail("array", "array".to_string(), message))
+                    .ok()
+            }),
+            slurm_env: self.boolean(map, "slurm_env", "slurm_env"),
         }
     }
 

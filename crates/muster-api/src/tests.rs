@@ -72,6 +72,8 @@ retry:
 topology:
   same_rack: required
 after: [3, "any:4"]
+array: "0-7,10%2"
+slurm_env: true
 "#;
 
 fn full_spec() -> model::JobSpec {
@@ -131,6 +133,11 @@ fn full_spec() -> model::JobSpec {
                 kind: model::DependencyKind::Any,
             },
         ],
+        array: Some(model::ArraySpec {
+            indices: vec![0, 1, 2, 3, 4, 5, 6, 7, 10],
+            limit: Some(2),
+        }),
+        slurm_env: true,
     }
 }
 
@@ -545,7 +552,7 @@ fn unknown_fields_get_the_closest_name_at_every_level() {
     assert_eq!(
         errors("name: a\ncommand: [x]\nzzz: 1\n"),
         [
-            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, working_dir, image, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after"
+            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, working_dir, image, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env"
         ]
     );
     assert_eq!(

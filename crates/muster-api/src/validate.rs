@@ -181,6 +181,16 @@ impl Checker {
         let retry = self.retry(spec);
         let topology = self.topology(spec);
         let after = self.after(&spec.after);
+        let array = spec
+            .array
+            .as_ref()
+            .and_then(|text| match model::ArraySpec::parse(text) {
+                Ok(array) => Some(array),
+                Err(message) => {
+                    self.error("array", message);
+                    None
+                }
+            });
         model::JobSpec {
             name: spec.name.clone(),
             queue: model::QueueName(queue),
@@ -203,6 +213,8 @@ impl Checker {
             retry,
             topology,
             after,
+            array,
+            slurm_env: spec.slurm_env.unwrap_or(false),
         }
     }
 

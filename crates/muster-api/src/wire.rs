@@ -138,6 +138,12 @@ pub struct JobSpec {
     /// Jobs to wait for: `12` (to succeed), `"any:12"`, `"notok:12"`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub after: Vec<String>,
+    /// A job array: `"0-99%8"` (Slurm's notation).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub array: Option<String>,
+    /// Give tasks the `SLURM_*` variables too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slurm_env: Option<bool>,
 }
 
 impl JobSpec {
@@ -217,6 +223,8 @@ impl From<&model::JobSpec> for JobSpec {
                 same_rack: Some(strength_name(topology.same_rack).to_string()),
             }),
             after: spec.after.iter().map(ToString::to_string).collect(),
+            array: spec.array.as_ref().map(ToString::to_string),
+            slurm_env: spec.slurm_env.then_some(true),
         }
     }
 }

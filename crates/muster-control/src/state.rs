@@ -160,6 +160,8 @@ pub struct Job {
     /// From the last scheduling cycle, in words; and the place in line.
     pub pending_reason: Option<String>,
     pub queue_position: Option<u32>,
+    /// The array it is an element of, if any.
+    pub array: Option<muster_model::ArrayElement>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -404,6 +406,68 @@ pub struct ControlPlane {
     /// Registered nodes by shape ([`NodeShape`]): the submit-time check
     /// ([`ControlPlane::never_fits`]) asks one node of each.
     pub(crate) node_shapes: BTreeMap<NodeShape, BTreeSet<NodeName>>,
+}
+
+/// The `SLURM_*` variables a batch script reads, for rank `rank` of `job`
+/// starting on `tasks` (one task per node: a rank is a node). Static ones
+/// (`SLURM_SUBMIT_DIR`, `SLURM_NTASKS_PER_NODE`, `SLURM_CPUS_PER_TASK`) come
+/// from the job's own environment, as `muster sbatch` wrote them.
+fn slurm_variables(job: &Job, rank: usize, tasks: &[SchedAllocation]) -> Vec<(String, String)> {
+    let per_node: usize = job
+        .spec
+        .env
+        .get("SLURM_NTASKS_PER_NODE")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1);
+    let nodes: Vec<&str> = tasks.iter().map(|task| task.node.0.as_str()).collect();
+    let id = job.id.0.to_string();
+    let mut variables = vec![
+        ("SLURM_JOB_ID", id.clone()),
+        ("SLURM_JOBID", id),
+        ("SLURM_JOB_NAME", job.spec.name.clone()),
+        ("SLURM_PROCID", rank.to_string()),
+        ("SLURM_NODEID", rank.to_string()),
+        ("SLURM_LOCALID", "0".to_string()),
+        ("SLURM_NNODES", tasks.len().to_string()),
+        ("SLURM_JOB_NUM_NODES", tasks.len().to_string()),
+        ("SLURM_NTASKS", (tasks.len() * per_node).to_string()),
+        ("SLURM_NPROCS", (tasks.len() * per_node).to_string()),
+        ("SLURM_JOB_NODELIST", nodes.join(",")),
+        ("SLURM_NODELIST", nodes.join(",")),
+        (
+            "SLURMD_NODENAME",
+            nodes.get(rank).copied().unwrap_or("").to_string(),
+        ),
+        (
+            "SLURM_GPUS_ON_NODE",
+            job.spec.gpus_per_node.gpu_count().to_string(),
+        ),
+        (
+            "SLURM_CPUS_ON_NODE",
+            job.spec.cpu_per_node.0.div_ceil(1000).to_string(),
+        ),
+        ("SLURM_JOB_ACCOUNT", job.spec.queue.0.clone()),
+        ("SLURM_JOB_QOS", job.spec.priority_class.name.clone()),
+        ("SLURM_CLUSTER_NAME", "muster".to_string()),
+        ("SLURM_RESTART_COUNT", job.attempts.to_string()),
+    ];
+    if let Some(pool) = &job.spec.pool {
+        variables.push(("SLURM_JOB_PARTITION", pool.0.clone()));
+    }
+    if let Some(dir) = &job.spec.working_dir {
+        variables.push(("SLURM_SUBMIT_DIR", dir.clone()));
+    }
+    if let Some(array) = job.array {
+        variables.extend([
+            ("SLURM_ARRAY_JOB_ID", array.array.0.to_string()),
+            ("SLURM_ARRAY_TASK_ID", array.index.to_string()),
+            ("SLURM_ARRAY_TASK_COUNT", array.count.to_string()),
+        ]);
+    }
+    variables
+        .into_iter()
+        .map(|(key, value)| (key.to_string(), value))
+        .collect()
 }
 
 /// Notes a change; duplicates are removed once the input is handled
@@ -744,11 +808,32 @@ impl ControlPlane {
         if self.is_waiting(job) {
             return Some("dependency");
         }
+        if self.array_at_limit(job) {
+            return Some("array-limit");
+        }
         Some(
             self.last_reasons
                 .get(&id)
                 .map_or("unscheduled", muster_sched::PendingReason::code),
         )
+    }
+
+    /// Whether `job` is an element of an array with a limit that as many
+    /// elements as the limit allows are running (or stopping).
+    pub fn array_at_limit(&self, job: &Job) -> bool {
+        let Some(array) = job.array else {
+            return false;
+        };
+        let Some(limit) = array.limit else {
+            return false;
+        };
+        let last = JobId(array.array.0 + u64::from(array.count) - 1);
+        let active = self
+            .jobs
+            .range(array.array..=last)
+            .filter(|(_, element)| matches!(element.state, JobState::Running | JobState::Stopping))
+            .count();
+        active >= limit as usize
     }
 
     /// Whether `job` still waits for a dependency (one in the hot state
@@ -945,8 +1030,16 @@ impl ControlPlane {
         let mut outputs = Vec::new();
         match input {
             Input::Submit { id, spec, user } => {
-                if self.jobs.contains_key(&id) {
-                    return Err(ControlError::Conflict(format!("job {id} already exists")));
+                // An array's elements take ids `id`, `id + 1`, ... (the
+                // shell reserves them).
+                let count = spec.array.as_ref().map_or(1, |array| array.len() as u64);
+                if count == 0 {
+                    return Err(ControlError::Invalid("array: no indices".to_string()));
+                }
+                if let Some((&taken, _)) = self.jobs.range(id..JobId(id.0 + count)).next() {
+                    return Err(ControlError::Conflict(format!(
+                        "job {taken} already exists"
+                    )));
                 }
                 // Dependencies name jobs of the hot state (the shell looks
                 // older ones up in its store and keeps only those still to
@@ -967,30 +1060,61 @@ impl ControlPlane {
                     }
                 }
                 let pending_reason = self.waiting_reason(&spec, |job| waits_for.contains(&job));
-                for dependency in waits_for {
-                    self.waiting.insert((dependency, id));
+                let mut spec = spec;
+                let elements: Vec<(JobId, Option<muster_model::ArrayElement>)> =
+                    match spec.array.take() {
+                        None => vec![(id, None)],
+                        Some(array) => array
+                            .indices
+                            .iter()
+                            .enumerate()
+                            .map(|(position, &index)| {
+                                (
+                                    JobId(id.0 + position as u64),
+                                    Some(muster_model::ArrayElement {
+                                        array: id,
+                                        index,
+                                        count: count as u32,
+                                        limit: array.limit,
+                                    }),
+                                )
+                            })
+                            .collect(),
+                    };
+                for (element, array) in elements {
+                    for &dependency in &waits_for {
+                        self.waiting.insert((dependency, element));
+                    }
+                    let history = match array {
+                        None => "submitted".to_string(),
+                        Some(array) => format!(
+                            "submitted as element {} of array job {}",
+                            array.index, array.array
+                        ),
+                    };
+                    self.jobs.insert(
+                        element,
+                        Job {
+                            id: element,
+                            spec: spec.clone(),
+                            user: user.clone(),
+                            submitted: now,
+                            state: JobState::Pending,
+                            stop_cause: None,
+                            attempts: 0,
+                            exit_code: None,
+                            first_failure: None,
+                            started: None,
+                            finished: None,
+                            allocations: Vec::new(),
+                            history: vec![(now, history)],
+                            pending_reason: pending_reason.clone(),
+                            queue_position: None,
+                            array,
+                        },
+                    );
+                    outputs.push(Output::JobChanged(element));
                 }
-                self.jobs.insert(
-                    id,
-                    Job {
-                        id,
-                        spec,
-                        user,
-                        submitted: now,
-                        state: JobState::Pending,
-                        stop_cause: None,
-                        attempts: 0,
-                        exit_code: None,
-                        first_failure: None,
-                        started: None,
-                        finished: None,
-                        allocations: Vec::new(),
-                        history: vec![(now, "submitted".to_string())],
-                        pending_reason,
-                        queue_position: None,
-                    },
-                );
-                outputs.push(Output::JobChanged(id));
             }
             Input::Cancel { job } => self.cancel(now, job, &mut outputs)?,
             Input::Register {
@@ -1633,6 +1757,10 @@ impl ControlPlane {
     /// A snapshot and the pending jobs, for one scheduling cycle.
     pub fn scheduling_input(&self, now: Time) -> (Snapshot, Vec<PendingJob>) {
         let mut running = Vec::new();
+        // Elements of arrays with a limit that hold resources, per array:
+        // an array at its limit offers no element this cycle, one below it
+        // only as many as it has room for (lowest ids first).
+        let mut array_active: BTreeMap<JobId, u32> = BTreeMap::new();
         for job in self.jobs.values() {
             if !matches!(job.state, JobState::Running | JobState::Stopping) {
                 continue;
@@ -1653,6 +1781,9 @@ impl ControlPlane {
                 continue;
             }
             let stopping = job.state == JobState::Stopping;
+            if let Some(array) = job.array.filter(|array| array.limit.is_some()) {
+                *array_active.entry(array.array).or_insert(0) += 1;
+            }
             running.push(RunningJob {
                 id: job.id,
                 queue: job.spec.queue.clone(),
@@ -1679,8 +1810,27 @@ impl ControlPlane {
             .filter(|job| job.state == JobState::Pending)
             .count();
         let mut pending = Vec::with_capacity(pending_jobs);
-        let held = |job: &&Job| job.state == JobState::Pending && !self.is_waiting(job);
-        pending.extend(self.jobs.values().filter(held).map(|job| {
+        let mut held = |job: &&Job| {
+            if job.state != JobState::Pending || self.is_waiting(job) {
+                return false;
+            }
+            match job.array {
+                Some(muster_model::ArrayElement {
+                    array,
+                    limit: Some(limit),
+                    ..
+                }) => {
+                    let active = array_active.entry(array).or_insert(0);
+                    if *active >= limit {
+                        return false;
+                    }
+                    *active += 1;
+                    true
+                }
+                _ => true,
+            }
+        };
+        pending.extend(self.jobs.values().filter(|job| held(job)).map(|job| {
             PendingJob {
                 id: job.id,
                 queue: job.spec.queue.clone(),
@@ -1928,6 +2078,16 @@ impl ControlPlane {
                     .iter()
                     .map(|(key, value)| ((*key).to_string(), (*value).clone())),
             );
+            if let Some(array) = job.array {
+                entries.extend([
+                    ("MUSTER_ARRAY_JOB_ID".to_string(), array.array.0.to_string()),
+                    ("MUSTER_ARRAY_INDEX".to_string(), array.index.to_string()),
+                    ("MUSTER_ARRAY_COUNT".to_string(), array.count.to_string()),
+                ]);
+            }
+            if job.spec.slurm_env {
+                entries.extend(slurm_variables(job, rank, tasks));
+            }
             let env: BTreeMap<String, String> = entries.into_iter().collect();
             let allocation = Allocation {
                 id: AllocationId(self.next_allocation),
@@ -2006,6 +2166,30 @@ impl ControlPlane {
 
     /// Recomputes derived state from scratch and checks every invariant.
     pub fn check_invariants(&self) -> Result<(), String> {
+        // No array runs more elements at once than its limit.
+        let mut active: BTreeMap<JobId, u32> = BTreeMap::new();
+        for job in self.jobs.values() {
+            if let Some(array) = job.array {
+                if job.id.0 < array.array.0 || job.id.0 >= array.array.0 + u64::from(array.count) {
+                    return Err(format!(
+                        "job {} is outside its array {} of {} elements",
+                        job.id, array.array, array.count
+                    ));
+                }
+                if let Some(limit) = array.limit
+                    && matches!(job.state, JobState::Running | JobState::Stopping)
+                {
+                    let count = active.entry(array.array).or_insert(0);
+                    *count += 1;
+                    if *count > limit {
+                        return Err(format!(
+                            "array {} runs more than its limit of {limit} elements",
+                            array.array
+                        ));
+                    }
+                }
+            }
+        }
         let mut used: BTreeMap<(&NodeName, u32), u32> = BTreeMap::new();
         let mut cpu: BTreeMap<&NodeName, u64> = BTreeMap::new();
         let mut memory: BTreeMap<&NodeName, u64> = BTreeMap::new();

@@ -979,3 +979,171 @@ mod dependencies {
         assert_eq!(world.state(3), JobState::Running);
     }
 }
+
+mod arrays {
+    use super::*;
+    use muster_control::ControlError;
+    use muster_model::ArraySpec;
+
+    fn submit_array(world: &mut World, id: u64, array: &str, slurm_env: bool) {
+        let mut spec = JobSpec::simple("shard", "default", GpuRequest::Whole(1), vec!["x".into()]);
+        spec.array = Some(ArraySpec::parse(array).expect("valid array"));
+        spec.slurm_env = slurm_env;
+        world.step(Input::Submit {
+            id: JobId(id),
+            spec,
+            user: "alice".into(),
+        });
+    }
+
+    fn running_ids(world: &World) -> Vec<u64> {
+        world
+            .control
+            .jobs()
+            .filter(|job| job.state == JobState::Running)
+            .map(|job| job.id.0)
+            .collect()
+    }
+
+    #[test]
+    fn elements_are_jobs_with_consecutive_ids_and_their_index() {
+        let mut world = World::new(&["a"]);
+        submit_array(&mut world, 10, "1,3,5-6", false);
+        let elements: Vec<(u64, u32)> = world
+            .control
+            .jobs()
+            .map(|job| (job.id.0, job.array.expect("an element").index))
+            .collect();
+        assert_eq!(elements, vec![(10, 1), (11, 3), (12, 5), (13, 6)]);
+        for job in world.control.jobs() {
+            let array = job.array.expect("an element");
+            assert_eq!(
+                (array.array, array.count, array.limit),
+                (JobId(10), 4, None)
+            );
+            // The element's spec is the job's, without the array.
+            assert_eq!(job.spec.array, None);
+        }
+        world.cycle();
+        assert_eq!(running_ids(&world), vec![10, 11, 12, 13]);
+        let task = world
+            .desired("a")
+            .into_iter()
+            .find(|t| t.job == JobId(12))
+            .expect("started");
+        assert_eq!(task.env["MUSTER_ARRAY_INDEX"], "5");
+        assert_eq!(task.env["MUSTER_ARRAY_JOB_ID"], "10");
+        assert_eq!(task.env["MUSTER_ARRAY_COUNT"], "4");
+        assert_eq!(task.env["MUSTER_JOB_ID"], "12");
+        // Slurm's variables only when asked for.
+        assert!(!task.env.contains_key("SLURM_ARRAY_TASK_ID"));
+        assert!(!task.env.contains_key("SLURM_JOB_ID"));
+    }
+
+    #[test]
+    fn an_array_overlapping_a_job_is_refused_whole() {
+        let mut world = World::new(&["a"]);
+        world.submit(5, 1, 1);
+        let mut spec = JobSpec::simple("shard", "default", GpuRequest::Whole(1), vec!["x".into()]);
+        spec.array = Some(ArraySpec::parse("0-9").expect("valid"));
+        let refused = world.control.handle(
+            world.now,
+            Input::Submit {
+                id: JobId(1),
+                spec,
+                user: "alice".into(),
+            },
+        );
+        assert!(
+            matches!(refused, Err(ControlError::Conflict(_))),
+            "{refused:?}"
+        );
+        assert_eq!(world.control.job_count(), 1);
+    }
+
+    #[test]
+    fn the_limit_caps_running_elements_lowest_first_until_all_end() {
+        // 4 GPUs, 10 one-GPU elements, at most 3 at once.
+        let mut world = World::new(&["a"]);
+        submit_array(&mut world, 1, "0-9%3", false);
+        world.cycle();
+        assert_eq!(running_ids(&world), vec![1, 2, 3]);
+        assert_eq!(world.control.pending_code(JobId(4)), Some("array-limit"));
+        // A later cycle with room on the node still starts none.
+        world.cycle();
+        assert_eq!(running_ids(&world), vec![1, 2, 3]);
+        let mut ended = 0;
+        let mut most = 0;
+        while ended < 10 {
+            let tasks = world.desired("a");
+            most = most.max(running_ids(&world).len());
+            // The first one running fails, the others wait: a failed
+            // element does not stop the array.
+            let task = tasks.first().expect("an element runs").clone();
+            let code = i32::from(task.job == JobId(2));
+            world.report("a", vec![exited(&task, code)]);
+            ended += 1;
+            world.cycle();
+        }
+        assert_eq!(most, 3);
+        assert_eq!(world.state(2), JobState::Failed);
+        assert!(
+            (1..=10)
+                .filter(|&id| id != 2)
+                .all(|id| world.state(id) == JobState::Succeeded)
+        );
+    }
+
+    #[test]
+    fn dependencies_hold_every_element_and_slurm_variables_are_set() {
+        let mut world = World::new(&["a", "b"]);
+        world.submit(1, 1, 4);
+        world.cycle();
+        let mut spec = JobSpec::simple("sweep", "default", GpuRequest::Whole(2), vec!["x".into()]);
+        spec.nodes = 2;
+        spec.array = Some(ArraySpec::parse("7-8").expect("valid"));
+        spec.slurm_env = true;
+        spec.working_dir = Some("/home/alice/run".into());
+        spec.env
+            .insert("SLURM_NTASKS_PER_NODE".to_string(), "4".to_string());
+        spec.after = vec![muster_model::Dependency {
+            job: JobId(1),
+            kind: muster_model::DependencyKind::Ok,
+        }];
+        world.step(Input::Submit {
+            id: JobId(2),
+            spec,
+            user: "alice".into(),
+        });
+        assert_eq!(world.control.pending_code(JobId(2)), Some("dependency"));
+        assert_eq!(world.control.pending_code(JobId(3)), Some("dependency"));
+        let holder = ["a", "b"]
+            .into_iter()
+            .find(|n| !world.desired(n).is_empty())
+            .expect("job 1 runs somewhere");
+        let task = world.desired(holder).remove(0);
+        world.report(holder, vec![exited(&task, 0)]);
+        world.cycle();
+        // Both elements (2 nodes x 2 GPUs each) now run.
+        assert_eq!(running_ids(&world), vec![2, 3]);
+        let rank1 = world
+            .desired("a")
+            .into_iter()
+            .chain(world.desired("b"))
+            .find(|t| t.job == JobId(3) && t.env["MUSTER_NODE_RANK"] == "1")
+            .expect("rank 1 of element 8");
+        let env = &rank1.env;
+        assert_eq!(env["SLURM_JOB_ID"], "3");
+        assert_eq!(env["SLURM_PROCID"], "1");
+        assert_eq!(env["SLURM_NODEID"], "1");
+        assert_eq!(env["SLURM_NNODES"], "2");
+        assert_eq!(env["SLURM_NTASKS"], "8");
+        assert_eq!(env["SLURM_ARRAY_TASK_ID"], "8");
+        assert_eq!(env["SLURM_ARRAY_JOB_ID"], "2");
+        assert_eq!(env["SLURM_SUBMIT_DIR"], "/home/alice/run");
+        assert_eq!(env["SLURM_GPUS_ON_NODE"], "2");
+        let nodes: Vec<&str> = env["SLURM_JOB_NODELIST"].split(',').collect();
+        assert_eq!(nodes.len(), 2);
+        assert_eq!(env["SLURMD_NODENAME"], nodes[1]);
+    }
+}

@@ -27,6 +27,8 @@ enum Step {
         /// Wait for the job this many submissions back, of this kind
         /// (0 ok, 1 any, 2 notok).
         after: Option<(u64, u8)>,
+        /// Submit as an array of this many elements, at most 2 at once.
+        array: Option<u32>,
     },
     Cancel(u64),
     Register {
@@ -62,8 +64,8 @@ enum Step {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        3 => (1u32..=4, 1u32..=2, any::<bool>(), any::<bool>(), prop::option::of((1u64..4, 0u8..3)))
-            .prop_map(|(gpus, nodes, retry, limited, after)| Step::Submit { gpus, nodes, retry, limited, after }),
+        3 => (1u32..=4, 1u32..=2, any::<bool>(), any::<bool>(), prop::option::of((1u64..4, 0u8..3)), prop::option::weighted(0.2, 2u32..=5))
+            .prop_map(|(gpus, nodes, retry, limited, after, array)| Step::Submit { gpus, nodes, retry, limited, after, array }),
         1 => (1u64..12).prop_map(Step::Cancel),
         2 => (0..NODES.len(), 1u32..=4, any::<bool>())
             .prop_map(|(node, gpus, mixed)| Step::Register { node, gpus, mixed }),
@@ -132,6 +134,7 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                 retry,
                 limited,
                 after,
+                array,
             } => {
                 let mut job =
                     JobSpec::simple("job", "default", GpuRequest::Whole(*gpus), vec!["x".into()]);
@@ -152,8 +155,14 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                 if *limited {
                     job.max_runtime = Some(std::time::Duration::from_secs(6));
                 }
+                if let Some(count) = array {
+                    job.array = Some(
+                        muster_model::ArraySpec::parse(&format!("0-{}%2", count - 1))
+                            .expect("a valid array"),
+                    );
+                }
                 let id = JobId(next_job);
-                next_job += 1;
+                next_job += u64::from(array.unwrap_or(1));
                 control
                     .handle(
                         now,

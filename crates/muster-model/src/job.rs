@@ -222,6 +222,148 @@ impl std::fmt::Display for Dependency {
 /// Most dependencies one job may have.
 pub const MAX_DEPENDENCIES: usize = 64;
 
+/// Most elements one job array may have.
+pub const MAX_ARRAY_ELEMENTS: usize = 10_000;
+/// The largest index an array element may have.
+pub const MAX_ARRAY_INDEX: u32 = 4_000_000;
+
+/// A job array as submitted (Slurm's `--array`): one element per index, each
+/// a job of its own with `MUSTER_ARRAY_INDEX` set; `limit` (`%8`) caps how
+/// many run at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArraySpec {
+    /// Sorted, each once, at most [`MAX_ARRAY_ELEMENTS`].
+    pub indices: Vec<u32>,
+    pub limit: Option<u32>,
+}
+
+impl ArraySpec {
+    /// Reads Slurm's notation: `0-99`, `1,3,5-7`, `0-15:4` (a step), each
+    /// optionally followed by `%N` (at most N running at once).
+    pub fn parse(text: &str) -> Result<ArraySpec, String> {
+        const FORM: &str = "expected indices like 0-99, 1,3,5-7 or 0-15:4, optionally followed \
+                            by %N to run at most N at once (e.g. 0-99%8)";
+        let text = text.trim();
+        let (list, limit) = match text.split_once('%') {
+            None => (text, None),
+            Some((list, limit)) => match limit.trim().parse::<u32>() {
+                Ok(limit) if limit > 0 => (list, Some(limit)),
+                _ => {
+                    return Err(format!(
+                        "the limit after % must be a whole number of at least 1, got {:?}",
+                        limit.trim()
+                    ));
+                }
+            },
+        };
+        let number = |part: &str| -> Result<u32, String> {
+            let part = part.trim();
+            let value: u32 = part
+                .parse()
+                .map_err(|_| format!("{part:?} is not an index; {FORM}"))?;
+            if value > MAX_ARRAY_INDEX {
+                return Err(format!(
+                    "index {value} is over the largest allowed, {MAX_ARRAY_INDEX}"
+                ));
+            }
+            Ok(value)
+        };
+        let mut indices: Vec<u32> = Vec::new();
+        if list.trim().is_empty() {
+            return Err(format!("no indices; {FORM}"));
+        }
+        for item in list.split(',') {
+            let (range, step) = match item.split_once(':') {
+                None => (item, 1),
+                Some((range, step)) => match step.trim().parse::<u32>() {
+                    Ok(step) if step > 0 => (range, step),
+                    _ => {
+                        return Err(format!(
+                            "the step after : must be a whole number of at least 1, got {:?}",
+                            step.trim()
+                        ));
+                    }
+                },
+            };
+            let (first, last) = match range.split_once('-') {
+                None => {
+                    let value = number(range)?;
+                    (value, value)
+                }
+                Some((first, last)) => (number(first)?, number(last)?),
+            };
+            if first > last {
+                return Err(format!(
+                    "range {}-{} goes backwards; write the smaller index first",
+                    first, last
+                ));
+            }
+            let count = (last - first) / step + 1;
+            if indices.len() + count as usize > MAX_ARRAY_ELEMENTS {
+                return Err(format!(
+                    "an array has at most {MAX_ARRAY_ELEMENTS} elements; {text:?} has more"
+                ));
+            }
+            indices.extend((first..=last).step_by(step as usize));
+        }
+        indices.sort_unstable();
+        indices.dedup();
+        Ok(ArraySpec { indices, limit })
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.indices.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.indices.is_empty()
+    }
+}
+
+impl fmt::Display for ArraySpec {
+    /// Compactly, as [`ArraySpec::parse`] reads it: runs of consecutive
+    /// indices as ranges (`0-99%8`, `1,3,5-7`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut position = 0;
+        let mut first = true;
+        while position < self.indices.len() {
+            let start = self.indices[position];
+            let mut end = position;
+            while end + 1 < self.indices.len() && self.indices[end + 1] == self.indices[end] + 1 {
+                end += 1;
+            }
+            if !first {
+                f.write_str(",")?;
+            }
+            first = false;
+            if end == position {
+                write!(f, "{start}")?;
+            } else {
+                write!(f, "{start}-{}", self.indices[end])?;
+            }
+            position = end + 1;
+        }
+        if let Some(limit) = self.limit {
+            write!(f, "%{limit}")?;
+        }
+        Ok(())
+    }
+}
+
+/// What makes a job an element of an array: the array's id (its first
+/// element's; the elements have consecutive ids), its index, and the
+/// array's size and limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ArrayElement {
+    pub array: JobId,
+    pub index: u32,
+    /// Elements in the array: they are jobs `array` to `array + count - 1`.
+    pub count: u32,
+    /// At most this many run at once.
+    pub limit: Option<u32>,
+}
+
 /// A validated job spec. Built by `muster-api` from YAML or JSON; every field
 /// here already satisfies its rules.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -251,6 +393,11 @@ pub struct JobSpec {
     pub topology: Option<TopologyConstraint>,
     /// Jobs that must end first (each once, at most [`MAX_DEPENDENCIES`]).
     pub after: Vec<Dependency>,
+    /// Submit as an array: one job per index.
+    pub array: Option<ArraySpec>,
+    /// Also give tasks the `SLURM_*` variables batch scripts read (what
+    /// `muster sbatch` submits).
+    pub slurm_env: bool,
 }
 
 impl JobSpec {
@@ -278,6 +425,8 @@ impl JobSpec {
             retry: RetryPolicy::default(),
             topology: None,
             after: Vec::new(),
+            array: None,
+            slurm_env: false,
         }
     }
 
@@ -296,5 +445,36 @@ mod tests {
         assert_eq!(Signal::parse("SIGUSR1"), Some(Signal::Usr1));
         assert_eq!(Signal::parse("term"), Some(Signal::Term));
         assert_eq!(Signal::parse("KILL"), None);
+    }
+
+    #[test]
+    fn arrays_read_slurm_notation_and_print_compactly() {
+        let array = ArraySpec::parse("0-99%8").expect("valid");
+        assert_eq!(array.len(), 100);
+        assert_eq!(array.limit, Some(8));
+        assert_eq!(array.to_string(), "0-99%8");
+        let array = ArraySpec::parse("7,1,3-5,3").expect("valid");
+        assert_eq!(array.indices, vec![1, 3, 4, 5, 7]);
+        assert_eq!(array.to_string(), "1,3-5,7");
+        let array = ArraySpec::parse("0-15:4").expect("valid");
+        assert_eq!(array.indices, vec![0, 4, 8, 12]);
+        assert_eq!(ArraySpec::parse(" 42 ").expect("valid").indices, vec![42]);
+        for (bad, says) in [
+            ("", "no indices"),
+            ("5-1", "backwards"),
+            ("0-9%0", "at least 1"),
+            ("0-9%x", "at least 1"),
+            ("0-9:0", "at least 1"),
+            ("a-3", "not an index"),
+            ("0-10000", "at most 10000 elements"),
+            ("4000001", "largest allowed"),
+            ("-3", "not an index"),
+        ] {
+            let error = ArraySpec::parse(bad).expect_err(bad);
+            assert!(error.contains(says), "{bad}: {error}");
+        }
+        // The bound holds before anything is built: a huge range is refused
+        // without allocating it.
+        assert!(ArraySpec::parse("0-4000000").is_err());
     }
 }

@@ -12,8 +12,9 @@ mod quantity;
 mod queue;
 
 pub use job::{
-    CheckpointPolicy, Dependency, DependencyKind, JobId, JobSpec, MAX_DEPENDENCIES, PriorityClass,
-    RetryPolicy, Signal, TopologyConstraint, TopologyStrength,
+    ArrayElement, ArraySpec, CheckpointPolicy, Dependency, DependencyKind, JobId, JobSpec,
+    MAX_ARRAY_ELEMENTS, MAX_ARRAY_INDEX, MAX_DEPENDENCIES, PriorityClass, RetryPolicy, Signal,
+    TopologyConstraint, TopologyStrength,
 };
 pub use node::{
     GpuModel, GpuSpec, MAX_GPU_TEXT_LENGTH, MAX_NODE_CPU_MILLI, MAX_NODE_GPUS, MAX_NODE_MEMORY_MIB,

@@ -47,6 +47,18 @@ pub struct JobRecord {
     pub history: Vec<(u64, String)>,
     pub pending_reason: Option<String>,
     pub queue_position: Option<u32>,
+    /// The array it is an element of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub array: Option<ArrayRecord>,
+}
+
+/// [`muster_model::ArrayElement`] as stored.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct ArrayRecord {
+    pub array: u64,
+    pub index: u32,
+    pub count: u32,
+    pub limit: Option<u32>,
 }
 
 fn stop_cause_name(cause: StopCause) -> &'static str {
@@ -89,6 +101,12 @@ impl From<&Job> for JobRecord {
             history: job.history.iter().map(|(t, w)| (t.0, w.clone())).collect(),
             pending_reason: job.pending_reason.clone(),
             queue_position: job.queue_position,
+            array: job.array.map(|array| ArrayRecord {
+                array: array.array.0,
+                index: array.index,
+                count: array.count,
+                limit: array.limit,
+            }),
         }
     }
 }
@@ -127,6 +145,12 @@ impl JobRecord {
                 .collect(),
             pending_reason: self.pending_reason,
             queue_position: self.queue_position,
+            array: self.array.map(|array| muster_model::ArrayElement {
+                array: JobId(array.array),
+                index: array.index,
+                count: array.count,
+                limit: array.limit,
+            }),
         })
     }
 }
@@ -397,6 +421,7 @@ mod tests {
             history: vec![(Time(1_000), "submitted".into())],
             pending_reason: None,
             queue_position: None,
+            array: None,
         };
         let text = serde_json::to_string(&JobRecord::from(&job)).unwrap();
         let back: JobRecord = serde_json::from_str(&text).unwrap();
