@@ -44,6 +44,8 @@ pub struct JobFilter {
     pub limit: Option<u32>,
     /// Where the previous page ended (its `next_cursor`).
     pub cursor: Option<String>,
+    /// Only the elements of this array job.
+    pub array: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -152,19 +154,30 @@ impl Client {
         spec: serde_json::Value,
         allow_pending: bool,
     ) -> Result<u64, ClientError> {
+        Ok(self.submit_request(spec, allow_pending).await?.id)
+    }
+
+    /// [`Client::submit_with`], answering the whole response (an array's
+    /// element count too).
+    pub async fn submit_request(
+        &self,
+        spec: serde_json::Value,
+        allow_pending: bool,
+    ) -> Result<SubmitResponse, ClientError> {
         let request = SubmitRequest {
             spec,
             allow_pending,
         };
-        let response: SubmitResponse = self.post("/v1/jobs", &request, None).await?;
-        Ok(response.id)
+        self.post("/v1/jobs", &request, None).await
     }
 
     pub async fn jobs(&self, filter: &JobFilter) -> Result<JobList, ClientError> {
         let mut query = Vec::new();
         let limit = filter.limit.map(|limit| limit.to_string());
         let active = filter.active.then(|| "true".to_string());
+        let array = filter.array.map(|array| array.to_string());
         for (key, value) in [
+            ("array", &array),
             ("queue", &filter.queue),
             ("state", &filter.state),
             ("user", &filter.user),
@@ -219,6 +232,17 @@ impl Client {
 
     pub async fn job(&self, id: u64) -> Result<JobView, ClientError> {
         self.get(&format!("/v1/jobs/{id}")).await
+    }
+
+    /// Cancels every unfinished element of array job `array`; answers the
+    /// elements the server still holds in memory, as they are now.
+    pub async fn cancel_array(&self, array: u64) -> Result<JobList, ClientError> {
+        self.post(
+            &format!("/v1/arrays/{array}/cancel"),
+            &serde_json::json!({}),
+            None,
+        )
+        .await
     }
 
     pub async fn cancel(&self, id: u64) -> Result<JobView, ClientError> {

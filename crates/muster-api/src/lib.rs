@@ -38,6 +38,7 @@ mod parse;
 pub mod protocol;
 mod quantity;
 mod read;
+pub mod sbatch;
 mod validate;
 mod wire;
 

@@ -57,6 +57,25 @@ pub struct SubmitRequest {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SubmitResponse {
     pub id: u64,
+    /// For an array: how many elements it has (its jobs are `id` to
+    /// `id + elements - 1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elements: Option<u32>,
+}
+
+/// Where a job sits in its array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ArrayView {
+    /// The array's id (its first element's).
+    pub job: u64,
+    /// `MUSTER_ARRAY_INDEX`.
+    pub index: u32,
+    /// Elements in the array.
+    pub count: u32,
+    /// At most this many run at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
 }
 
 /// One task of a job as placed.
@@ -111,6 +130,7 @@ pub struct JobView {
     /// Why it waits, in words (pending jobs only).
     pub pending_reason: Option<String>,
     /// Why it waits, as a short code (pending jobs only): `dependency`,
+    /// `array-limit` (its array runs as many elements as its `%N` allows),
     /// `capacity`, `quota`, `never-fits`, `nodes-cordoned`, `nodes-lost`,
     /// `nodes-unavailable` (only cordoned or lost nodes could hold it),
     /// `rack`, `reservation`, `blocked`, `unscheduled`.
@@ -118,6 +138,9 @@ pub struct JobView {
     pub pending_code: Option<String>,
     /// Its place in line among pending jobs (1 = next).
     pub queue_position: Option<u32>,
+    /// The array it is an element of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub array: Option<ArrayView>,
     pub history: Vec<EventView>,
 }
 

@@ -228,6 +228,9 @@ pub struct Observed {
     pub memory_limit: bool,
 }
 
+// Inputs are handled one at a time as they come, never held in bulk: the
+// size of the largest (a submission) costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Input {
     Submit {
@@ -237,6 +240,10 @@ pub enum Input {
     },
     Cancel {
         job: JobId,
+    },
+    /// Cancels every unfinished element of array job `array`.
+    CancelArray {
+        array: JobId,
     },
     /// A node's agent registers: the control plane issues the node's next
     /// epoch (cluster-wide, only moving forward), read back with
@@ -836,6 +843,16 @@ impl ControlPlane {
         active >= limit as usize
     }
 
+    /// The elements of array job `array` in the hot state (its first
+    /// element, whose id the array has, may have been retired already).
+    pub fn array_elements(&self, array: JobId) -> Vec<JobId> {
+        self.jobs
+            .range(array..)
+            .take_while(|(_, job)| job.array.is_some_and(|a| a.array == array))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     /// Whether `job` still waits for a dependency (one in the hot state
     /// that has not ended).
     pub fn is_waiting(&self, job: &Job) -> bool {
@@ -1117,6 +1134,20 @@ impl ControlPlane {
                 }
             }
             Input::Cancel { job } => self.cancel(now, job, &mut outputs)?,
+            Input::CancelArray { array } => {
+                let elements = self.array_elements(array);
+                if elements.is_empty() {
+                    return Err(match self.jobs.get(&array) {
+                        Some(_) => ControlError::Invalid(format!(
+                            "job {array} is not an array job; cancel it as a job"
+                        )),
+                        None => ControlError::JobNotFound(array),
+                    });
+                }
+                for element in elements {
+                    self.cancel(now, element, &mut outputs)?;
+                }
+            }
             Input::Register {
                 spec,
                 address,

@@ -1146,4 +1146,42 @@ mod arrays {
         assert_eq!(nodes.len(), 2);
         assert_eq!(env["SLURMD_NODENAME"], nodes[1]);
     }
+
+    #[test]
+    fn cancelling_an_array_cancels_every_unfinished_element() {
+        let mut world = World::new(&["a"]);
+        world.submit(1, 1, 1);
+        submit_array(&mut world, 2, "0-5%2", false);
+        world.cycle();
+        assert_eq!(running_ids(&world), vec![1, 2, 3]);
+        let task = world
+            .desired("a")
+            .into_iter()
+            .find(|t| t.job == JobId(2))
+            .expect("started");
+        world.report("a", vec![exited(&task, 0)]);
+        assert_eq!(world.state(2), JobState::Succeeded);
+        world.step(Input::CancelArray { array: JobId(2) });
+        // The ended element stays as it ended; the running one is told to
+        // stop; the pending ones are cancelled; job 1 is not an element.
+        assert_eq!(world.state(2), JobState::Succeeded);
+        assert_eq!(world.state(3), JobState::Stopping);
+        assert!((4..=7).all(|id| world.state(id) == JobState::Cancelled));
+        assert_eq!(world.state(1), JobState::Running);
+        assert_eq!(world.control.array_elements(JobId(2)).len(), 6);
+        let refused = world
+            .control
+            .handle(world.now, Input::CancelArray { array: JobId(1) });
+        assert!(
+            matches!(refused, Err(ControlError::Invalid(_))),
+            "{refused:?}"
+        );
+        let refused = world
+            .control
+            .handle(world.now, Input::CancelArray { array: JobId(99) });
+        assert!(
+            matches!(refused, Err(ControlError::JobNotFound(_))),
+            "{refused:?}"
+        );
+    }
 }

@@ -47,6 +47,7 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/jobs/{id}", get(get_job))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .route("/v1/jobs/{id}/logs", get(job_logs))
+        .route("/v1/arrays/{id}/cancel", post(cancel_array))
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/nodes/{name}", get(get_node).delete(remove_node))
         .route("/v1/nodes/{name}/reset-identity", post(reset_identity))
@@ -265,6 +266,8 @@ pub struct JobQuery {
     limit: Option<u32>,
     /// Where the previous page ended (its `next_cursor`).
     cursor: Option<String>,
+    /// Only the elements of this array job.
+    array: Option<u64>,
 }
 
 /// The default page of `GET /v1/jobs`.
@@ -399,10 +402,13 @@ async fn submit_job(
     {
         return Err(ApiError::invalid(why));
     }
+    // An array's elements take consecutive ids, reserved here at once.
+    let elements = spec.array.as_ref().map(|array| array.len() as u32);
+    let count = u64::from(elements.unwrap_or(1));
     let (_, durable, id) = shared.apply_with(
         |core: &mut Core| {
             let id = JobId(core.next_job);
-            core.next_job += 1;
+            core.next_job += count;
             Ok((Input::Submit { id, spec, user }, id))
         },
         |_, id| id,
@@ -410,14 +416,19 @@ async fn submit_job(
     )?;
     if let Err(error) = durable.wait().await {
         // Not durable, so not accepted: the control plane forgets it.
-        shared.withdraw(id);
+        for element in 0..count {
+            shared.withdraw(JobId(id.0 + element));
+        }
         return Err(match shared.read_only_reason() {
             Some(reason) => crate::core::read_only(&reason),
             None => error.into(),
         });
     }
-    tracing::info!(job = id.0, "job submitted");
-    Ok((StatusCode::CREATED, Json(SubmitResponse { id: id.0 })))
+    tracing::info!(job = id.0, elements = count, "job submitted");
+    Ok((
+        StatusCode::CREATED,
+        Json(SubmitResponse { id: id.0, elements }),
+    ))
 }
 
 /// List jobs, newest first, a page at a time (100 by default; pass
@@ -457,7 +468,7 @@ async fn list_jobs(
             "limit must be from 1 to {MAX_PAGE}, got {limit}"
         )));
     }
-    let before = match query.cursor.as_deref().filter(|c| !c.is_empty()) {
+    let mut before = match query.cursor.as_deref().filter(|c| !c.is_empty()) {
         None => None,
         Some(text) => Some(text.parse::<u64>().map_err(|_| {
             ApiError::invalid(format!(
@@ -466,6 +477,24 @@ async fn list_jobs(
             ))
         })?),
     };
+    // An array's elements are the jobs from its id on, as many as it has:
+    // the range bounds the reads.
+    let array = match query.array {
+        None => None,
+        Some(array) => {
+            let head = find_job(&shared, JobId(array)).await?.job;
+            let Some(element) = head.array.filter(|a| a.array == JobId(array)) else {
+                return Err(ApiError::invalid(format!(
+                    "job {array} is not an array job"
+                )));
+            };
+            let end = array + u64::from(element.count);
+            before = Some(before.map_or(end, |before| before.min(end)));
+            Some(JobId(array))
+        }
+    };
+    let of_array =
+        |job: &Job| array.is_none_or(|array| job.array.is_some_and(|a| a.array == array));
     let queue = query.queue.filter(|q| !q.is_empty());
     let user = query.user.filter(|u| !u.is_empty());
     let active = query.active.unwrap_or(false);
@@ -478,6 +507,7 @@ async fn list_jobs(
             .filter(|job| !active || !job.state.is_final())
             .filter(|job| queue.as_deref().is_none_or(|q| job.spec.queue.0 == q))
             .filter(|job| user.as_deref().is_none_or(|u| job.user == u))
+            .filter(|job| of_array(job))
             .take(limit as usize)
             .map(|job| {
                 job_view(
@@ -508,12 +538,19 @@ async fn list_jobs(
         let after = (jobs.len() == limit as usize)
             .then(|| jobs.last().map(|job| job.id))
             .flatten();
+        let after = match array {
+            Some(array) => Some(after.map_or(array.0 - 1, |after| after.max(array.0 - 1))),
+            None => after,
+        };
         for stored in shared
             .store
             .retired_jobs(&filter, before, after, limit)
             .await?
         {
-            jobs.push(FoundJob::from_store(stored)?.view());
+            let found = FoundJob::from_store(stored)?;
+            if of_array(&found.job) {
+                jobs.push(found.view());
+            }
         }
         jobs.sort_by_key(|job| std::cmp::Reverse(job.id));
         jobs.dedup_by_key(|job| job.id);
@@ -538,6 +575,45 @@ async fn get_job(
 ) -> Result<Json<JobView>, ApiError> {
     let id = parse_job_id(&id)?;
     Ok(Json(find_job(&shared, id).await?.view()))
+}
+
+/// Cancel every unfinished element of an array job; answers the elements
+/// the server holds in memory (retired ones had ended), as they are now.
+#[utoipa::path(
+    post, path = "/v1/arrays/{id}/cancel", tag = "jobs",
+    params(("id" = u64, Path, description = "the array's id (its first element's)")),
+    responses(
+        (status = 200, body = JobList),
+        (status = 400, description = "the job is not an array job", body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn cancel_array(
+    State(shared): Shared_,
+    PathParams(id): PathParams<String>,
+) -> Result<Json<JobList>, ApiError> {
+    let id = parse_job_id(&id)?;
+    let (_, durable) = shared.apply(Input::CancelArray { array: id }, Batch::default())?;
+    durable.wait().await?;
+    let core = shared.read();
+    let control = core.control();
+    let jobs = control
+        .array_elements(id)
+        .into_iter()
+        .filter_map(|element| control.job(element))
+        .map(|job| {
+            job_view(
+                job,
+                &|a| control.allocation(a),
+                control.pending_code(job.id),
+            )
+        })
+        .collect();
+    Ok(Json(JobList {
+        jobs,
+        next_cursor: None,
+    }))
 }
 
 /// Cancel a job: a pending one at once, a running one once its tasks stop.
@@ -1337,7 +1413,7 @@ async fn push_logs(
 #[openapi(
     info(title = "muster", description = "muster's /v1 API: jobs, nodes, queues, agents."),
     paths(
-        submit_job, list_jobs, get_job, cancel_job, job_logs,
+        submit_job, list_jobs, get_job, cancel_job, cancel_array, job_logs,
         list_nodes, get_node, remove_node, reset_identity, cordon_node, uncordon_node, drain_node,
         list_pools, list_queues, set_queue,
         register_agent, heartbeat, push_logs,

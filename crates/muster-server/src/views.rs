@@ -54,16 +54,29 @@ pub fn job_view<'a>(
         command: job.spec.command.clone(),
         after: job.spec.after.iter().map(ToString::to_string).collect(),
         tasks,
-        pending_reason: if job.state == JobState::Pending {
+        pending_reason: if job.state != JobState::Pending {
+            None
+        } else if let (Some("array-limit"), Some(array)) = (pending_code, job.array) {
+            Some(format!(
+                "array job {} runs at most {} elements at once; this one starts when one \
+                 of those running ends",
+                array.array,
+                array.limit.unwrap_or(0)
+            ))
+        } else {
             Some(
                 job.pending_reason
                     .clone()
                     .unwrap_or_else(|| "waiting for the next scheduling cycle".to_string()),
             )
-        } else {
-            None
         },
         queue_position: job.queue_position,
+        array: job.array.map(|array| muster_api::protocol::ArrayView {
+            job: array.array.0,
+            index: array.index,
+            count: array.count,
+            limit: array.limit,
+        }),
         pending_code: pending_code
             .filter(|_| job.state == JobState::Pending)
             .map(str::to_string),

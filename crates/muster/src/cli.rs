@@ -30,6 +30,9 @@ pub enum Command {
     Run(crate::commands::RunArgs),
     /// Submit a job spec (YAML) and print the job id.
     Submit(crate::commands::SubmitArgs),
+    /// Submit a Slurm batch script: its #SBATCH options become the job's,
+    /// and it runs on every node of the job with the SLURM_* variables.
+    Sbatch(crate::commands::SbatchArgs),
     /// List jobs.
     Ps(crate::commands::PsArgs),
     /// Show a job: state history, placement, and why it is pending.

@@ -400,6 +400,10 @@ fn exported(
             && !muster_api::is_reserved_env_name(name)
             && !NOT_EXPORTED.contains(&name)
             && !name.starts_with("SSH_")
+            // A shell inside a Slurm allocation has its job's: they would
+            // mislead the task (libraries read them); `muster sbatch` sets
+            // the job's own.
+            && !name.starts_with("SLURM_")
             && !name.starts_with("XDG_")
             && !name.starts_with("DBUS_")
     };
@@ -750,10 +754,35 @@ pub struct SubmitArgs {
     /// A time limit (e.g. 30m, 2h), replacing the spec's `max_runtime`.
     #[arg(long, value_name = "DURATION")]
     pub time: Option<String>,
+    /// Submit a job array, one job per index, replacing the spec's `array`:
+    /// `0-99`, `1,3,5-7`, `0-15:4`; `%8` at the end runs at most 8 at once.
+    /// Each element sees MUSTER_ARRAY_INDEX and MUSTER_ARRAY_JOB_ID.
+    #[arg(long, value_name = "INDICES[%N]")]
+    pub array: Option<String>,
     #[command(flatten)]
     pub waiting: WaitingArgs,
     #[command(flatten)]
     pub connection: Connection,
+}
+
+/// Prints what a submission answered: the id (for scripts), and for an
+/// array how many elements it has.
+fn print_submitted(response: &muster_api::protocol::SubmitResponse, json: bool) -> Result<()> {
+    if json {
+        return print_json(response);
+    }
+    outln!("{}", response.id);
+    if let Some(elements) = response.elements {
+        eprintln!(
+            "array job {} submitted: {elements} element(s), jobs {} to {}; `muster ps` groups \
+             them, `muster cancel {}` cancels them all",
+            response.id,
+            response.id,
+            response.id + u64::from(elements) - 1,
+            response.id
+        );
+    }
+    Ok(())
 }
 
 pub fn submit(args: SubmitArgs) -> Result<u8, Failure> {
@@ -778,22 +807,224 @@ pub fn submit(args: SubmitArgs) -> Result<u8, Failure> {
     if !args.waiting.after.is_empty() {
         value["after"] = args.waiting.after.clone().into();
     }
-    if args.time.is_some() || !args.waiting.after.is_empty() {
+    if let Some(array) = &args.array {
+        value["array"] = array.clone().into();
+    }
+    if args.time.is_some() || !args.waiting.after.is_empty() || args.array.is_some() {
         muster_api::parse_job_spec_value(&value).map_err(|errors| Failure {
             code: exit::INVALID,
             error: anyhow!("invalid option:\n{errors}"),
         })?;
     }
     let client = args.connection.client()?;
-    let id = runtime()?
-        .block_on(client.submit_with(value, args.waiting.allow_pending))
+    let response = runtime()?
+        .block_on(client.submit_request(value, args.waiting.allow_pending))
         .map_err(anyhow::Error::from)?;
-    if args.connection.json {
-        print_json(&serde_json::json!({ "id": id }))?;
-    } else {
-        outln!("{id}");
-    }
+    print_submitted(&response, args.connection.json)?;
     Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct SbatchArgs {
+    /// Submit even when the script has options muster does not know (they
+    /// are listed, and left out).
+    #[arg(long)]
+    pub ignore_unknown: bool,
+    /// Queue the job even if no registered node could ever hold it.
+    #[arg(long)]
+    pub allow_pending: bool,
+    /// sbatch options (they win over the script's #SBATCH lines), the
+    /// script, then the script's arguments.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "[OPTIONS] SCRIPT [ARGS]"
+    )]
+    pub args: Vec<String>,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// `muster sbatch`: a Slurm batch script, run on every node of the job with
+/// the `SLURM_*` variables it reads.
+pub fn sbatch(args: SbatchArgs) -> Result<u8, Failure> {
+    let invalid = |error: anyhow::Error| Failure {
+        code: exit::INVALID,
+        error,
+    };
+    // muster's own flags may come among the sbatch options too.
+    let mut ignore_unknown = args.ignore_unknown;
+    let mut allow_pending = args.allow_pending;
+    let words: Vec<String> = args
+        .args
+        .iter()
+        .filter(|word| match word.as_str() {
+            "--ignore-unknown" => {
+                ignore_unknown = true;
+                false
+            }
+            "--allow-pending" => {
+                allow_pending = true;
+                false
+            }
+            _ => true,
+        })
+        .cloned()
+        .collect();
+    let (options, script, script_args) = muster_api::sbatch::split_command_line(&words);
+    let script = script.ok_or_else(|| invalid(anyhow!("name the batch script to submit")))?;
+    let text = if script == "-" {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+            .context("cannot read the script from standard input")?;
+        text
+    } else {
+        std::fs::read_to_string(&script).with_context(|| format!("cannot read {script}"))?
+    };
+    let submit_dir = std::env::current_dir()
+        .context("cannot tell the current directory")?
+        .to_str()
+        .ok_or_else(|| anyhow!("the current directory is not UTF-8"))?
+        .to_string();
+    let file_name = std::path::Path::new(&script)
+        .file_name()
+        .map_or("script".to_string(), |f| f.to_string_lossy().into_owned());
+    let batch = muster_api::sbatch::read_batch_script(&text, &file_name, &submit_dir, &options)
+        .map_err(|errors| invalid(anyhow!("{script}:\n  {}", errors.join("\n  "))))?;
+    if !batch.unknown.is_empty() {
+        let list = batch.unknown.join("\n  ");
+        if !ignore_unknown {
+            return Err(invalid(anyhow!(
+                "{script}: options muster does not know:\n  {list}\nRemove them, or pass \
+                 --ignore-unknown to submit without them"
+            )));
+        }
+        eprintln!("note: left out (--ignore-unknown):\n  {list}");
+    }
+    for note in &batch.notes {
+        eprintln!("note: {note}");
+    }
+    let mut spec = batch.spec;
+    // The submitter's environment (sbatch's --export, ALL by default), under
+    // the script's own variables.
+    let mut env = serde_json::Map::new();
+    for (key, value) in exported(&batch.export, std::env::vars_os()).map_err(invalid)? {
+        env.insert(key, value.into());
+    }
+    if let Some(own) = spec["env"].as_object() {
+        for (key, value) in own {
+            env.insert(key.clone(), value.clone());
+        }
+    }
+    spec["env"] = env.into();
+    if let Some(command) = spec["command"].as_array_mut() {
+        command.extend(script_args.into_iter().map(serde_json::Value::from));
+    }
+    muster_api::parse_job_spec_value(&spec).map_err(|errors| {
+        invalid(anyhow!(
+            "{script}: the job it makes is not valid:\n{errors}"
+        ))
+    })?;
+    let client = args.connection.client()?;
+    let response = runtime()?
+        .block_on(client.submit_request(spec, allow_pending))
+        .map_err(anyhow::Error::from)?;
+    print_submitted(&response, args.connection.json)?;
+    Ok(0)
+}
+
+/// A job as the commands name it: `12`, or an array's elements by index,
+/// `12_3` or `12_[1-3,7]` (Slurm's notation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobRef {
+    Job(u64),
+    Elements {
+        array: u64,
+        indices: muster_model::ArraySpec,
+    },
+}
+
+impl std::str::FromStr for JobRef {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<JobRef, String> {
+        let text = text.trim();
+        let id = |part: &str| {
+            part.parse::<u64>().map_err(|_| {
+                format!(
+                    "{text:?} is not a job: expected an id like 12, or an array element like \
+                     12_3 or 12_[1-5]"
+                )
+            })
+        };
+        match text.split_once('_') {
+            None => Ok(JobRef::Job(id(text)?)),
+            Some((array, indices)) => {
+                let array = id(array)?;
+                let indices = indices
+                    .strip_prefix('[')
+                    .and_then(|inner| inner.strip_suffix(']'))
+                    .unwrap_or(indices);
+                let indices = muster_model::ArraySpec::parse(indices)
+                    .map_err(|error| format!("{text:?}: {error}"))?;
+                if indices.limit.is_some() {
+                    return Err(format!("{text:?}: a %limit does not name elements"));
+                }
+                Ok(JobRef::Elements { array, indices })
+            }
+        }
+    }
+}
+
+/// The elements of array job `array` (every page).
+async fn array_jobs(client: &Client, array: u64) -> Result<Vec<JobView>, ClientError> {
+    let filter = JobFilter {
+        array: Some(array),
+        ..JobFilter::default()
+    };
+    Ok(client.all_jobs(&filter, None).await?.0)
+}
+
+/// The ids `reference` names; an index the array lacks is an error.
+async fn resolve(client: &Client, reference: &JobRef) -> Result<Vec<u64>> {
+    match reference {
+        JobRef::Job(id) => Ok(vec![*id]),
+        JobRef::Elements { array, indices } => {
+            let elements = array_jobs(client, *array).await?;
+            let mut ids = Vec::new();
+            for index in &indices.indices {
+                let found = elements
+                    .iter()
+                    .find(|job| job.array.is_some_and(|a| a.index == *index))
+                    .ok_or_else(|| {
+                        anyhow!(
+                            "array job {array} has no element {index}; `muster ps` lists its \
+                             elements"
+                        )
+                    })?;
+                ids.push(found.id);
+            }
+            Ok(ids)
+        }
+    }
+}
+
+/// The one job `reference` names (for `describe` and `logs`).
+async fn resolve_one(client: &Client, reference: &JobRef) -> Result<u64> {
+    let ids = resolve(client, reference).await?;
+    match ids.as_slice() {
+        [id] => Ok(*id),
+        _ => bail!("name one job here, not {}", ids.len()),
+    }
+}
+
+/// How `ps` names a job: its id, or an element as `ARRAY_INDEX`.
+fn job_label(job: &JobView) -> String {
+    match job.array {
+        Some(array) => format!("{}_{}", array.job, array.index),
+        None => job.id.to_string(),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -808,6 +1039,9 @@ pub struct PsArgs {
     /// Include finished jobs.
     #[arg(long, short = 'a')]
     pub all: bool,
+    /// Only the elements of this array job (finished ones too).
+    #[arg(long, value_name = "ID")]
+    pub array: Option<u64>,
     /// Show at most this many jobs, newest first (0: every one; the list
     /// is read from the server a page at a time).
     #[arg(long, default_value_t = 100)]
@@ -822,8 +1056,10 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
         queue: args.queue.clone(),
         state: args.state.clone(),
         user: args.user.clone(),
-        // Finished jobs only with --all or when their state is asked for.
-        active: !args.all && args.state.is_none(),
+        // Finished jobs only with --all or when their state is asked for
+        // (or an array's elements are).
+        active: !args.all && args.state.is_none() && args.array.is_none(),
+        array: args.array,
         ..JobFilter::default()
     };
     let most = (args.limit > 0).then_some(args.limit);
@@ -842,6 +1078,69 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
             jobs.len()
         );
     }
+    // Pending elements of one array share a row (`12_[5-99%8]`), where
+    // the newest of them would be; running and ended ones have their own.
+    let mut pending_of: std::collections::BTreeMap<u64, Vec<&JobView>> =
+        std::collections::BTreeMap::new();
+    for job in &jobs {
+        if let Some(array) = job.array.filter(|_| job.state == "pending") {
+            pending_of.entry(array.job).or_default().push(job);
+        }
+    }
+    let mut rows = Vec::new();
+    for job in &jobs {
+        let grouped = job
+            .array
+            .filter(|_| job.state == "pending")
+            .and_then(|array| pending_of.remove(&array.job).map(|group| (array, group)));
+        let label = match grouped {
+            Some((array, group)) if group.len() > 1 => {
+                let mut indices: Vec<u32> = group
+                    .iter()
+                    .filter_map(|element| element.array.map(|a| a.index))
+                    .collect();
+                indices.sort_unstable();
+                let indices = muster_model::ArraySpec {
+                    indices,
+                    limit: array.limit,
+                };
+                format!("{}_[{indices}]", array.job)
+            }
+            Some(_) => job_label(job),
+            // A pending element already shown in its array's row.
+            None if job.state == "pending" && job.array.is_some() => continue,
+            None => job_label(job),
+        };
+        // Running: its nodes. Pending: why, as a short code (`muster
+        // describe` has the sentence).
+        let place = if job.tasks.is_empty() {
+            job.pending_code
+                .clone()
+                .or_else(|| {
+                    job.pending_reason
+                        .as_ref()
+                        .map(|r| r.chars().take(60).collect())
+                })
+                .unwrap_or_default()
+        } else {
+            job.tasks
+                .iter()
+                .map(|t| t.node.clone())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        rows.push(vec![
+            label,
+            job.name.clone(),
+            job.user.clone(),
+            job.queue.clone(),
+            job.state.clone(),
+            job.nodes.to_string(),
+            gpus_text(job.gpus_per_node),
+            ago(job.submitted_ms),
+            place,
+        ]);
+    }
     table(
         &[
             "ID",
@@ -854,56 +1153,25 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
             "AGE",
             "WHERE / WHY",
         ],
-        jobs.iter()
-            .map(|j| {
-                // Running: its nodes. Pending: why, as a short code
-                // (`muster describe` has the sentence).
-                let place = if j.tasks.is_empty() {
-                    j.pending_code
-                        .clone()
-                        .or_else(|| {
-                            j.pending_reason
-                                .as_ref()
-                                .map(|r| r.chars().take(60).collect())
-                        })
-                        .unwrap_or_default()
-                } else {
-                    j.tasks
-                        .iter()
-                        .map(|t| t.node.clone())
-                        .collect::<Vec<_>>()
-                        .join(",")
-                };
-                vec![
-                    j.id.to_string(),
-                    j.name.clone(),
-                    j.user.clone(),
-                    j.queue.clone(),
-                    j.state.clone(),
-                    j.nodes.to_string(),
-                    gpus_text(j.gpus_per_node),
-                    ago(j.submitted_ms),
-                    place,
-                ]
-            })
-            .collect(),
+        rows,
     );
     Ok(0)
 }
 
 #[derive(Debug, Args)]
 pub struct JobArgs {
-    /// The job id.
-    pub job: u64,
+    /// The job id (an array element as 12_3).
+    pub job: JobRef,
     #[command(flatten)]
     pub connection: Connection,
 }
 
 pub fn describe(args: JobArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
-    let job = runtime()?
-        .block_on(client.job(args.job))
-        .map_err(anyhow::Error::from)?;
+    let job = runtime()?.block_on(async {
+        let id = resolve_one(&client, &args.job).await?;
+        client.job(id).await.map_err(anyhow::Error::from)
+    })?;
     if args.connection.json {
         print_json(&job)?;
         return Ok(0);
@@ -953,6 +1221,18 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
     if !job.after.is_empty() {
         outln!("  after:     {}", job.after.join(", "));
     }
+    if let Some(array) = job.array {
+        outln!(
+            "  array:     element {} of array job {} ({} elements{}); shown as {}",
+            array.index,
+            array.job,
+            array.count,
+            array
+                .limit
+                .map_or(String::new(), |limit| format!(", at most {limit} at once")),
+            job_label(&job)
+        );
+    }
     outln!("  attempts:  {}", job.attempts);
     if let Some(reason) = &job.pending_reason {
         outln!("  pending:   {reason}");
@@ -994,8 +1274,8 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
 
 #[derive(Debug, Args)]
 pub struct LogsArgs {
-    /// The job id.
-    pub job: u64,
+    /// The job id (an array element as 12_3).
+    pub job: JobRef,
     /// Keep printing new output until the job ends.
     #[arg(long, short = 'f')]
     pub follow: bool,
@@ -1015,6 +1295,7 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
     runtime()?
         .block_on(async {
             let json = args.connection.json;
+            let job_id = resolve_one(&client, &args.job).await?;
             if let Some(attempt) = args.attempt {
                 // One attempt's output, whole, of one rank (0 by default).
                 let rank = args.rank.unwrap_or(0);
@@ -1024,7 +1305,7 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
                 loop {
                     let page = client
                         .task_logs_of_attempt(
-                            args.job,
+                            job_id,
                             rank,
                             Some(attempt),
                             None,
@@ -1033,10 +1314,10 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
                             false,
                         )
                         .await?;
-                    write_lines(args.job, rank, format, &mut partial, &page.data);
+                    write_lines(job_id, rank, format, &mut partial, &page.data);
                     offset = page.next_offset;
                     if !page.more {
-                        flush_lines(args.job, rank, format, &mut partial);
+                        flush_lines(job_id, rank, format, &mut partial);
                         return Ok(());
                     }
                 }
@@ -1044,15 +1325,15 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
             match args.rank {
                 Some(rank) => {
                     let format = LogFormat::of(json, 1);
-                    print_logs(&client, args.job, rank, 0, args.follow, format).await?;
+                    print_logs(&client, job_id, rank, 0, args.follow, format).await?;
                 }
                 None => {
-                    let job = client.job(args.job).await?;
+                    let job = client.job(job_id).await?;
                     let format = LogFormat::of(json, job.nodes);
                     if job.nodes > 1 {
-                        print_all_ranks(&client, args.job, job.nodes, args.follow, format).await?;
+                        print_all_ranks(&client, job_id, job.nodes, args.follow, format).await?;
                     } else {
-                        print_logs(&client, args.job, 0, 0, args.follow, format).await?;
+                        print_logs(&client, job_id, 0, 0, args.follow, format).await?;
                     }
                 }
             }
@@ -1064,9 +1345,10 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
 
 #[derive(Debug, Args)]
 pub struct CancelArgs {
-    /// The job ids.
+    /// The jobs: ids, array elements (12_3, 12_[1-5]); an array's id
+    /// (12) cancels every element of it, as Slurm's scancel does.
     #[arg(required_unless_present_any = ["name", "mine"])]
-    pub jobs: Vec<u64>,
+    pub jobs: Vec<JobRef>,
     /// Every unfinished job of this name (with --mine: of yours only).
     #[arg(long)]
     pub name: Option<String>,
@@ -1082,7 +1364,41 @@ pub struct CancelArgs {
 pub fn cancel(args: CancelArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
     let rt = runtime()?;
-    let mut ids = args.jobs.clone();
+    let mut views = Vec::new();
+    let mut status = 0;
+    let mut fail = |what: String, error: anyhow::Error| {
+        let failure = Failure::from(error);
+        eprintln!("error: {what}: {:#}", failure.error);
+        if status == 0 {
+            status = failure.code;
+        }
+    };
+    let mut ids = Vec::new();
+    for reference in &args.jobs {
+        let resolved = rt.block_on(async {
+            if let JobRef::Job(id) = reference {
+                // An array's id names the whole array.
+                let job = client.job(*id).await?;
+                if job.array.is_some_and(|array| array.job == *id) {
+                    let list = client.cancel_array(*id).await?;
+                    return Ok::<_, anyhow::Error>((Vec::new(), list.jobs));
+                }
+            }
+            Ok((resolve(&client, reference).await?, Vec::new()))
+        });
+        match resolved {
+            Ok((found, cancelled)) => {
+                ids.extend(found);
+                for job in cancelled {
+                    if !args.connection.json {
+                        outln!("job {} {}", job_label(&job), job.state);
+                    }
+                    views.push(job);
+                }
+            }
+            Err(error) => fail(format!("job {}", reference_text(reference)), error),
+        }
+    }
     if args.name.is_some() || args.mine {
         let user = if args.mine {
             Some(
@@ -1102,38 +1418,38 @@ pub fn cancel(args: CancelArgs) -> Result<u8, Failure> {
         let (jobs, _) = rt
             .block_on(client.all_jobs(&filter, None))
             .map_err(anyhow::Error::from)?;
+        let before = ids.len();
         ids.extend(
             jobs.iter()
                 .filter(|job| args.name.as_ref().is_none_or(|name| &job.name == name))
                 .map(|job| job.id),
         );
-        if ids.is_empty() {
+        if ids.len() == before {
             eprintln!("no unfinished job matches");
         }
     }
-    let mut views = Vec::new();
-    let mut status = 0;
     for &id in &ids {
         match rt.block_on(client.cancel(id)) {
             Ok(job) => {
                 if !args.connection.json {
-                    outln!("job {} {}", job.id, job.state);
+                    outln!("job {} {}", job_label(&job), job.state);
                 }
                 views.push(job);
             }
-            Err(error) => {
-                let failure = Failure::from(anyhow::Error::from(error));
-                eprintln!("error: job {id}: {:#}", failure.error);
-                if status == 0 {
-                    status = failure.code;
-                }
-            }
+            Err(error) => fail(format!("job {id}"), error.into()),
         }
     }
     if args.connection.json {
         print_json(&serde_json::json!({ "jobs": views }))?;
     }
     Ok(status)
+}
+
+fn reference_text(reference: &JobRef) -> String {
+    match reference {
+        JobRef::Job(id) => id.to_string(),
+        JobRef::Elements { array, indices } => format!("{array}_[{indices}]"),
+    }
 }
 
 #[derive(Debug, Args)]

@@ -39,6 +39,7 @@ fn main() -> ExitCode {
         cli::Command::Agent(args) => cluster::agent(args).map(|()| 0).map_err(Into::into),
         cli::Command::Run(args) => commands::run(args),
         cli::Command::Submit(args) => commands::submit(args),
+        cli::Command::Sbatch(args) => commands::sbatch(args),
         cli::Command::Ps(args) => commands::ps(args),
         cli::Command::Describe(args) => commands::describe(args),
         cli::Command::Logs(args) => commands::logs(args),

@@ -576,3 +576,219 @@ fn bad_input_gets_clear_errors() {
         "the server is still up"
     );
 }
+
+#[test]
+fn arrays_and_batch_scripts_work_as_slurm_users_expect() {
+    let env = Env::new();
+    let listen = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("up-data");
+    let mut up = env.spawn(
+        "up",
+        &[
+            "up",
+            "--listen",
+            &listen,
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--simulate-gpus",
+            "2xH100-80GB",
+        ],
+    );
+    env.wait_for_api(&mut up);
+
+    // An array of 6 elements, at most 2 at once (the node has room for 8
+    // of them: the limit is what holds them); each knows its index.
+    let out = common::task_writable(env.dir.path(), "array-out");
+    let spec = env.path("shard.yaml");
+    std::fs::write(
+        &spec,
+        format!(
+            "name: shard\ncpus: 0.25\ncommand: \"echo shard $MUSTER_ARRAY_INDEX of $MUSTER_ARRAY_JOB_ID; \
+             date +%s%N > {dir}/start-$MUSTER_ARRAY_INDEX; sleep 1; \
+             date +%s%N > {dir}/end-$MUSTER_ARRAY_INDEX\"\n",
+            dir = out.display()
+        ),
+    )
+    .unwrap();
+    let output = env.muster(&["submit", "--array", "0-5%2", spec.to_str().unwrap()]);
+    assert!(output.status.success(), "{output:?}");
+    let id = stdout(&output).trim().to_string();
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("6 element(s)"),
+        "{output:?}"
+    );
+    // `ps` groups the pending elements in one row, with why they wait.
+    common::wait_until("grouped pending elements", Duration::from_secs(30), || {
+        let text = stdout(&env.muster(&["ps"]));
+        text.contains(&format!("{id}_[")) && text.contains("array-limit")
+    });
+    let elements = |state: &str| {
+        json(&env.muster(&["ps", "--array", &id, "--json"]))["jobs"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .filter(|job| job["state"] == state)
+            .count()
+    };
+    common::wait_until("every element to succeed", Duration::from_secs(60), || {
+        elements("succeeded") == 6
+    });
+    // Never more than 2 ran at once.
+    let time = |name: String| {
+        std::fs::read_to_string(out.join(name))
+            .unwrap_or_default()
+            .trim()
+            .parse::<u128>()
+            .expect("a time")
+    };
+    let spans: Vec<(u128, u128)> = (0..6)
+        .map(|i| (time(format!("start-{i}")), time(format!("end-{i}"))))
+        .collect();
+    for &(start, _) in &spans {
+        let at_once = spans
+            .iter()
+            .filter(|(s, e)| *s <= start && start <= *e)
+            .count();
+        assert!(at_once <= 2, "{at_once} elements ran at once: {spans:?}");
+    }
+    // An element by its index, as Slurm writes it.
+    let logs = stdout(&env.muster(&["logs", &format!("{id}_3")]));
+    assert!(logs.contains(&format!("shard 3 of {id}")), "{logs}");
+    let text = stdout(&env.muster(&["describe", &format!("{id}_3")]));
+    assert!(
+        text.contains(&format!(
+            "element 3 of array job {id} (6 elements, at most 2 at once)"
+        )),
+        "{text}"
+    );
+
+    // Cancelling one element, then the whole array by its id.
+    let sleeper = env.path("sleeper.yaml");
+    std::fs::write(
+        &sleeper,
+        "name: sleeper\ncpus: 0.25\ncommand: [sleep, '60']\n",
+    )
+    .unwrap();
+    let output = env.muster(&["submit", "--array", "1-4", sleeper.to_str().unwrap()]);
+    assert!(output.status.success(), "{output:?}");
+    let second = stdout(&output).trim().to_string();
+    let states = || -> Vec<(u64, String)> {
+        json(&env.muster(&["ps", "--array", &second, "--json"]))["jobs"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|job| {
+                (
+                    job["array"]["index"].as_u64().expect("an index"),
+                    job["state"].as_str().expect("a state").to_string(),
+                )
+            })
+            .collect()
+    };
+    common::wait_until("four running", Duration::from_secs(30), || {
+        states().iter().filter(|(_, s)| s == "running").count() == 4
+    });
+    let output = env.muster(&["cancel", &format!("{second}_2")]);
+    assert!(output.status.success(), "{output:?}");
+    common::wait_until("element 2 cancelled", Duration::from_secs(30), || {
+        states()
+            .iter()
+            .all(|(index, state)| (*index == 2) == (state == "cancelled"))
+    });
+    let output = env.muster(&["cancel", &second]);
+    assert!(output.status.success(), "{output:?}");
+    common::wait_until("the whole array cancelled", Duration::from_secs(30), || {
+        states().iter().all(|(_, state)| state == "cancelled")
+    });
+    let output = env.muster(&["cancel", &format!("{second}_9")]);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("has no element 9"),
+        "{output:?}"
+    );
+
+    // A Slurm batch script: #SBATCH options, the script's arguments, the
+    // SLURM_* variables; run from the submit directory.
+    let submit_dir = common::task_writable(env.dir.path(), "project");
+    let script = submit_dir.join("train.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/bash\n\
+         #SBATCH --job-name=My_Batch\n\
+         #SBATCH --nodes=1 --ntasks-per-node=1\n\
+         #SBATCH --gres=gpu:1\n\
+         #SBATCH --time=5\n\
+         #SBATCH --array=0-1\n\
+         #SBATCH --output=slurm-%j.out\n\
+         echo \"job=$SLURM_JOB_ID array=$SLURM_ARRAY_JOB_ID task=$SLURM_ARRAY_TASK_ID \
+         proc=$SLURM_PROCID nodes=$SLURM_NNODES ntasks=$SLURM_NTASKS gpus=$CUDA_VISIBLE_DEVICES \
+         dir=$SLURM_SUBMIT_DIR pwd=$(pwd) arg=$1\"\n",
+    )
+    .unwrap();
+    let output = env
+        .command()
+        .current_dir(&submit_dir)
+        .args(["sbatch", "train.sh", "hello"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--output slurm-%j.out: not applied"),
+        "{stderr}"
+    );
+    let batch: u64 = stdout(&output).trim().parse().expect("a job id");
+    let batch_text = batch.to_string();
+    common::wait_until("both elements to succeed", Duration::from_secs(60), || {
+        json(&env.muster(&["ps", "--array", &batch_text, "--json"]))["jobs"]
+            .as_array()
+            .is_some_and(|jobs| jobs.iter().filter(|j| j["state"] == "succeeded").count() == 2)
+    });
+    let logs = stdout(&env.muster(&["logs", &format!("{batch}_1")]));
+    let dir = submit_dir.display();
+    assert!(
+        logs.contains(&format!(
+            "job={} array={batch} task=1 proc=0 nodes=1 ntasks=1 gpus=",
+            batch + 1
+        )) && logs.contains(&format!("dir={dir} pwd={dir} arg=hello")),
+        "{logs}"
+    );
+    let job = json(&env.muster(&["describe", &batch_text, "--json"]));
+    assert_eq!(job["name"], "my-batch");
+    // Options muster does not know stop the submission, named with their
+    // lines, unless --ignore-unknown.
+    std::fs::write(
+        &script,
+        "#!/bin/sh\n#SBATCH --exclusive\n#SBATCH -N 1\necho ok\n",
+    )
+    .unwrap();
+    let sbatch = |extra: &[&str]| {
+        env.command()
+            .current_dir(&submit_dir)
+            .arg("sbatch")
+            .args(extra)
+            .arg("train.sh")
+            .output()
+            .unwrap()
+    };
+    let output = sbatch(&[]);
+    assert_eq!(output.status.code(), Some(6), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("--exclusive (line 2)"),
+        "{output:?}"
+    );
+    let output = sbatch(&["--ignore-unknown", "--time", "1:00"]);
+    assert!(output.status.success(), "{output:?}");
+    let job = json(&env.muster(&["describe", stdout(&output).trim(), "--json"]));
+    assert_eq!(job["name"], "train");
+
+    // A shell inside a Slurm allocation does not pass its SLURM_* on to
+    // `muster run` jobs (they would mislead libraries that read them).
+    let output = env
+        .command()
+        .env("SLURM_JOB_ID", "999")
+        .args(["run", "--", "sh", "-c", "echo \"[$SLURM_JOB_ID]\""])
+        .output()
+        .unwrap();
+    assert!(stdout(&output).contains("[]"), "{output:?}");
+}
