@@ -131,7 +131,8 @@ pub struct JobView {
     pub pending_reason: Option<String>,
     /// Why it waits, as a short code (pending jobs only): `dependency`,
     /// `array-limit` (its array runs as many elements as its `%N` allows),
-    /// `capacity`, `quota`, `never-fits`, `nodes-cordoned`, `nodes-lost`,
+    /// `capacity`, `quota`, `never-fits`, `too-wide` (fewer nodes could hold
+    /// a task than it has tasks), `nodes-cordoned`, `nodes-lost`,
     /// `nodes-unavailable` (only cordoned or lost nodes could hold it),
     /// `rack`, `reservation`, `blocked`, `unscheduled`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

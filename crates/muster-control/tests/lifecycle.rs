@@ -303,9 +303,14 @@ fn a_job_larger_than_the_cluster_stays_pending_with_a_reason() {
     let job = &world.job(1);
     assert_eq!(job.state, JobState::Pending);
     let reason = job.pending_reason.as_deref().unwrap_or_default();
-    assert!(reason.contains("no node can ever run this job"), "{reason}");
+    assert_eq!(
+        reason,
+        "too wide for the cluster: it needs 3 nodes, and only 1 nodes could ever hold one of \
+         its tasks; ask for fewer nodes (with more GPUs each), or it starts when more such \
+         nodes join"
+    );
     assert_eq!(job.queue_position, Some(1));
-    assert_eq!(world.control.pending_code(JobId(1)), Some("never-fits"));
+    assert_eq!(world.control.pending_code(JobId(1)), Some("too-wide"));
     // One that fits the node but not beside a running job holds the
     // reservation (EASY backfill is the default).
     world.submit(2, 1, 4);

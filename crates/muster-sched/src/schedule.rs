@@ -241,9 +241,11 @@ pub enum PendingReason {
         requested: GpuMilli,
         ceiling: GpuMilli,
     },
-    /// No node can ever hold a task as the cluster stands (wrong pool, model,
-    /// too large, cordoned): counts per filter.
-    NeverFits { filters: FilterCounts },
+    /// Fewer nodes than the job has tasks could ever hold one of them as the
+    /// cluster stands (wrong pool, model, too large, cordoned): counts per
+    /// filter. With some that could (`could_ever_fit` above 0) the job is
+    /// too wide: more nodes than the cluster has for it.
+    NeverFits { filters: FilterCounts, tasks: u32 },
     /// Only cordoned or lost nodes could hold it: it waits for them.
     NodesUnavailable { filters: FilterCounts },
     /// Not enough free capacity now.
@@ -695,7 +697,10 @@ impl Cycle<'_> {
                     if filters.could_fit_when_available >= job.tasks {
                         PendingReason::NodesUnavailable { filters }
                     } else {
-                        PendingReason::NeverFits { filters }
+                        PendingReason::NeverFits {
+                            filters,
+                            tasks: job.tasks,
+                        }
                     }
                 } else if excluded_nodes.is_some()
                     && filters.feasible + filters.reserved >= job.tasks
@@ -1095,7 +1100,7 @@ pub fn nodes_that_could_ever_hold(nodes: &[NodeInput], request: &TaskRequest) ->
 
 impl PendingReason {
     /// A short code for the reason, for columns and scripts (the sentence
-    /// is [`PendingReason`]'s `Display`): `quota`, `never-fits`,
+    /// is [`PendingReason`]'s `Display`): `quota`, `never-fits`, `too-wide`,
     /// `nodes-cordoned`, `nodes-lost`, `nodes-unavailable` (both),
     /// `capacity`, `rack` (a gang that needs one rack finds none large
     /// enough), `reservation` (behind or holding one), `blocked` (behind a
@@ -1103,6 +1108,7 @@ impl PendingReason {
     pub fn code(&self) -> &'static str {
         match self {
             PendingReason::QuotaExceeded { .. } => "quota",
+            PendingReason::NeverFits { filters, .. } if filters.could_ever_fit > 0 => "too-wide",
             PendingReason::NeverFits { .. } => "never-fits",
             PendingReason::NodesUnavailable { filters } => {
                 let count = |reason| filters.rejected.get(&reason).copied().unwrap_or(0);
@@ -1145,7 +1151,23 @@ impl std::fmt::Display for PendingReason {
                 gpus(*ceiling),
                 gpus(*requested)
             ),
-            PendingReason::NeverFits { filters } => write!(
+            PendingReason::NeverFits { filters, tasks } if filters.could_ever_fit > 0 => {
+                write!(
+                    f,
+                    "too wide for the cluster: it needs {tasks} nodes, and only {} nodes could \
+                     ever hold one of its tasks",
+                    filters.could_ever_fit
+                )?;
+                if filters.rejected.values().any(|count| *count > 0) || filters.reserved > 0 {
+                    write!(f, " (of the others, {})", filter_words(filters))?;
+                }
+                write!(
+                    f,
+                    "; ask for fewer nodes (with more GPUs each), or it starts when more such \
+                     nodes join"
+                )
+            }
+            PendingReason::NeverFits { filters, .. } => write!(
                 f,
                 "no node can ever run this job as the cluster stands: only {} nodes could \
                  hold one task even when empty ({}); ask for fewer GPUs, CPUs or memory, \

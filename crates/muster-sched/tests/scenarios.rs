@@ -214,10 +214,19 @@ mod gangs {
             &pending,
             &SchedulingPolicy::default(),
         );
-        let PendingReason::NeverFits { filters } = reason(&outcome, 1) else {
+        let PendingReason::NeverFits { filters, .. } = reason(&outcome, 1) else {
             panic!("{:?}", reason(&outcome, 1));
         };
         assert_eq!(filters.could_ever_fit, 4);
+        // Nodes could hold its tasks, just not enough of them.
+        assert_eq!(reason(&outcome, 1).code(), "too-wide");
+        assert!(
+            reason(&outcome, 1)
+                .to_string()
+                .starts_with("too wide for the cluster: it needs 5 nodes, and only 4"),
+            "{}",
+            reason(&outcome, 1)
+        );
         started(&outcome, 2);
     }
 
@@ -663,8 +672,12 @@ mod wording {
             &SchedulingPolicy::default(),
         );
         let text = reason(&outcome, 1).to_string();
-        assert!(text.contains("only 2 nodes could hold one task"), "{text}");
+        assert!(
+            text.contains("needs 3 nodes, and only 2 nodes could ever hold one of its tasks"),
+            "{text}"
+        );
         let text = reason(&outcome, 2).to_string();
+        assert!(text.contains("only 0 nodes could hold one task"), "{text}");
         assert!(text.contains("2 have too few free GPUs"), "{text}");
     }
 }
@@ -897,7 +910,7 @@ mod odd_nodes {
             &gang(),
             &SchedulingPolicy::default(),
         );
-        let PendingReason::NeverFits { filters } = reason(&outcome, 1) else {
+        let PendingReason::NeverFits { filters, .. } = reason(&outcome, 1) else {
             panic!("{:?}", reason(&outcome, 1));
         };
         assert_eq!(filters.could_ever_fit, 1);
