@@ -1453,11 +1453,14 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 16, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 17, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",
+            "SubmitResponse",
             "JobView",
+            "ArrayView",
+            "JobList",
             "HeartbeatResponse",
             "ErrorBody",
             "LogChunk",
@@ -1481,6 +1484,7 @@ mod tests {
         assert_eq!(need_of("/healthz"), Need::Nothing);
         assert_eq!(need_of("/v1/openapi.json"), Need::Nothing);
         assert_eq!(need_of("/v1/jobs/3"), Need::Admin);
+        assert_eq!(need_of("/v1/arrays/3/cancel"), Need::Admin);
         assert_eq!(need_of("/v1/agents/register"), Need::Register);
         assert_eq!(
             need_of("/v1/agents/gpu-1/heartbeat"),
