@@ -976,6 +976,81 @@ async fn finished_jobs_leave_memory_and_stay_listed_and_readable_from_the_store(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arrays_are_listed_cancelled_and_kept_across_retirement_and_restarts() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = test_config(dir.path());
+        // Retired at the first lease tick (every second) after they end.
+        config.retention_ms = 0;
+        let server = Server::start(config.clone()).await.unwrap();
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let first = api.submit(&admin, spec("before", "default", 1)).await;
+        let mut array = spec("shard", "default", 1);
+        array["array"] = json!("0-9%3");
+        let (status, body) = api.post("/v1/jobs", &admin, json!({ "spec": array })).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        assert_eq!(body["elements"], 10, "{body}");
+        let head = body["id"].as_u64().expect("an id");
+        assert_eq!(head, first + 1);
+        // The array's ids are reserved: the next job comes after them.
+        let after = api.submit(&admin, spec("after", "default", 1)).await;
+        assert_eq!(after, head + 10);
+        let elements = api.all_jobs(&admin, &format!("array={head}"), 4).await;
+        let indices: Vec<u32> = elements
+            .iter()
+            .map(|job| job.array.expect("an element").index)
+            .collect();
+        assert_eq!(indices, (0..10).rev().collect::<Vec<u32>>());
+        assert!(elements.iter().all(|job| {
+            job.array
+                .is_some_and(|a| a.job == head && a.count == 10 && a.limit == Some(3))
+        }));
+        // One element cancelled, then retired: still listed with its array.
+        let (status, _) = api
+            .post(&format!("/v1/jobs/{}/cancel", head + 5), &admin, json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        let elements = api.all_jobs(&admin, &format!("array={head}"), 100).await;
+        assert_eq!(elements.len(), 10);
+        let retired = api.job(&admin, head + 5).await;
+        assert_eq!(retired.state, "cancelled");
+        assert_eq!(retired.array.map(|a| a.index), Some(5));
+        // The whole array, in one call; a job that is not an array is not.
+        let (status, body) = api
+            .post(&format!("/v1/arrays/{head}/cancel"), &admin, json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let list: JobList = serde_json::from_value(body).unwrap();
+        assert_eq!(list.jobs.len(), 9);
+        assert!(list.jobs.iter().all(|job| job.state == "cancelled"));
+        let (status, body) = api
+            .post(&format!("/v1/arrays/{first}/cancel"), &admin, json!({}))
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        let (status, _) = api.post("/v1/arrays/999/cancel", &admin, json!({})).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        let (status, body) = api.get(&format!("/v1/jobs?array={first}"), &admin).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(api.job(&admin, first).await.state, "pending");
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        server.shutdown().await;
+
+        // After a restart, with every element retired to the store.
+        let server = Server::start(config).await.unwrap();
+        let api = Api::new(&server);
+        let elements = api.all_jobs(&admin, &format!("array={head}"), 3).await;
+        assert_eq!(elements.len(), 10);
+        assert!(elements.iter().all(|job| job.state == "cancelled"));
+        let next = api.submit(&admin, spec("later", "default", 1)).await;
+        assert_eq!(next, after + 1, "no id is given twice");
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_join_token_admits_only_new_names_and_a_node_keeps_its_credential() {
     bounded(async {
         let dir = tempfile::tempdir().unwrap();
