@@ -527,6 +527,38 @@ pub fn never_met(dependency: &muster_model::Dependency, state: JobState) -> Opti
     })
 }
 
+/// Why `dependency` can never be met now that the jobs it names in `ended`
+/// have ended (`None`: as far as they go, it is met): its job, or elements
+/// of the array job it names (an array's dependency is on every element:
+/// `ok` fails as soon as one element did not succeed, `notok` once all
+/// succeeded, so for `notok` `ended` must be all of them). Empty `ended`:
+/// nothing to say yet.
+pub fn never_met_by(dependency: &muster_model::Dependency, ended: &[&Job]) -> Option<String> {
+    let first = ended.first()?;
+    let array = ended
+        .iter()
+        .any(|job| job.array.is_some_and(|a| a.array == dependency.job));
+    if !array {
+        return never_met(dependency, first.state);
+    }
+    let failed = ended.iter().find(|job| job.state != JobState::Succeeded);
+    match (dependency.kind, failed) {
+        (muster_model::DependencyKind::Ok, Some(job)) => Some(format!(
+            "after: element {} of array job {} {}, so this job would wait for every element \
+             to succeed forever",
+            job.array.map_or(0, |a| a.index),
+            dependency.job,
+            job.state.name()
+        )),
+        (muster_model::DependencyKind::NotOk, None) => Some(format!(
+            "after: every element of array job {} succeeded, so this job would wait for one \
+             to fail forever",
+            dependency.job
+        )),
+        _ => None,
+    }
+}
+
 /// A report from `node` must carry its current epoch: one from before it
 /// registered again is refused.
 fn check_epoch(node: &Node, epoch: u64) -> Result<(), ControlError> {
@@ -673,7 +705,12 @@ impl ControlPlane {
                 job.state.name()
             )));
         }
-        let after: Vec<JobId> = job.spec.after.iter().map(|d| d.job).collect();
+        let after: Vec<JobId> = job
+            .spec
+            .after
+            .iter()
+            .flat_map(|d| self.dependency_targets(d.job))
+            .collect();
         self.jobs.remove(&id);
         self.by_job.remove(&id);
         self.last_reasons.remove(&id);
@@ -700,9 +737,15 @@ impl ControlPlane {
             .values()
             .filter(|job| job.state == JobState::Pending)
             .flat_map(|job| {
-                job.spec.after.iter().filter_map(|dependency| {
-                    let other = self.jobs.get(&dependency.job)?;
-                    (!other.state.is_final()).then_some((dependency.job, job.id))
+                job.spec.after.iter().flat_map(|dependency| {
+                    self.dependency_targets(dependency.job)
+                        .into_iter()
+                        .filter(|target| {
+                            self.jobs
+                                .get(target)
+                                .is_some_and(|other| !other.state.is_final())
+                        })
+                        .map(|target| (target, job.id))
                 })
             })
             .collect()
@@ -853,14 +896,51 @@ impl ControlPlane {
             .collect()
     }
 
+    /// The jobs a dependency on `id` waits for: job `id`, or, when `id` is
+    /// an array job's, every element of it in the hot state. Empty: the
+    /// hot state has none.
+    pub fn dependency_targets(&self, id: JobId) -> Vec<JobId> {
+        let elements = self.array_elements(id);
+        if !elements.is_empty() {
+            elements
+        } else if self.jobs.contains_key(&id) {
+            vec![id]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Whether `id` is an array job's id (its first element may have been
+    /// retired already).
+    fn is_array(&self, id: JobId) -> bool {
+        self.jobs
+            .range(id..)
+            .next()
+            .is_some_and(|(_, job)| job.array.is_some_and(|a| a.array == id))
+    }
+
+    /// Whether a dependency on `id` names a job of the hot state still to
+    /// end (for an array job: an element still to end; elements end
+    /// mostly in order, so the first one found usually answers).
+    fn dependency_open(&self, id: JobId) -> bool {
+        let mut elements = self
+            .jobs
+            .range(id..)
+            .take_while(|(_, job)| job.array.is_some_and(|a| a.array == id))
+            .peekable();
+        if elements.peek().is_none() {
+            return self.jobs.get(&id).is_some_and(|job| !job.state.is_final());
+        }
+        elements.any(|(_, job)| !job.state.is_final())
+    }
+
     /// Whether `job` still waits for a dependency (one in the hot state
     /// that has not ended).
     pub fn is_waiting(&self, job: &Job) -> bool {
-        job.spec.after.iter().any(|dependency| {
-            self.jobs
-                .get(&dependency.job)
-                .is_some_and(|other| !other.state.is_final())
-        })
+        job.spec
+            .after
+            .iter()
+            .any(|dependency| self.dependency_open(dependency.job))
     }
 
     /// The pending reason of a job held by its dependencies (`None`: none
@@ -874,9 +954,13 @@ impl ControlPlane {
             1 => " and 1 more job".to_string(),
             n => format!(" and {n} more jobs"),
         };
+        let what = if self.is_array(first.job) {
+            format!("array job {} (every element)", first.job)
+        } else {
+            format!("job {}", first.job)
+        };
         Some(format!(
-            "waiting for job {} {}{more} (after: {})",
-            first.job,
+            "waiting for {what} {}{more} (after: {})",
             first.kind.waiting_for(),
             spec.after
                 .iter()
@@ -887,14 +971,16 @@ impl ControlPlane {
     }
 
     /// A job just ended: the jobs waiting for it go on (met) or are
-    /// cancelled (not met), and so on for those they hold in turn.
+    /// cancelled (not met), and so on for those they hold in turn. A job
+    /// waiting for an array goes on once every element has ended as it
+    /// asks (one failed element cancels a job waiting for all to succeed).
     fn release_dependents(&mut self, now: Time, ended: JobId, outputs: &mut Vec<Output>) {
         let mut work = vec![ended];
         while let Some(ended) = work.pop() {
-            let Some(succeeded) = self
+            let Some((succeeded, state, element)) = self
                 .jobs
                 .get(&ended)
-                .map(|job| job.state == JobState::Succeeded)
+                .map(|job| (job.state == JobState::Succeeded, job.state, job.array))
             else {
                 continue;
             };
@@ -912,31 +998,73 @@ impl ControlPlane {
                 if job.state != JobState::Pending {
                     continue;
                 }
-                let Some(dependency) = job.spec.after.iter().find(|d| d.job == ended).copied()
+                let array = element.map(|a| a.array);
+                let Some(dependency) = job
+                    .spec
+                    .after
+                    .iter()
+                    .find(|d| d.job == ended || Some(d.job) == array)
+                    .copied()
                 else {
                     continue;
                 };
-                if dependency.kind.met_by(succeeded) {
-                    let reason = self.waiting_reason(&job.spec, |other| {
-                        self.waiting.contains(&(other, dependent))
-                    });
-                    if let Some(job) = self.jobs.get_mut(&dependent) {
-                        job.pending_reason = reason;
-                        job.history
-                            .push((now, format!("job {ended} ended as this job waited for it")));
-                    }
-                    changed(outputs, Output::JobChanged(dependent));
+                // Met (`Some(true)`), never (`Some(false)`), or not yet.
+                let verdict = if !self.is_array(dependency.job) {
+                    Some(dependency.kind.met_by(succeeded))
+                } else if dependency.kind == muster_model::DependencyKind::Ok && !succeeded {
+                    Some(false)
+                } else if self.dependency_open(dependency.job) {
+                    None
                 } else {
-                    let state = self
-                        .jobs
-                        .get(&ended)
-                        .map_or("ended", |job| job.state.name());
-                    let note = format!(
-                        "cancelled: job {ended} {state}, and this job waited for it {}",
-                        dependency.kind.waiting_for()
-                    );
-                    self.cancel_pending(now, dependent, note, outputs);
-                    work.push(dependent);
+                    let targets = self.dependency_targets(dependency.job);
+                    let ended_jobs: Vec<&Job> =
+                        targets.iter().filter_map(|id| self.jobs.get(id)).collect();
+                    Some(never_met_by(&dependency, &ended_jobs).is_none())
+                };
+                match verdict {
+                    None => {}
+                    Some(true) => {
+                        let reason =
+                            self.waiting_reason(&job.spec, |other| self.dependency_open(other));
+                        let what = if self.is_array(dependency.job) {
+                            format!("array job {}", dependency.job)
+                        } else {
+                            format!("job {ended}")
+                        };
+                        if let Some(job) = self.jobs.get_mut(&dependent) {
+                            job.pending_reason = reason;
+                            job.history
+                                .push((now, format!("{what} ended as this job waited for it")));
+                        }
+                        changed(outputs, Output::JobChanged(dependent));
+                    }
+                    Some(false) => {
+                        let note = match element.filter(|a| a.array == dependency.job) {
+                            Some(element)
+                                if dependency.kind == muster_model::DependencyKind::Ok =>
+                            {
+                                format!(
+                                    "cancelled: element {} of array job {} {}, and this job \
+                                     waited for every element to succeed",
+                                    element.index,
+                                    dependency.job,
+                                    state.name()
+                                )
+                            }
+                            Some(_) => format!(
+                                "cancelled: every element of array job {} succeeded, and this \
+                                 job waited for one to fail",
+                                dependency.job
+                            ),
+                            None => format!(
+                                "cancelled: job {ended} {}, and this job waited for it {}",
+                                state.name(),
+                                dependency.kind.waiting_for()
+                            ),
+                        };
+                        self.cancel_pending(now, dependent, note, outputs);
+                        work.push(dependent);
+                    }
                 }
             }
         }
@@ -956,7 +1084,11 @@ impl ControlPlane {
         job.pending_reason = None;
         job.queue_position = None;
         job.history.push((now, note));
-        let after: Vec<JobId> = job.spec.after.iter().map(|d| d.job).collect();
+        let after: Vec<muster_model::Dependency> = job.spec.after.clone();
+        let after: Vec<JobId> = after
+            .iter()
+            .flat_map(|d| self.dependency_targets(d.job))
+            .collect();
         self.finished.insert((now, id));
         self.last_reasons.remove(&id);
         for dependency in after {
@@ -1061,22 +1193,39 @@ impl ControlPlane {
                 // Dependencies name jobs of the hot state (the shell looks
                 // older ones up in its store and keeps only those still to
                 // come); one already ended must have ended the right way.
+                // A dependency on an array job is on every element of it.
                 let mut waits_for = Vec::new();
+                let mut holding = Vec::new();
                 for dependency in &spec.after {
-                    let Some(other) = self.jobs.get(&dependency.job) else {
+                    let targets = self.dependency_targets(dependency.job);
+                    if targets.is_empty() {
                         return Err(ControlError::Invalid(format!(
                             "after: there is no job {} (or it ended too long ago to be \
                              waited for here)",
                             dependency.job
                         )));
-                    };
-                    if !other.state.is_final() {
-                        waits_for.push(dependency.job);
-                    } else if let Some(why) = never_met(dependency, other.state) {
+                    }
+                    let (ended, open): (Vec<&Job>, Vec<&Job>) = targets
+                        .iter()
+                        .filter_map(|target| self.jobs.get(target))
+                        .partition(|job| job.state.is_final());
+                    // All ended: met or never. Some still to end: an array
+                    // waited for to succeed already failed if one did.
+                    let never =
+                        if open.is_empty() || dependency.kind == muster_model::DependencyKind::Ok {
+                            never_met_by(dependency, &ended)
+                        } else {
+                            None
+                        };
+                    if let Some(why) = never {
                         return Err(ControlError::Invalid(why));
                     }
+                    if !open.is_empty() {
+                        waits_for.extend(open.iter().map(|job| job.id));
+                        holding.push(dependency.job);
+                    }
                 }
-                let pending_reason = self.waiting_reason(&spec, |job| waits_for.contains(&job));
+                let pending_reason = self.waiting_reason(&spec, |job| holding.contains(&job));
                 let mut spec = spec;
                 let elements: Vec<(JobId, Option<muster_model::ArrayElement>)> =
                     match spec.array.take() {

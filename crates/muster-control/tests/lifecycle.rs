@@ -1189,4 +1189,145 @@ mod arrays {
             "{refused:?}"
         );
     }
+
+    fn submit_after_array(world: &mut World, id: u64, array: u64, kind: &str) {
+        let mut spec = JobSpec::simple("post", "default", GpuRequest::Whole(0), vec!["x".into()]);
+        spec.after = vec![muster_model::Dependency {
+            job: JobId(array),
+            kind: muster_model::DependencyKind::parse(kind).expect("a kind"),
+        }];
+        world.step(Input::Submit {
+            id: JobId(id),
+            spec,
+            user: "alice".into(),
+        });
+    }
+
+    /// Ends the running element `id` with `code`.
+    fn end(world: &mut World, id: u64, code: i32) {
+        let task = world
+            .desired("a")
+            .into_iter()
+            .find(|t| t.job == JobId(id))
+            .expect("the element runs");
+        world.report("a", vec![exited(&task, code)]);
+    }
+
+    #[test]
+    fn a_job_after_an_array_waits_for_every_element() {
+        let mut world = World::new(&["a"]);
+        submit_array(&mut world, 1, "0-2", false);
+        submit_after_array(&mut world, 4, 1, "ok");
+        submit_after_array(&mut world, 5, 1, "any");
+        submit_after_array(&mut world, 6, 1, "notok");
+        assert_eq!(
+            world.job(4).pending_reason.as_deref(),
+            Some("waiting for array job 1 (every element) to succeed (after: 1)")
+        );
+        world.cycle();
+        assert_eq!(running_ids(&world), vec![1, 2, 3]);
+        // The array's first element (whose id the array has) ending does
+        // not release them.
+        end(&mut world, 1, 0);
+        end(&mut world, 3, 0);
+        world.cycle();
+        for id in [4, 5, 6] {
+            assert_eq!(world.state(id), JobState::Pending, "job {id}");
+            assert_eq!(world.control.pending_code(JobId(id)), Some("dependency"));
+        }
+        end(&mut world, 2, 0);
+        // All succeeded: ok and any go on; notok can never be met.
+        assert_eq!(world.state(6), JobState::Cancelled);
+        assert!(
+            world.job(6).history.iter().any(|(_, what)| what
+                == "cancelled: every element of array job 1 succeeded, and this job waited \
+                    for one to fail"),
+            "{:?}",
+            world.job(6).history
+        );
+        world.cycle();
+        assert_eq!(world.state(4), JobState::Running);
+        assert_eq!(world.state(5), JobState::Running);
+        // One already ended the right way: a new one after it is accepted
+        // and free to run; one that waits for a failure is refused.
+        submit_after_array(&mut world, 7, 1, "ok");
+        assert!(!world.control.is_waiting(world.job(7)));
+        let mut spec = JobSpec::simple("post", "default", GpuRequest::Whole(0), vec!["x".into()]);
+        spec.after = vec![muster_model::Dependency {
+            job: JobId(1),
+            kind: muster_model::DependencyKind::NotOk,
+        }];
+        let refused = world.control.handle(
+            world.now,
+            Input::Submit {
+                id: JobId(8),
+                spec,
+                user: "alice".into(),
+            },
+        );
+        assert!(
+            matches!(&refused, Err(ControlError::Invalid(why)) if why.contains("every element of array job 1 succeeded")),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn one_failed_element_cancels_a_job_waiting_for_all_to_succeed_at_once() {
+        let mut world = World::new(&["a"]);
+        submit_array(&mut world, 1, "0-2", false);
+        submit_after_array(&mut world, 4, 1, "ok");
+        submit_after_array(&mut world, 5, 1, "notok");
+        // And a job after job 4: cancelled in turn.
+        submit_after_array(&mut world, 6, 4, "ok");
+        world.cycle();
+        end(&mut world, 2, 3);
+        // Elements 1 and 3 still run, but job 4 can never start.
+        assert_eq!(world.state(4), JobState::Cancelled);
+        assert!(world.job(4).history.iter().any(|(_, what)| what
+            == "cancelled: element 1 of array job 1 failed, and this job waited for every \
+                    element to succeed"));
+        assert_eq!(world.state(6), JobState::Cancelled);
+        // notok waits for all to end, then runs: one failed.
+        assert_eq!(world.state(5), JobState::Pending);
+        end(&mut world, 1, 0);
+        end(&mut world, 3, 0);
+        world.cycle();
+        assert_eq!(world.state(5), JobState::Running);
+        // A new job waiting for the array to succeed is refused, naming the
+        // element that did not.
+        let mut spec = JobSpec::simple("post", "default", GpuRequest::Whole(0), vec!["x".into()]);
+        spec.after = vec![muster_model::Dependency {
+            job: JobId(1),
+            kind: muster_model::DependencyKind::Ok,
+        }];
+        let refused = world.control.handle(
+            world.now,
+            Input::Submit {
+                id: JobId(9),
+                spec,
+                user: "alice".into(),
+            },
+        );
+        assert!(
+            matches!(&refused, Err(ControlError::Invalid(why)) if why.contains("element 1 of array job 1 failed")),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn a_job_after_one_element_waits_for_that_element_only() {
+        let mut world = World::new(&["a"]);
+        submit_array(&mut world, 1, "0-2", false);
+        // Job 2 is element 1: not an array's id, so a job of its own.
+        submit_after_array(&mut world, 4, 2, "ok");
+        assert_eq!(
+            world.job(4).pending_reason.as_deref(),
+            Some("waiting for job 2 to succeed (after: 2)")
+        );
+        world.cycle();
+        end(&mut world, 2, 0);
+        world.cycle();
+        assert_eq!(world.state(4), JobState::Running);
+        assert_eq!(world.state(1), JobState::Running);
+    }
 }

@@ -344,7 +344,7 @@ async fn resolve_retired_dependencies(
         let core = shared.read();
         spec.after
             .iter()
-            .filter(|dependency| !core.control().is_hot(dependency.job))
+            .filter(|dependency| core.control().dependency_targets(dependency.job).is_empty())
             .copied()
             .collect()
     };
@@ -358,7 +358,30 @@ async fn resolve_retired_dependencies(
                 )));
             }
         };
-        if let Some(why) = muster_control::never_met(&dependency, job.state) {
+        // An array job's dependency is on every element: read them all
+        // (their ids are the array's range).
+        let ended: Vec<Job> = match job.array.filter(|a| a.array == dependency.job) {
+            Some(array) if array.count > 1 => {
+                let filter = crate::store::JobFilter::default();
+                let mut elements = Vec::new();
+                for stored in shared
+                    .store
+                    .retired_jobs(
+                        &filter,
+                        Some(dependency.job.0 + u64::from(array.count)),
+                        Some(dependency.job.0 - 1),
+                        array.count,
+                    )
+                    .await?
+                {
+                    elements.push(FoundJob::from_store(stored)?.job);
+                }
+                elements
+            }
+            _ => vec![job],
+        };
+        let ended: Vec<&Job> = ended.iter().collect();
+        if let Some(why) = muster_control::never_met_by(&dependency, &ended) {
             return Err(ApiError::invalid(why));
         }
         spec.after.retain(|d| d.job != dependency.job);

@@ -1045,6 +1045,22 @@ async fn arrays_are_listed_cancelled_and_kept_across_retirement_and_restarts() {
         assert!(elements.iter().all(|job| job.state == "cancelled"));
         let next = api.submit(&admin, spec("later", "default", 1)).await;
         assert_eq!(next, after + 1, "no id is given twice");
+        // Waiting for a retired array is waiting for every element, read
+        // from the store: they were cancelled, so it can never succeed.
+        let mut post = spec("post", "default", 1);
+        post["after"] = json!([head]);
+        let (status, body) = api.post("/v1/jobs", &admin, json!({ "spec": post })).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(
+            error_of(&body)
+                .message
+                .contains(&format!("of array job {head} cancelled")),
+            "{body}"
+        );
+        let mut post = spec("post", "default", 1);
+        post["after"] = json!([format!("notok:{head}")]);
+        let (status, body) = api.post("/v1/jobs", &admin, json!({ "spec": post })).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
         server.shutdown().await;
     })
     .await;
