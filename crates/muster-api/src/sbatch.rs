@@ -398,6 +398,18 @@ pub fn read_batch_script(
     }
     let mut unknown = Vec::new();
     let mut found = Vec::new();
+    let mut notes = Vec::new();
+    // muster runs the script on every node already, and has no srun.
+    if let Some((number, _)) = script.lines().enumerate().find(|(_, line)| {
+        let line = line.trim_start();
+        line.starts_with("srun ") || line.contains("$(srun") || line.contains("| srun ")
+    }) {
+        notes.push(format!(
+            "line {} calls srun: muster has none, and runs this script on every node of the \
+             job already; run the command directly (drop `srun` and its options)",
+            number + 1
+        ));
+    }
     for (number, line) in script.lines().enumerate().skip(1) {
         let trimmed = line.trim();
         if trimmed.is_empty() {
@@ -429,7 +441,6 @@ pub fn read_batch_script(
         last.insert(name, (value, origin));
     }
     let get = |name: &str| last.get(name).and_then(|(v, o)| v.clone().map(|v| (v, *o)));
-    let mut notes = Vec::new();
     let mut spec = json!({});
     let mut env = serde_json::Map::new();
     let mut check = |result: Result<Value, String>| match result {
@@ -773,6 +784,45 @@ torchrun --nnodes $SLURM_NNODES --nproc-per-node 8 train.py
         let parsed = crate::parse_job_spec_value(spec).expect("valid");
         assert_eq!(parsed.array.map(|a| a.len()), Some(32));
         assert_eq!(parsed.after.len(), 3);
+    }
+
+    /// An array job as cluster guides write them, with srun inside.
+    const ARRAY: &str = r#"#!/bin/bash
+#
+#SBATCH --job-name=array-demo      # short name
+#SBATCH --output=slurm-%A.%a.out   # STDOUT file
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH --mem-per-cpu=4G
+#SBATCH --time=00:01:00
+#SBATCH --array=0-4
+#SBATCH --mail-type=all
+#SBATCH --mail-user=alice@example.org
+
+echo "My SLURM_ARRAY_JOB_ID is $SLURM_ARRAY_JOB_ID."
+echo "My SLURM_ARRAY_TASK_ID is $SLURM_ARRAY_TASK_ID"
+srun python myscript.py $SLURM_ARRAY_TASK_ID
+"#;
+
+    #[test]
+    fn an_array_script_reads_with_notes_for_what_is_not_applied() {
+        let job = read(ARRAY);
+        let spec = &job.spec;
+        assert_eq!(spec["name"], "array-demo");
+        assert_eq!(spec["array"], "0-4");
+        assert_eq!(spec["memory"], 4096);
+        assert_eq!(spec["max_runtime"], 60);
+        assert!(job.unknown.is_empty(), "{:?}", job.unknown);
+        let notes = job.notes.join("\n");
+        for expected in [
+            "line 16 calls srun",
+            "--output slurm-%A.%a.out: not applied",
+            "--mail-type all: not applied; muster sends no mail",
+        ] {
+            assert!(notes.contains(expected), "{expected} missing in:\n{notes}");
+        }
+        crate::parse_job_spec_value(spec).expect("valid");
     }
 
     #[test]

@@ -1080,11 +1080,29 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
     }
     // Pending elements of one array share a row (`12_[5-99%8]`), where
     // the newest of them would be; running and ended ones have their own.
-    let mut pending_of: std::collections::BTreeMap<u64, Vec<&JobView>> =
+    let mut pending_of: std::collections::BTreeMap<u64, Vec<u32>> =
         std::collections::BTreeMap::new();
     for job in &jobs {
         if let Some(array) = job.array.filter(|_| job.state == "pending") {
-            pending_of.entry(array.job).or_default().push(job);
+            pending_of.entry(array.job).or_default().push(array.index);
+        }
+    }
+    if more {
+        // The page may hold only some of an array's pending elements: its
+        // row names them all.
+        for (&array, indices) in &mut pending_of {
+            let filter = JobFilter {
+                array: Some(array),
+                state: Some("pending".to_string()),
+                ..JobFilter::default()
+            };
+            let (all, _) = runtime()?
+                .block_on(client.all_jobs(&filter, None))
+                .map_err(anyhow::Error::from)?;
+            *indices = all
+                .iter()
+                .filter_map(|j| j.array.map(|a| a.index))
+                .collect();
         }
     }
     let mut rows = Vec::new();
@@ -1094,11 +1112,7 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
             .filter(|_| job.state == "pending")
             .and_then(|array| pending_of.remove(&array.job).map(|group| (array, group)));
         let label = match grouped {
-            Some((array, group)) if group.len() > 1 => {
-                let mut indices: Vec<u32> = group
-                    .iter()
-                    .filter_map(|element| element.array.map(|a| a.index))
-                    .collect();
+            Some((array, mut indices)) if indices.len() > 1 => {
                 indices.sort_unstable();
                 let indices = muster_model::ArraySpec {
                     indices,
