@@ -848,8 +848,10 @@ impl ControlPlane {
     }
 
     /// A short code for why job `id` is pending (`None`: it is not):
-    /// `dependency`, `unscheduled` (no cycle has looked at it yet), or the
-    /// last cycle's reason's [`muster_sched::PendingReason::code`].
+    /// `dependency`, the last cycle's reason's
+    /// [`muster_sched::PendingReason::code`], `array-limit` (an element its
+    /// array's limit kept from the last cycle), or `unscheduled` (no cycle
+    /// has looked at it yet).
     pub fn pending_code(&self, id: JobId) -> Option<&'static str> {
         let job = self.jobs.get(&id)?;
         if job.state != JobState::Pending {
@@ -858,32 +860,15 @@ impl ControlPlane {
         if self.is_waiting(job) {
             return Some("dependency");
         }
-        if self.array_at_limit(job) {
-            return Some("array-limit");
+        if let Some(reason) = self.last_reasons.get(&id) {
+            return Some(reason.code());
         }
-        Some(
-            self.last_reasons
-                .get(&id)
-                .map_or("unscheduled", muster_sched::PendingReason::code),
-        )
-    }
-
-    /// Whether `job` is an element of an array with a limit that as many
-    /// elements as the limit allows are running (or stopping).
-    pub fn array_at_limit(&self, job: &Job) -> bool {
-        let Some(array) = job.array else {
-            return false;
-        };
-        let Some(limit) = array.limit else {
-            return false;
-        };
-        let last = JobId(array.array.0 + u64::from(array.count) - 1);
-        let active = self
-            .jobs
-            .range(array.array..=last)
-            .filter(|(_, element)| matches!(element.state, JobState::Running | JobState::Stopping))
-            .count();
-        active >= limit as usize
+        // Not offered to the last cycle: an element of an array with a
+        // limit is offered only while the array has room below it.
+        Some(match job.array {
+            Some(array) if array.limit.is_some() => "array-limit",
+            _ => "unscheduled",
+        })
     }
 
     /// The elements of array job `array` in the hot state (its first

@@ -934,6 +934,48 @@ pub fn sbatch(args: SbatchArgs) -> Result<u8, Failure> {
     Ok(0)
 }
 
+/// How many rows of `ps` `jobs` make: an array's pending elements share one.
+fn rows_of(jobs: &[JobView]) -> usize {
+    let mut arrays = std::collections::BTreeSet::new();
+    jobs.iter()
+        .filter(|job| match job.array.filter(|_| job.state == "pending") {
+            Some(array) => arrays.insert(array.job),
+            None => true,
+        })
+        .count()
+}
+
+/// Jobs of `filter`, newest first, page by page until they make `most` rows
+/// of `ps` (every one: `None`); and whether more were left.
+async fn jobs_for_rows(
+    client: &Client,
+    filter: &JobFilter,
+    most: Option<usize>,
+) -> Result<(Vec<JobView>, bool), ClientError> {
+    let mut filter = filter.clone();
+    let mut jobs = Vec::new();
+    loop {
+        let rows = rows_of(&jobs);
+        // Rows still wanted; none: only jobs that add no row (the
+        // elements of the array the last page ended in) are read on.
+        let left = most.map_or(1000, |most| most.saturating_sub(rows));
+        filter.limit = Some(if left == 0 { 1000 } else { left.min(1000) } as u32);
+        let page = client.jobs(&filter).await?;
+        jobs.extend(page.jobs);
+        let rows = rows_of(&jobs);
+        let full = most.is_some_and(|most| rows >= most);
+        // An array's elements have consecutive ids, so after a job that is
+        // not one, every later job makes a row of its own.
+        let in_array = jobs.last().is_some_and(|job| job.array.is_some());
+        match page.next_cursor {
+            Some(_) if most.is_some_and(|most| rows > most) => return Ok((jobs, true)),
+            Some(_) if full && !in_array => return Ok((jobs, true)),
+            Some(cursor) => filter.cursor = Some(cursor),
+            None => return Ok((jobs, most.is_some_and(|most| rows > most))),
+        }
+    }
+}
+
 /// A job as the commands name it: `12`, or an array's elements by index,
 /// `12_3` or `12_[1-3,7]` (Slurm's notation).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1063,9 +1105,16 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
         ..JobFilter::default()
     };
     let most = (args.limit > 0).then_some(args.limit);
-    let (jobs, more) = runtime()?
-        .block_on(client.all_jobs(&filter, most))
-        .map_err(anyhow::Error::from)?;
+    let (jobs, more) = if args.connection.json {
+        runtime()?
+            .block_on(client.all_jobs(&filter, most))
+            .map_err(anyhow::Error::from)?
+    } else {
+        // The limit counts rows: an array's pending elements are one.
+        runtime()?
+            .block_on(jobs_for_rows(&client, &filter, most))
+            .map_err(anyhow::Error::from)?
+    };
     let jobs: Vec<&JobView> = jobs.iter().collect();
     if args.connection.json {
         // The API's shape: `{"jobs": [...]}`.
@@ -1074,8 +1123,8 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
     }
     if more {
         eprintln!(
-            "the {} most recent jobs; --limit N shows more, --limit 0 all of them",
-            jobs.len()
+            "the {} most recent rows; --limit N shows more, --limit 0 all of them",
+            most.unwrap_or(0)
         );
     }
     // Pending elements of one array share a row (`12_[5-99%8]`), where
@@ -1125,6 +1174,9 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
             None if job.state == "pending" && job.array.is_some() => continue,
             None => job_label(job),
         };
+        if most.is_some_and(|most| rows.len() >= most) {
+            break;
+        }
         // Running: its nodes. Pending: why, as a short code (`muster
         // describe` has the sentence).
         let place = if job.tasks.is_empty() {
