@@ -998,3 +998,24 @@ fn dependencies() {
         ["depends_on: unknown field; did you mean \"after\"?"]
     );
 }
+
+#[test]
+fn an_array_is_bounded_by_what_all_its_copies_weigh() {
+    let big = "x".repeat(10 * 1024);
+    let spec =
+        |array: &str| format!("name: a\ncommand: [x]\nenv:\n  BIG: {big}\narray: \"{array}\"\n");
+    let refused = errors(&spec("0-9999"));
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert!(
+        refused[0].starts_with("array: 10000 elements of a spec of 11 KiB")
+            && refused[0].contains("at most 64 MiB"),
+        "{refused:?}"
+    );
+    // The same spec as a smaller array, and a small spec as a large one.
+    assert_eq!(parse(&spec("0-999")).array.map(|a| a.len()), Some(1000));
+    let small = parse("name: a\ncommand: [x]\narray: 0-9999%8\n");
+    assert_eq!(
+        small.array.map(|a| (a.len(), a.limit)),
+        Some((10_000, Some(8)))
+    );
+}

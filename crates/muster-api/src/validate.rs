@@ -24,6 +24,24 @@ pub const MAX_ATTEMPTS: u32 = 100;
 pub const MAX_GRACE_PERIOD: Duration = Duration::from_secs(3600);
 /// The longest job name (a DNS label).
 pub const MAX_NAME_LENGTH: usize = 63;
+/// The most an array's copies of its spec (command, environment, working
+/// directory, each element's) may weigh together.
+pub const MAX_ARRAY_BYTES: usize = 64 * 1024 * 1024;
+
+/// What a spec's variable parts weigh, in bytes (with room for the fixed
+/// ones).
+fn spec_weight(
+    command: &[String],
+    env: &std::collections::BTreeMap<String, String>,
+    working_dir: Option<&str>,
+) -> usize {
+    512 + command.iter().map(|arg| arg.len() + 24).sum::<usize>()
+        + env
+            .iter()
+            .map(|(key, value)| key.len() + value.len() + 48)
+            .sum::<usize>()
+        + working_dir.map_or(0, str::len)
+}
 
 /// Environment variables muster sets for every task: a spec may not set them.
 pub const RESERVED_ENV_PREFIXES: &[&str] = &["MUSTER_", "PET_"];
@@ -191,6 +209,26 @@ impl Checker {
                     None
                 }
             });
+        // Every element holds (and stores) the spec: an array of a large
+        // spec is bounded by what all its copies weigh.
+        if let Some(array) = &array {
+            let weight = spec_weight(&command, &env, working_dir.as_deref());
+            let total = weight.saturating_mul(array.len());
+            if total > MAX_ARRAY_BYTES {
+                self.error(
+                    "array",
+                    format!(
+                        "{} elements of a spec of {} KiB (its command and environment) would \
+                         hold {} MiB; an array may hold at most {} MiB: use fewer elements, or \
+                         a smaller command or environment (put a long script in a file)",
+                        array.len(),
+                        weight.div_ceil(1024),
+                        total / (1024 * 1024),
+                        MAX_ARRAY_BYTES / (1024 * 1024)
+                    ),
+                );
+            }
+        }
         model::JobSpec {
             name: spec.name.clone(),
             queue: model::QueueName(queue),
