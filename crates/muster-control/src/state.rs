@@ -406,9 +406,11 @@ pub struct ControlPlane {
     /// outlive its attempt: checked against the job when due).
     pub(crate) deadlines: BTreeSet<(Time, JobId)>,
     /// (dependency, dependent): a pending job waiting for a job of the hot
-    /// state that has not ended. An entry leaves when the dependency ends
-    /// (met: the dependent may start once nothing else holds it; not met:
-    /// the dependent is cancelled) or the dependent leaves pending.
+    /// state that has not ended, or for an array job an element of which
+    /// has not (one entry per dependency as written, whatever the array's
+    /// size). An entry leaves when the dependency ends (met: the dependent
+    /// may start once nothing else holds it; not met: the dependent is
+    /// cancelled) or the dependent leaves pending.
     pub(crate) waiting: BTreeSet<(JobId, JobId)>,
     /// Registered nodes by shape ([`NodeShape`]): the submit-time check
     /// ([`ControlPlane::never_fits`]) asks one node of each.
@@ -705,12 +707,7 @@ impl ControlPlane {
                 job.state.name()
             )));
         }
-        let after: Vec<JobId> = job
-            .spec
-            .after
-            .iter()
-            .flat_map(|d| self.dependency_targets(d.job))
-            .collect();
+        let after: Vec<JobId> = job.spec.after.iter().map(|d| d.job).collect();
         self.jobs.remove(&id);
         self.by_job.remove(&id);
         self.last_reasons.remove(&id);
@@ -737,15 +734,9 @@ impl ControlPlane {
             .values()
             .filter(|job| job.state == JobState::Pending)
             .flat_map(|job| {
-                job.spec.after.iter().flat_map(|dependency| {
-                    self.dependency_targets(dependency.job)
-                        .into_iter()
-                        .filter(|target| {
-                            self.jobs
-                                .get(target)
-                                .is_some_and(|other| !other.state.is_final())
-                        })
-                        .map(|target| (target, job.id))
+                job.spec.after.iter().filter_map(|dependency| {
+                    self.dependency_open(dependency.job)
+                        .then_some((dependency.job, job.id))
                 })
             })
             .collect()
@@ -925,7 +916,7 @@ impl ControlPlane {
         job.spec
             .after
             .iter()
-            .any(|dependency| self.dependency_open(dependency.job))
+            .any(|dependency| self.waiting.contains(&(dependency.job, job.id)))
     }
 
     /// The pending reason of a job held by its dependencies (`None`: none
@@ -969,52 +960,60 @@ impl ControlPlane {
             else {
                 continue;
             };
-            let entries: Vec<(JobId, JobId)> = self
-                .waiting
-                .range((ended, JobId(0))..=(ended, JobId(u64::MAX)))
-                .copied()
-                .collect();
-            for entry in entries {
-                self.waiting.remove(&entry);
-                let dependent = entry.1;
-                let Some(job) = self.jobs.get(&dependent) else {
-                    continue;
-                };
-                if job.state != JobState::Pending {
+            // Jobs waiting for this one, and, for an element, for its array
+            // (under the array's id, once per dependent, whatever its size).
+            let mut keys = vec![ended];
+            if let Some(array) = element.map(|a| a.array).filter(|&array| array != ended) {
+                keys.push(array);
+            }
+            for key in keys {
+                let entries: Vec<(JobId, JobId)> = self
+                    .waiting
+                    .range((key, JobId(0))..=(key, JobId(u64::MAX)))
+                    .copied()
+                    .collect();
+                if entries.is_empty() {
                     continue;
                 }
-                let array = element.map(|a| a.array);
-                let Some(dependency) = job
-                    .spec
-                    .after
-                    .iter()
-                    .find(|d| d.job == ended || Some(d.job) == array)
-                    .copied()
-                else {
-                    continue;
-                };
-                // Met (`Some(true)`), never (`Some(false)`), or not yet.
-                let verdict = if !self.is_array(dependency.job) {
-                    Some(dependency.kind.met_by(succeeded))
-                } else if dependency.kind == muster_model::DependencyKind::Ok && !succeeded {
-                    Some(false)
-                } else if self.dependency_open(dependency.job) {
-                    None
-                } else {
-                    let targets = self.dependency_targets(dependency.job);
-                    let ended_jobs: Vec<&Job> =
-                        targets.iter().filter_map(|id| self.jobs.get(id)).collect();
-                    Some(never_met_by(&dependency, &ended_jobs).is_none())
-                };
-                match verdict {
-                    None => {}
-                    Some(true) => {
-                        let reason =
-                            self.waiting_reason(&job.spec, |other| self.dependency_open(other));
-                        let what = if self.is_array(dependency.job) {
-                            format!("array job {}", dependency.job)
+                let whole_array = self.is_array(key);
+                // Asked once for all the array's dependents.
+                let open = whole_array && self.dependency_open(key);
+                for entry in entries {
+                    let dependent = entry.1;
+                    let Some(job) = self.jobs.get(&dependent) else {
+                        self.waiting.remove(&entry);
+                        continue;
+                    };
+                    let Some(dependency) = job.spec.after.iter().find(|d| d.job == key).copied()
+                    else {
+                        self.waiting.remove(&entry);
+                        continue;
+                    };
+                    // Met (`Some(true)`), never (`Some(false)`), or not yet.
+                    let verdict = if !whole_array {
+                        Some(dependency.kind.met_by(succeeded))
+                    } else if dependency.kind == muster_model::DependencyKind::Ok && !succeeded {
+                        Some(false)
+                    } else if open {
+                        None
+                    } else {
+                        let targets = self.dependency_targets(key);
+                        let ended_jobs: Vec<&Job> =
+                            targets.iter().filter_map(|id| self.jobs.get(id)).collect();
+                        Some(never_met_by(&dependency, &ended_jobs).is_none())
+                    };
+                    let Some(met) = verdict else {
+                        continue;
+                    };
+                    self.waiting.remove(&entry);
+                    if met {
+                        let reason = self.waiting_reason(&job.spec, |other| {
+                            self.waiting.contains(&(other, dependent))
+                        });
+                        let what = if whole_array {
+                            format!("array job {key}")
                         } else {
-                            format!("job {ended}")
+                            format!("job {key}")
                         };
                         if let Some(job) = self.jobs.get_mut(&dependent) {
                             job.pending_reason = reason;
@@ -1022,27 +1021,24 @@ impl ControlPlane {
                                 .push((now, format!("{what} ended as this job waited for it")));
                         }
                         changed(outputs, Output::JobChanged(dependent));
-                    }
-                    Some(false) => {
-                        let note = match element.filter(|a| a.array == dependency.job) {
+                    } else {
+                        let note = match element.filter(|_| whole_array) {
                             Some(element)
                                 if dependency.kind == muster_model::DependencyKind::Ok =>
                             {
                                 format!(
-                                    "cancelled: element {} of array job {} {}, and this job \
+                                    "cancelled: element {} of array job {key} {}, and this job \
                                      waited for every element to succeed",
                                     element.index,
-                                    dependency.job,
                                     state.name()
                                 )
                             }
                             Some(_) => format!(
-                                "cancelled: every element of array job {} succeeded, and this \
-                                 job waited for one to fail",
-                                dependency.job
+                                "cancelled: every element of array job {key} succeeded, and \
+                                 this job waited for one to fail"
                             ),
                             None => format!(
-                                "cancelled: job {ended} {}, and this job waited for it {}",
+                                "cancelled: job {key} {}, and this job waited for it {}",
                                 state.name(),
                                 dependency.kind.waiting_for()
                             ),
@@ -1069,11 +1065,7 @@ impl ControlPlane {
         job.pending_reason = None;
         job.queue_position = None;
         job.history.push((now, note));
-        let after: Vec<muster_model::Dependency> = job.spec.after.clone();
-        let after: Vec<JobId> = after
-            .iter()
-            .flat_map(|d| self.dependency_targets(d.job))
-            .collect();
+        let after: Vec<JobId> = job.spec.after.iter().map(|d| d.job).collect();
         self.finished.insert((now, id));
         self.last_reasons.remove(&id);
         for dependency in after {
@@ -1180,7 +1172,6 @@ impl ControlPlane {
                 // come); one already ended must have ended the right way.
                 // A dependency on an array job is on every element of it.
                 let mut waits_for = Vec::new();
-                let mut holding = Vec::new();
                 for dependency in &spec.after {
                     let targets = self.dependency_targets(dependency.job);
                     if targets.is_empty() {
@@ -1206,11 +1197,10 @@ impl ControlPlane {
                         return Err(ControlError::Invalid(why));
                     }
                     if !open.is_empty() {
-                        waits_for.extend(open.iter().map(|job| job.id));
-                        holding.push(dependency.job);
+                        waits_for.push(dependency.job);
                     }
                 }
-                let pending_reason = self.waiting_reason(&spec, |job| holding.contains(&job));
+                let pending_reason = self.waiting_reason(&spec, |job| waits_for.contains(&job));
                 let mut spec = spec;
                 let elements: Vec<(JobId, Option<muster_model::ArrayElement>)> =
                     match spec.array.take() {
