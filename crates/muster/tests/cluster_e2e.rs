@@ -808,8 +808,37 @@ fn arrays_and_batch_scripts_work_as_slurm_users_expect() {
     common::wait_until("four running", Duration::from_secs(30), || {
         states().iter().filter(|(_, s)| s == "running").count() == 4
     });
+    // Jobs waiting for the whole array: to succeed, and to end however.
+    let waiter = |kind: &str| {
+        let after = format!("{kind}{second}");
+        let output = env.muster(&["run", "--detach", "--after", &after, "--", "true"]);
+        assert!(output.status.success(), "{output:?}");
+        stdout(&output).trim().to_string()
+    };
+    let all_ok = waiter("");
+    let all_end = waiter("any:");
+    for waiting in [&all_ok, &all_end] {
+        let job = json(&env.muster(&["describe", waiting, "--json"]));
+        assert_eq!(job["pending_code"], "dependency", "{job}");
+    }
     let output = env.muster(&["cancel", &format!("{second}_2")]);
     assert!(output.status.success(), "{output:?}");
+    // One element cancelled: the job waiting for all to succeed never
+    // will, and is cancelled saying so.
+    common::wait_until(
+        "the afterok waiter cancelled",
+        Duration::from_secs(30),
+        || json(&env.muster(&["describe", &all_ok, "--json"]))["state"] == "cancelled",
+    );
+    let text = stdout(&env.muster(&["describe", &all_ok]));
+    assert!(
+        text.contains(&format!("element 2 of array job {second} cancelled")),
+        "{text}"
+    );
+    assert_eq!(
+        json(&env.muster(&["describe", &all_end, "--json"]))["state"],
+        "pending"
+    );
     common::wait_until("element 2 cancelled", Duration::from_secs(30), || {
         states()
             .iter()
@@ -820,6 +849,11 @@ fn arrays_and_batch_scripts_work_as_slurm_users_expect() {
     common::wait_until("the whole array cancelled", Duration::from_secs(30), || {
         states().iter().all(|(_, state)| state == "cancelled")
     });
+    common::wait_until(
+        "the afterany waiter to run",
+        Duration::from_secs(30),
+        || json(&env.muster(&["describe", &all_end, "--json"]))["state"] == "succeeded",
+    );
     let output = env.muster(&["cancel", &format!("{second}_9")]);
     assert_eq!(output.status.code(), Some(1), "{output:?}");
     assert!(
