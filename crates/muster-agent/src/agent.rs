@@ -56,6 +56,8 @@ pub struct AgentConfig {
     pub allow_root_tasks: bool,
     /// The most processes and threads one task may have at once.
     pub task_pids_max: Option<u64>,
+    /// How often GPU and node telemetry is sent to the server.
+    pub telemetry_interval: Duration,
 }
 
 /// The node's credential, in its state directory (mode 0600).
@@ -278,10 +280,27 @@ pub async fn run(
         forgotten: BTreeSet::new(),
         in_flight: None,
         server: config.server.clone(),
+        backend: Arc::clone(&config.backend),
     };
     shell.carry_out(&mut core, outputs).await?;
     let mut health = tokio::time::interval(Duration::from_secs(1));
     health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut telemetry =
+        tokio::time::interval(config.telemetry_interval.max(Duration::from_secs(1)));
+    telemetry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut node_sampler = crate::nodestats::NodeSampler::default();
+    // The GPUs' total memory, for their samples.
+    let memory_totals: BTreeMap<u32, u64> = config
+        .backend
+        .inventory()
+        .map(|inventory| {
+            inventory
+                .gpus
+                .iter()
+                .map(|gpu| (gpu.index, gpu.memory.0))
+                .collect()
+        })
+        .unwrap_or_default();
     loop {
         shell.ship_and_forget(&core).await;
         let wake = core.next_wake_ms();
@@ -310,6 +329,7 @@ pub async fn run(
                     memory_peak_bytes = ?exit.usage.memory_peak_bytes,
                     "task ended"
                 );
+                config.backend.task_ended(&exit.allocation);
                 let Some(task) = task_of(&exit.allocation) else {
                     continue;
                 };
@@ -330,10 +350,56 @@ pub async fn run(
                     _ => Input::Tick,
                 }
             }
+            _ = telemetry.tick() => {
+                // Sent apart from heartbeats, and never waited for: a slow
+                // or failed send loses one sample, nothing else.
+                if let (Some(client), true) = (shell.client.clone(), core.registered()) {
+                    let backend = Arc::clone(&config.backend);
+                    let gpus = tokio::task::spawn_blocking(move || backend.telemetry())
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                        .unwrap_or_default();
+                    let report = muster_api::protocol::TelemetryReport {
+                        epoch: core.epoch(),
+                        sampled_ms: now_ms(),
+                        gpus: gpus
+                            .iter()
+                            .map(|gpu| gpu_sample(gpu, &memory_totals))
+                            .collect(),
+                        node: node_sampler.sample(),
+                    };
+                    let name = config.name.clone();
+                    tokio::spawn(async move {
+                        if let Err(error) = client.push_telemetry(&name, &report).await {
+                            tracing::debug!("telemetry not sent: {error}");
+                        }
+                    });
+                }
+                Input::Tick
+            }
             _ = sleep => Input::Tick,
         };
         let outputs = core.handle(now_ms(), input);
         shell.carry_out(&mut core, outputs).await?;
+    }
+}
+
+/// One GPU's telemetry as the API carries it.
+fn gpu_sample(
+    gpu: &crate::gpu::GpuTelemetry,
+    memory_totals: &BTreeMap<u32, u64>,
+) -> muster_api::protocol::GpuSample {
+    muster_api::protocol::GpuSample {
+        index: gpu.index,
+        utilization_pct: gpu.utilization_pct.min(100),
+        memory_used_mib: gpu.memory_used.0,
+        memory_total_mib: memory_totals.get(&gpu.index).copied().unwrap_or(0),
+        power_watts: gpu.power_milliwatts.map(|mw| f64::from(mw) / 1000.0),
+        temperature_c: gpu.temperature_c,
+        sm_clock_mhz: gpu.sm_clock_mhz,
+        ecc_uncorrected: gpu.ecc_errors,
+        healthy: gpu.healthy,
     }
 }
 
@@ -372,6 +438,7 @@ struct Shell {
     forgotten: BTreeSet<String>,
     in_flight: Option<InFlight>,
     server: String,
+    backend: Arc<dyn GpuBackend>,
 }
 
 impl Shell {
@@ -474,6 +541,8 @@ impl Shell {
                         user: spec.user.clone(),
                         memory_limit_mib: spec.memory_mib,
                     };
+                    let env = launch.env.clone();
+                    let indices = launch.gpu_indices.clone();
                     if let Err(error) = self.runtime.start(launch).await {
                         // Reported as a failed task (exit code 127, as a
                         // shell would for a missing command). The supervisor
@@ -488,6 +557,8 @@ impl Shell {
                             let _ = std::fs::write(&log, format!("muster: {error}\n"));
                         }
                         queue.extend(core.handle(now_ms(), Input::StartFailed { task }));
+                    } else {
+                        self.backend.task_started(&key, &indices, &env);
                     }
                 }
                 Output::StopTask {

@@ -23,6 +23,7 @@
 pub mod agent;
 pub mod gpu;
 pub mod logship;
+pub mod nodestats;
 pub mod runtime;
 pub mod supervise;
 

@@ -368,6 +368,20 @@ impl Client {
 
     /// Sends one chunk of a task's output; the answer says where the
     /// server's copy ends.
+    /// Sends a node's telemetry (its credential's client).
+    pub async fn push_telemetry(
+        &self,
+        node: &str,
+        report: &TelemetryReport,
+    ) -> Result<serde_json::Value, ClientError> {
+        self.post(
+            &format!("/v1/agents/{}/telemetry", encode(node)),
+            report,
+            Some(Duration::from_secs(10)),
+        )
+        .await
+    }
+
     pub async fn push_logs(&self, node: &str, chunk: &LogChunk) -> Result<LogAck, ClientError> {
         self.post(
             &format!("/v1/agents/{}/logs", encode(node)),

@@ -276,6 +276,67 @@ pub struct HeartbeatRequest {
     pub sequence: u64,
 }
 
+/// `POST /v1/agents/{node}/telemetry`: what a node's GPUs and the node
+/// itself are doing, sampled every few seconds (apart from heartbeats).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TelemetryReport {
+    /// The agent's epoch: a report of an earlier registration is refused.
+    pub epoch: u64,
+    /// When it was sampled, by the agent's clock.
+    pub sampled_ms: u64,
+    /// One per GPU (at most 64).
+    pub gpus: Vec<GpuSample>,
+    pub node: NodeSample,
+}
+
+/// One GPU, as NVML (or the simulated backend) reports it; `None` where the
+/// device does not.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct GpuSample {
+    pub index: u32,
+    /// Percent of the sample period a kernel ran, 0 to 100.
+    pub utilization_pct: u32,
+    pub memory_used_mib: u64,
+    pub memory_total_mib: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_watts: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature_c: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_clock_mhz: Option<u32>,
+    /// Uncorrected (double-bit) ECC errors since the driver loaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ecc_uncorrected: Option<u64>,
+    pub healthy: bool,
+}
+
+/// The node's own counters, from the kernel.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct NodeSample {
+    /// Percent of all CPUs busy since the previous sample.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_busy_pct: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_used_mib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_total_mib: Option<u64>,
+    /// Bytes received and sent per interface since boot (at most 64
+    /// interfaces; loopback left out).
+    #[serde(default)]
+    pub network: Vec<InterfaceSample>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct InterfaceSample {
+    pub interface: String,
+    pub receive_bytes: u64,
+    pub transmit_bytes: u64,
+}
+
 /// A task the node must run, or stop when `stop` is set.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -110,11 +110,17 @@ pub fn is_env_name(name: &str) -> bool {
 
 /// A variable muster sets itself (`MUSTER_*`, `PET_*`, the GPU ones).
 pub fn is_reserved_env_name(name: &str) -> bool {
-    RESERVED_ENV_PREFIXES
-        .iter()
-        .any(|prefix| name.starts_with(prefix))
-        || RESERVED_ENV_NAMES.contains(&name)
+    !JOB_SETTABLE_ENV_NAMES.contains(&name)
+        && (RESERVED_ENV_PREFIXES
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
+            || RESERVED_ENV_NAMES.contains(&name))
 }
+
+/// Names under a reserved prefix that a job sets itself:
+/// `MUSTER_SIM_UTIL` (a share, 0 to 1) is how busy the simulated GPU
+/// backend keeps the job's GPUs.
+pub const JOB_SETTABLE_ENV_NAMES: &[&str] = &["MUSTER_SIM_UTIL"];
 
 fn signal_names() -> String {
     model::Signal::ALL

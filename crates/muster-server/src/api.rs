@@ -42,6 +42,7 @@ pub const USER_HEADER: &str = "x-muster-user";
 pub fn router(shared: Arc<Shared>) -> axum::Router {
     axum::Router::new()
         .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
         .route("/v1/openapi.json", get(openapi))
         .route("/v1/jobs", post(submit_job).get(list_jobs))
         .route("/v1/jobs/{id}", get(get_job))
@@ -60,6 +61,7 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/agents/register", post(register_agent))
         .route("/v1/agents/{node}/heartbeat", post(heartbeat))
         .route("/v1/agents/{node}/logs", post(push_logs))
+        .route("/v1/agents/{node}/telemetry", post(push_telemetry))
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
@@ -68,6 +70,28 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         ))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
+}
+
+/// Prometheus metrics (OpenMetrics text): the GPUs under DCGM's names, with
+/// the job, queue and user holding each, and muster's own series. The
+/// metrics token or the admin token.
+async fn metrics(State(shared): Shared_) -> Response {
+    let telemetry = match shared.telemetry.lock() {
+        Ok(telemetry) => telemetry.clone(),
+        Err(poisoned) => poisoned.into_inner().clone(),
+    };
+    let text = {
+        let core = shared.read();
+        crate::metrics::render(core.control(), &telemetry, now().0)
+    };
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            crate::metrics::CONTENT_TYPE,
+        )],
+        text,
+    )
+        .into_response()
 }
 
 /// Liveness, and whether the server takes changes: 503 with the reason
@@ -108,6 +132,8 @@ pub enum Identity {
     Admin,
     Join,
     Node(String),
+    /// The metrics token: `/metrics` only.
+    Metrics,
 }
 
 /// What an endpoint needs.
@@ -118,9 +144,14 @@ enum Need {
     /// The join token (a new node) or a node's own credential.
     Register,
     Node(String),
+    /// The admin or the metrics token.
+    Metrics,
 }
 
 fn need_of(path: &str) -> Need {
+    if path == "/metrics" {
+        return Need::Metrics;
+    }
     if path == "/healthz" || path == "/v1/openapi.json" || !path.starts_with("/v1/") {
         return Need::Nothing;
     }
@@ -140,6 +171,9 @@ fn identify(shared: &Shared, token: &str) -> Option<Identity> {
     }
     if same_token(token, &shared.join_token) {
         return Some(Identity::Join);
+    }
+    if same_token(token, &shared.metrics_token) {
+        return Some(Identity::Metrics);
     }
     shared
         .read()
@@ -173,9 +207,19 @@ async fn authenticate(State(shared): Shared_, mut request: Request, next: Next) 
         .into_response();
     };
     let denied = match (&need, &identity) {
-        (Need::Admin, Identity::Admin) | (Need::Register, Identity::Join | Identity::Node(_)) => {
-            None
-        }
+        (Need::Admin, Identity::Admin)
+        | (Need::Register, Identity::Join | Identity::Node(_))
+        | (Need::Metrics, Identity::Admin | Identity::Metrics) => None,
+        (Need::Metrics, _) => Some(
+            "/metrics takes the metrics token (metrics.token in the server's data directory) \
+             or the admin token"
+                .to_string(),
+        ),
+        (_, Identity::Metrics) => Some(
+            "the metrics token only reads /metrics; use the admin token (admin.token in the \
+             server's data directory) for this"
+                .to_string(),
+        ),
         (Need::Node(wanted), Identity::Node(node)) if wanted == node => None,
         (Need::Node(wanted), Identity::Node(node)) => Some(format!(
             "this token belongs to node {node}, not to node {wanted}"
@@ -1237,11 +1281,11 @@ async fn register_agent(
                         format!("this credential belongs to node {owner}, not to node {name}"),
                     ));
                 }
-                Identity::Admin => {
+                Identity::Admin | Identity::Metrics => {
                     return Err(ApiError::new(
                         ErrorCode::PermissionDenied,
                         "agents register with the join token or their node credential, not the \
-                         admin token",
+                         admin or metrics token",
                     ));
                 }
             };
@@ -1350,6 +1394,62 @@ async fn heartbeat(
     }))
 }
 
+/// A node's telemetry: kept (the latest per node, in memory) for `/metrics`.
+#[utoipa::path(
+    post, path = "/v1/agents/{node}/telemetry", tag = "agents",
+    params(("node" = String, Path, description = "the node's name")),
+    request_body = TelemetryReport,
+    responses(
+        (status = 200, description = "kept"),
+        (status = 400, description = "more GPUs or interfaces than a node has", body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "the report is of an earlier registration (epoch)", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn push_telemetry(
+    State(shared): Shared_,
+    PathParams(node): PathParams<String>,
+    Body(report): Body<TelemetryReport>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    if report.gpus.len() > muster_model::MAX_NODE_GPUS
+        || report.node.network.len() > 64
+        || report.node.network.iter().any(|i| i.interface.len() > 64)
+    {
+        return Err(ApiError::invalid(format!(
+            "a report has at most {} GPUs and 64 interfaces of names up to 64 bytes",
+            muster_model::MAX_NODE_GPUS
+        )));
+    }
+    {
+        let core = shared.read();
+        let Some(known) = core
+            .control()
+            .node(&muster_model::NodeName::from(node.as_str()))
+        else {
+            return Err(node_not_found(&node));
+        };
+        if known.epoch != report.epoch {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "the report is of epoch {}, the node's registration is epoch {}",
+                    report.epoch, known.epoch
+                ),
+            ));
+        }
+    }
+    let entry = crate::metrics::NodeTelemetry {
+        received_ms: now().0,
+        report,
+    };
+    match shared.telemetry.lock() {
+        Ok(mut telemetry) => telemetry.insert(node, entry),
+        Err(poisoned) => poisoned.into_inner().insert(node, entry),
+    };
+    Ok(Json(serde_json::json!({})))
+}
+
 /// Store an allocation's output at a byte offset of what the task wrote
 /// (bytes already stored are skipped, so retries are harmless). An empty
 /// chunk at offset 0 asks where the server's copy ends.
@@ -1436,7 +1536,7 @@ async fn push_logs(
 #[openapi(
     info(title = "muster", description = "muster's /v1 API: jobs, nodes, queues, agents."),
     paths(
-        submit_job, list_jobs, get_job, cancel_job, cancel_array, job_logs,
+        submit_job, list_jobs, get_job, cancel_job, cancel_array, job_logs, push_telemetry,
         list_nodes, get_node, remove_node, reset_identity, cordon_node, uncordon_node, drain_node,
         list_pools, list_queues, set_queue,
         register_agent, heartbeat, push_logs,

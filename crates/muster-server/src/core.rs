@@ -330,6 +330,11 @@ pub struct Shared {
     pub state_version: std::sync::atomic::AtomicU64,
     pub admin_token: String,
     pub join_token: String,
+    /// Reads `/metrics` only.
+    pub metrics_token: String,
+    /// The latest telemetry of each node (memory only: one report per
+    /// registered node, replaced by the next).
+    pub telemetry: std::sync::Mutex<BTreeMap<String, crate::metrics::NodeTelemetry>>,
     /// Task logs, bounded per task.
     pub logs: std::sync::Arc<crate::logstore::LogStore>,
     /// Becomes true when the server shuts down (ends long polls).
@@ -366,6 +371,7 @@ impl Shared {
         store: crate::store::SqliteStore,
         admin_token: String,
         join_token: String,
+        metrics_token: String,
         logs: crate::logstore::LogStore,
         shutdown: watch::Receiver<bool>,
     ) -> Shared {
@@ -379,6 +385,8 @@ impl Shared {
             state_version: std::sync::atomic::AtomicU64::new(0),
             admin_token,
             join_token,
+            metrics_token,
+            telemetry: std::sync::Mutex::new(BTreeMap::new()),
             logs: std::sync::Arc::new(logs),
             shutdown,
         }

@@ -33,6 +33,7 @@ mod core;
 mod error;
 mod logstore;
 mod loops;
+mod metrics;
 mod records;
 pub mod store;
 mod views;
@@ -110,6 +111,7 @@ pub struct ServerHandle {
     addr: SocketAddr,
     admin_token: String,
     join_token: String,
+    metrics_token: String,
     data_dir: PathBuf,
     /// Whether this start created the data directory's tokens (a new
     /// cluster).
@@ -159,6 +161,7 @@ impl Server {
         }
         let (admin_token, first_start) = auth::load_or_create(&data_dir.join("admin.token"))?;
         let (join_token, _) = auth::load_or_create(&data_dir.join("join.token"))?;
+        let (metrics_token, _) = auth::load_or_create(&data_dir.join("metrics.token"))?;
 
         let store = SqliteStore::open_with(
             &data_dir,
@@ -192,6 +195,7 @@ impl Server {
             store.clone(),
             admin_token.clone(),
             join_token.clone(),
+            metrics_token.clone(),
             logstore::LogStore::new(data_dir.join("logs"), config.max_log_bytes),
             shutdown_receiver.clone(),
         ));
@@ -231,6 +235,7 @@ impl Server {
             addr,
             admin_token,
             join_token,
+            metrics_token,
             data_dir,
             first_start,
             shutdown,
@@ -251,6 +256,11 @@ impl ServerHandle {
     /// The admin token (users and admins).
     pub fn admin_token(&self) -> &str {
         &self.admin_token
+    }
+
+    /// The token that reads `/metrics` (and nothing else).
+    pub fn metrics_token(&self) -> &str {
+        &self.metrics_token
     }
 
     /// The join token (agents registering).

@@ -673,6 +673,153 @@ async fn wait_for_desired(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
+    bounded(async {
+        use muster_api::protocol::{GpuSample, InterfaceSample, NodeSample, TelemetryReport};
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let metrics_token = server.metrics_token().to_string();
+        let registered = api.register(server.join_token(), "gpu-1").await;
+        let (token, epoch) = (registered.node_token.clone(), registered.epoch);
+        let id = api.submit(&admin, spec("train", "team-a", 2)).await;
+        let placed = wait_for_desired(&api, &token, epoch, &[], 1).await;
+        let held = placed.desired[0].gpus.clone();
+        assert_eq!(held.len(), 2);
+        let (busy, idle) = (held[0], held[1]);
+        let report = TelemetryReport {
+            epoch,
+            sampled_ms: 1,
+            gpus: (0..4)
+                .map(|index| GpuSample {
+                    index,
+                    utilization_pct: if index == busy {
+                        90
+                    } else if index == idle {
+                        2
+                    } else {
+                        0
+                    },
+                    memory_used_mib: 1_000,
+                    memory_total_mib: 81_920,
+                    power_watts: Some(350.5),
+                    temperature_c: Some(61),
+                    sm_clock_mhz: Some(1_980),
+                    ecc_uncorrected: Some(0),
+                    healthy: true,
+                })
+                .collect(),
+            node: NodeSample {
+                cpu_busy_pct: Some(12.5),
+                memory_used_mib: Some(1_024),
+                memory_total_mib: Some(4_096),
+                network: vec![InterfaceSample {
+                    interface: "eth0".to_string(),
+                    receive_bytes: 1_000,
+                    transmit_bytes: 2_000,
+                }],
+            },
+        };
+        let path = "/v1/agents/gpu-1/telemetry";
+        let body = serde_json::to_value(&report).unwrap();
+        let (status, answer) = api.post(path, &token, body.clone()).await;
+        assert_eq!(status, StatusCode::OK, "{answer}");
+        // Another registration's report, another node's token, too many GPUs.
+        let mut stale = body.clone();
+        stale["epoch"] = json!(epoch + 7);
+        assert_eq!(api.post(path, &token, stale).await.0, StatusCode::CONFLICT);
+        assert_eq!(
+            api.post(path, &admin, body.clone()).await.0,
+            StatusCode::FORBIDDEN
+        );
+        let mut huge = body.clone();
+        huge["gpus"] = json!(vec![body["gpus"][0].clone(); 65]);
+        assert_eq!(
+            api.post(path, &token, huge).await.0,
+            StatusCode::BAD_REQUEST
+        );
+
+        let (status, text) = api.get("/metrics", &metrics_token).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let text = text.as_str().expect("text").to_string();
+        let gpu = |index: u32| {
+            format!(
+                "gpu=\"{index}\",UUID=\"GPU-gpu-1-{index}\",device=\"nvidia{index}\",\
+                 modelName=\"H100-80GB\",Hostname=\"gpu-1\""
+            )
+        };
+        let free = (0..4).find(|i| !held.contains(i)).expect("a free GPU");
+        for line in [
+            format!(
+                "DCGM_FI_DEV_GPU_UTIL{{{},job=\"{id}\",queue=\"team-a\",user=\"admin\"}} 90.0",
+                gpu(busy)
+            ),
+            format!("DCGM_FI_DEV_GPU_UTIL{{{}}} 0.0", gpu(free)),
+            format!(
+                "DCGM_FI_DEV_FB_FREE{{{},job=\"{id}\",queue=\"team-a\",user=\"admin\"}} 80920.0",
+                gpu(busy)
+            ),
+            format!("DCGM_FI_DEV_POWER_USAGE{{{}}} 350.5", gpu(free)),
+            format!("DCGM_FI_DEV_GPU_TEMP{{{}}} 61.0", gpu(free)),
+            format!("DCGM_FI_DEV_SM_CLOCK{{{}}} 1980.0", gpu(free)),
+            "muster_gpus{pool=\"default\",modelName=\"H100-80GB\",state=\"allocated\"} 2.0"
+                .to_string(),
+            "muster_gpus{pool=\"default\",modelName=\"H100-80GB\",state=\"free\"} 2.0".to_string(),
+            "muster_gpus_idle{pool=\"default\",modelName=\"H100-80GB\"} 1.0".to_string(),
+            "muster_jobs{state=\"running\",queue=\"team-a\"} 1.0".to_string(),
+            "muster_nodes{state=\"ready\"} 1.0".to_string(),
+            "muster_node_cpu_busy_percent{Hostname=\"gpu-1\"} 12.5".to_string(),
+            "muster_node_network_receive_bytes_total{Hostname=\"gpu-1\",interface=\"eth0\"} 1000"
+                .to_string(),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}\nnot in:\n{text}");
+        }
+        assert!(text.contains("# TYPE DCGM_FI_DEV_GPU_UTIL gauge"), "{text}");
+        // Pending jobs by queue and reason.
+        let mut big = spec("big", "team-b", 4);
+        big["gpu_models"] = json!(["B200"]);
+        let (status, _) = api
+            .post(
+                "/v1/jobs",
+                &admin,
+                json!({ "spec": big, "allow_pending": true }),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED);
+        let mut found = false;
+        for _ in 0..100 {
+            let (_, text) = api.get("/metrics", &metrics_token).await;
+            if text.as_str().is_some_and(|t| {
+                t.lines()
+                    .any(|l| l == "muster_jobs_pending{queue=\"team-b\",reason=\"never-fits\"} 1.0")
+            }) {
+                found = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(found, "pending by reason");
+        // Who may read them: the metrics or admin token, nobody else; the
+        // metrics token reads nothing else.
+        assert_eq!(api.get("/metrics", &admin).await.0, StatusCode::OK);
+        assert_eq!(
+            api.get("/metrics", server.join_token()).await.0,
+            StatusCode::FORBIDDEN
+        );
+        assert_eq!(api.get("/metrics", &token).await.0, StatusCode::FORBIDDEN);
+        let (status, _) = api.call(reqwest::Method::GET, "/metrics", None, None).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            api.get("/v1/jobs", &metrics_token).await.0,
+            StatusCode::FORBIDDEN
+        );
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_keeps_jobs_tokens_nodes_and_allocations() {
     bounded(async {
         let dir = tempfile::tempdir().unwrap();

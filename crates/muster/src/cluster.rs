@@ -99,6 +99,11 @@ pub struct IsolationArgs {
     /// starves neither its neighbours nor the agent.
     #[arg(long, value_name = "N", default_value_t = muster_agent::runtime::DEFAULT_TASK_PIDS_MAX)]
     pub task_pids_max: u64,
+    /// How often the node sends GPU and node telemetry (utilisation,
+    /// memory, power, temperature, clocks, ECC; CPU, memory, network) to the
+    /// server, for `/metrics`.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::cli::parse_duration_s)]
+    pub telemetry_interval: u64,
 }
 
 fn parse_cgroups(text: &str) -> Result<muster_agent::CgroupChoice, String> {
@@ -375,6 +380,7 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         task_user: args.isolation.task_user.clone(),
         allow_root_tasks: args.isolation.allow_root_tasks,
         task_pids_max: (args.isolation.task_pids_max > 0).then_some(args.isolation.task_pids_max),
+        telemetry_interval: std::time::Duration::from_secs(args.isolation.telemetry_interval),
         log_shipping: muster_agent::logship::LogShipConfig {
             rate_bytes_per_s: args.log_rate,
             ..muster_agent::logship::LogShipConfig::default()
@@ -451,6 +457,7 @@ pub fn up(args: UpArgs) -> Result<()> {
             allow_root_tasks: args.isolation.allow_root_tasks,
             task_pids_max: (args.isolation.task_pids_max > 0)
                 .then_some(args.isolation.task_pids_max),
+            telemetry_interval: std::time::Duration::from_secs(args.isolation.telemetry_interval),
             log_shipping: muster_agent::logship::LogShipConfig::default(),
         };
         let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();

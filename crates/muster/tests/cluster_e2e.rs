@@ -946,3 +946,92 @@ fn arrays_and_batch_scripts_work_as_slurm_users_expect() {
         .unwrap();
     assert!(stdout(&output).contains("[]"), "{output:?}");
 }
+
+/// `GET path` with a bearer token over plain HTTP/1.1: the status and body.
+fn http_get(url: &str, path: &str, token: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let address = url.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(address).expect("the server answers");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("a timeout");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nAuthorization: Bearer {token}\r\n\
+         Connection: close\r\n\r\n"
+    )
+    .expect("request sent");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).expect("an answer");
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_string());
+    (status, body)
+}
+
+#[test]
+fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
+    let env = Env::new();
+    let listen = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("up-data");
+    let mut up = env.spawn(
+        "up",
+        &[
+            "up",
+            "--listen",
+            &listen,
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--simulate-gpus",
+            "2xH100-80GB",
+            "--telemetry-interval",
+            "1s",
+        ],
+    );
+    env.wait_for_api(&mut up);
+    // A task declares how busy its simulated GPU is.
+    let output = env.muster(&[
+        "run",
+        "--detach",
+        "--gpus",
+        "1",
+        "-e",
+        "MUSTER_SIM_UTIL=0.9",
+        "--",
+        "sleep",
+        "60",
+    ]);
+    assert!(output.status.success(), "{output:?}");
+    let id = stdout(&output).trim().to_string();
+    let token = std::fs::read_to_string(data.join("metrics.token")).expect("a metrics token");
+    let wanted = format!("job=\"{id}\",queue=\"default\"");
+    let mut last = String::new();
+    common::wait_until("the job's GPU in /metrics", Duration::from_secs(30), || {
+        let (status, body) = http_get(&env.url, "/metrics", token.trim());
+        assert_eq!(status, 200, "{body}");
+        last = body;
+        last.lines().any(|line| {
+            line.starts_with("DCGM_FI_DEV_GPU_UTIL{")
+                && line.contains(&wanted)
+                && line.ends_with(" 90.0")
+        })
+    });
+    // The node's own counters come along; the other GPU is free and idle.
+    assert!(
+        last.lines()
+            .any(|l| l.starts_with("muster_node_memory_total_bytes{Hostname=")),
+        "{last}"
+    );
+    assert!(
+        last.lines()
+            .any(|l| l.starts_with("DCGM_FI_DEV_GPU_UTIL{") && l.ends_with(" 0.0")),
+        "{last}"
+    );
+    let output = env.muster(&["cancel", &id]);
+    assert!(output.status.success(), "{output:?}");
+}

@@ -78,6 +78,8 @@ pub struct GpuTelemetry {
     /// Uncorrected ECC errors since the driver loaded (volatile count);
     /// `None` where ECC is off or not supported.
     pub ecc_errors: Option<u64>,
+    /// The streaming multiprocessors' clock.
+    pub sm_clock_mhz: Option<u32>,
     /// `false` when the GPU should not get new work: memory pages pending
     /// retirement, uncorrected ECC errors, or the GPU fell off the bus.
     pub healthy: bool,
@@ -133,4 +135,16 @@ pub trait GpuBackend: Send + Sync {
     /// One sample per GPU, ordered by index. Cheap enough to call every
     /// heartbeat.
     fn telemetry(&self) -> Result<Vec<GpuTelemetry>, GpuError>;
+    /// A task started on GPUs `gpus` with environment `env`: the simulated
+    /// backend keeps them as busy as its `MUSTER_SIM_UTIL` says (a share,
+    /// 0 to 1); real GPUs report what they do.
+    fn task_started(
+        &self,
+        _task: &str,
+        _gpus: &[u32],
+        _env: &std::collections::BTreeMap<String, String>,
+    ) {
+    }
+    /// The task named `task` ended.
+    fn task_ended(&self, _task: &str) {}
 }

@@ -11,7 +11,7 @@
 use super::{GpuBackend, GpuError, GpuInfo, GpuInventory, GpuTelemetry};
 use muster_model::{GpuModel, MemoryMib};
 use nvml_wrapper::Nvml;
-use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
+use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
 use nvml_wrapper::error::NvmlError;
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
@@ -154,6 +154,7 @@ impl GpuBackend for NvmlBackend {
                         power_milliwatts: None,
                         temperature_c: None,
                         ecc_errors: None,
+                        sm_clock_mhz: None,
                         healthy: false,
                     });
                     continue;
@@ -184,6 +185,7 @@ impl GpuBackend for NvmlBackend {
                 power_milliwatts: power.ok(),
                 temperature_c: temperature.ok(),
                 ecc_errors: ecc,
+                sm_clock_mhz: device.clock_info(Clock::SM).ok(),
                 healthy: !lost && !pending_retirement.unwrap_or(false) && ecc.unwrap_or(0) == 0,
             });
         }

@@ -60,7 +60,12 @@ struct GpuState {
 pub struct SimulatedBackend {
     gpus: Vec<GpuInfo>,
     states: Mutex<Vec<GpuState>>,
+    /// Running tasks' load: their GPUs and utilisation (percent).
+    loads: Mutex<std::collections::BTreeMap<String, (Vec<u32>, u32)>>,
 }
+
+/// What a task's GPUs report when it declares no `MUSTER_SIM_UTIL`.
+pub const DEFAULT_TASK_UTILIZATION_PCT: u32 = 80;
 
 impl SimulatedBackend {
     /// The most GPUs one simulated node may have.
@@ -130,6 +135,7 @@ impl SimulatedBackend {
         Ok(SimulatedBackend {
             gpus,
             states: Mutex::new(states),
+            loads: Mutex::new(std::collections::BTreeMap::new()),
         })
     }
 
@@ -173,14 +179,55 @@ impl GpuBackend for SimulatedBackend {
         })
     }
 
+    fn task_started(
+        &self,
+        task: &str,
+        gpus: &[u32],
+        env: &std::collections::BTreeMap<String, String>,
+    ) {
+        // `MUSTER_SIM_UTIL=0.9`: the task keeps its GPUs 90% busy.
+        let pct = env
+            .get("MUSTER_SIM_UTIL")
+            .and_then(|text| text.trim().parse::<f64>().ok())
+            .filter(|share| share.is_finite())
+            .map_or(DEFAULT_TASK_UTILIZATION_PCT, |share| {
+                (share.clamp(0.0, 1.0) * 100.0).round() as u32
+            });
+        self.loads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(task.to_string(), (gpus.to_vec(), pct));
+    }
+
+    fn task_ended(&self, task: &str) {
+        self.loads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(task);
+    }
+
     fn telemetry(&self) -> Result<Vec<GpuTelemetry>, GpuError> {
         let states = self.states.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut load = vec![0u32; self.gpus.len()];
+        for (gpus, pct) in self
+            .loads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+        {
+            for &index in gpus {
+                if let Some(busy) = load.get_mut(index as usize) {
+                    *busy = (*busy + pct).min(100);
+                }
+            }
+        }
         Ok(self
             .gpus
             .iter()
             .zip(states.iter())
-            .map(|(gpu, state)| {
-                let pct = state.utilization_pct;
+            .zip(load)
+            .map(|((gpu, state), load)| {
+                let pct = state.utilization_pct.max(load);
                 let tdp = TDP_WATTS
                     .iter()
                     .find(|(name, _)| *name == family(&gpu.model))
@@ -193,6 +240,7 @@ impl GpuBackend for SimulatedBackend {
                     power_milliwatts: Some((idle + (tdp - idle) * pct / 100) * 1000),
                     temperature_c: Some(30 + pct / 2),
                     ecc_errors: Some(0),
+                    sm_clock_mhz: Some(if pct > 0 { 1980 } else { 345 }),
                     healthy: state.healthy,
                 }
             })
