@@ -80,18 +80,28 @@ async fn metrics(State(shared): Shared_) -> Response {
         Ok(telemetry) => telemetry.clone(),
         Err(poisoned) => poisoned.into_inner().clone(),
     };
-    let text = {
-        let core = shared.read();
+    // Tens of milliseconds at thousands of GPUs: off the async threads.
+    let rendering = Arc::clone(&shared);
+    let rendered = tokio::task::spawn_blocking(move || {
+        let core = rendering.read();
         crate::metrics::render(core.control(), &telemetry, now().0)
-    };
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            crate::metrics::CONTENT_TYPE,
-        )],
-        text,
-    )
-        .into_response()
+    })
+    .await;
+    match rendered {
+        Ok(text) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                crate::metrics::CONTENT_TYPE,
+            )],
+            text,
+        )
+            .into_response(),
+        Err(error) => ApiError::new(
+            ErrorCode::Internal,
+            format!("the metrics could not be rendered: {error}"),
+        )
+        .into_response(),
+    }
 }
 
 /// Liveness, and whether the server takes changes: 503 with the reason

@@ -33,7 +33,7 @@ mod core;
 mod error;
 mod logstore;
 mod loops;
-mod metrics;
+pub mod metrics;
 mod records;
 pub mod store;
 mod views;

@@ -9,13 +9,13 @@
 
 use muster_api::protocol::TelemetryReport;
 use muster_control::{ControlPlane, JobState};
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 
 /// A node's latest telemetry, and when the server got it.
 #[derive(Debug, Clone)]
@@ -34,56 +34,93 @@ pub const IDLE_UTILIZATION_PCT: u32 = 5;
 /// The content type of what [`render`] gives.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-type Labels = Vec<(String, String)>;
-type FloatGauge = Gauge<f64, AtomicU64>;
+/// A series' labels, shared by the series of one GPU (values are counted
+/// references: a scrape of thousands of GPUs copies no text).
+type Labels = Arc<Vec<(&'static str, Arc<str>)>>;
 
-/// Families created on first use, registered once each.
+#[derive(Debug, Clone, Copy)]
+enum Value {
+    Gauge(f64),
+    Counter(u64),
+}
+
+#[derive(Debug)]
+struct FamilyData {
+    help: &'static str,
+    series: Vec<(Labels, Value)>,
+}
+
+/// Everything one scrape shows, streamed to the encoder as it is (no
+/// per-series map or metric objects: a `Collector` of prometheus-client).
+#[derive(Debug, Default)]
 struct Families {
-    registry: Registry,
-    gauges: BTreeMap<&'static str, Family<Labels, FloatGauge>>,
-    counters: BTreeMap<&'static str, Family<Labels, Counter>>,
+    families: BTreeMap<&'static str, FamilyData>,
 }
 
 impl Families {
     fn new() -> Self {
-        Families {
-            registry: Registry::default(),
-            gauges: BTreeMap::new(),
-            counters: BTreeMap::new(),
+        Families::default()
+    }
+
+    fn push(&mut self, name: &'static str, help: &'static str, labels: Labels, value: Value) {
+        self.families
+            .entry(name)
+            .or_insert_with(|| FamilyData {
+                help,
+                series: Vec::new(),
+            })
+            .series
+            .push((labels, value));
+    }
+
+    fn gauge(&mut self, name: &'static str, help: &'static str, labels: Labels, value: f64) {
+        self.push(name, help, labels, Value::Gauge(value));
+    }
+
+    fn counter(&mut self, name: &'static str, help: &'static str, labels: Labels, value: u64) {
+        self.push(name, help, labels, Value::Counter(value));
+    }
+}
+
+impl Collector for Families {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        for (name, family) in &self.families {
+            let kind = match family.series.first().map(|(_, value)| value) {
+                Some(Value::Counter(_)) => MetricType::Counter,
+                _ => MetricType::Gauge,
+            };
+            let mut metric = encoder.encode_descriptor(name, family.help, None, kind)?;
+            for (labels, value) in &family.series {
+                let labels: &[(&'static str, Arc<str>)] = labels.as_slice();
+                let mut series = metric.encode_family(&labels)?;
+                match value {
+                    Value::Gauge(value) => series.encode_gauge(value)?,
+                    Value::Counter(value) => {
+                        series.encode_counter::<NoLabelSet, u64, u64>(value, None)?
+                    }
+                }
+            }
         }
-    }
-
-    fn gauge(&mut self, name: &'static str, help: &str, labels: Labels, value: f64) {
-        let registry = &mut self.registry;
-        let family = self.gauges.entry(name).or_insert_with(|| {
-            let family = Family::<Labels, FloatGauge>::default();
-            registry.register(name, help, family.clone());
-            family
-        });
-        family.get_or_create(&labels).set(value);
-    }
-
-    fn counter(&mut self, name: &'static str, help: &str, labels: Labels, value: u64) {
-        let registry = &mut self.registry;
-        let family = self.counters.entry(name).or_insert_with(|| {
-            let family = Family::<Labels, Counter>::default();
-            registry.register(name, help, family.clone());
-            family
-        });
-        family.get_or_create(&labels).inc_by(value);
+        Ok(())
     }
 }
 
-fn label(key: &str, value: impl Into<String>) -> (String, String) {
-    (key.to_string(), value.into())
+fn labels(pairs: Vec<(&'static str, Arc<str>)>) -> Labels {
+    Arc::new(pairs)
 }
 
-fn joined<'a>(values: impl Iterator<Item = &'a str>) -> String {
-    values
-        .collect::<BTreeSet<&str>>()
-        .into_iter()
-        .collect::<Vec<_>>()
-        .join(",")
+fn text(value: &str) -> Arc<str> {
+    Arc::from(value)
+}
+
+fn joined<'a>(values: impl Iterator<Item = &'a str>) -> Arc<str> {
+    Arc::from(
+        values
+            .collect::<BTreeSet<&str>>()
+            .into_iter()
+            .collect::<Vec<_>>()
+            .join(","),
+    )
 }
 
 /// The metrics as OpenMetrics text.
@@ -113,7 +150,7 @@ pub fn render(
         families.gauge(
             "muster_jobs",
             "Jobs not ended, by state and queue",
-            vec![label("state", state), label("queue", queue)],
+            labels(vec![("state", text(state)), ("queue", text(queue))]),
             count as f64,
         );
     }
@@ -121,7 +158,7 @@ pub fn render(
         families.gauge(
             "muster_jobs_pending",
             "Pending jobs by queue and why they wait (the code muster ps shows)",
-            vec![label("queue", queue), label("reason", reason)],
+            labels(vec![("queue", text(queue)), ("reason", text(reason))]),
             count as f64,
         );
     }
@@ -134,12 +171,13 @@ pub fn render(
             .entry(crate::records::node_state_name(node.state))
             .or_default() += 1;
         let hostname = node.spec.name.0.as_str();
+        let host_text = text(hostname);
         let pool = node.spec.pool.0.as_str();
         if node.cordoned {
             families.gauge(
                 "muster_node_cordoned",
                 "1 for a cordoned node",
-                vec![label("Hostname", hostname)],
+                labels(vec![("Hostname", text(hostname))]),
                 1.0,
             );
         }
@@ -163,19 +201,21 @@ pub fn render(
         }
         for gpu in &node.spec.gpus {
             let model = gpu.model.as_str();
+            let model_text = text(model);
             let held = holders.get(&gpu.index);
-            let mut labels = vec![
-                label("gpu", gpu.index.to_string()),
-                label("UUID", gpu.uuid.as_str()),
-                label("device", format!("nvidia{}", gpu.index)),
-                label("modelName", model),
-                label("Hostname", hostname),
+            let mut pairs: Vec<(&'static str, Arc<str>)> = vec![
+                ("gpu", Arc::from(gpu.index.to_string())),
+                ("UUID", text(&gpu.uuid)),
+                ("device", Arc::from(format!("nvidia{}", gpu.index))),
+                ("modelName", Arc::clone(&model_text)),
+                ("Hostname", Arc::clone(&host_text)),
             ];
             if let Some(held) = held {
-                labels.push(label("job", joined(held.iter().map(|h| h.0.as_str()))));
-                labels.push(label("queue", joined(held.iter().map(|h| h.1))));
-                labels.push(label("user", joined(held.iter().map(|h| h.2))));
+                pairs.push(("job", joined(held.iter().map(|h| h.0.as_str()))));
+                pairs.push(("queue", joined(held.iter().map(|h| h.1))));
+                pairs.push(("user", joined(held.iter().map(|h| h.2))));
             }
+            let gpu_labels = labels(pairs);
             let unhealthy = node.unhealthy_gpus.contains(&gpu.index);
             let state = match (held.is_some(), unhealthy) {
                 (_, true) => "unhealthy",
@@ -192,8 +232,8 @@ pub fn render(
             let Some(sample) = sample else {
                 continue;
             };
-            let mut gauge = |name: &'static str, help: &str, value: f64| {
-                families.gauge(name, help, labels.clone(), value);
+            let mut gauge = |name: &'static str, help: &'static str, value: f64| {
+                families.gauge(name, help, Arc::clone(&gpu_labels), value);
             };
             gauge(
                 "DCGM_FI_DEV_GPU_UTIL",
@@ -238,7 +278,7 @@ pub fn render(
             }
         }
         if let Some(report) = fresh {
-            let host = || vec![label("Hostname", hostname)];
+            let host = || labels(vec![("Hostname", Arc::clone(&host_text))]);
             if let Some(pct) = report.node.cpu_busy_pct {
                 families.gauge(
                     "muster_node_cpu_busy_percent",
@@ -264,20 +304,20 @@ pub fn render(
                 );
             }
             for interface in &report.node.network {
-                let labels = vec![
-                    label("Hostname", hostname),
-                    label("interface", interface.interface.as_str()),
-                ];
+                let interface_labels = labels(vec![
+                    ("Hostname", Arc::clone(&host_text)),
+                    ("interface", text(&interface.interface)),
+                ]);
                 families.counter(
                     "muster_node_network_receive_bytes",
                     "Bytes the interface received since the node booted",
-                    labels.clone(),
+                    Arc::clone(&interface_labels),
                     interface.receive_bytes,
                 );
                 families.counter(
                     "muster_node_network_transmit_bytes",
                     "Bytes the interface sent since the node booted",
-                    labels,
+                    interface_labels,
                     interface.transmit_bytes,
                 );
             }
@@ -287,7 +327,7 @@ pub fn render(
         families.gauge(
             "muster_nodes",
             "Registered nodes by state",
-            vec![label("state", state)],
+            labels(vec![("state", text(state))]),
             count as f64,
         );
     }
@@ -295,11 +335,11 @@ pub fn render(
         families.gauge(
             "muster_gpus",
             "GPUs by pool, model and state (allocated, free, unhealthy)",
-            vec![
-                label("pool", pool),
-                label("modelName", model),
-                label("state", state),
-            ],
+            labels(vec![
+                ("pool", text(pool)),
+                ("modelName", text(model)),
+                ("state", text(state)),
+            ]),
             count as f64,
         );
     }
@@ -307,13 +347,99 @@ pub fn render(
         families.gauge(
             "muster_gpus_idle",
             "Allocated GPUs whose latest utilisation is below 5%, by pool and model",
-            vec![label("pool", pool), label("modelName", model)],
+            labels(vec![("pool", text(pool)), ("modelName", text(model))]),
             count as f64,
         );
     }
-    let mut text = String::new();
-    if let Err(error) = encode(&mut text, &families.registry) {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(families));
+    let mut out = String::new();
+    if let Err(error) = encode(&mut out, &registry) {
         tracing::error!("the metrics could not be encoded: {error}");
     }
-    text
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use muster_api::protocol::{GpuSample, NodeSample};
+    use muster_control::{ControlConfig, Input, Software};
+    use muster_model::{
+        CpuMilli, GpuModel, GpuSpec, MemoryMib, NodeName, NodeSpec, PoolName, RackName, Time,
+    };
+
+    fn cluster() -> ControlPlane {
+        let mut control = ControlPlane::new(ControlConfig::default());
+        let spec = NodeSpec {
+            name: NodeName::from("n1"),
+            pool: PoolName::from("default"),
+            rack: RackName::from("r1"),
+            gpus: vec![GpuSpec {
+                index: 0,
+                uuid: "GPU-0".to_string(),
+                model: GpuModel::new("L4"),
+                memory: MemoryMib(24_576),
+                nvlink_domain: 0,
+            }],
+            cpu: CpuMilli(8_000),
+            memory: MemoryMib(65_536),
+        };
+        control
+            .handle(
+                Time(1_000),
+                Input::Register {
+                    spec,
+                    address: "127.0.0.1".to_string(),
+                    software: Software::default(),
+                },
+            )
+            .expect("registered");
+        control
+    }
+
+    fn report(at: u64) -> BTreeMap<String, NodeTelemetry> {
+        BTreeMap::from([(
+            "n1".to_string(),
+            NodeTelemetry {
+                received_ms: at,
+                report: TelemetryReport {
+                    epoch: 1,
+                    sampled_ms: at,
+                    gpus: vec![GpuSample {
+                        index: 0,
+                        utilization_pct: 42,
+                        memory_used_mib: 100,
+                        memory_total_mib: 24_576,
+                        power_watts: None,
+                        temperature_c: None,
+                        sm_clock_mhz: None,
+                        ecc_uncorrected: None,
+                        healthy: true,
+                    }],
+                    node: NodeSample::default(),
+                },
+            },
+        )])
+    }
+
+    #[test]
+    fn fresh_telemetry_is_shown_and_stale_telemetry_is_not() {
+        let control = cluster();
+        let line = "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\",UUID=\"GPU-0\",device=\"nvidia0\",\
+                    modelName=\"L4\",Hostname=\"n1\"} 42.0";
+        let fresh = render(&control, &report(100_000), 100_000 + STALE_MS);
+        assert!(fresh.lines().any(|l| l == line), "{fresh}");
+        // What the device does not report is left out, not shown as 0.
+        assert!(!fresh.contains("DCGM_FI_DEV_POWER_USAGE"), "{fresh}");
+        let stale = render(&control, &report(100_000), 100_001 + STALE_MS);
+        assert!(!stale.contains("DCGM_FI_DEV_GPU_UTIL{"), "{stale}");
+        // The inventory is shown either way, and the text ends as
+        // OpenMetrics requires.
+        assert!(
+            stale.contains("muster_gpus{pool=\"default\",modelName=\"L4\",state=\"free\"} 1.0"),
+            "{stale}"
+        );
+        assert!(stale.ends_with("# EOF\n"), "{stale}");
+    }
 }

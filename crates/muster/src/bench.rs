@@ -48,6 +48,22 @@ pub enum BenchCommand {
     /// engine, applying the outcome) over N simulated nodes and M pending
     /// jobs.
     Cycle(CycleBench),
+    /// Rendering `GET /metrics`: N nodes of 8 GPUs with telemetry, M
+    /// running one-GPU jobs (in process, the server's own renderer).
+    Metrics(MetricsBench),
+}
+
+#[derive(Debug, Args)]
+pub struct MetricsBench {
+    /// Nodes (8 GPUs each, with a fresh telemetry report each).
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub nodes: u64,
+    /// Running one-GPU jobs (at most 8 per node).
+    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(0..=800_000))]
+    pub jobs: u64,
+    /// Scrapes to time.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=1_000))]
+    pub scrapes: u64,
 }
 
 #[derive(Debug, Args)]
@@ -209,6 +225,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::ShortJobs(args) => short_jobs(args).await,
             BenchCommand::History(args) => history(args).await,
             BenchCommand::Cycle(args) => cycle(args),
+            BenchCommand::Metrics(args) => metrics(args),
         }
     })
 }
@@ -1594,6 +1611,146 @@ async fn history(args: HistoryBench) -> Result<()> {
 /// `muster bench history`.
 const HISTORY_BEATS: usize = 2_000;
 const HISTORY_LISTS: usize = 100;
+
+fn metrics(args: MetricsBench) -> Result<()> {
+    use muster_api::protocol::{GpuSample, InterfaceSample, NodeSample, TelemetryReport};
+    use muster_control::{ControlConfig, ControlPlane, Input, Software};
+    use muster_model::{
+        CpuMilli, GpuModel, GpuRequest, GpuSpec, JobId, JobSpec, MemoryMib, NodeName, NodeSpec,
+        PoolName, QueueName, RackName, Time,
+    };
+    use rand::SeedableRng;
+    if args.jobs > args.nodes * 8 {
+        bail!(
+            "--jobs {} is more than the {} GPUs",
+            args.jobs,
+            args.nodes * 8
+        );
+    }
+    let mut control = ControlPlane::new(ControlConfig::default());
+    let now = Time(1_000_000);
+    let mut telemetry = std::collections::BTreeMap::new();
+    for index in 0..args.nodes {
+        let name = format!("node-{index:05}");
+        let spec = NodeSpec {
+            name: NodeName(name.clone()),
+            pool: PoolName::from(if index % 2 == 0 {
+                "training"
+            } else {
+                "default"
+            }),
+            rack: RackName(format!("rack-{:04}", index / 16)),
+            gpus: (0..8)
+                .map(|gpu| GpuSpec {
+                    index: gpu,
+                    uuid: format!("GPU-{name}-{gpu}"),
+                    model: GpuModel::new("H100-80GB"),
+                    memory: MemoryMib(81_920),
+                    nvlink_domain: 0,
+                })
+                .collect(),
+            cpu: CpuMilli(96_000),
+            memory: MemoryMib(1_048_576),
+        };
+        control
+            .handle(
+                now,
+                Input::Register {
+                    spec,
+                    address: "10.0.0.1".to_string(),
+                    software: Software::default(),
+                },
+            )
+            .map_err(|error| anyhow!("{error}"))?;
+        let epoch = control
+            .node(&NodeName(name.clone()))
+            .map_or(0, |node| node.epoch);
+        telemetry.insert(
+            name,
+            muster_server::metrics::NodeTelemetry {
+                received_ms: now.0,
+                report: TelemetryReport {
+                    epoch,
+                    sampled_ms: now.0,
+                    gpus: (0..8)
+                        .map(|gpu| GpuSample {
+                            index: gpu,
+                            utilization_pct: (index as u32 * 7 + gpu * 13) % 101,
+                            memory_used_mib: 40_000,
+                            memory_total_mib: 81_920,
+                            power_watts: Some(420.5),
+                            temperature_c: Some(62),
+                            sm_clock_mhz: Some(1_980),
+                            ecc_uncorrected: Some(0),
+                            healthy: true,
+                        })
+                        .collect(),
+                    node: NodeSample {
+                        cpu_busy_pct: Some(37.5),
+                        memory_used_mib: Some(200_000),
+                        memory_total_mib: Some(1_048_576),
+                        network: ["eth0", "ib0"]
+                            .iter()
+                            .map(|name| InterfaceSample {
+                                interface: name.to_string(),
+                                receive_bytes: 1 << 40,
+                                transmit_bytes: 1 << 39,
+                            })
+                            .collect(),
+                    },
+                },
+            },
+        );
+    }
+    for id in 1..=args.jobs {
+        let mut spec = JobSpec::simple("bench", "team-0", GpuRequest::Whole(1), vec!["x".into()]);
+        spec.queue = QueueName(format!("team-{}", id % 8));
+        spec.cpu_per_node = CpuMilli(1_000);
+        control
+            .handle(
+                now,
+                Input::Submit {
+                    id: JobId(id),
+                    spec,
+                    user: format!("user-{}", id % 50),
+                },
+            )
+            .map_err(|error| anyhow!("{error}"))?;
+    }
+    let (snapshot, pending) = control.scheduling_input(now);
+    let outcome = muster_sched::schedule(
+        &snapshot,
+        &pending,
+        &muster_sched::SchedulingPolicy::default(),
+        &mut rand_chacha::ChaCha8Rng::seed_from_u64(7),
+    )
+    .map_err(|error| anyhow!("{error}"))?;
+    control.apply_outcome(now, &outcome);
+    let mut times = Vec::new();
+    let mut bytes = 0;
+    let mut lines = 0;
+    for _ in 0..args.scrapes {
+        let started = Instant::now();
+        let text = muster_server::metrics::render(&control, &telemetry, now.0);
+        times.push(started.elapsed());
+        bytes = text.len();
+        lines = text.lines().filter(|line| !line.starts_with('#')).count();
+    }
+    times.sort_unstable();
+    println!(
+        "muster bench metrics: {} nodes x 8 GPUs, {} running jobs: {} series, {:.1} MiB; \
+         render median {:.1} ms (p90 {:.1} ms, min {:.1} ms) over {} scrapes",
+        args.nodes,
+        outcome.started.len(),
+        lines,
+        bytes as f64 / (1024.0 * 1024.0),
+        percentile_ms(&times, 50.0),
+        percentile_ms(&times, 90.0),
+        percentile_ms(&times, 0.0),
+        args.scrapes
+    );
+    Ok(())
+}
 
 fn cycle(args: CycleBench) -> Result<()> {
     use muster_control::{ControlConfig, ControlPlane, Input, Software};
