@@ -1586,7 +1586,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 17, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 18, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",
@@ -1594,6 +1594,8 @@ mod tests {
             "JobView",
             "ArrayView",
             "JobList",
+            "TelemetryReport",
+            "GpuSample",
             "HeartbeatResponse",
             "ErrorBody",
             "LogChunk",
@@ -1618,6 +1620,11 @@ mod tests {
         assert_eq!(need_of("/v1/openapi.json"), Need::Nothing);
         assert_eq!(need_of("/v1/jobs/3"), Need::Admin);
         assert_eq!(need_of("/v1/arrays/3/cancel"), Need::Admin);
+        assert_eq!(need_of("/metrics"), Need::Metrics);
+        assert_eq!(
+            need_of("/v1/agents/gpu-1/telemetry"),
+            Need::Node("gpu-1".into())
+        );
         assert_eq!(need_of("/v1/agents/register"), Need::Register);
         assert_eq!(
             need_of("/v1/agents/gpu-1/heartbeat"),
