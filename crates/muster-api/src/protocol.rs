@@ -79,7 +79,7 @@ pub struct ArrayView {
 }
 
 /// One task of a job as placed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TaskView {
     pub rank: u32,
@@ -90,6 +90,26 @@ pub struct TaskView {
     pub generation: u64,
     pub state: String,
     pub exit_code: Option<i32>,
+    /// Its GPUs' utilisation and memory from the node's telemetry, while
+    /// the server holds the job in memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<TaskUsage>,
+}
+
+/// A task's GPUs as telemetry saw them (each sample: the mean over its
+/// GPUs, whole GPUs as the device reports them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TaskUsage {
+    pub samples: u64,
+    pub mean_utilization_pct: f64,
+    pub peak_utilization_pct: u32,
+    /// The most GPU memory its GPUs held at once, MiB.
+    pub peak_memory_mib: u64,
+    /// Since when every sample has been below 5% (`None`: the last was
+    /// not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_since_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -142,6 +162,11 @@ pub struct JobView {
     /// The array it is an element of.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub array: Option<ArrayView>,
+    /// For a running job whose GPUs have all been below 5% utilisation for
+    /// at least the server's idle threshold (30 minutes by default): for
+    /// how long, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_for_s: Option<u64>,
     pub history: Vec<EventView>,
 }
 

@@ -81,10 +81,20 @@ async fn metrics(State(shared): Shared_) -> Response {
         Err(poisoned) => poisoned.into_inner().clone(),
     };
     // Tens of milliseconds at thousands of GPUs: off the async threads.
+    let usage = match shared.usage.lock() {
+        Ok(usage) => usage.clone(),
+        Err(poisoned) => poisoned.into_inner().clone(),
+    };
     let rendering = Arc::clone(&shared);
     let rendered = tokio::task::spawn_blocking(move || {
         let core = rendering.read();
-        crate::metrics::render(core.control(), &telemetry, now().0)
+        crate::metrics::render(
+            core.control(),
+            &telemetry,
+            &usage,
+            rendering.settings.idle_after_ms,
+            now().0,
+        )
     })
     .await;
     match rendered {
@@ -328,6 +338,40 @@ pub struct JobQuery {
 const DEFAULT_PAGE: u32 = 100;
 /// The largest page of `GET /v1/jobs`.
 const MAX_PAGE: u32 = 1000;
+
+/// Adds what telemetry says of jobs the server holds in memory: each
+/// task's GPU usage, and how long a running job has been idle.
+fn with_usage(shared: &Shared, views: &mut [JobView]) {
+    let usage = match shared.usage.lock() {
+        Ok(usage) => usage,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    let now_ms = now().0;
+    for view in views {
+        for task in &mut view.tasks {
+            task.usage = usage
+                .get(&task.node)
+                .and_then(|node| node.get(&task.allocation))
+                .map(|found| muster_api::protocol::TaskUsage {
+                    samples: found.samples,
+                    mean_utilization_pct: found.utilization_sum as f64
+                        / found.samples.max(1) as f64,
+                    peak_utilization_pct: found.peak_utilization,
+                    peak_memory_mib: found.peak_memory_mib,
+                    idle_since_ms: found.idle_since_ms,
+                });
+        }
+        view.idle_for_s = crate::metrics::idle_for(
+            view.state == "running",
+            view.tasks
+                .iter()
+                .map(|task| task.usage.as_ref().and_then(|u| u.idle_since_ms)),
+            now_ms,
+            shared.settings.idle_after_ms,
+        )
+        .map(|ms| ms / 1000);
+    }
+}
 
 /// A job and every attempt's allocations, from memory or, once retired,
 /// from the store.
@@ -636,6 +680,7 @@ async fn list_jobs(
     let next_cursor = (jobs.len() == limit as usize)
         .then(|| jobs.last().map(|job| job.id.to_string()))
         .flatten();
+    with_usage(&shared, &mut jobs);
     Ok(Json(JobList { jobs, next_cursor }))
 }
 
@@ -651,7 +696,9 @@ async fn get_job(
     PathParams(id): PathParams<String>,
 ) -> Result<Json<JobView>, ApiError> {
     let id = parse_job_id(&id)?;
-    Ok(Json(find_job(&shared, id).await?.view()))
+    let mut view = find_job(&shared, id).await?.view();
+    with_usage(&shared, std::slice::from_mut(&mut view));
+    Ok(Json(view))
 }
 
 /// Cancel every unfinished element of an array job; answers the elements
@@ -1433,10 +1480,8 @@ async fn push_telemetry(
     }
     {
         let core = shared.read();
-        let Some(known) = core
-            .control()
-            .node(&muster_model::NodeName::from(node.as_str()))
-        else {
+        let name = muster_model::NodeName::from(node.as_str());
+        let Some(known) = core.control().node(&name) else {
             return Err(node_not_found(&node));
         };
         if known.epoch != report.epoch {
@@ -1448,6 +1493,17 @@ async fn push_telemetry(
                 ),
             ));
         }
+        let mut usage = match shared.usage.lock() {
+            Ok(usage) => usage,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        crate::metrics::record_usage(
+            usage.entry(node.clone()).or_default(),
+            core.control(),
+            &name,
+            &report,
+            now().0,
+        );
     }
     let entry = crate::metrics::NodeTelemetry {
         received_ms: now().0,

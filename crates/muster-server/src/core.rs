@@ -309,6 +309,8 @@ impl Core {
 pub struct Settings {
     pub lease_ms: u64,
     pub heartbeat_ms: u64,
+    /// A running job whose GPUs stay below 5% this long is shown idle.
+    pub idle_after_ms: u64,
 }
 
 /// What every task and handler shares.
@@ -335,6 +337,8 @@ pub struct Shared {
     /// The latest telemetry of each node (memory only: one report per
     /// registered node, replaced by the next).
     pub telemetry: std::sync::Mutex<BTreeMap<String, crate::metrics::NodeTelemetry>>,
+    /// Each task's GPU usage from telemetry (memory only), per node.
+    pub usage: std::sync::Mutex<crate::metrics::UsageByNode>,
     /// Task logs, bounded per task.
     pub logs: std::sync::Arc<crate::logstore::LogStore>,
     /// Becomes true when the server shuts down (ends long polls).
@@ -387,6 +391,7 @@ impl Shared {
             join_token,
             metrics_token,
             telemetry: std::sync::Mutex::new(BTreeMap::new()),
+            usage: std::sync::Mutex::new(BTreeMap::new()),
             logs: std::sync::Arc::new(logs),
             shutdown,
         }

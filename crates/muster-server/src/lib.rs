@@ -78,7 +78,13 @@ pub struct ServerConfig {
     /// The most the store may grow to, in MiB (`None`: no limit); past
     /// it the server turns read-only.
     pub store_max_mib: Option<u64>,
+    /// A running job whose GPUs all stay below 5% utilisation this long is
+    /// shown idle (`ps`, `describe`, `/metrics`).
+    pub idle_after_ms: u64,
 }
+
+/// The default idle threshold: 30 minutes.
+pub const DEFAULT_IDLE_AFTER_MS: u64 = 30 * 60 * 1000;
 
 /// The default per-job log limit: 1 GiB.
 pub const DEFAULT_MAX_LOG_BYTES: u64 = 1 << 30;
@@ -97,6 +103,7 @@ impl ServerConfig {
             max_log_bytes: DEFAULT_MAX_LOG_BYTES,
             retention_ms: muster_control::DEFAULT_RETENTION_MS,
             store_max_mib: None,
+            idle_after_ms: DEFAULT_IDLE_AFTER_MS,
         }
     }
 }
@@ -189,6 +196,7 @@ impl Server {
             Settings {
                 lease_ms: config.lease_ms,
                 heartbeat_ms: config.heartbeat_ms,
+                idle_after_ms: config.idle_after_ms,
             },
             core,
             writer,

@@ -125,5 +125,22 @@ pub async fn lease_ticker(shared: Arc<Shared>, mut shutdown: watch::Receiver<boo
             }
             Err(error) => tracing::error!(error = %error.body.message, "the lease tick failed"),
         }
+        forget_removed_nodes(&shared);
+    }
+}
+
+/// Telemetry and usage of nodes no longer registered go with them.
+fn forget_removed_nodes(shared: &Shared) {
+    let registered: std::collections::BTreeSet<String> = shared
+        .read()
+        .control()
+        .nodes()
+        .map(|node| node.spec.name.0.clone())
+        .collect();
+    if let Ok(mut telemetry) = shared.telemetry.lock() {
+        telemetry.retain(|node, _| registered.contains(node));
+    }
+    if let Ok(mut usage) = shared.usage.lock() {
+        usage.retain(|node, _| registered.contains(node));
     }
 }

@@ -31,6 +31,7 @@ pub fn job_view<'a>(
                 AllocationState::Exited { code } => code,
                 _ => None,
             },
+            usage: None,
         })
         .collect();
     JobView {
@@ -71,6 +72,7 @@ pub fn job_view<'a>(
             )
         },
         queue_position: job.queue_position,
+        idle_for_s: None,
         array: job.array.map(|array| muster_api::protocol::ArrayView {
             job: array.array.0,
             index: array.index,

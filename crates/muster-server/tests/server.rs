@@ -677,7 +677,10 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
     bounded(async {
         use muster_api::protocol::{GpuSample, InterfaceSample, NodeSample, TelemetryReport};
         let dir = tempfile::tempdir().unwrap();
-        let server = start(dir.path()).await;
+        let mut config = test_config(dir.path());
+        // Idle as soon as every GPU of a job reads below 5%.
+        config.idle_after_ms = 0;
+        let server = Server::start(config).await.unwrap();
         let api = Api::new(&server);
         let admin = server.admin_token().to_string();
         let metrics_token = server.metrics_token().to_string();
@@ -687,6 +690,14 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
         let placed = wait_for_desired(&api, &token, epoch, &[], 1).await;
         let held = placed.desired[0].gpus.clone();
         assert_eq!(held.len(), 2);
+        let (status, _) = api
+            .post(
+                "/v1/agents/gpu-1/heartbeat",
+                &token,
+                heartbeat_body(epoch, all_running(&placed.desired), placed.version, 0),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
         let (busy, idle) = (held[0], held[1]);
         let report = TelemetryReport {
             epoch,
@@ -776,6 +787,40 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
             assert!(text.lines().any(|l| l == line), "{line}\nnot in:\n{text}");
         }
         assert!(text.contains("# TYPE DCGM_FI_DEV_GPU_UTIL gauge"), "{text}");
+        // The job's usage so far: one sample, its two GPUs' mean.
+        let usage = api.job(&admin, id).await.tasks[0]
+            .usage
+            .clone()
+            .expect("usage");
+        assert_eq!(usage.samples, 1);
+        assert_eq!(usage.peak_utilization_pct, 46);
+        assert_eq!(usage.peak_memory_mib, 2_000);
+        assert_eq!(usage.idle_since_ms, None);
+        // Then both its GPUs fall idle: the job reads idle, in the API and
+        // in /metrics.
+        let mut quiet = report.clone();
+        for gpu in &mut quiet.gpus {
+            gpu.utilization_pct = 1;
+        }
+        let (status, _) = api
+            .post(path, &token, serde_json::to_value(&quiet).unwrap())
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let job = api.job(&admin, id).await;
+        let usage = job.tasks[0].usage.clone().expect("usage");
+        assert_eq!(usage.samples, 2);
+        assert_eq!(usage.mean_utilization_pct, 23.5);
+        assert_eq!(usage.peak_utilization_pct, 46);
+        assert!(usage.idle_since_ms.is_some());
+        assert!(job.idle_for_s.is_some(), "{job:?}");
+        let (_, text) = api.get("/metrics", &metrics_token).await;
+        let text = text.as_str().expect("text").to_string();
+        assert!(
+            text.lines().any(|l| l.starts_with(&format!(
+                "muster_job_idle_seconds{{job=\"{id}\",queue=\"team-a\",user=\"admin\"}} "
+            ))),
+            "{text}"
+        );
         // Pending jobs by queue and reason.
         let mut big = spec("big", "team-b", 4);
         big["gpu_models"] = json!(["B200"]);

@@ -1731,7 +1731,13 @@ fn metrics(args: MetricsBench) -> Result<()> {
     let mut lines = 0;
     for _ in 0..args.scrapes {
         let started = Instant::now();
-        let text = muster_server::metrics::render(&control, &telemetry, now.0);
+        let text = muster_server::metrics::render(
+            &control,
+            &telemetry,
+            &muster_server::metrics::UsageByNode::new(),
+            muster_server::DEFAULT_IDLE_AFTER_MS,
+            now.0,
+        );
         times.push(started.elapsed());
         bytes = text.len();
         lines = text.lines().filter(|line| !line.starts_with('#')).count();

@@ -39,6 +39,10 @@ pub struct ServerArgs {
     /// instead of losing what it acknowledged. Default: no limit.
     #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
     pub store_max_size: Option<u64>,
+    /// A running job whose GPUs all stay below 5% utilisation this long is
+    /// shown idle (`muster ps`, `describe`, `/metrics`).
+    #[arg(long, value_name = "DURATION", default_value = "30m", value_parser = parse_duration_ms)]
+    pub idle_after: u64,
 }
 
 #[derive(Debug, Args)]
@@ -174,6 +178,9 @@ pub struct UpArgs {
     /// How long a finished job stays in the server's memory.
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = parse_duration_ms)]
     pub retention: u64,
+    /// A running job whose GPUs all stay below 5% this long is shown idle.
+    #[arg(long, value_name = "DURATION", default_value = "30m", value_parser = parse_duration_ms)]
+    pub idle_after: u64,
     #[command(flatten)]
     pub isolation: IsolationArgs,
 }
@@ -270,6 +277,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
+#[allow(clippy::too_many_arguments)]
 fn server_config(
     listen: SocketAddr,
     data_dir: PathBuf,
@@ -278,6 +286,7 @@ fn server_config(
     max_log_bytes: u64,
     retention_ms: u64,
     store_max_bytes: Option<u64>,
+    idle_after_ms: u64,
 ) -> muster_server::ServerConfig {
     muster_server::ServerConfig {
         listen,
@@ -285,6 +294,7 @@ fn server_config(
         placement,
         max_log_bytes,
         retention_ms,
+        idle_after_ms,
         store_max_mib: store_max_bytes.map(|bytes| bytes.div_ceil(1 << 20)),
         ..muster_server::ServerConfig::new(data_dir)
     }
@@ -302,6 +312,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
             args.max_log_bytes,
             args.retention,
             args.store_max_size,
+            args.idle_after,
         ))
         .await?;
         eprintln!("muster server listening on http://{}", handle.addr());
@@ -423,6 +434,7 @@ pub fn up(args: UpArgs) -> Result<()> {
             args.max_log_bytes,
             args.retention,
             None,
+            args.idle_after,
         ))
         .await?;
         let url = format!("http://{}", handle.addr());

@@ -172,7 +172,12 @@ fn now_ms() -> u64 {
 }
 
 fn ago(ms: u64) -> String {
-    let seconds = now_ms().saturating_sub(ms) / 1000;
+    ago_text(now_ms().saturating_sub(ms))
+}
+
+/// A span as `ps` shows ages: `45s`, `12m`, `3h`, `2d`.
+fn ago_text(span_ms: u64) -> String {
+    let seconds = span_ms / 1000;
     match seconds {
         0..=59 => format!("{seconds}s"),
         60..=3599 => format!("{}m", seconds / 60),
@@ -1189,11 +1194,16 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
                 })
                 .unwrap_or_default()
         } else {
-            job.tasks
+            let nodes = job
+                .tasks
                 .iter()
                 .map(|t| t.node.clone())
                 .collect::<Vec<_>>()
-                .join(",")
+                .join(",");
+            match job.idle_for_s {
+                Some(idle) => format!("{nodes} (idle {})", ago_text(idle * 1000)),
+                None => nodes,
+            }
         };
         rows.push(vec![
             label,
@@ -1300,6 +1310,14 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
         );
     }
     outln!("  attempts:  {}", job.attempts);
+    if let Some(idle) = job.idle_for_s {
+        outln!(
+            "  idle:      every GPU of it below 5% utilisation for {}; cancel it if it is \
+             done (`muster cancel {}`)",
+            ago_text(idle * 1000),
+            job.id
+        );
+    }
     if let Some(reason) = &job.pending_reason {
         outln!("  pending:   {reason}");
     }
@@ -1329,6 +1347,15 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
                 task.exit_code
                     .map_or(String::new(), |c| format!(", exit code {c}"))
             );
+            if let Some(usage) = &task.usage {
+                outln!(
+                    "      GPU utilisation mean {:.0}%, peak {}%; memory peak {} MiB ({} samples)",
+                    usage.mean_utilization_pct,
+                    usage.peak_utilization_pct,
+                    usage.peak_memory_mib,
+                    usage.samples
+                );
+            }
         }
     }
     outln!("  history:");

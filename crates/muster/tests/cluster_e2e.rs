@@ -991,6 +991,8 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
             "2xH100-80GB",
             "--telemetry-interval",
             "1s",
+            "--idle-after",
+            "2s",
         ],
     );
     env.wait_for_api(&mut up);
@@ -1032,6 +1034,51 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
             .any(|l| l.starts_with("DCGM_FI_DEV_GPU_UTIL{") && l.ends_with(" 0.0")),
         "{last}"
     );
-    let output = env.muster(&["cancel", &id]);
+    // A job that holds its GPU and leaves it idle is flagged once every
+    // GPU of it stayed below 5% for the threshold; the busy one is not.
+    let output = env.muster(&[
+        "run",
+        "--detach",
+        "--gpus",
+        "1",
+        "-e",
+        "MUSTER_SIM_UTIL=0.01",
+        "--",
+        "sleep",
+        "60",
+    ]);
+    assert!(output.status.success(), "{output:?}");
+    let idle = stdout(&output).trim().to_string();
+    common::wait_until("the idle job flagged", Duration::from_secs(30), || {
+        json(&env.muster(&["describe", &idle, "--json"]))["idle_for_s"].is_u64()
+    });
+    let job = json(&env.muster(&["describe", &id, "--json"]));
+    assert!(job["idle_for_s"].is_null(), "{job}");
+    assert!(
+        job["tasks"][0]["usage"]["mean_utilization_pct"]
+            .as_f64()
+            .is_some_and(|mean| mean > 80.0),
+        "{job}"
+    );
+    let text = stdout(&env.muster(&["ps"]));
+    let row = text
+        .lines()
+        .find(|line| line.starts_with(&format!("{idle} ")))
+        .unwrap_or_default();
+    assert!(row.contains("(idle "), "{text}");
+    let text = stdout(&env.muster(&["describe", &idle]));
+    assert!(text.contains("GPU utilisation mean 1%"), "{text}");
+    assert!(
+        text.contains("idle:      every GPU of it below 5%"),
+        "{text}"
+    );
+    let (_, metrics) = http_get(&env.url, "/metrics", token.trim());
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with(&format!("muster_job_idle_seconds{{job=\"{idle}\""))),
+        "{metrics}"
+    );
+    let output = env.muster(&["cancel", &id, &idle]);
     assert!(output.status.success(), "{output:?}");
 }
