@@ -196,6 +196,7 @@ pub async fn run(
         backend: inventory.backend.to_string(),
         driver_version: inventory.driver_version.clone(),
         cuda_version: inventory.cuda_version.clone(),
+        stack: crate::stack::node_stack(&inventory),
     };
     // Task logs go out on their own task and connection, never in the way
     // of a heartbeat; a task is forgotten only once its log is shipped.

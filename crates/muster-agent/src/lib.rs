@@ -25,6 +25,7 @@ pub mod gpu;
 pub mod logship;
 pub mod nodestats;
 pub mod runtime;
+pub mod stack;
 pub mod supervise;
 
 pub use agent::{AgentConfig, run};

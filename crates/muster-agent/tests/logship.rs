@@ -46,6 +46,7 @@ async fn setup(max_log_bytes: u64) -> (Setup, String, u64) {
             backend: "simulated".into(),
             driver_version: None,
             cuda_version: None,
+            stack: Default::default(),
         })
         .await
         .expect("the node registers");

@@ -328,6 +328,10 @@ impl Client {
         .await
     }
 
+    pub async fn fleet(&self) -> Result<FleetView, ClientError> {
+        self.get("/v1/fleet").await
+    }
+
     pub async fn pools(&self) -> Result<PoolList, ClientError> {
         self.get("/v1/pools").await
     }

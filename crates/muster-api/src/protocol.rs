@@ -191,6 +191,38 @@ pub struct GpuView {
     pub nvlink_domain: u32,
 }
 
+/// `GET /v1/fleet`: each pool's software stack and the nodes that differ
+/// from it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FleetView {
+    pub pools: Vec<PoolStackView>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PoolStackView {
+    pub pool: String,
+    pub nodes: u64,
+    /// Per component (`driver`, `cuda`, `vbios`, `kernel`, ...), the most
+    /// common version (ties: the highest).
+    pub majority: BTreeMap<String, String>,
+    /// Per component, how many nodes report each version (`(none)`: not
+    /// reported).
+    pub versions: BTreeMap<String, BTreeMap<String, u64>>,
+    pub drift: Vec<DriftView>,
+}
+
+/// A node whose component differs from its pool's majority.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DriftView {
+    pub node: String,
+    pub component: String,
+    pub version: String,
+    pub expected: String,
+}
+
 /// The answer to `DELETE /v1/nodes/{name}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -217,6 +249,12 @@ pub struct RegisterRequest {
     pub backend: String,
     pub driver_version: Option<String>,
     pub cuda_version: Option<String>,
+    /// The rest of the node's software stack, component to version
+    /// (`vbios`, `kernel`, `nccl`, `container_runtime`, ...; at most 16,
+    /// names of lowercase letters, digits and `_`, versions up to 128
+    /// printable characters).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub stack: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -516,6 +554,9 @@ pub struct NodeView {
     pub backend: String,
     pub driver_version: Option<String>,
     pub cuda_version: Option<String>,
+    /// The rest of its software stack (see `RegisterRequest::stack`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub stack: BTreeMap<String, String>,
     pub last_heartbeat_ms: u64,
     /// Milliseconds between the latest heartbeats the server received from
     /// this node (up to 32, oldest first; kept in memory only).

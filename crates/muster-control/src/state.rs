@@ -176,6 +176,28 @@ pub struct Software {
     pub backend: String,
     pub driver: Option<String>,
     pub cuda: Option<String>,
+    /// The rest of the stack: component to version (`vbios`, `kernel`,
+    /// `nccl`, `container_runtime`, ...).
+    pub stack: BTreeMap<String, String>,
+}
+
+impl Software {
+    /// Every component with its version, the driver and CUDA included (for
+    /// [`crate::fleet`]).
+    pub fn components(&self) -> BTreeMap<&str, &str> {
+        let mut components: BTreeMap<&str, &str> = self
+            .stack
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        if let Some(driver) = &self.driver {
+            components.insert("driver", driver);
+        }
+        if let Some(cuda) = &self.cuda {
+            components.insert("cuda", cuda);
+        }
+        components
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -56,6 +56,7 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/nodes/{name}/uncordon", post(uncordon_node))
         .route("/v1/nodes/{name}/drain", post(drain_node))
         .route("/v1/pools", get(list_pools))
+        .route("/v1/fleet", get(fleet))
         .route("/v1/queues", get(list_queues))
         .route("/v1/queues/{name}", put(set_queue))
         .route("/v1/agents/register", post(register_agent))
@@ -1097,6 +1098,56 @@ async fn drain_node(
 
 // ---------------------------------------------------------------- pools
 
+/// Each pool's software stack (driver, CUDA, VBIOS, kernel, NCCL, container
+/// runtime) as its nodes report it, and the nodes that differ from the
+/// pool's most common version of a component.
+#[utoipa::path(
+    get, path = "/v1/fleet", tag = "nodes",
+    responses((status = 200, body = FleetView)),
+    security(("bearer" = []))
+)]
+async fn fleet(State(shared): Shared_) -> Json<FleetView> {
+    let core = shared.read();
+    let nodes: Vec<muster_control::fleet::NodeStack<'_>> = core
+        .control()
+        .nodes()
+        .map(|node| muster_control::fleet::NodeStack {
+            node: node.spec.name.0.as_str(),
+            pool: node.spec.pool.0.as_str(),
+            components: node.software.components(),
+        })
+        .collect();
+    let pools = muster_control::fleet::pool_stacks(&nodes)
+        .into_iter()
+        .map(|pool| PoolStackView {
+            pool: pool.pool,
+            nodes: pool.nodes as u64,
+            majority: pool.majority,
+            versions: pool
+                .versions
+                .into_iter()
+                .map(|(component, counts)| {
+                    (
+                        component,
+                        counts.into_iter().map(|(v, n)| (v, n as u64)).collect(),
+                    )
+                })
+                .collect(),
+            drift: pool
+                .drift
+                .into_iter()
+                .map(|drift| DriftView {
+                    node: drift.node,
+                    component: drift.component,
+                    version: drift.version,
+                    expected: drift.expected,
+                })
+                .collect(),
+        })
+        .collect();
+    Json(FleetView { pools })
+}
+
 /// Every pool, with its nodes, GPUs and free capacity.
 #[utoipa::path(
     get, path = "/v1/pools", tag = "nodes",
@@ -1238,6 +1289,30 @@ fn node_spec(request: &RegisterRequest) -> Result<NodeSpec, ApiError> {
             problems.push(format!("{what} must be at most 128 printable characters"));
         }
     }
+    if request.stack.len() > 16 {
+        problems.push(format!(
+            "stack lists {} components; at most 16",
+            request.stack.len()
+        ));
+    }
+    for (component, version) in &request.stack {
+        let plain = !component.is_empty()
+            && component.len() <= 32
+            && component
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !plain || matches!(component.as_str(), "driver" | "cuda") {
+            problems.push(format!(
+                "stack component {component:?}: a name of up to 32 lowercase letters, digits \
+                 and '_' (driver and cuda have fields of their own)"
+            ));
+        }
+        if version.len() > 128 || version.chars().any(char::is_control) {
+            problems.push(format!(
+                "stack.{component} must be at most 128 printable characters"
+            ));
+        }
+    }
     let spec = NodeSpec {
         name: NodeName(request.name.clone()),
         pool: PoolName(
@@ -1305,6 +1380,7 @@ async fn register_agent(
             backend: request.backend.clone(),
             driver: request.driver_version.clone(),
             cuda: request.cuda_version.clone(),
+            stack: request.stack.clone(),
         },
     };
     let (_, durable, (token, epoch)) = shared.apply_with(
@@ -1602,7 +1678,7 @@ async fn push_logs(
 #[openapi(
     info(title = "muster", description = "muster's /v1 API: jobs, nodes, queues, agents."),
     paths(
-        submit_job, list_jobs, get_job, cancel_job, cancel_array, job_logs, push_telemetry,
+        submit_job, list_jobs, get_job, cancel_job, cancel_array, job_logs, push_telemetry, fleet,
         list_nodes, get_node, remove_node, reset_identity, cordon_node, uncordon_node, drain_node,
         list_pools, list_queues, set_queue,
         register_agent, heartbeat, push_logs,
@@ -1642,7 +1718,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 18, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 19, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",

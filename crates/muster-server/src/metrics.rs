@@ -439,6 +439,31 @@ pub fn render(
             }
         }
     }
+    let stacks: Vec<muster_control::fleet::NodeStack<'_>> = control
+        .nodes()
+        .map(|node| muster_control::fleet::NodeStack {
+            node: node.spec.name.0.as_str(),
+            pool: node.spec.pool.0.as_str(),
+            components: node.software.components(),
+        })
+        .collect();
+    for pool in muster_control::fleet::pool_stacks(&stacks) {
+        for drift in pool.drift {
+            families.gauge(
+                "muster_node_stack_drift",
+                "1 for each component of a node whose version differs from its pool's most \
+                 common one",
+                labels(vec![
+                    ("Hostname", Arc::from(drift.node)),
+                    ("pool", text(&pool.pool)),
+                    ("component", Arc::from(drift.component)),
+                    ("version", Arc::from(drift.version)),
+                    ("expected", Arc::from(drift.expected)),
+                ]),
+                1.0,
+            );
+        }
+    }
     for (state, count) in nodes {
         families.gauge(
             "muster_nodes",

@@ -275,6 +275,8 @@ pub struct NodeRecord {
     pub cuda: Option<String>,
     #[serde(default)]
     pub unhealthy_gpus: Vec<u32>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub stack: BTreeMap<String, String>,
 }
 
 impl From<&Node> for NodeRecord {
@@ -307,6 +309,7 @@ impl From<&Node> for NodeRecord {
             backend: node.software.backend.clone(),
             driver: node.software.driver.clone(),
             cuda: node.software.cuda.clone(),
+            stack: node.software.stack.clone(),
         }
     }
 }
@@ -360,6 +363,7 @@ impl NodeRecord {
                 backend: self.backend,
                 driver: self.driver,
                 cuda: self.cuda,
+                stack: self.stack,
             },
         })
     }

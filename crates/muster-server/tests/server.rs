@@ -167,6 +167,10 @@ fn register_request(name: &str) -> RegisterRequest {
         backend: "simulated".to_string(),
         driver_version: Some("550.54".to_string()),
         cuda_version: Some("12.4".to_string()),
+        stack: [("kernel", "6.1.0-18-amd64"), ("vbios", "96.00.89.00.01")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
     }
 }
 
@@ -859,6 +863,94 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
             api.get("/v1/jobs", &metrics_token).await.0,
             StatusCode::FORBIDDEN
         );
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_names_the_node_whose_stack_differs_from_its_pool() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        for name in ["gpu-1", "gpu-2", "gpu-3"] {
+            let mut request = register_request(name);
+            if name == "gpu-3" {
+                request.driver_version = Some("550.90".to_string());
+                request.stack.remove("vbios");
+            }
+            let (status, body) = api
+                .post(
+                    "/v1/agents/register",
+                    server.join_token(),
+                    serde_json::to_value(&request).unwrap(),
+                )
+                .await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+        }
+        let (status, body) = api.get("/v1/fleet", &admin).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let fleet: FleetView = serde_json::from_value(body).unwrap();
+        assert_eq!(fleet.pools.len(), 1);
+        let pool = &fleet.pools[0];
+        assert_eq!(pool.nodes, 3);
+        assert_eq!(pool.majority["driver"], "550.54");
+        assert_eq!(pool.majority["kernel"], "6.1.0-18-amd64");
+        assert_eq!(pool.versions["driver"]["550.90"], 1);
+        let drift: Vec<(&str, &str, &str, &str)> = pool
+            .drift
+            .iter()
+            .map(|d| {
+                (
+                    d.node.as_str(),
+                    d.component.as_str(),
+                    d.version.as_str(),
+                    d.expected.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            drift,
+            vec![
+                ("gpu-3", "driver", "550.90", "550.54"),
+                ("gpu-3", "vbios", "(none)", "96.00.89.00.01"),
+            ]
+        );
+        // The stack is kept across a restart, and shown per node.
+        server.shutdown().await;
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let (_, body) = api.get("/v1/nodes/gpu-1", &admin).await;
+        assert_eq!(body["stack"]["kernel"], "6.1.0-18-amd64", "{body}");
+        let (_, text) = api.get("/metrics", &admin).await;
+        let text = text.as_str().expect("text").to_string();
+        assert!(
+            text.lines().any(|l| l
+                == "muster_node_stack_drift{Hostname=\"gpu-3\",pool=\"default\",\
+                    component=\"driver\",version=\"550.90\",expected=\"550.54\"} 1.0"),
+            "{text}"
+        );
+        // A hostile stack is refused whole.
+        let mut request = register_request("gpu-9");
+        request.stack = (0..17)
+            .map(|i| (format!("c{i}"), "1".to_string()))
+            .collect();
+        request
+            .stack
+            .insert("Bad Name".to_string(), "x".repeat(200));
+        let (status, body) = api
+            .post(
+                "/v1/agents/register",
+                server.join_token(),
+                serde_json::to_value(&request).unwrap(),
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        let message = error_of(&body).message;
+        assert!(message.contains("at most 16"), "{message}");
+        assert!(message.contains("\"Bad Name\""), "{message}");
         server.shutdown().await;
     })
     .await;

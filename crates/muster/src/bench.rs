@@ -774,6 +774,7 @@ async fn agents(args: AgentsBench) -> Result<()> {
                 backend: "simulated".to_string(),
                 driver_version: None,
                 cuda_version: None,
+                stack: Default::default(),
             };
             calls.push(tokio::spawn(async move {
                 let answer =
@@ -1443,6 +1444,7 @@ async fn history(args: HistoryBench) -> Result<()> {
             backend: "simulated".to_string(),
             driver_version: None,
             cuda_version: None,
+            stack: Default::default(),
         })
         .await
         .context("cannot register the probe node")?;

@@ -51,6 +51,9 @@ pub enum Command {
     Drain(crate::commands::NodeActionArgs),
     /// List pools (named by the agents' --pool).
     Pools(crate::commands::PoolsArgs),
+    /// Each pool's software stack (driver, CUDA, VBIOS, kernel, NCCL,
+    /// container runtime) and the nodes that differ from it.
+    Fleet(crate::commands::PoolsArgs),
     /// List queues, or set one (`muster queues set NAME --guaranteed 8`).
     Queues(crate::commands::QueuesArgs),
     /// Print shell completions.

@@ -1796,6 +1796,60 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
     Ok(0)
 }
 
+/// `muster fleet`: each pool's software stack and the nodes that differ.
+pub fn fleet(args: PoolsArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let fleet = runtime()?
+        .block_on(client.fleet())
+        .map_err(anyhow::Error::from)?;
+    if args.connection.json {
+        print_json(&fleet)?;
+        return Ok(0);
+    }
+    for pool in &fleet.pools {
+        outln!("pool {} ({} nodes)", pool.pool, pool.nodes);
+        for (component, version) in &pool.majority {
+            let others: Vec<String> = pool
+                .versions
+                .get(component)
+                .into_iter()
+                .flatten()
+                .filter(|(other, _)| *other != version)
+                .map(|(other, count)| format!("{other} on {count}"))
+                .collect();
+            let count = pool
+                .versions
+                .get(component)
+                .and_then(|counts| counts.get(version))
+                .copied()
+                .unwrap_or(0);
+            outln!(
+                "  {component:<18} {version} on {count}{}",
+                if others.is_empty() {
+                    String::new()
+                } else {
+                    format!("; also {}", others.join(", "))
+                }
+            );
+        }
+        if pool.drift.is_empty() {
+            outln!("  every node has the pool's stack");
+        } else {
+            outln!("  differing:");
+            for drift in &pool.drift {
+                outln!(
+                    "    {:<20} {} {} (the pool's: {})",
+                    drift.node,
+                    drift.component,
+                    drift.version,
+                    drift.expected
+                );
+            }
+        }
+    }
+    Ok(0)
+}
+
 #[derive(Debug, Args)]
 pub struct QueuesArgs {
     #[command(subcommand)]

@@ -40,6 +40,7 @@ fn main() -> ExitCode {
         cli::Command::Run(args) => commands::run(args),
         cli::Command::Submit(args) => commands::submit(args),
         cli::Command::Sbatch(args) => commands::sbatch(args),
+        cli::Command::Fleet(args) => commands::fleet(args),
         cli::Command::Ps(args) => commands::ps(args),
         cli::Command::Describe(args) => commands::describe(args),
         cli::Command::Logs(args) => commands::logs(args),

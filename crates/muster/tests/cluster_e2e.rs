@@ -1081,4 +1081,12 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
     );
     let output = env.muster(&["cancel", &id, &idle]);
     assert!(output.status.success(), "{output:?}");
+    // The node's software stack, as its agent reported it.
+    let fleet = json(&env.muster(&["fleet", "--json"]));
+    let pool = &fleet["pools"][0];
+    assert_eq!(pool["nodes"], 1, "{fleet}");
+    assert_eq!(pool["majority"]["driver"], "simulated", "{fleet}");
+    assert!(pool["majority"]["kernel"].is_string(), "{fleet}");
+    let text = stdout(&env.muster(&["fleet"]));
+    assert!(text.contains("every node has the pool's stack"), "{text}");
 }

@@ -33,6 +33,7 @@ fn register_request(name: &str, models: &[&str]) -> RegisterRequest {
         backend: "simulated".to_string(),
         driver_version: None,
         cuda_version: None,
+        stack: Default::default(),
     }
 }
 

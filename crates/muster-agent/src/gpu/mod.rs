@@ -54,6 +54,9 @@ pub struct GpuInventory {
     /// The CUDA version the driver supports, as `12.4`.
     pub cuda_version: Option<String>,
     pub nvml_version: Option<String>,
+    /// The GPUs' firmware (VBIOS) version: one, or `mixed: a, b` when they
+    /// differ.
+    pub vbios_version: Option<String>,
     /// Which backend produced this: `"nvml"` or `"simulated"`.
     pub backend: &'static str,
 }

@@ -101,8 +101,12 @@ impl GpuBackend for NvmlBackend {
         let (bus_ids, links) = self.nvlink_links(count);
         let domains = nvlink_domains(&bus_ids, &links);
         let mut gpus = Vec::new();
+        let mut vbios = std::collections::BTreeSet::new();
         for index in 0..count {
             let device = self.device(index)?;
+            if let Ok(version) = device.vbios_version() {
+                vbios.insert(version);
+            }
             let uuid = device
                 .uuid()
                 .map_err(|source| nvml_error(format!("read the UUID of GPU {index}"), source))?;
@@ -132,6 +136,14 @@ impl GpuBackend for NvmlBackend {
                 )
             }),
             nvml_version: self.nvml.sys_nvml_version().ok(),
+            vbios_version: match vbios.len() {
+                0 => None,
+                1 => vbios.into_iter().next(),
+                _ => Some(format!(
+                    "mixed: {}",
+                    vbios.into_iter().collect::<Vec<_>>().join(", ")
+                )),
+            },
             backend: "nvml",
         })
     }

@@ -175,6 +175,7 @@ impl GpuBackend for SimulatedBackend {
             driver_version: Some("simulated".to_string()),
             cuda_version: None,
             nvml_version: None,
+            vbios_version: Some("simulated".to_string()),
             backend: "simulated",
         })
     }
