@@ -132,6 +132,31 @@ pub fn idle_for(
     (idle >= threshold_ms).then_some(idle)
 }
 
+/// Every series `/metrics` may show (counters with their `_total`), for
+/// the docs and the Grafana dashboard to be checked against.
+pub const SERIES: &[&str] = &[
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_DEV_POWER_USAGE",
+    "DCGM_FI_DEV_GPU_TEMP",
+    "DCGM_FI_DEV_SM_CLOCK",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "muster_jobs",
+    "muster_jobs_pending",
+    "muster_job_idle_seconds",
+    "muster_nodes",
+    "muster_node_cordoned",
+    "muster_gpus",
+    "muster_gpus_idle",
+    "muster_node_stack_drift",
+    "muster_node_cpu_busy_percent",
+    "muster_node_memory_used_bytes",
+    "muster_node_memory_total_bytes",
+    "muster_node_network_receive_bytes_total",
+    "muster_node_network_transmit_bytes_total",
+];
+
 /// The content type of what [`render`] gives./// The content type of what [`render`] gives.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -583,5 +608,65 @@ mod tests {
             "{stale}"
         );
         assert!(stale.ends_with("# EOF\n"), "{stale}");
+    }
+
+    /// The names of the series a rendered text shows.
+    fn shown(text: &str) -> BTreeSet<String> {
+        text.lines()
+            .filter(|line| !line.starts_with('#'))
+            .filter_map(|line| line.split(['{', ' ']).next())
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn every_series_shown_is_listed_and_the_dashboard_uses_only_listed_ones() {
+        let control = cluster();
+        let mut telemetry = report(100_000);
+        if let Some(node) = telemetry.get_mut("n1") {
+            node.report.node.cpu_busy_pct = Some(1.0);
+            node.report.node.memory_used_mib = Some(1);
+            node.report.node.memory_total_mib = Some(2);
+            node.report.node.network = vec![muster_api::protocol::InterfaceSample {
+                interface: "eth0".into(),
+                receive_bytes: 1,
+                transmit_bytes: 2,
+            }];
+            node.report.gpus[0].power_watts = Some(1.0);
+            node.report.gpus[0].temperature_c = Some(1);
+            node.report.gpus[0].sm_clock_mhz = Some(1);
+            node.report.gpus[0].ecc_uncorrected = Some(0);
+        }
+        let text = render(&control, &telemetry, &UsageByNode::new(), 0, 100_000);
+        for name in shown(&text) {
+            assert!(SERIES.contains(&name.as_str()), "{name} is not in SERIES");
+        }
+        // The dashboard's queries name only series muster shows.
+        let dashboard: serde_json::Value =
+            serde_json::from_str(include_str!("../../../docs/grafana/muster.json"))
+                .expect("the dashboard is JSON");
+        let panels = dashboard["panels"].as_array().expect("panels");
+        assert!(panels.len() >= 10);
+        let mut used = 0;
+        for panel in panels {
+            for target in panel["targets"].as_array().expect("targets") {
+                let expr = target["expr"].as_str().expect("an expression");
+                for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                    if word.starts_with("DCGM_") || word.starts_with("muster_") {
+                        assert!(SERIES.contains(&word), "the dashboard uses {word}");
+                        used += 1;
+                    }
+                }
+            }
+        }
+        assert!(used >= 15);
+        // And the docs list every series.
+        let docs = include_str!("../../../docs/observability.md");
+        for name in SERIES {
+            assert!(
+                docs.contains(&format!("`{name}`")),
+                "{name} is not in the docs"
+            );
+        }
     }
 }
