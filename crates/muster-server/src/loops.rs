@@ -131,16 +131,20 @@ pub async fn lease_ticker(shared: Arc<Shared>, mut shutdown: watch::Receiver<boo
 
 /// Telemetry and usage of nodes no longer registered go with them.
 fn forget_removed_nodes(shared: &Shared) {
-    let registered: std::collections::BTreeSet<String> = shared
-        .read()
-        .control()
-        .nodes()
-        .map(|node| node.spec.name.0.clone())
-        .collect();
-    if let Ok(mut telemetry) = shared.telemetry.lock() {
-        telemetry.retain(|node, _| registered.contains(node));
+    let core = shared.read();
+    let registered = |node: &String| {
+        core.control()
+            .node(&muster_model::NodeName(node.clone()))
+            .is_some()
+    };
+    if let Ok(mut telemetry) = shared.telemetry.lock()
+        && telemetry.len() > core.control().nodes().count()
+    {
+        telemetry.retain(|node, _| registered(node));
     }
-    if let Ok(mut usage) = shared.usage.lock() {
-        usage.retain(|node, _| registered.contains(node));
+    if let Ok(mut usage) = shared.usage.lock()
+        && usage.len() > core.control().nodes().count()
+    {
+        usage.retain(|node, _| registered(node));
     }
 }

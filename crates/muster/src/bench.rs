@@ -174,6 +174,10 @@ pub struct AgentsBench {
     pub warmup: Duration,
     #[arg(long, value_enum, default_value = "long-poll")]
     pub mode: HeartbeatMode,
+    /// Each agent also sends a telemetry report (8 GPUs, 2 interfaces) this
+    /// often, as `muster agent` does (0: none).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub telemetry: Duration,
     /// A running server (default: start one as a child process). Its CPU is
     /// measured only with --server-pid.
     #[arg(long, value_name = "URL", requires = "join_token")]
@@ -694,6 +698,41 @@ fn max_open_files() -> Option<u64> {
         .ok()
 }
 
+/// A telemetry report as an agent of 8 GPUs sends it.
+fn bench_report(epoch: u64, seed: u32) -> muster_api::protocol::TelemetryReport {
+    use muster_api::protocol::{GpuSample, InterfaceSample, NodeSample, TelemetryReport};
+    TelemetryReport {
+        epoch,
+        sampled_ms: 0,
+        gpus: (0..8)
+            .map(|index| GpuSample {
+                index,
+                utilization_pct: (seed * 7 + index * 13) % 101,
+                memory_used_mib: 40_000,
+                memory_total_mib: 81_920,
+                power_watts: Some(420.5),
+                temperature_c: Some(62),
+                sm_clock_mhz: Some(1_980),
+                ecc_uncorrected: Some(0),
+                healthy: true,
+            })
+            .collect(),
+        node: NodeSample {
+            cpu_busy_pct: Some(37.5),
+            memory_used_mib: Some(200_000),
+            memory_total_mib: Some(524_288),
+            network: ["eth0", "ib0"]
+                .iter()
+                .map(|name| InterfaceSample {
+                    interface: name.to_string(),
+                    receive_bytes: 1 << 40,
+                    transmit_bytes: 1 << 39,
+                })
+                .collect(),
+        },
+    }
+}
+
 fn simulated_gpus(agent: u64) -> Vec<GpuView> {
     (0..8)
         .map(|index| GpuView {
@@ -807,8 +846,41 @@ async fn agents(args: AgentsBench) -> Result<()> {
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let count = nodes.len() as u64;
     let mut tasks = Vec::with_capacity(nodes.len());
+    // Telemetry reports sent and refused in the window.
+    let reports = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let report_errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let telemetry_ms = args.telemetry.as_millis() as u64;
     for (position, (_, name, token, epoch)) in nodes.into_iter().enumerate() {
         let client = Client::new(&url, &token);
+        if telemetry_ms > 0 {
+            let client = client.clone();
+            let name = name.clone();
+            let mut stopped = stopped.clone();
+            let measuring = measuring.clone();
+            let (reports, report_errors) = (reports.clone(), report_errors.clone());
+            let offset = Duration::from_millis(telemetry_ms * position as u64 / count);
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = tokio::time::sleep(offset) => {}
+                    _ = stopped.wait_for(|stop| *stop) => return,
+                }
+                let mut ticker = tokio::time::interval(Duration::from_millis(telemetry_ms));
+                loop {
+                    tokio::select! {
+                        _ = ticker.tick() => {}
+                        _ = stopped.wait_for(|stop| *stop) => return,
+                    }
+                    let report = bench_report(epoch, position as u32);
+                    let sent = client.push_telemetry(&name, &report).await;
+                    if measuring.load(Ordering::Relaxed) {
+                        match sent {
+                            Ok(_) => reports.fetch_add(1, Ordering::Relaxed),
+                            Err(_) => report_errors.fetch_add(1, Ordering::Relaxed),
+                        };
+                    }
+                }
+            });
+        }
         let measuring = measuring.clone();
         let mut stopped = stopped.clone();
         let mode = args.mode;
@@ -959,6 +1031,15 @@ async fn agents(args: AgentsBench) -> Result<()> {
         println!(
             "  round trip minus the long poll's wait: {}",
             tally.overshoot.summary()
+        );
+    }
+    if telemetry_ms > 0 {
+        println!(
+            "  telemetry reports served: {} = {:.1}/s (expected {:.1}/s), refused {}",
+            reports.load(Ordering::Relaxed),
+            reports.load(Ordering::Relaxed) as f64 / window,
+            count as f64 * 1000.0 / telemetry_ms as f64,
+            report_errors.load(Ordering::Relaxed)
         );
     }
     println!("  errors: {}", tally.errors);
