@@ -106,7 +106,7 @@ pub struct IsolationArgs {
     /// How often the node sends GPU and node telemetry (utilisation,
     /// memory, power, temperature, clocks, ECC; CPU, memory, network) to the
     /// server, for `/metrics`.
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::cli::parse_duration_s)]
+    #[arg(long, value_name = "DURATION", default_value = "10s", env = "MUSTER_TELEMETRY_INTERVAL", value_parser = crate::cli::parse_duration_s)]
     pub telemetry_interval: u64,
 }
 
