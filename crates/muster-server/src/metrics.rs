@@ -1,6 +1,6 @@
 //! `GET /metrics`: the fleet's GPUs under the names and labels of NVIDIA's
 //! DCGM exporter (`DCGM_FI_DEV_GPU_UTIL{gpu, UUID, modelName, Hostname}`,
-//! ...), each with the `job`, `queue` and `user` holding the GPU, so the
+//! ...), each with the `job_id`, `queue` and `user` holding the GPU, so the
 //! dashboards people use for DCGM work unchanged; and muster's own series
 //! (jobs by state and pending reason, nodes, GPUs allocated, free and idle
 //! by pool, node CPU, memory and network). OpenMetrics text, rendered by
@@ -273,7 +273,7 @@ pub fn render(
                 "Running jobs whose GPUs have all been below 5% utilisation for at least the \
                  server's idle threshold: for how long",
                 labels(vec![
-                    ("job", Arc::from(job.id.0.to_string())),
+                    ("job_id", Arc::from(job.id.0.to_string())),
                     ("queue", text(&job.spec.queue.0)),
                     ("user", text(&job.user)),
                 ]),
@@ -352,7 +352,7 @@ pub fn render(
                 ("Hostname", Arc::clone(&host_text)),
             ];
             if let Some(held) = held {
-                pairs.push(("job", joined(held.iter().map(|h| h.0.as_str()))));
+                pairs.push(("job_id", joined(held.iter().map(|h| h.0.as_str()))));
                 pairs.push(("queue", joined(held.iter().map(|h| h.1))));
                 pairs.push(("user", joined(held.iter().map(|h| h.2))));
             }

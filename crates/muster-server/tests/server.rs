@@ -767,12 +767,12 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
         let free = (0..4).find(|i| !held.contains(i)).expect("a free GPU");
         for line in [
             format!(
-                "DCGM_FI_DEV_GPU_UTIL{{{},job=\"{id}\",queue=\"team-a\",user=\"admin\"}} 90.0",
+                "DCGM_FI_DEV_GPU_UTIL{{{},job_id=\"{id}\",queue=\"team-a\",user=\"admin\"}} 90.0",
                 gpu(busy)
             ),
             format!("DCGM_FI_DEV_GPU_UTIL{{{}}} 0.0", gpu(free)),
             format!(
-                "DCGM_FI_DEV_FB_FREE{{{},job=\"{id}\",queue=\"team-a\",user=\"admin\"}} 80920.0",
+                "DCGM_FI_DEV_FB_FREE{{{},job_id=\"{id}\",queue=\"team-a\",user=\"admin\"}} 80920.0",
                 gpu(busy)
             ),
             format!("DCGM_FI_DEV_POWER_USAGE{{{}}} 350.5", gpu(free)),
@@ -821,7 +821,7 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
         let text = text.as_str().expect("text").to_string();
         assert!(
             text.lines().any(|l| l.starts_with(&format!(
-                "muster_job_idle_seconds{{job=\"{id}\",queue=\"team-a\",user=\"admin\"}} "
+                "muster_job_idle_seconds{{job_id=\"{id}\",queue=\"team-a\",user=\"admin\"}} "
             ))),
             "{text}"
         );

@@ -1011,7 +1011,7 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
     assert!(output.status.success(), "{output:?}");
     let id = stdout(&output).trim().to_string();
     let token = std::fs::read_to_string(data.join("metrics.token")).expect("a metrics token");
-    let wanted = format!("job=\"{id}\",queue=\"default\"");
+    let wanted = format!("job_id=\"{id}\",queue=\"default\"");
     let mut last = String::new();
     common::wait_until("the job's GPU in /metrics", Duration::from_secs(30), || {
         let (status, body) = http_get(&env.url, "/metrics", token.trim());
@@ -1076,9 +1076,10 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
     assert!(
         metrics
             .lines()
-            .any(|l| l.starts_with(&format!("muster_job_idle_seconds{{job=\"{idle}\""))),
+            .any(|l| l.starts_with(&format!("muster_job_idle_seconds{{job_id=\"{idle}\""))),
         "{metrics}"
     );
+    prometheus_scrapes(&env, &data.join("metrics.token"), &id, &idle);
     let output = env.muster(&["cancel", &id, &idle]);
     assert!(output.status.success(), "{output:?}");
     // The node's software stack, as its agent reported it.
@@ -1089,4 +1090,95 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
     assert!(pool["majority"]["kernel"].is_string(), "{fleet}");
     let text = stdout(&env.muster(&["fleet"]));
     assert!(text.contains("every node has the pool's stack"), "{text}");
+}
+
+/// A query string's value, percent-encoded.
+fn encode_query(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// The real Prometheus (Debian's package) scrapes the server with the
+/// metrics token, and PromQL finds the running job's utilisation, the idle
+/// job and the GPUs by state. Without it installed the check is skipped,
+/// unless MUSTER_REQUIRE_TOOLS is set (as `.ci/run` does, having installed
+/// it).
+fn prometheus_scrapes(env: &Env, token_file: &std::path::Path, busy: &str, idle: &str) {
+    let binary = std::path::Path::new("/usr/bin/prometheus");
+    if !binary.exists() {
+        assert!(
+            std::env::var_os("MUSTER_REQUIRE_TOOLS").is_none(),
+            "/usr/bin/prometheus is missing (Debian: apt-get install prometheus)"
+        );
+        eprintln!("note: no /usr/bin/prometheus here; the real-Prometheus check is skipped");
+        return;
+    }
+    let listen = format!("127.0.0.1:{}", common::free_port());
+    let config = env.path("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: \
+             muster\n    authorization:\n      credentials_file: {}\n    static_configs:\n      - \
+             targets: [\"{}\"]\n",
+            token_file.display(),
+            env.url.trim_start_matches("http://")
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(env.path("prometheus.log")).unwrap();
+    let mut prometheus = std::process::Command::new(binary)
+        .arg(format!("--config.file={}", config.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            env.path("tsdb").display()
+        ))
+        .arg(format!("--web.listen-address={listen}"))
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("prometheus starts");
+    let base = format!("http://{listen}");
+    let query = |promql: &str| -> serde_json::Value {
+        let path = format!("/api/v1/query?query={}", encode_query(promql));
+        match std::net::TcpStream::connect(&listen) {
+            Ok(_) => {
+                let (_, body) = http_get(&base, &path, "unused");
+                // The body may be chunked: take the JSON object in it.
+                let start = body.find('{').unwrap_or(0);
+                let end = body.rfind('}').map_or(body.len(), |end| end + 1);
+                serde_json::from_str(&body[start..end]).unwrap_or(serde_json::Value::Null)
+            }
+            Err(_) => serde_json::Value::Null,
+        }
+    };
+    let value_of = |result: &serde_json::Value| -> Option<f64> {
+        result["data"]["result"][0]["value"][1]
+            .as_str()
+            .and_then(|v| v.parse().ok())
+    };
+    let busy_query = format!("DCGM_FI_DEV_GPU_UTIL{{job_id=\"{busy}\"}}");
+    common::wait_until(
+        "Prometheus to scrape muster",
+        Duration::from_secs(60),
+        || value_of(&query(&busy_query)) == Some(90.0),
+    );
+    let idle_query = format!("muster_job_idle_seconds{{job_id=\"{idle}\"}}");
+    common::wait_until(
+        "the idle job in Prometheus",
+        Duration::from_secs(30),
+        || value_of(&query(&idle_query)).is_some(),
+    );
+    let allocated = query("sum(muster_gpus{state=\"allocated\"})");
+    assert_eq!(value_of(&allocated), Some(2.0), "{allocated}");
+    let up = query("up{job=\"muster\"}");
+    assert_eq!(value_of(&up), Some(1.0), "{up}");
+    let _ = prometheus.kill();
+    let _ = prometheus.wait();
 }
