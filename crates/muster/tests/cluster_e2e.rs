@@ -1131,8 +1131,8 @@ fn prometheus_scrapes(env: &Env, token_file: &std::path::Path, busy: &str, idle:
             env.url.trim_start_matches("http://")
         ),
     )
-    .unwrap();
-    let log = std::fs::File::create(env.path("prometheus.log")).unwrap();
+    .expect("the config written");
+    let log = std::fs::File::create(env.path("prometheus.log")).expect("a log file");
     let mut prometheus = std::process::Command::new(binary)
         .arg(format!("--config.file={}", config.display()))
         .arg(format!(
@@ -1140,7 +1140,7 @@ fn prometheus_scrapes(env: &Env, token_file: &std::path::Path, busy: &str, idle:
             env.path("tsdb").display()
         ))
         .arg(format!("--web.listen-address={listen}"))
-        .stdout(log.try_clone().unwrap())
+        .stdout(log.try_clone().expect("the log again"))
         .stderr(log)
         .spawn()
         .expect("prometheus starts");
