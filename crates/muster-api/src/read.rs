@@ -34,6 +34,7 @@ pub(crate) const JOB_FIELDS: &[&str] = &[
     "after",
     "array",
     "slurm_env",
+    "idle_timeout",
 ];
 pub(crate) const CHECKPOINT_FIELDS: &[&str] = &["signal", "grace_period", "interval"];
 pub(crate) const RETRY_FIELDS: &[&str] = &["max_attempts", "on_node_failure", "on_exit_failure"];
@@ -383,6 +384,7 @@ impl Reader {
                     .ok()
             }),
             slurm_env: self.boolean(map, "slurm_env", "slurm_env"),
+            idle_timeout: self.quantity(map, "idle_timeout", "idle_timeout", DURATION_ACCEPTED),
         }
     }
 

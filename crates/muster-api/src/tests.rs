@@ -74,6 +74,7 @@ topology:
 after: [3, "any:4"]
 array: "0-7,10%2"
 slurm_env: true
+idle_timeout: 2h
 "#;
 
 fn full_spec() -> model::JobSpec {
@@ -138,6 +139,7 @@ fn full_spec() -> model::JobSpec {
             limit: Some(2),
         }),
         slurm_env: true,
+        idle_timeout: Some(Duration::from_secs(7200)),
     }
 }
 
@@ -552,7 +554,7 @@ fn unknown_fields_get_the_closest_name_at_every_level() {
     assert_eq!(
         errors("name: a\ncommand: [x]\nzzz: 1\n"),
         [
-            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, working_dir, image, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env"
+            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, working_dir, image, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env, idle_timeout"
         ]
     );
     assert_eq!(

@@ -259,6 +259,10 @@ impl Checker {
             after,
             array,
             slurm_env: spec.slurm_env.unwrap_or(false),
+            idle_timeout: spec
+                .idle_timeout
+                .as_ref()
+                .map(|timeout| self.positive_duration("idle_timeout", timeout)),
         }
     }
 

@@ -144,6 +144,9 @@ pub struct JobSpec {
     /// Give tasks the `SLURM_*` variables too.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slurm_env: Option<bool>,
+    /// Stop the job once its GPUs have been idle this long.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idle_timeout: Option<Quantity>,
 }
 
 impl JobSpec {
@@ -225,6 +228,7 @@ impl From<&model::JobSpec> for JobSpec {
             after: spec.after.iter().map(ToString::to_string).collect(),
             array: spec.array.as_ref().map(ToString::to_string),
             slurm_env: spec.slurm_env.then_some(true),
+            idle_timeout: spec.idle_timeout.map(duration_quantity),
         }
     }
 }

@@ -45,6 +45,8 @@ pub enum JobState {
     Cancelled,
     /// It ran into its `max_runtime` and was stopped.
     TimedOut,
+    /// Its GPUs stayed idle for its `idle_timeout` and it was stopped.
+    IdleStopped,
 }
 
 impl JobState {
@@ -57,6 +59,7 @@ impl JobState {
             JobState::Failed => "failed",
             JobState::Cancelled => "cancelled",
             JobState::TimedOut => "timed_out",
+            JobState::IdleStopped => "idle_stopped",
         }
     }
 
@@ -69,6 +72,7 @@ impl JobState {
             JobState::Failed,
             JobState::Cancelled,
             JobState::TimedOut,
+            JobState::IdleStopped,
         ]
         .into_iter()
         .find(|state| state.name() == text)
@@ -77,7 +81,11 @@ impl JobState {
     pub fn is_final(self) -> bool {
         matches!(
             self,
-            JobState::Succeeded | JobState::Failed | JobState::Cancelled | JobState::TimedOut
+            JobState::Succeeded
+                | JobState::Failed
+                | JobState::Cancelled
+                | JobState::TimedOut
+                | JobState::IdleStopped
         )
     }
 }
@@ -92,6 +100,8 @@ pub enum StopCause {
     NodeLost,
     /// It reached its `max_runtime`.
     TimeLimit,
+    /// Its GPUs were idle for its `idle_timeout`.
+    Idle,
 }
 
 /// An allocation's state as the control plane knows it.
@@ -261,6 +271,12 @@ pub enum Input {
         user: String,
     },
     Cancel {
+        job: JobId,
+    },
+    /// The shell found the running job's GPUs idle for its `idle_timeout`
+    /// (from telemetry): it is stopped and ends `idle_stopped`. Ignored for
+    /// a job that is not running or has no `idle_timeout`.
+    StopIdle {
         job: JobId,
     },
     /// Cancels every unfinished element of array job `array`.
@@ -1280,6 +1296,19 @@ impl ControlPlane {
                 }
             }
             Input::Cancel { job } => self.cancel(now, job, &mut outputs)?,
+            Input::StopIdle { job } => {
+                let stoppable = self.jobs.get(&job).and_then(|found| {
+                    let timeout = found.spec.idle_timeout?;
+                    (found.state == JobState::Running).then_some(timeout)
+                });
+                if let Some(timeout) = stoppable {
+                    let why = format!(
+                        "its GPUs were idle (below 5%) for its idle_timeout of {} s",
+                        timeout.as_secs()
+                    );
+                    self.stop_job(now, job, StopCause::Idle, &why, &mut outputs);
+                }
+            }
             Input::CancelArray { array } => {
                 let elements = self.array_elements(array);
                 if elements.is_empty() {
@@ -1643,6 +1672,10 @@ impl ControlPlane {
         let (state, note) = match job.stop_cause {
             Some(StopCause::Cancel) => (JobState::Cancelled, "cancelled".to_string()),
             Some(StopCause::TimeLimit) => (JobState::TimedOut, "timed out".to_string()),
+            Some(StopCause::Idle) => (
+                JobState::IdleStopped,
+                "stopped: its GPUs were idle".to_string(),
+            ),
             Some(StopCause::Preempted) => (JobState::Pending, "preempted; re-queued".to_string()),
             Some(StopCause::NodeLost) if job.spec.retry.on_node_failure => {
                 (JobState::Pending, "node lost; re-queued".to_string())

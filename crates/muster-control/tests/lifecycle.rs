@@ -1331,3 +1331,42 @@ mod arrays {
         assert_eq!(world.state(1), JobState::Running);
     }
 }
+
+#[test]
+fn a_job_idle_for_its_idle_timeout_is_stopped_and_ends_idle_stopped() {
+    let mut world = World::new(&["a"]);
+    let mut spec = JobSpec::simple(
+        "notebook",
+        "default",
+        GpuRequest::Whole(1),
+        vec!["x".into()],
+    );
+    spec.idle_timeout = Some(std::time::Duration::from_secs(1800));
+    world.step(Input::Submit {
+        id: JobId(1),
+        spec,
+        user: "alice".into(),
+    });
+    world.submit(2, 1, 1);
+    world.cycle();
+    let tasks = world.desired("a");
+    world.report("a", tasks.iter().map(running).collect());
+    // A job without an idle_timeout is left alone.
+    world.step(Input::StopIdle { job: JobId(2) });
+    assert_eq!(world.state(2), JobState::Running);
+    world.step(Input::StopIdle { job: JobId(1) });
+    assert_eq!(world.state(1), JobState::Stopping);
+    let task = world
+        .desired("a")
+        .into_iter()
+        .find(|t| t.job == JobId(1))
+        .expect("the notebook's task");
+    assert!(task.stop, "told to stop");
+    world.report("a", vec![exited(&task, 143)]);
+    assert_eq!(world.state(1), JobState::IdleStopped);
+    assert!(JobState::IdleStopped.is_final());
+    assert_eq!(JobState::parse("idle_stopped"), Some(JobState::IdleStopped));
+    // Asking again is harmless.
+    world.step(Input::StopIdle { job: JobId(1) });
+    assert_eq!(world.state(1), JobState::IdleStopped);
+}

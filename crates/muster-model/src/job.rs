@@ -398,6 +398,9 @@ pub struct JobSpec {
     /// Also give tasks the `SLURM_*` variables batch scripts read (what
     /// `muster sbatch` submits).
     pub slurm_env: bool,
+    /// Stop the job (state `idle_stopped`) once all its GPUs have stayed
+    /// below 5% utilisation this long.
+    pub idle_timeout: Option<Duration>,
 }
 
 impl JobSpec {
@@ -427,6 +430,7 @@ impl JobSpec {
             after: Vec::new(),
             array: None,
             slurm_env: false,
+            idle_timeout: None,
         }
     }
 

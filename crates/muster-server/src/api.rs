@@ -323,7 +323,7 @@ pub struct JobQuery {
     /// Only jobs of this queue.
     queue: Option<String>,
     /// Only jobs in this state (pending, running, stopping, succeeded,
-    /// failed, cancelled, timed_out).
+    /// failed, cancelled, timed_out, idle_stopped).
     state: Option<String>,
     /// Only jobs of this user.
     user: Option<String>,
@@ -576,7 +576,7 @@ async fn list_jobs(
                     JobState::parse(&name.to_ascii_lowercase()).ok_or_else(|| {
                         ApiError::invalid(format!(
                             "unknown job state {name:?}; accepted: pending, running, stopping, \
-                             succeeded, failed, cancelled, timed_out (one, or a comma list)"
+                             succeeded, failed, cancelled, timed_out, idle_stopped (one, or a comma list)"
                         ))
                     })
                 })
@@ -1554,6 +1554,7 @@ async fn push_telemetry(
             muster_model::MAX_NODE_GPUS
         )));
     }
+    let mut idle = Vec::new();
     {
         let core = shared.read();
         let name = muster_model::NodeName::from(node.as_str());
@@ -1580,6 +1581,28 @@ async fn push_telemetry(
             &report,
             now().0,
         );
+        // Jobs on this node idle for their own idle_timeout are stopped.
+        let control = core.control();
+        let jobs: std::collections::BTreeSet<JobId> =
+            control.live_allocations(&name).map(|a| a.job).collect();
+        for id in jobs {
+            let Some(job) = control.job(id) else {
+                continue;
+            };
+            let Some(timeout) = job.spec.idle_timeout else {
+                continue;
+            };
+            let threshold = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+            if crate::metrics::idle_for_ms(control, &usage, job, now().0, threshold).is_some() {
+                idle.push(id);
+            }
+        }
+    }
+    for job in idle {
+        tracing::info!(job = job.0, "stopping an idle job (its idle_timeout)");
+        if let Err(error) = shared.apply(Input::StopIdle { job }, Batch::default()) {
+            tracing::warn!(job = job.0, error = %error.body.message, "cannot stop an idle job");
+        }
     }
     let entry = crate::metrics::NodeTelemetry {
         received_ms: now().0,

@@ -68,6 +68,7 @@ fn stop_cause_name(cause: StopCause) -> &'static str {
         StopCause::TaskFailed => "task_failed",
         StopCause::NodeLost => "node_lost",
         StopCause::TimeLimit => "time_limit",
+        StopCause::Idle => "idle",
     }
 }
 
@@ -78,6 +79,7 @@ fn parse_stop_cause(name: &str) -> Option<StopCause> {
         StopCause::TaskFailed,
         StopCause::NodeLost,
         StopCause::TimeLimit,
+        StopCause::Idle,
     ]
     .into_iter()
     .find(|cause| stop_cause_name(*cause) == name)

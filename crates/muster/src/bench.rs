@@ -1124,7 +1124,10 @@ async fn idle_agent(args: IdleAgentBench) -> Result<()> {
 // muster bench submit-to-running
 
 fn is_terminal(state: &str) -> bool {
-    matches!(state, "succeeded" | "failed" | "cancelled" | "timed_out")
+    matches!(
+        state,
+        "succeeded" | "failed" | "cancelled" | "timed_out" | "idle_stopped"
+    )
 }
 
 async fn submit_to_running(args: SubmitToRunningBench) -> Result<()> {

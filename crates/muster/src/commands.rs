@@ -254,6 +254,11 @@ pub struct RunArgs {
     /// (`muster run` then exits 124).
     #[arg(long, value_name = "DURATION")]
     pub time: Option<String>,
+    /// Stop the job once all its GPUs have stayed below 5% utilisation this
+    /// long (e.g. 30m for a notebook); it ends `idle_stopped` (`muster run`
+    /// then exits 124).
+    #[arg(long, value_name = "DURATION")]
+    pub idle_timeout: Option<String>,
     #[command(flatten)]
     pub waiting: WaitingArgs,
     /// The command and its arguments (after `--` when an argument of it
@@ -323,6 +328,9 @@ fn run_spec(args: &RunArgs) -> Result<serde_json::Value> {
     }
     if let Some(time) = &args.time {
         spec["max_runtime"] = time.clone().into();
+    }
+    if let Some(timeout) = &args.idle_timeout {
+        spec["idle_timeout"] = timeout.clone().into();
     }
     if !args.waiting.after.is_empty() {
         spec["after"] = args.waiting.after.clone().into();
@@ -443,7 +451,7 @@ fn job_exit_status(job: &JobView) -> u8 {
     match job.state.as_str() {
         "succeeded" => 0,
         "cancelled" => 130,
-        "timed_out" => exit::TIMED_OUT,
+        "timed_out" | "idle_stopped" => exit::TIMED_OUT,
         _ => job.exit_code.map_or(exit::FAILURE, |code| {
             u8::try_from(code).unwrap_or(exit::FAILURE).max(1)
         }),

@@ -1082,6 +1082,31 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
     prometheus_scrapes(&env, &data.join("metrics.token"), &id, &idle);
     let output = env.muster(&["cancel", &id, &idle]);
     assert!(output.status.success(), "{output:?}");
+    // A job with an idle_timeout whose GPU stays idle is stopped: it ends
+    // idle_stopped and `muster run` exits 124.
+    let output = env.muster(&[
+        "run",
+        "--gpus",
+        "1",
+        "--idle-timeout",
+        "2s",
+        "-e",
+        "MUSTER_SIM_UTIL=0",
+        "--",
+        "sleep",
+        "120",
+    ]);
+    assert_eq!(output.status.code(), Some(124), "{output:?}");
+    let stopped = json(&env.muster(&["ps", "--state", "idle_stopped", "--json"]));
+    let stopped = &stopped["jobs"][0];
+    assert!(
+        stopped["history"]
+            .as_array()
+            .is_some_and(|events| events.iter().any(|e| e["what"]
+                .as_str()
+                .is_some_and(|w| w.contains("idle (below 5%) for its idle_timeout")))),
+        "{stopped}"
+    );
     // The node's software stack, as its agent reported it.
     let fleet = json(&env.muster(&["fleet", "--json"]));
     let pool = &fleet["pools"][0];
