@@ -1959,6 +1959,7 @@ mod tests {
             env: vec!["A=1".into()],
             detach: false,
             time: None,
+            idle_timeout: None,
             waiting: WaitingArgs::default(),
             export: "NONE".into(),
             command: command.iter().map(|s| s.to_string()).collect(),
