@@ -63,6 +63,10 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/agents/{node}/heartbeat", post(heartbeat))
         .route("/v1/agents/{node}/logs", post(push_logs))
         .route("/v1/agents/{node}/telemetry", post(push_telemetry))
+        .route_layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            time_request,
+        ))
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
@@ -71,6 +75,23 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         ))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
+}
+
+/// Times each request of a known route, for `muster_api_request_seconds`.
+async fn time_request(State(shared): Shared_, request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(String::new, |path| path.as_str().to_string());
+    let method = request.method().as_str().to_string();
+    let started = std::time::Instant::now();
+    let response = next.run(request).await;
+    shared
+        .instruments
+        .request_seconds
+        .get_or_create(&vec![("route", route), ("method", method)])
+        .observe(started.elapsed().as_secs_f64());
+    response
 }
 
 /// Prometheus metrics (OpenMetrics text): the GPUs under DCGM's names, with
@@ -94,6 +115,7 @@ async fn metrics(State(shared): Shared_) -> Response {
             &telemetry,
             &usage,
             rendering.settings.idle_after_ms,
+            &rendering.instruments,
             now().0,
         )
     })

@@ -339,6 +339,8 @@ pub struct Shared {
     pub telemetry: std::sync::Mutex<BTreeMap<String, crate::metrics::NodeTelemetry>>,
     /// Each task's GPU usage from telemetry (memory only), per node.
     pub usage: std::sync::Mutex<crate::metrics::UsageByNode>,
+    /// Counters and histograms of the server's own work, for `/metrics`.
+    pub instruments: crate::metrics::Instruments,
     /// Task logs, bounded per task.
     pub logs: std::sync::Arc<crate::logstore::LogStore>,
     /// Becomes true when the server shuts down (ends long polls).
@@ -376,6 +378,7 @@ impl Shared {
         admin_token: String,
         join_token: String,
         metrics_token: String,
+        instruments: crate::metrics::Instruments,
         logs: crate::logstore::LogStore,
         shutdown: watch::Receiver<bool>,
     ) -> Shared {
@@ -392,6 +395,7 @@ impl Shared {
             metrics_token,
             telemetry: std::sync::Mutex::new(BTreeMap::new()),
             usage: std::sync::Mutex::new(BTreeMap::new()),
+            instruments,
             logs: std::sync::Arc::new(logs),
             shutdown,
         }
@@ -467,7 +471,22 @@ impl Shared {
             if self.read_only_reason().is_some() {
                 return;
             }
-            let outputs = core.control.apply_outcome(now(), outcome);
+            let at = now();
+            let outputs = core.control.apply_outcome(at, outcome);
+            // What started now: how long each waited.
+            for start in &outcome.started {
+                if let Some(job) = core.control.job(start.job)
+                    && job.started == Some(at)
+                {
+                    self.instruments.placements.inc();
+                    self.instruments
+                        .queue_wait_seconds
+                        .observe(at.0.saturating_sub(job.submitted.0) as f64 / 1000.0);
+                }
+            }
+            self.instruments
+                .preemptions
+                .inc_by(outcome.preemptions.len() as u64);
             let mut batch = Batch::default();
             core.record(&outputs, &mut batch);
             self.writer.queue_quietly(batch);

@@ -190,7 +190,9 @@ impl Server {
             nodes = core.control().nodes().count(),
             "state loaded"
         );
-        let (writer, writer_task) = writer::Writer::start(store.clone());
+        let instruments = metrics::Instruments::default();
+        let (writer, writer_task) =
+            writer::Writer::start_observed(store.clone(), instruments.commit_seconds.clone());
         let (shutdown, shutdown_receiver) = watch::channel(false);
         let shared = Arc::new(Shared::new(
             Settings {
@@ -204,6 +206,7 @@ impl Server {
             admin_token.clone(),
             join_token.clone(),
             metrics_token.clone(),
+            instruments,
             logstore::LogStore::new(data_dir.join("logs"), config.max_log_bytes),
             shutdown_receiver.clone(),
         ));

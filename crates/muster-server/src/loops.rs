@@ -79,6 +79,10 @@ pub async fn scheduling_loop(
                 match outcome {
                     Ok(outcome) => {
                         shared.apply_outcome(&outcome);
+                        shared
+                            .instruments
+                            .cycle_seconds
+                            .observe(cycle_started.elapsed().as_secs_f64());
                         let after = shared.state_version.load(Ordering::SeqCst);
                         // Nothing changed: not even a pending reason.
                         settled = (after == version).then_some((version, cycle_started));

@@ -13,6 +13,9 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -155,9 +158,92 @@ pub const SERIES: &[&str] = &[
     "muster_node_memory_total_bytes",
     "muster_node_network_receive_bytes_total",
     "muster_node_network_transmit_bytes_total",
+    "muster_scheduling_cycle_seconds",
+    "muster_queue_wait_seconds",
+    "muster_placements_total",
+    "muster_preemptions_total",
+    "muster_store_commit_seconds",
+    "muster_api_request_seconds",
 ];
 
-/// The content type of what [`render`] gives./// The content type of what [`render`] gives.
+/// Counters and histograms kept across scrapes: how the server itself
+/// does (each is shared by clones; the scrape registers the clones).
+#[derive(Debug, Clone)]
+pub struct Instruments {
+    /// A scheduling cycle: snapshot, engine and applying its outcome.
+    pub cycle_seconds: Histogram,
+    /// From submission to start, per start.
+    pub queue_wait_seconds: Histogram,
+    pub placements: Counter,
+    pub preemptions: Counter,
+    /// One commit (a group of changes) to the store.
+    pub commit_seconds: Histogram,
+    /// API requests by route and method.
+    pub request_seconds: RequestHistograms,
+}
+
+/// Histograms of requests, by route and method.
+pub type RequestHistograms = Family<Vec<(&'static str, String)>, Histogram, fn() -> Histogram>;
+
+fn short_buckets() -> Histogram {
+    // 0.5 ms to about 16 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+fn wait_buckets() -> Histogram {
+    // 0.1 s to about 1.5 days.
+    Histogram::new(exponential_buckets(0.1, 3.0, 13))
+}
+
+impl Default for Instruments {
+    fn default() -> Self {
+        Instruments {
+            cycle_seconds: short_buckets(),
+            queue_wait_seconds: wait_buckets(),
+            placements: Counter::default(),
+            preemptions: Counter::default(),
+            commit_seconds: short_buckets(),
+            request_seconds: Family::new_with_constructor(short_buckets),
+        }
+    }
+}
+
+impl Instruments {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "muster_scheduling_cycle_seconds",
+            "One scheduling cycle: snapshot, engine, applying the outcome",
+            self.cycle_seconds.clone(),
+        );
+        registry.register(
+            "muster_queue_wait_seconds",
+            "From a job's submission to its start, per start",
+            self.queue_wait_seconds.clone(),
+        );
+        registry.register(
+            "muster_placements",
+            "Jobs started by the scheduler",
+            self.placements.clone(),
+        );
+        registry.register(
+            "muster_preemptions",
+            "Jobs the scheduler preempted",
+            self.preemptions.clone(),
+        );
+        registry.register(
+            "muster_store_commit_seconds",
+            "One commit of a group of changes to the store",
+            self.commit_seconds.clone(),
+        );
+        registry.register(
+            "muster_api_request_seconds",
+            "API requests by route and method (heartbeats long-poll)",
+            self.request_seconds.clone(),
+        );
+    }
+}
+
+/// The content type of what [`render`] gives.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// A series' labels, shared by the series of one GPU (values are counted
@@ -255,6 +341,7 @@ pub fn render(
     telemetry: &BTreeMap<String, NodeTelemetry>,
     usage: &UsageByNode,
     idle_after_ms: u64,
+    instruments: &Instruments,
     now_ms: u64,
 ) -> String {
     let mut families = Families::new();
@@ -518,6 +605,7 @@ pub fn render(
         );
     }
     let mut registry = Registry::default();
+    instruments.register(&mut registry);
     registry.register_collector(Box::new(families));
     let mut out = String::new();
     if let Err(error) = encode(&mut out, &registry) {
@@ -595,11 +683,25 @@ mod tests {
         let line = "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\",UUID=\"GPU-0\",device=\"nvidia0\",\
                     modelName=\"L4\",Hostname=\"n1\"} 42.0";
         let none = UsageByNode::new();
-        let fresh = render(&control, &report(100_000), &none, 0, 100_000 + STALE_MS);
+        let fresh = render(
+            &control,
+            &report(100_000),
+            &none,
+            0,
+            &Instruments::default(),
+            100_000 + STALE_MS,
+        );
         assert!(fresh.lines().any(|l| l == line), "{fresh}");
         // What the device does not report is left out, not shown as 0.
         assert!(!fresh.contains("DCGM_FI_DEV_POWER_USAGE"), "{fresh}");
-        let stale = render(&control, &report(100_000), &none, 0, 100_001 + STALE_MS);
+        let stale = render(
+            &control,
+            &report(100_000),
+            &none,
+            0,
+            &Instruments::default(),
+            100_001 + STALE_MS,
+        );
         assert!(!stale.contains("DCGM_FI_DEV_GPU_UTIL{"), "{stale}");
         // The inventory is shown either way, and the text ends as
         // OpenMetrics requires.
@@ -637,10 +739,36 @@ mod tests {
             node.report.gpus[0].sm_clock_mhz = Some(1);
             node.report.gpus[0].ecc_uncorrected = Some(0);
         }
-        let text = render(&control, &telemetry, &UsageByNode::new(), 0, 100_000);
+        let instruments = Instruments::default();
+        instruments.cycle_seconds.observe(0.01);
+        instruments.placements.inc();
+        instruments
+            .request_seconds
+            .get_or_create(&vec![("route", "/v1/jobs".to_string())])
+            .observe(0.002);
+        let text = render(
+            &control,
+            &telemetry,
+            &UsageByNode::new(),
+            0,
+            &instruments,
+            100_000,
+        );
         for name in shown(&text) {
-            assert!(SERIES.contains(&name.as_str()), "{name} is not in SERIES");
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| name.strip_suffix(suffix))
+                .unwrap_or(&name);
+            assert!(
+                SERIES.contains(&name.as_str()) || SERIES.contains(&base),
+                "{name} is not in SERIES"
+            );
         }
+        assert!(text.contains("muster_placements_total 1"), "{text}");
+        assert!(
+            text.contains("muster_api_request_seconds_count{route=\"/v1/jobs\"} 1"),
+            "{text}"
+        );
         // The dashboard's queries name only series muster shows.
         let dashboard: serde_json::Value =
             serde_json::from_str(include_str!("../../../docs/grafana/muster.json"))
@@ -653,7 +781,14 @@ mod tests {
                 let expr = target["expr"].as_str().expect("an expression");
                 for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
                     if word.starts_with("DCGM_") || word.starts_with("muster_") {
-                        assert!(SERIES.contains(&word), "the dashboard uses {word}");
+                        let base = ["_bucket", "_sum", "_count"]
+                            .iter()
+                            .find_map(|suffix| word.strip_suffix(suffix))
+                            .unwrap_or(word);
+                        assert!(
+                            SERIES.contains(&word) || SERIES.contains(&base),
+                            "the dashboard uses {word}"
+                        );
                         used += 1;
                     }
                 }

@@ -5,6 +5,7 @@
 //! for the disk, the next batches pile up and share the next commit.
 
 use crate::store::{Batch, Store, StoreError};
+use prometheus_client::metrics::histogram::Histogram;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -59,10 +60,19 @@ impl Durable {
 impl Writer {
     /// Starts the writer task over `store`. It ends once every [`Writer`]
     /// is dropped and the queue is drained.
+    #[cfg(test)]
     pub fn start<S: Store>(store: S) -> (Writer, tokio::task::JoinHandle<()>) {
+        Writer::start_observed(store, Histogram::new([1.0]))
+    }
+
+    /// [`Writer::start`], timing each commit into `commit_seconds`.
+    pub fn start_observed<S: Store>(
+        store: S,
+        commit_seconds: Histogram,
+    ) -> (Writer, tokio::task::JoinHandle<()>) {
         let (queue, receiver) = mpsc::unbounded_channel();
         let (committed_sender, committed) = watch::channel(Committed::default());
-        let task = tokio::spawn(run(store, receiver, committed_sender));
+        let task = tokio::spawn(run(store, receiver, committed_sender, commit_seconds));
         let writer = Writer {
             queue,
             queued: Arc::new(AtomicU64::new(0)),
@@ -134,6 +144,7 @@ async fn run<S: Store>(
     store: S,
     mut receiver: mpsc::UnboundedReceiver<Request>,
     committed: watch::Sender<Committed>,
+    commit_seconds: Histogram,
 ) {
     let mut buffer = Vec::new();
     let mut failed: Option<StoreError> = None;
@@ -152,7 +163,12 @@ async fn run<S: Store>(
             // Nothing is written after a failed commit: the batches after
             // it describe changes on top of one the disk does not have.
             Some(error) => Err(error.clone()),
-            None => store.write(&batch).await,
+            None => {
+                let started = std::time::Instant::now();
+                let written = store.write(&batch).await;
+                commit_seconds.observe(started.elapsed().as_secs_f64());
+                written
+            }
         };
         match &result {
             Ok(()) => {

@@ -791,6 +791,17 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
             assert!(text.lines().any(|l| l == line), "{line}\nnot in:\n{text}");
         }
         assert!(text.contains("# TYPE DCGM_FI_DEV_GPU_UTIL gauge"), "{text}");
+        // The server's own work: the start, its wait, commits, requests.
+        for prefix in [
+            "muster_placements_total 1",
+            "muster_queue_wait_seconds_count 1",
+            "muster_scheduling_cycle_seconds_count ",
+            "muster_store_commit_seconds_count ",
+            "muster_api_request_seconds_count{route=\"/v1/jobs\",method=\"POST\"} 1",
+            "muster_api_request_seconds_count{route=\"/v1/agents/{node}/telemetry\",method=\"POST\"} ",
+        ] {
+            assert!(text.lines().any(|l| l.starts_with(prefix)), "{prefix}\nnot in:\n{text}");
+        }
         // The job's usage so far: one sample, its two GPUs' mean.
         let usage = api.job(&admin, id).await.tasks[0]
             .usage

@@ -1822,6 +1822,7 @@ fn metrics(args: MetricsBench) -> Result<()> {
             &telemetry,
             &muster_server::metrics::UsageByNode::new(),
             muster_server::DEFAULT_IDLE_AFTER_MS,
+            &muster_server::metrics::Instruments::default(),
             now.0,
         );
         times.push(started.elapsed());
