@@ -557,6 +557,10 @@ pub struct NodeView {
     /// The rest of its software stack (see `RegisterRequest::stack`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub stack: BTreeMap<String, String>,
+    /// Under the server's `--stack-policy majority`: how its stack differs
+    /// from its pool's; it takes no new work until it matches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drift: Option<String>,
     pub last_heartbeat_ms: u64,
     /// Milliseconds between the latest heartbeats the server received from
     /// this node (up to 32, oldest first; kept in memory only).

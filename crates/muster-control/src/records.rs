@@ -190,6 +190,23 @@ impl ControlPlane {
         }
         control.waiting = control.waiting_from_jobs();
         control.node_shapes = control.node_shapes_from_nodes();
+        // Drift is derived from the stacks, not stored.
+        let pools: std::collections::BTreeSet<_> = control
+            .nodes
+            .values()
+            .map(|n| n.spec.pool.clone())
+            .collect();
+        for pool in pools {
+            let names: Vec<_> = control
+                .nodes
+                .values()
+                .filter(|n| n.spec.pool == pool)
+                .map(|n| n.spec.name.clone())
+                .collect();
+            if let Some(first) = names.first() {
+                control.apply_stack_policy(first, &mut Vec::new());
+            }
+        }
         control.check_invariants().map_err(RestoreError)?;
         Ok(control)
     }

@@ -222,6 +222,10 @@ pub struct Node {
     pub draining: bool,
     pub last_heartbeat: Time,
     pub software: Software,
+    /// Under [`StackPolicy::Majority`]: how its stack differs from its
+    /// pool's (`stack drift: driver 550.54 vs 550.90`); it takes no new work
+    /// until it registers with the pool's stack. Recomputed, not persisted.
+    pub drift: Option<String>,
     /// GPU indices out of service (reported by the agent's health checks).
     pub unhealthy_gpus: Vec<u32>,
 }
@@ -381,6 +385,21 @@ pub struct ControlConfig {
     /// How long a finished job stays in the hot state after it ended; the
     /// shell keeps it queryable from its store after that.
     pub retention_ms: u64,
+    /// What a node whose software stack differs from its pool's gets.
+    pub stack_policy: StackPolicy,
+}
+
+/// What happens to a node whose software stack (driver, CUDA, VBIOS,
+/// kernel, ...) differs from its pool's most common one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StackPolicy {
+    /// Shown (`muster fleet`, metrics), nothing more.
+    #[default]
+    Report,
+    /// Also kept from new work, with the reason, until it registers with
+    /// its pool's stack (pools of at least 3 nodes: with fewer, no version
+    /// is a majority).
+    Majority,
 }
 
 /// The default retention of finished jobs in the hot state: one hour.
@@ -392,6 +411,7 @@ impl Default for ControlConfig {
             lease_ms: 10_000,
             master_port_base: 29_500,
             retention_ms: DEFAULT_RETENTION_MS,
+            stack_policy: StackPolicy::Report,
         }
     }
 }
@@ -900,6 +920,62 @@ impl ControlPlane {
         })
     }
 
+    /// Under [`StackPolicy::Majority`], marks the nodes of `node`'s pool
+    /// whose stack differs from the pool's (or clears the mark of those that
+    /// no longer do).
+    pub(crate) fn apply_stack_policy(&mut self, node: &NodeName, outputs: &mut Vec<Output>) {
+        if self.config.stack_policy != StackPolicy::Majority {
+            return;
+        }
+        let Some(pool) = self.nodes.get(node).map(|n| n.spec.pool.clone()) else {
+            return;
+        };
+        let drift = self.drift_of_pool(&pool);
+        for found in self.nodes.values_mut().filter(|n| n.spec.pool == pool) {
+            let now = drift.get(&found.spec.name).cloned();
+            if found.drift != now {
+                found.drift = now;
+                outputs.push(Output::NodeChanged(found.spec.name.clone()));
+            }
+        }
+    }
+
+    /// Each drifting node of `pool` with its reason (empty below 3 nodes).
+    pub(crate) fn drift_of_pool(
+        &self,
+        pool: &muster_model::PoolName,
+    ) -> BTreeMap<NodeName, String> {
+        let members: Vec<crate::fleet::NodeStack<'_>> = self
+            .nodes
+            .values()
+            .filter(|n| &n.spec.pool == pool)
+            .map(|n| crate::fleet::NodeStack {
+                node: n.spec.name.0.as_str(),
+                pool: n.spec.pool.0.as_str(),
+                components: n.software.components(),
+            })
+            .collect();
+        let mut drift: BTreeMap<NodeName, String> = BTreeMap::new();
+        if members.len() < 3 {
+            return drift;
+        }
+        for stack in crate::fleet::pool_stacks(&members) {
+            for found in stack.drift {
+                let entry = drift
+                    .entry(NodeName(found.node.clone()))
+                    .or_insert_with(|| "stack drift:".to_string());
+                if !entry.ends_with(':') {
+                    entry.push(',');
+                }
+                entry.push_str(&format!(
+                    " {} {} vs {}",
+                    found.component, found.version, found.expected
+                ));
+            }
+        }
+        drift
+    }
+
     /// The elements of array job `array` in the hot state (its first
     /// element, whose id the array has, may have been retired already).
     pub fn array_elements(&self, array: JobId) -> Vec<JobId> {
@@ -1389,10 +1465,12 @@ impl ControlPlane {
                         last_heartbeat: now,
                         software,
                         unhealthy_gpus,
+                        drift: None,
                     },
                 );
                 outputs.push(Output::NodeChanged(name.clone()));
-                outputs.push(Output::DesiredChanged(name));
+                outputs.push(Output::DesiredChanged(name.clone()));
+                self.apply_stack_policy(&name, &mut outputs);
             }
             Input::Heartbeat {
                 node,
@@ -1474,6 +1552,15 @@ impl ControlPlane {
                 );
                 if let Some(removed) = self.nodes.remove(&node) {
                     self.forget_shape(node_shape(&removed.spec), &node);
+                    // The pool's majority may have changed.
+                    let other = self
+                        .nodes
+                        .values()
+                        .find(|n| n.spec.pool == removed.spec.pool)
+                        .map(|n| n.spec.name.clone());
+                    if let Some(other) = other {
+                        self.apply_stack_policy(&other, &mut outputs);
+                    }
                 }
                 self.heartbeat_sequences.remove(&node);
                 self.excluded.remove(&node);
@@ -1957,7 +2044,7 @@ impl ControlPlane {
             .values()
             .map(|node| NodeInput {
                 spec: node.spec.clone(),
-                cordoned: node.cordoned,
+                cordoned: node.cordoned || node.drift.is_some(),
                 healthy: node.state == NodeState::Ready,
                 unhealthy_gpus: node.unhealthy_gpus.clone(),
             })
@@ -2074,7 +2161,7 @@ impl ControlPlane {
         let mut free: FreeResources = self
             .nodes
             .values()
-            .filter(|n| n.state == NodeState::Ready && !n.cordoned)
+            .filter(|n| n.state == NodeState::Ready && !n.cordoned && n.drift.is_none())
             .map(|n| {
                 (
                     n.spec.name.clone(),
@@ -2530,6 +2617,21 @@ impl ControlPlane {
         }
         if self.waiting != self.waiting_from_jobs() {
             return Err("the index of dependencies is out of date".to_string());
+        }
+        if self.config.stack_policy == StackPolicy::Majority {
+            let pools: BTreeSet<&muster_model::PoolName> =
+                self.nodes.values().map(|n| &n.spec.pool).collect();
+            for pool in pools {
+                let drift = self.drift_of_pool(pool);
+                for node in self.nodes.values().filter(|n| &n.spec.pool == pool) {
+                    if node.drift.as_ref() != drift.get(&node.spec.name) {
+                        return Err(format!(
+                            "node {}'s stack drift is out of date",
+                            node.spec.name
+                        ));
+                    }
+                }
+            }
         }
         if self.node_shapes != self.node_shapes_from_nodes() {
             return Err("the index of node shapes is out of date".to_string());

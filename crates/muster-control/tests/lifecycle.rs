@@ -1370,3 +1370,55 @@ fn a_job_idle_for_its_idle_timeout_is_stopped_and_ends_idle_stopped() {
     world.step(Input::StopIdle { job: JobId(1) });
     assert_eq!(world.state(1), JobState::IdleStopped);
 }
+
+#[test]
+fn under_the_majority_policy_a_drifting_node_takes_no_work_until_it_matches() {
+    use muster_control::StackPolicy;
+    let mut world = World {
+        control: ControlPlane::new(ControlConfig {
+            stack_policy: StackPolicy::Majority,
+            ..ControlConfig::default()
+        }),
+        now: Time(1_000),
+    };
+    let register = |world: &mut World, name: &str, driver: &str| {
+        world.step(Input::Register {
+            spec: MakeNode::new(name).gpus(4, "H100-80GB").build().spec,
+            address: "10.0.0.1".into(),
+            software: Software {
+                backend: "nvml".into(),
+                driver: Some(driver.into()),
+                cuda: Some("12.4".into()),
+                stack: Default::default(),
+            },
+        });
+    };
+    register(&mut world, "a", "550.90");
+    register(&mut world, "b", "550.54");
+    // Two nodes: no majority yet.
+    assert!(world.control.nodes().all(|n| n.drift.is_none()));
+    register(&mut world, "c", "550.90");
+    let drift = |world: &World, name: &str| {
+        world
+            .control
+            .node(&NodeName::from(name))
+            .and_then(|n| n.drift.clone())
+    };
+    assert_eq!(
+        drift(&world, "b").as_deref(),
+        Some("stack drift: driver 550.54 vs 550.90")
+    );
+    assert_eq!(drift(&world, "a"), None);
+    // Work goes only to the nodes with the pool's stack.
+    for id in 1..=3 {
+        world.submit(id, 1, 4);
+    }
+    world.cycle();
+    assert!(world.desired("b").is_empty());
+    assert_eq!(world.desired("a").len() + world.desired("c").len(), 2);
+    // Upgraded, it registers again and is back.
+    register(&mut world, "b", "550.90");
+    assert_eq!(drift(&world, "b"), None);
+    world.cycle();
+    assert_eq!(world.desired("b").len(), 1);
+}

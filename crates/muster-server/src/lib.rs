@@ -81,6 +81,8 @@ pub struct ServerConfig {
     /// A running job whose GPUs all stay below 5% utilisation this long is
     /// shown idle (`ps`, `describe`, `/metrics`).
     pub idle_after_ms: u64,
+    /// What a node whose software stack differs from its pool's gets.
+    pub stack_policy: muster_control::StackPolicy,
 }
 
 /// The default idle threshold: 30 minutes.
@@ -104,6 +106,7 @@ impl ServerConfig {
             retention_ms: muster_control::DEFAULT_RETENTION_MS,
             store_max_mib: None,
             idle_after_ms: DEFAULT_IDLE_AFTER_MS,
+            stack_policy: muster_control::StackPolicy::Report,
         }
     }
 }
@@ -181,6 +184,7 @@ impl Server {
         let control_config = ControlConfig {
             lease_ms: config.lease_ms,
             retention_ms: config.retention_ms,
+            stack_policy: config.stack_policy,
             ..ControlConfig::default()
         };
         let core = Core::restore(control_config, loaded, now())

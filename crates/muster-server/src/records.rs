@@ -361,6 +361,7 @@ impl NodeRecord {
             cordoned: self.cordoned,
             draining: self.draining,
             last_heartbeat: Time(self.last_heartbeat_ms),
+            drift: None,
             software: Software {
                 backend: self.backend,
                 driver: self.driver,

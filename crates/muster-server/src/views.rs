@@ -126,6 +126,7 @@ pub fn node_view(core: &Core, node: &Node) -> NodeView {
             .collect(),
         unhealthy_gpus: node.unhealthy_gpus.clone(),
         stack: node.software.stack.clone(),
+        drift: node.drift.clone(),
         gpu_free,
         cpu_milli: node.spec.cpu.0,
         memory_mib: node.spec.memory.0,

@@ -883,7 +883,9 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
 async fn the_fleet_names_the_node_whose_stack_differs_from_its_pool() {
     bounded(async {
         let dir = tempfile::tempdir().unwrap();
-        let server = start(dir.path()).await;
+        let mut config = test_config(dir.path());
+        config.stack_policy = muster_control::StackPolicy::Majority;
+        let server = Server::start(config).await.unwrap();
         let api = Api::new(&server);
         let admin = server.admin_token().to_string();
         for name in ["gpu-1", "gpu-2", "gpu-3"] {
@@ -929,6 +931,15 @@ async fn the_fleet_names_the_node_whose_stack_differs_from_its_pool() {
                 ("gpu-3", "vbios", "(none)", "96.00.89.00.01"),
             ]
         );
+        // Under the majority policy the drifting node takes no new work,
+        // and says why.
+        let (_, body) = api.get("/v1/nodes/gpu-3", &admin).await;
+        assert_eq!(
+            body["drift"], "stack drift: driver 550.90 vs 550.54, vbios (none) vs 96.00.89.00.01",
+            "{body}"
+        );
+        let (_, body) = api.get("/v1/nodes/gpu-1", &admin).await;
+        assert!(body["drift"].is_null(), "{body}");
         // The stack is kept across a restart, and shown per node.
         server.shutdown().await;
         let server = start(dir.path()).await;

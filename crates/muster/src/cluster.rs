@@ -43,6 +43,23 @@ pub struct ServerArgs {
     /// shown idle (`muster ps`, `describe`, `/metrics`).
     #[arg(long, value_name = "DURATION", default_value = "30m", value_parser = parse_duration_ms)]
     pub idle_after: u64,
+    /// What a node whose software stack (driver, CUDA, VBIOS, kernel, ...)
+    /// differs from its pool's most common one gets: `report` (shown in
+    /// `muster fleet` and the metrics) or `majority` (also kept from new
+    /// work, with the reason, until it registers with the pool's stack;
+    /// pools of 3 nodes or more).
+    #[arg(long, value_name = "POLICY", default_value = "report", value_parser = parse_stack_policy)]
+    pub stack_policy: muster_control::StackPolicy,
+}
+
+fn parse_stack_policy(text: &str) -> Result<muster_control::StackPolicy, String> {
+    match text {
+        "report" => Ok(muster_control::StackPolicy::Report),
+        "majority" => Ok(muster_control::StackPolicy::Majority),
+        _ => Err(format!(
+            "unknown stack policy {text:?}; use report or majority"
+        )),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -287,6 +304,7 @@ fn server_config(
     retention_ms: u64,
     store_max_bytes: Option<u64>,
     idle_after_ms: u64,
+    stack_policy: muster_control::StackPolicy,
 ) -> muster_server::ServerConfig {
     muster_server::ServerConfig {
         listen,
@@ -295,6 +313,7 @@ fn server_config(
         max_log_bytes,
         retention_ms,
         idle_after_ms,
+        stack_policy,
         store_max_mib: store_max_bytes.map(|bytes| bytes.div_ceil(1 << 20)),
         ..muster_server::ServerConfig::new(data_dir)
     }
@@ -313,6 +332,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
             args.retention,
             args.store_max_size,
             args.idle_after,
+            args.stack_policy,
         ))
         .await?;
         eprintln!("muster server listening on http://{}", handle.addr());
@@ -435,6 +455,7 @@ pub fn up(args: UpArgs) -> Result<()> {
             args.retention,
             None,
             args.idle_after,
+            muster_control::StackPolicy::Report,
         ))
         .await?;
         let url = format!("http://{}", handle.addr());

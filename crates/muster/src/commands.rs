@@ -1740,7 +1740,13 @@ pub fn nodes(args: NodesArgs) -> Result<u8, Failure> {
                     format!("{} ago", ago(n.last_heartbeat_ms)),
                     n.excluded
                         .as_deref()
-                        .map_or_else(String::new, |why| format!("not scheduled: {why}")),
+                        .map(|why| format!("not scheduled: {why}"))
+                        .or_else(|| {
+                            n.drift
+                                .as_deref()
+                                .map(|why| format!("takes no new work: {why}"))
+                        })
+                        .unwrap_or_default(),
                 ]
             })
             .collect(),
