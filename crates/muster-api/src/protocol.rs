@@ -611,6 +611,9 @@ pub struct QueueView {
     /// `None`: unlimited.
     pub borrow_limit_gpus: Option<f64>,
     pub weight: u32,
+    /// Seconds: its jobs are stopped once their GPUs are idle this long.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_s: Option<u64>,
     pub in_use_gpus: f64,
     pub pending_jobs: u32,
     pub running_jobs: u32,
@@ -629,6 +632,10 @@ pub struct QueueUpdate {
     pub guaranteed_gpus: f64,
     pub borrow_limit_gpus: Option<f64>,
     pub weight: u32,
+    /// Stop the queue's jobs once their GPUs have been idle this long
+    /// (e.g. `"30m"`; absent: never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout: Option<String>,
 }
 
 #[cfg(test)]

@@ -976,6 +976,19 @@ impl ControlPlane {
         drift
     }
 
+    /// How long `job`'s GPUs may stay idle before it is stopped: the
+    /// shorter of its own `idle_timeout` and its queue's (`None`: never).
+    pub fn idle_timeout_of(&self, job: &Job) -> Option<std::time::Duration> {
+        let queue = self
+            .queues
+            .get(&job.spec.queue)
+            .and_then(|queue| queue.idle_timeout);
+        match (job.spec.idle_timeout, queue) {
+            (Some(own), Some(queue)) => Some(own.min(queue)),
+            (own, queue) => own.or(queue),
+        }
+    }
+
     /// The elements of array job `array` in the hot state (its first
     /// element, whose id the array has, may have been retired already).
     pub fn array_elements(&self, array: JobId) -> Vec<JobId> {
@@ -1374,7 +1387,7 @@ impl ControlPlane {
             Input::Cancel { job } => self.cancel(now, job, &mut outputs)?,
             Input::StopIdle { job } => {
                 let stoppable = self.jobs.get(&job).and_then(|found| {
-                    let timeout = found.spec.idle_timeout?;
+                    let timeout = self.idle_timeout_of(found)?;
                     (found.state == JobState::Running).then_some(timeout)
                 });
                 if let Some(timeout) = stoppable {

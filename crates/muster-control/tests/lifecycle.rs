@@ -1422,3 +1422,37 @@ fn under_the_majority_policy_a_drifting_node_takes_no_work_until_it_matches() {
     world.cycle();
     assert_eq!(world.desired("b").len(), 1);
 }
+
+#[test]
+fn a_queue_may_impose_an_idle_timeout_and_the_shorter_one_applies() {
+    let mut world = World::new(&["a"]);
+    let mut queue = muster_model::QueueSpec::best_effort("notebooks");
+    queue.idle_timeout = Some(std::time::Duration::from_secs(600));
+    world.step(Input::SetQueue(queue));
+    let mut spec = JobSpec::simple("nb", "notebooks", GpuRequest::Whole(1), vec!["x".into()]);
+    world.step(Input::Submit {
+        id: JobId(1),
+        spec: spec.clone(),
+        user: "alice".into(),
+    });
+    spec.idle_timeout = Some(std::time::Duration::from_secs(60));
+    world.step(Input::Submit {
+        id: JobId(2),
+        spec,
+        user: "alice".into(),
+    });
+    assert_eq!(
+        world.control.idle_timeout_of(world.job(1)),
+        Some(std::time::Duration::from_secs(600))
+    );
+    assert_eq!(
+        world.control.idle_timeout_of(world.job(2)),
+        Some(std::time::Duration::from_secs(60))
+    );
+    world.cycle();
+    let tasks = world.desired("a");
+    world.report("a", tasks.iter().map(running).collect());
+    // Job 1 has no idle_timeout of its own: its queue's applies.
+    world.step(Input::StopIdle { job: JobId(1) });
+    assert_eq!(world.state(1), JobState::Stopping);
+}

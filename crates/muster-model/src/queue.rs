@@ -30,6 +30,10 @@ pub struct QueueSpec {
     pub borrow_limit: Option<GpuMilli>,
     /// Fair-share weight (relative; at least 1).
     pub weight: u32,
+    /// Jobs of this queue are stopped once their GPUs have been idle this
+    /// long (for interactive and notebook queues), as with a job's own
+    /// `idle_timeout`; the shorter of the two applies.
+    pub idle_timeout: Option<std::time::Duration>,
 }
 
 impl QueueSpec {
@@ -40,6 +44,7 @@ impl QueueSpec {
             guaranteed: GpuMilli::ZERO,
             borrow_limit: None,
             weight: 1,
+            idle_timeout: None,
         }
     }
 

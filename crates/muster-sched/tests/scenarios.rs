@@ -338,6 +338,7 @@ mod queues {
             guaranteed: GpuMilli::whole(guaranteed),
             borrow_limit: borrow.map(GpuMilli::whole),
             weight,
+            idle_timeout: None,
         }
     }
 
@@ -499,6 +500,7 @@ mod preemption {
                 guaranteed: GpuMilli::whole(8),
                 borrow_limit: None,
                 weight: 1,
+                idle_timeout: None,
             },
             QueueSpec::best_effort("borrower"),
         ];
@@ -519,6 +521,7 @@ mod preemption {
                 guaranteed: GpuMilli::whole(8),
                 borrow_limit: None,
                 weight: 1,
+                idle_timeout: None,
             },
             QueueSpec::best_effort("other"),
         ];

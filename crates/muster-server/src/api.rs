@@ -1258,11 +1258,23 @@ async fn set_queue(
             update.weight
         )));
     }
+    let idle_timeout = match update.idle_timeout.as_deref() {
+        None | Some("") => None,
+        Some(text) => match muster_api::parse_duration_text(text) {
+            Ok(duration) if !duration.is_zero() => Some(duration),
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "idle_timeout: expected a duration above 0 like 30m or 2h, got {text:?}"
+                )));
+            }
+        },
+    };
     let spec = QueueSpec {
         name: QueueName(name.clone()),
         guaranteed,
         borrow_limit,
         weight: update.weight,
+        idle_timeout,
     };
     let mut batch = Batch::default();
     if let Ok(text) = serde_json::to_string(&QueueRecord::from(&spec)) {
@@ -1611,7 +1623,7 @@ async fn push_telemetry(
             let Some(job) = control.job(id) else {
                 continue;
             };
-            let Some(timeout) = job.spec.idle_timeout else {
+            let Some(timeout) = control.idle_timeout_of(job) else {
                 continue;
             };
             let threshold = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);

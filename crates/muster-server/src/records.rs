@@ -378,6 +378,8 @@ pub struct QueueRecord {
     pub guaranteed_milli: u32,
     pub borrow_limit_milli: Option<u32>,
     pub weight: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_s: Option<u64>,
 }
 
 impl From<&QueueSpec> for QueueRecord {
@@ -387,6 +389,7 @@ impl From<&QueueSpec> for QueueRecord {
             guaranteed_milli: queue.guaranteed.0,
             borrow_limit_milli: queue.borrow_limit.map(|l| l.0),
             weight: queue.weight,
+            idle_timeout_s: queue.idle_timeout.map(|t| t.as_secs()),
         }
     }
 }
@@ -398,6 +401,7 @@ impl From<QueueRecord> for QueueSpec {
             guaranteed: GpuMilli(record.guaranteed_milli),
             borrow_limit: record.borrow_limit_milli.map(GpuMilli),
             weight: record.weight.max(1),
+            idle_timeout: record.idle_timeout_s.map(std::time::Duration::from_secs),
         }
     }
 }

@@ -523,6 +523,7 @@ mod tests {
                 guaranteed_milli: 8000,
                 borrow_limit_milli: None,
                 weight: 2,
+                idle_timeout_s: Some(1800),
             })
             .unwrap(),
         );

@@ -180,6 +180,7 @@ pub fn empty_queue_view(spec: &QueueSpec) -> QueueView {
         guaranteed_gpus: f64::from(spec.guaranteed.0) / 1000.0,
         borrow_limit_gpus: spec.borrow_limit.map(|l| f64::from(l.0) / 1000.0),
         weight: spec.weight,
+        idle_timeout_s: spec.idle_timeout.map(|t| t.as_secs()),
         in_use_gpus: 0.0,
         pending_jobs: 0,
         running_jobs: 0,

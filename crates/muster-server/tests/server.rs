@@ -388,8 +388,23 @@ async fn bad_requests_are_refused_with_every_problem() {
             .await;
         assert_eq!(status, StatusCode::OK, "{body}");
         assert_eq!(body["guaranteed_gpus"], 8.0);
+        assert!(body["idle_timeout_s"].is_null(), "{body}");
         let (_, body) = api.get("/v1/queues", &token).await;
         assert_eq!(body["queues"][0]["name"], "team-a");
+        // A notebook queue stops its jobs once their GPUs sit idle.
+        let update = |timeout: &str| {
+            json!({ "guaranteed_gpus": 0.0, "borrow_limit_gpus": null, "weight": 1, "idle_timeout": timeout })
+        };
+        let (status, body) = api
+            .call(reqwest::Method::PUT, "/v1/queues/notebooks", Some(&token), Some(update("30m")))
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["idle_timeout_s"], 1800, "{body}");
+        let (status, body) = api
+            .call(reqwest::Method::PUT, "/v1/queues/notebooks", Some(&token), Some(update("soon")))
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(error_of(&body).message.contains("idle_timeout"), "{body}");
 
         let (status, body) = api.get("/v1/nope", &token).await;
         assert_eq!(status, StatusCode::NOT_FOUND);

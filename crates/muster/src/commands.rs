@@ -1886,6 +1886,10 @@ pub enum QueueCommand {
         /// Fair-share weight.
         #[arg(long, default_value_t = 1)]
         weight: u32,
+        /// Stop the queue's jobs once their GPUs have stayed below 5% this
+        /// long (e.g. 30m, for notebook queues); they end `idle_stopped`.
+        #[arg(long, value_name = "DURATION")]
+        idle_timeout: Option<String>,
     },
 }
 
@@ -1897,12 +1901,14 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
         guaranteed,
         borrow_limit,
         weight,
+        idle_timeout,
     }) = &args.command
     {
         let update = QueueUpdate {
             guaranteed_gpus: *guaranteed,
             borrow_limit_gpus: *borrow_limit,
             weight: *weight,
+            idle_timeout: idle_timeout.clone(),
         };
         let queue = rt
             .block_on(client.set_queue(name, &update))
@@ -1928,6 +1934,7 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
             "IN USE",
             "RUNNING",
             "PENDING",
+            "IDLE TIMEOUT",
         ],
         list.queues
             .iter()
@@ -1941,6 +1948,8 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
                     format!("{}", q.in_use_gpus),
                     q.running_jobs.to_string(),
                     q.pending_jobs.to_string(),
+                    q.idle_timeout_s
+                        .map_or("-".to_string(), |s| ago_text(s * 1000)),
                 ]
             })
             .collect(),
