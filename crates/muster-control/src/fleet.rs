@@ -35,6 +35,23 @@ pub struct PoolStack {
     pub drift: Vec<Drift>,
 }
 
+/// A node's stack as [`pool_stacks`] reads it.
+pub fn node_stack(node: &crate::Node) -> NodeStack<'_> {
+    NodeStack {
+        node: node.spec.name.0.as_str(),
+        pool: node.spec.pool.0.as_str(),
+        components: node.software.components(),
+    }
+}
+
+impl crate::ControlPlane {
+    /// Each pool's stack, from the registered nodes.
+    pub fn pool_stacks(&self) -> Vec<PoolStack> {
+        let nodes: Vec<NodeStack<'_>> = self.nodes().map(node_stack).collect();
+        pool_stacks(&nodes)
+    }
+}
+
 /// What a node reports for a component it lacks.
 pub const NONE: &str = "(none)";
 

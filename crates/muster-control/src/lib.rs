@@ -15,6 +15,7 @@
 pub mod fleet;
 mod records;
 mod state;
+pub mod usage;
 
 pub use records::{ChangedRecords, Counters, MemoryStore, Records, RestoreError};
 pub use state::*;

@@ -949,11 +949,7 @@ impl ControlPlane {
             .nodes
             .values()
             .filter(|n| &n.spec.pool == pool)
-            .map(|n| crate::fleet::NodeStack {
-                node: n.spec.name.0.as_str(),
-                pool: n.spec.pool.0.as_str(),
-                components: n.software.components(),
-            })
+            .map(crate::fleet::node_stack)
             .collect();
         let mut drift: BTreeMap<NodeName, String> = BTreeMap::new();
         if members.len() < 3 {

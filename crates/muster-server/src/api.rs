@@ -384,7 +384,7 @@ fn with_usage(shared: &Shared, views: &mut [JobView]) {
                     idle_since_ms: found.idle_since_ms,
                 });
         }
-        view.idle_for_s = crate::metrics::idle_for(
+        view.idle_for_s = muster_control::usage::idle_for(
             view.state == "running",
             view.tasks
                 .iter()
@@ -1129,17 +1129,10 @@ async fn drain_node(
     security(("bearer" = []))
 )]
 async fn fleet(State(shared): Shared_) -> Json<FleetView> {
-    let core = shared.read();
-    let nodes: Vec<muster_control::fleet::NodeStack<'_>> = core
+    let pools = shared
+        .read()
         .control()
-        .nodes()
-        .map(|node| muster_control::fleet::NodeStack {
-            node: node.spec.name.0.as_str(),
-            pool: node.spec.pool.0.as_str(),
-            components: node.software.components(),
-        })
-        .collect();
-    let pools = muster_control::fleet::pool_stacks(&nodes)
+        .pool_stacks()
         .into_iter()
         .map(|pool| PoolStackView {
             pool: pool.pool,
@@ -1608,11 +1601,20 @@ async fn push_telemetry(
             Ok(usage) => usage,
             Err(poisoned) => poisoned.into_inner(),
         };
-        crate::metrics::record_usage(
+        let readings: Vec<muster_control::usage::GpuReading> = report
+            .gpus
+            .iter()
+            .map(|gpu| muster_control::usage::GpuReading {
+                index: gpu.index,
+                utilization_pct: gpu.utilization_pct,
+                memory_used_mib: gpu.memory_used_mib,
+            })
+            .collect();
+        muster_control::usage::record_usage(
             usage.entry(node.clone()).or_default(),
             core.control(),
             &name,
-            &report,
+            &readings,
             now().0,
         );
         // Jobs on this node idle for their own idle_timeout are stopped.
@@ -1627,7 +1629,9 @@ async fn push_telemetry(
                 continue;
             };
             let threshold = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-            if crate::metrics::idle_for_ms(control, &usage, job, now().0, threshold).is_some() {
+            if muster_control::usage::idle_for_ms(control, &usage, job, now().0, threshold)
+                .is_some()
+            {
                 idle.push(id);
             }
         }

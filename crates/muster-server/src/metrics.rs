@@ -31,109 +31,7 @@ pub struct NodeTelemetry {
 /// numbers would mislead).
 pub const STALE_MS: u64 = 60_000;
 
-/// Below this utilisation (percent) an allocated GPU counts as idle.
-pub const IDLE_UTILIZATION_PCT: u32 = 5;
-
-/// A task's GPU usage as telemetry saw it (memory only: one entry per
-/// allocation in the hot state of a node that reports).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct AllocationUsage {
-    pub samples: u64,
-    pub utilization_sum: u64,
-    pub peak_utilization: u32,
-    pub peak_memory_mib: u64,
-    /// Since when every sample has been below [`IDLE_UTILIZATION_PCT`].
-    pub idle_since_ms: Option<u64>,
-}
-
-/// Per node, per allocation.
-pub type UsageByNode = BTreeMap<String, BTreeMap<u64, AllocationUsage>>;
-
-/// Folds a node's report into the usage of the tasks running there (each
-/// sample: the mean utilisation of a task's GPUs, their memory summed), and
-/// forgets allocations the state no longer holds.
-pub fn record_usage(
-    usage: &mut BTreeMap<u64, AllocationUsage>,
-    control: &ControlPlane,
-    node: &muster_model::NodeName,
-    report: &TelemetryReport,
-    now_ms: u64,
-) {
-    for allocation in control.live_allocations(node) {
-        if allocation.state != muster_control::AllocationState::Running {
-            continue;
-        }
-        let samples: Vec<&muster_api::protocol::GpuSample> = report
-            .gpus
-            .iter()
-            .filter(|sample| {
-                allocation
-                    .gpus
-                    .iter()
-                    .any(|(index, _)| *index == sample.index)
-            })
-            .collect();
-        if samples.is_empty() {
-            continue;
-        }
-        let utilization = samples
-            .iter()
-            .map(|s| u64::from(s.utilization_pct.min(100)))
-            .sum::<u64>()
-            / samples.len() as u64;
-        let memory: u64 = samples.iter().map(|s| s.memory_used_mib).sum();
-        let entry = usage.entry(allocation.id.0).or_default();
-        entry.samples += 1;
-        entry.utilization_sum += utilization;
-        entry.peak_utilization = entry.peak_utilization.max(utilization as u32);
-        entry.peak_memory_mib = entry.peak_memory_mib.max(memory);
-        entry.idle_since_ms = if utilization < u64::from(IDLE_UTILIZATION_PCT) {
-            Some(entry.idle_since_ms.unwrap_or(now_ms))
-        } else {
-            None
-        };
-    }
-    usage.retain(|id, _| {
-        control
-            .allocation(muster_control::AllocationId(*id))
-            .is_some()
-    });
-}
-
-/// How long (ms) running job `job` has had every task idle, if at least
-/// `threshold_ms`; `None` otherwise (or with no telemetry for a task).
-pub fn idle_for_ms(
-    control: &ControlPlane,
-    usage: &UsageByNode,
-    job: &muster_control::Job,
-    now_ms: u64,
-    threshold_ms: u64,
-) -> Option<u64> {
-    let since = job.allocations.iter().map(|id| {
-        let allocation = control.allocation(*id)?;
-        usage.get(&allocation.node.0)?.get(&id.0)?.idle_since_ms
-    });
-    idle_for(job.state == JobState::Running, since, now_ms, threshold_ms)
-}
-
-/// The idle rule: a running job is idle once every task has been idle (its
-/// `idle_since`) for at least `threshold_ms`; for how long (ms).
-pub fn idle_for(
-    running: bool,
-    idle_since: impl IntoIterator<Item = Option<u64>>,
-    now_ms: u64,
-    threshold_ms: u64,
-) -> Option<u64> {
-    if !running {
-        return None;
-    }
-    let mut latest = None;
-    for since in idle_since {
-        latest = Some(latest.unwrap_or(0).max(since?));
-    }
-    let idle = now_ms.saturating_sub(latest?);
-    (idle >= threshold_ms).then_some(idle)
-}
+pub use muster_control::usage::{IDLE_UTILIZATION_PCT, UsageByNode};
 
 /// Every series `/metrics` may show (counters with their `_total`), for
 /// the docs and the Grafana dashboard to be checked against.
@@ -354,7 +252,9 @@ pub fn render(
         *jobs
             .entry((job.state.name(), job.spec.queue.0.as_str()))
             .or_default() += 1;
-        if let Some(idle) = idle_for_ms(control, usage, job, now_ms, idle_after_ms) {
+        if let Some(idle) =
+            muster_control::usage::idle_for_ms(control, usage, job, now_ms, idle_after_ms)
+        {
             families.gauge(
                 "muster_job_idle_seconds",
                 "Running jobs whose GPUs have all been below 5% utilisation for at least the \
@@ -551,15 +451,7 @@ pub fn render(
             }
         }
     }
-    let stacks: Vec<muster_control::fleet::NodeStack<'_>> = control
-        .nodes()
-        .map(|node| muster_control::fleet::NodeStack {
-            node: node.spec.name.0.as_str(),
-            pool: node.spec.pool.0.as_str(),
-            components: node.software.components(),
-        })
-        .collect();
-    for pool in muster_control::fleet::pool_stacks(&stacks) {
+    for pool in control.pool_stacks() {
         for drift in pool.drift {
             families.gauge(
                 "muster_node_stack_drift",
