@@ -1572,6 +1572,22 @@ async fn push_telemetry(
     PathParams(node): PathParams<String>,
     Body(report): Body<TelemetryReport>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    // A node's numbers go into every scrape: each must be a reading a
+    // device could give (no NaN, no 250% utilisation, no negative power).
+    let plausible = |value: Option<f64>, most: f64| {
+        value.is_none_or(|v| v.is_finite() && (0.0..=most).contains(&v))
+    };
+    if report.gpus.iter().any(|gpu| {
+        gpu.utilization_pct > 100
+            || (gpu.memory_total_mib > 0 && gpu.memory_used_mib > gpu.memory_total_mib)
+            || !plausible(gpu.power_watts, 100_000.0)
+    }) || !plausible(report.node.cpu_busy_pct, 100.0)
+    {
+        return Err(ApiError::invalid(
+            "a reading is out of range: utilisation 0 to 100%, power 0 to 100 kW, finite, \
+             memory used at most the total",
+        ));
+    }
     if report.gpus.len() > muster_model::MAX_NODE_GPUS
         || report.node.network.len() > 64
         || report.node.network.iter().any(|i| i.interface.len() > 64)

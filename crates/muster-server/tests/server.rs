@@ -769,6 +769,20 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
             api.post(path, &token, huge).await.0,
             StatusCode::BAD_REQUEST
         );
+        // Readings no device gives are refused, not shown in every scrape.
+        for (field, value) in [
+            ("utilization_pct", json!(250)),
+            ("power_watts", json!(-5.0)),
+            ("memory_used_mib", json!(90_000)),
+        ] {
+            let mut odd = body.clone();
+            odd["gpus"][0][field] = value;
+            assert_eq!(
+                api.post(path, &token, odd).await.0,
+                StatusCode::BAD_REQUEST,
+                "{field}"
+            );
+        }
 
         let (status, text) = api.get("/metrics", &metrics_token).await;
         assert_eq!(status, StatusCode::OK, "{text}");
