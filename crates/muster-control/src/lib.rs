@@ -12,6 +12,7 @@
 //! server persists what [`Output`] says changed. [`ControlPlane::check_invariants`]
 //! recomputes derived state from scratch.
 
+pub mod accounting;
 pub mod fleet;
 mod records;
 mod state;

@@ -332,6 +332,12 @@ pub enum Input {
         force: bool,
     },
     SetQueue(QueueSpec),
+    /// The queues whose monthly budget is spent under a hard limit (the
+    /// shell sums their cost): their pending jobs wait, `budget exhausted`,
+    /// until a later input leaves them out. Replaces the previous set.
+    HoldBudgets {
+        queues: BTreeSet<QueueName>,
+    },
 }
 
 /// What changed, for the shell to persist and to wake agents.
@@ -460,6 +466,9 @@ pub struct ControlPlane {
     pub(crate) memory_limited: BTreeSet<JobId>,
     /// Nodes the last scheduling cycle left out, with why (memory only).
     pub(crate) excluded: BTreeMap<NodeName, String>,
+    /// Queues over a hard budget ([`Input::HoldBudgets`]; memory only: the
+    /// shell recomputes it from its store).
+    pub(crate) budget_held: BTreeSet<QueueName>,
     /// When each running job with a `max_runtime` reaches it (an entry may
     /// outlive its attempt: checked against the job when due).
     pub(crate) deadlines: BTreeSet<(Time, JobId)>,
@@ -664,6 +673,7 @@ impl ControlPlane {
             heartbeat_sequences: BTreeMap::new(),
             memory_limited: BTreeSet::new(),
             excluded: BTreeMap::new(),
+            budget_held: BTreeSet::new(),
             deadlines: BTreeSet::new(),
             waiting: BTreeSet::new(),
             node_shapes: BTreeMap::new(),
@@ -898,7 +908,8 @@ impl ControlPlane {
 
     /// A short code for why job `id` is pending (`None`: it is not):
     /// `dependency`, the last cycle's reason's
-    /// [`muster_sched::PendingReason::code`], `array-limit` (an element its
+    /// [`muster_sched::PendingReason::code`], `budget` (its queue's hard
+    /// budget is spent), `array-limit` (an element its
     /// array's limit kept from the last cycle), or `unscheduled` (no cycle
     /// has looked at it yet).
     pub fn pending_code(&self, id: JobId) -> Option<&'static str> {
@@ -908,6 +919,9 @@ impl ControlPlane {
         }
         if self.is_waiting(job) {
             return Some("dependency");
+        }
+        if self.budget_held.contains(&job.spec.queue) {
+            return Some("budget");
         }
         if let Some(reason) = self.last_reasons.get(&id) {
             return Some(reason.code());
@@ -1580,6 +1594,22 @@ impl ControlPlane {
             Input::SetQueue(spec) => {
                 self.queues.insert(spec.name.clone(), spec);
             }
+            Input::HoldBudgets { queues } => {
+                if queues != self.budget_held {
+                    let changed_queues: BTreeSet<QueueName> = queues
+                        .symmetric_difference(&self.budget_held)
+                        .cloned()
+                        .collect();
+                    for job in self.jobs.values() {
+                        if job.state == JobState::Pending
+                            && changed_queues.contains(&job.spec.queue)
+                        {
+                            outputs.push(Output::JobChanged(job.id));
+                        }
+                    }
+                    self.budget_held = queues;
+                }
+            }
         }
         Ok(outputs)
     }
@@ -2117,7 +2147,10 @@ impl ControlPlane {
             .count();
         let mut pending = Vec::with_capacity(pending_jobs);
         let mut held = |job: &&Job| {
-            if job.state != JobState::Pending || self.is_waiting(job) {
+            if job.state != JobState::Pending
+                || self.is_waiting(job)
+                || self.budget_held.contains(&job.spec.queue)
+            {
                 return false;
             }
             match job.array {

@@ -1456,3 +1456,81 @@ fn a_queue_may_impose_an_idle_timeout_and_the_shorter_one_applies() {
     world.step(Input::StopIdle { job: JobId(1) });
     assert_eq!(world.state(1), JobState::Stopping);
 }
+
+#[test]
+fn the_ledger_charges_held_used_and_idle_gpu_time_minute_by_minute() {
+    use muster_control::accounting::{CostBy, Ledger, MINUTE_MS, cost_report, totals};
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 2);
+    world.cycle();
+    let tasks = world.desired("a");
+    world.report("a", tasks.iter().map(running).collect());
+    // Start at a minute's 30th second.
+    let start = 100 * MINUTE_MS + 30_000;
+    let mut ledger = Ledger::default();
+    assert!(ledger.accrue(&world.control, start).is_empty());
+    // 30 s without telemetry, then the minute closes: held, not measured.
+    let closed = ledger.accrue(&world.control, start + 30_000);
+    assert_eq!(closed.len(), 1);
+    assert_eq!(closed[0].minute_ms, 100 * MINUTE_MS);
+    assert_eq!(closed[0].allocated_gpu_ms, 2 * 30_000);
+    assert_eq!(closed[0].measured_gpu_ms, 0);
+    assert_eq!((closed[0].queue.as_str(), closed[0].user.as_str()), ("default", "alice"));
+    assert_eq!((closed[0].gpu_model.as_str(), closed[0].job), ("H100-80GB", 1));
+    // Telemetry says 90% busy; 20 s later it says idle (2%) for 40 s.
+    let allocation = tasks[0].allocation.0;
+    let mut closed = Vec::new();
+    ledger.observe(allocation, 90, 1_000, start + 30_000, &mut closed);
+    ledger.observe(allocation, 2, 500, start + 50_000, &mut closed);
+    assert!(closed.is_empty());
+    let closed = ledger.accrue(&world.control, start + 90_000);
+    assert_eq!(closed.len(), 1);
+    let minute = &closed[0];
+    assert_eq!(minute.minute_ms, 101 * MINUTE_MS);
+    assert_eq!(minute.allocated_gpu_ms, 2 * 60_000);
+    assert_eq!(minute.measured_gpu_ms, 2 * 60_000);
+    assert_eq!(minute.used_gpu_ms, 2 * 20_000 * 90 / 100 + 2 * 40_000 * 2 / 100);
+    assert_eq!(minute.idle_gpu_ms, 2 * 40_000);
+    assert_eq!(minute.samples, 2);
+    assert_eq!(minute.mean_utilization(), Some(46.0));
+    assert_eq!((minute.peak_utilization, minute.peak_memory_mib), (90, 1_000));
+    // Charged 5 s into the next minute; then the job ends: that partial
+    // minute closes with the allocation (what ran after the last accrual,
+    // at most the accrual period, is not charged), and nothing more is.
+    assert!(ledger.accrue(&world.control, start + 95_000).is_empty());
+    world.report("a", vec![exited(&tasks[0], 0)]);
+    let last = ledger.accrue(&world.control, start + 100_000);
+    assert_eq!(last.len(), 1);
+    assert_eq!(last[0].minute_ms, 102 * MINUTE_MS);
+    assert_eq!(last[0].allocated_gpu_ms, 2 * 5_000);
+    assert_eq!(last[0].idle_gpu_ms, 2 * 5_000);
+    assert!(ledger.accrue(&world.control, start + 200_000).is_empty());
+    assert_eq!(ledger.open_accounts(), 0);
+    // Priced: 2.5 an hour.
+    let minutes = [closed[0].clone()];
+    let lines = cost_report(
+        &totals(CostBy::Queue, &minutes),
+        &std::collections::BTreeMap::from([("H100-80GB".to_string(), 2.5)]),
+    );
+    assert_eq!(lines.len(), 1);
+    assert!((lines[0].cost - 2.0 * 60.0 / 3600.0 * 2.5).abs() < 1e-9);
+    assert!((lines[0].waste - 2.0 * 40.0 / 3600.0 * 2.5).abs() < 1e-9);
+}
+
+#[test]
+fn a_queue_over_its_hard_budget_holds_its_pending_jobs_until_released() {
+    let mut world = World::new(&["a"]);
+    world.submit(1, 1, 1);
+    let held = std::collections::BTreeSet::from([muster_model::QueueName::from("default")]);
+    world.step(Input::HoldBudgets { queues: held });
+    world.cycle();
+    assert_eq!(world.state(1), JobState::Pending);
+    assert_eq!(world.control.pending_code(JobId(1)), Some("budget"));
+    assert!(world.desired("a").is_empty());
+    world.step(Input::HoldBudgets {
+        queues: Default::default(),
+    });
+    world.cycle();
+    assert_eq!(world.desired("a").len(), 1);
+    assert_eq!(world.control.pending_code(JobId(1)), None);
+}

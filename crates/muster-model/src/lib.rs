@@ -21,4 +21,4 @@ pub use node::{
     MAX_NODE_NAME_LENGTH, NodeName, NodeSpec, PoolName, RackName, is_plain_name,
 };
 pub use quantity::{CpuMilli, GpuMilli, GpuRequest, MemoryMib, Time};
-pub use queue::{QueueName, QueueSpec};
+pub use queue::{Budget, QueueName, QueueSpec};

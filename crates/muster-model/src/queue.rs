@@ -34,6 +34,17 @@ pub struct QueueSpec {
     /// long (for interactive and notebook queues), as with a job's own
     /// `idle_timeout`; the shorter of the two applies.
     pub idle_timeout: Option<std::time::Duration>,
+    /// What the queue may spend on GPUs in a calendar month (UTC).
+    pub budget: Option<Budget>,
+}
+
+/// A queue's monthly GPU budget, in hundredths of the price list's currency.
+/// Past it the queue is warned of (soft) or, with `hard`, its new jobs wait
+/// (pending `budget exhausted`) until the month ends or the budget grows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    pub monthly_cents: u64,
+    pub hard: bool,
 }
 
 impl QueueSpec {
@@ -45,6 +56,7 @@ impl QueueSpec {
             borrow_limit: None,
             weight: 1,
             idle_timeout: None,
+            budget: None,
         }
     }
 

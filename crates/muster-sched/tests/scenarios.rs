@@ -339,6 +339,7 @@ mod queues {
             borrow_limit: borrow.map(GpuMilli::whole),
             weight,
             idle_timeout: None,
+            budget: None,
         }
     }
 
@@ -501,6 +502,7 @@ mod preemption {
                 borrow_limit: None,
                 weight: 1,
                 idle_timeout: None,
+                budget: None,
             },
             QueueSpec::best_effort("borrower"),
         ];
@@ -522,6 +524,7 @@ mod preemption {
                 borrow_limit: None,
                 weight: 1,
                 idle_timeout: None,
+                budget: None,
             },
             QueueSpec::best_effort("other"),
         ];

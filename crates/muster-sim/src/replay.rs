@@ -202,6 +202,7 @@ pub fn proportional_queues(jobs: &[ReplayJob], capacity_milli: u64) -> Vec<Queue
             borrow_limit: None,
             weight: 1,
             idle_timeout: None,
+            budget: None,
         })
         .collect()
 }
