@@ -332,6 +332,44 @@ impl Client {
         self.get("/v1/fleet").await
     }
 
+    /// A job's GPU use, per rank and minute.
+    pub async fn job_usage(&self, id: u64) -> Result<JobUsage, ClientError> {
+        self.get(&format!("/v1/jobs/{id}/usage")).await
+    }
+
+    /// Cost since `since` (`30d`, `month`), grouped `by` queue, user, job or
+    /// pool.
+    pub async fn cost(&self, since: &str, by: &str) -> Result<CostReport, ClientError> {
+        self.get(&format!(
+            "/v1/cost?since={}&by={}",
+            encode(since),
+            encode(by)
+        ))
+        .await
+    }
+
+    pub async fn prices(&self) -> Result<PriceList, ClientError> {
+        self.get("/v1/prices").await
+    }
+
+    pub async fn set_price(
+        &self,
+        model: &str,
+        per_gpu_hour: f64,
+    ) -> Result<PriceList, ClientError> {
+        let url = format!("{}/v1/prices/{}", self.base, encode(model));
+        self.send(
+            self.http.put(&url).json(&PriceUpdate { per_gpu_hour }),
+            &url,
+        )
+        .await
+    }
+
+    pub async fn remove_price(&self, model: &str) -> Result<PriceList, ClientError> {
+        let url = format!("{}/v1/prices/{}", self.base, encode(model));
+        self.send(self.http.delete(&url), &url).await
+    }
+
     pub async fn pools(&self) -> Result<PoolList, ClientError> {
         self.get("/v1/pools").await
     }

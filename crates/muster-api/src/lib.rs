@@ -35,6 +35,7 @@ pub mod client;
 pub mod cluster;
 mod error;
 mod parse;
+pub mod prices;
 pub mod protocol;
 mod quantity;
 mod read;

@@ -61,6 +61,9 @@ pub struct SubmitResponse {
     /// `id + elements - 1`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elements: Option<u32>,
+    /// Accepted, but worth knowing (the queue is over its monthly budget).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 /// Where a job sits in its array.
@@ -154,7 +157,8 @@ pub struct JobView {
     /// `capacity`, `quota`, `never-fits`, `too-wide` (fewer nodes could hold
     /// a task than it has tasks), `nodes-cordoned`, `nodes-lost`,
     /// `nodes-unavailable` (only cordoned or lost nodes could hold it),
-    /// `rack`, `reservation`, `blocked`, `unscheduled`.
+    /// `rack`, `reservation`, `blocked`, `budget` (its queue's hard monthly
+    /// budget is spent), `unscheduled`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_code: Option<String>,
     /// Its place in line among pending jobs (1 = next).
@@ -167,6 +171,9 @@ pub struct JobView {
     /// how long, in seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_for_s: Option<u64>,
+    /// Worth knowing (its queue is over its monthly budget).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
     pub history: Vec<EventView>,
 }
 
@@ -617,6 +624,16 @@ pub struct QueueView {
     pub in_use_gpus: f64,
     pub pending_jobs: u32,
     pub running_jobs: u32,
+    /// Monthly GPU budget (the price list's currency; `None`: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<f64>,
+    /// Past the budget, new jobs wait (`budget exhausted`) instead of a
+    /// warning only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub budget_hard: bool,
+    /// Spent this calendar month (UTC), at the current prices.
+    #[serde(default)]
+    pub spent_this_month: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -636,6 +653,99 @@ pub struct QueueUpdate {
     /// (e.g. `"30m"`; absent: never).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout: Option<String>,
+    /// Monthly GPU budget in the price list's currency (absent: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<f64>,
+    /// Past the budget, the queue's new jobs wait.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub budget_hard: bool,
+}
+
+/// One rank's use of its GPUs over a job's life (`GET /v1/jobs/{id}/usage`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RankUsage {
+    pub rank: u32,
+    /// Telemetry samples seen.
+    pub samples: u64,
+    /// `None`: no telemetry came for it.
+    pub mean_utilization_pct: Option<f64>,
+    pub peak_utilization_pct: u32,
+    pub peak_memory_mib: u64,
+    pub allocated_gpu_hours: f64,
+    pub used_gpu_hours: f64,
+    pub idle_gpu_hours: f64,
+}
+
+/// One rank's minute.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UsagePoint {
+    /// Start of the minute (ms since the epoch).
+    pub minute_ms: u64,
+    pub rank: u32,
+    pub mean_utilization_pct: Option<f64>,
+    pub peak_memory_mib: u64,
+}
+
+/// `GET /v1/jobs/{id}/usage`: a job's GPU use at one-minute resolution
+/// (kept for the server's `--usage-retention`), every attempt's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct JobUsage {
+    pub job: u64,
+    pub ranks: Vec<RankUsage>,
+    /// Oldest first; at most the latest 10,000.
+    pub minutes: Vec<UsagePoint>,
+}
+
+/// One group of a cost report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct CostLineView {
+    /// The queue, user, job id or pool.
+    pub key: String,
+    pub allocated_gpu_hours: f64,
+    /// Utilisation-weighted GPU-hours.
+    pub used_gpu_hours: f64,
+    /// Allocated while its GPUs were idle (below 5%).
+    pub idle_gpu_hours: f64,
+    /// Allocated without telemetry.
+    pub unmeasured_gpu_hours: f64,
+    pub cost: f64,
+    /// The price of the idle GPU-hours.
+    pub waste: f64,
+    /// GPU-hours of models without a price (not in `cost`).
+    pub unpriced_gpu_hours: f64,
+}
+
+/// `GET /v1/cost?since=30d&by=queue`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct CostReport {
+    pub since_ms: u64,
+    pub until_ms: u64,
+    /// `queue`, `user`, `job` or `pool`.
+    pub by: String,
+    /// The costliest first.
+    pub lines: Vec<CostLineView>,
+    /// GPU models used in the period that have no price.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unpriced_models: Vec<String>,
+}
+
+/// `GET /v1/prices`: per GPU model, per GPU-hour.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PriceList {
+    pub prices: std::collections::BTreeMap<String, f64>,
+}
+
+/// `PUT /v1/prices/{model}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PriceUpdate {
+    pub per_gpu_hour: f64,
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ pub const MAX_ACCRUAL_GAP_MS: u64 = 5 * MINUTE_MS;
 /// One task's use of its GPUs in one wall-clock minute. The names of its
 /// job's queue and user, its node's pool and GPU model travel with it, so a
 /// report needs nothing else (and outlives the job's retention).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UsageMinute {
     /// Start of the minute (ms since the epoch, a multiple of [`MINUTE_MS`]).
     pub minute_ms: u64,
@@ -101,33 +101,10 @@ impl Ledger {
                     continue;
                 }
                 running.insert(allocation.id.0);
-                let account = self.open.entry(allocation.id.0).or_insert_with(|| {
-                    let node = control.node(&allocation.node);
-                    let gpu_model = node
-                        .and_then(|node| {
-                            let index = allocation.gpus.first()?.0;
-                            node.spec.gpus.iter().find(|gpu| gpu.index == index)
-                        })
-                        .map(|gpu| gpu.model.as_str().to_string())
-                        .unwrap_or_default();
-                    Account {
-                        last_ms: now_ms,
-                        gpu_milli: allocation.gpus.iter().map(|(_, milli)| u64::from(*milli)).sum(),
-                        utilization: None,
-                        minute: UsageMinute {
-                            minute_ms: now_ms - now_ms % MINUTE_MS,
-                            allocation: allocation.id.0,
-                            job: job.id.0,
-                            rank: allocation.rank,
-                            node: allocation.node.0.clone(),
-                            pool: node.map(|n| n.spec.pool.0.clone()).unwrap_or_default(),
-                            gpu_model,
-                            queue: job.spec.queue.0.clone(),
-                            user: job.user.clone(),
-                            ..UsageMinute::default()
-                        },
-                    }
-                });
+                let account = self
+                    .open
+                    .entry(allocation.id.0)
+                    .or_insert_with(|| open_account(control, job, allocation, now_ms));
                 charge(account, now_ms, &mut closed);
             }
         }
@@ -150,16 +127,31 @@ impl Ledger {
     /// Telemetry for allocation `allocation`: the mean utilisation of its
     /// GPUs and their memory. Charges up to `now_ms` at the previous reading
     /// first (closed minutes go to `closed`).
+    /// An allocation not running (or not known) is left out; one running
+    /// that the ledger has not charged yet is opened here.
     pub fn observe(
         &mut self,
+        control: &ControlPlane,
         allocation: u64,
         utilization_pct: u32,
         memory_mib: u64,
         now_ms: u64,
         closed: &mut Vec<UsageMinute>,
     ) {
-        let Some(account) = self.open.get_mut(&allocation) else {
-            return;
+        let account = match self.open.entry(allocation) {
+            std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
+            std::collections::btree_map::Entry::Vacant(entry) => {
+                let Some(found) = control.allocation(crate::AllocationId(allocation)) else {
+                    return;
+                };
+                let Some(job) = control.job(found.job) else {
+                    return;
+                };
+                if found.state != AllocationState::Running {
+                    return;
+                }
+                entry.insert(open_account(control, job, found, now_ms))
+            }
         };
         charge(account, now_ms, closed);
         let utilization = utilization_pct.min(100);
@@ -172,27 +164,41 @@ impl Ledger {
     }
 }
 
-impl Default for UsageMinute {
-    fn default() -> Self {
-        UsageMinute {
-            minute_ms: 0,
-            allocation: 0,
-            job: 0,
-            rank: 0,
-            node: String::new(),
-            pool: String::new(),
-            gpu_model: String::new(),
-            queue: String::new(),
-            user: String::new(),
-            allocated_gpu_ms: 0,
-            measured_gpu_ms: 0,
-            used_gpu_ms: 0,
-            idle_gpu_ms: 0,
-            samples: 0,
-            utilization_sum: 0,
-            peak_utilization: 0,
-            peak_memory_mib: 0,
-        }
+/// A new account for a running allocation, charged from `now_ms`.
+fn open_account(
+    control: &ControlPlane,
+    job: &crate::Job,
+    allocation: &crate::Allocation,
+    now_ms: u64,
+) -> Account {
+    let node = control.node(&allocation.node);
+    let gpu_model = node
+        .and_then(|node| {
+            let index = allocation.gpus.first()?.0;
+            node.spec.gpus.iter().find(|gpu| gpu.index == index)
+        })
+        .map(|gpu| gpu.model.as_str().to_string())
+        .unwrap_or_default();
+    Account {
+        last_ms: now_ms,
+        gpu_milli: allocation
+            .gpus
+            .iter()
+            .map(|(_, milli)| u64::from(*milli))
+            .sum(),
+        utilization: None,
+        minute: UsageMinute {
+            minute_ms: now_ms - now_ms % MINUTE_MS,
+            allocation: allocation.id.0,
+            job: job.id.0,
+            rank: allocation.rank,
+            node: allocation.node.0.clone(),
+            pool: node.map(|n| n.spec.pool.0.clone()).unwrap_or_default(),
+            gpu_model,
+            queue: job.spec.queue.0.clone(),
+            user: job.user.clone(),
+            ..UsageMinute::default()
+        },
     }
 }
 
@@ -309,7 +315,10 @@ impl UsageTotals {
 }
 
 /// Sums minutes per group and GPU model.
-pub fn totals<'a>(by: CostBy, minutes: impl IntoIterator<Item = &'a UsageMinute>) -> Vec<UsageTotals> {
+pub fn totals<'a>(
+    by: CostBy,
+    minutes: impl IntoIterator<Item = &'a UsageMinute>,
+) -> Vec<UsageTotals> {
     let mut sums: BTreeMap<(String, String), UsageTotals> = BTreeMap::new();
     for minute in minutes {
         let key = (by.key_of(minute), minute.gpu_model.clone());

@@ -680,6 +680,11 @@ impl ControlPlane {
         }
     }
 
+    /// The queues held at their hard budget ([`Input::HoldBudgets`]).
+    pub fn budget_holds(&self) -> &BTreeSet<QueueName> {
+        &self.budget_held
+    }
+
     pub fn config(&self) -> &ControlConfig {
         &self.config
     }

@@ -34,14 +34,16 @@ pub type UsageByNode = BTreeMap<String, BTreeMap<u64, AllocationUsage>>;
 
 /// Folds a node's report into the usage of the tasks running there (each
 /// sample: the mean utilisation of a task's GPUs, their memory summed), and
-/// forgets allocations the state no longer holds.
+/// forgets allocations the state no longer holds. Returns each sample:
+/// (allocation, utilisation, memory MiB).
 pub fn record_usage(
     usage: &mut BTreeMap<u64, AllocationUsage>,
     control: &ControlPlane,
     node: &muster_model::NodeName,
     readings: &[GpuReading],
     now_ms: u64,
-) {
+) -> Vec<(u64, u32, u64)> {
+    let mut taken = Vec::new();
     for allocation in control.live_allocations(node) {
         if allocation.state != crate::AllocationState::Running {
             continue;
@@ -64,6 +66,7 @@ pub fn record_usage(
             .sum::<u64>()
             / samples.len() as u64;
         let memory: u64 = samples.iter().map(|s| s.memory_used_mib).sum();
+        taken.push((allocation.id.0, utilization as u32, memory));
         let entry = usage.entry(allocation.id.0).or_default();
         entry.samples += 1;
         entry.utilization_sum += utilization;
@@ -76,6 +79,7 @@ pub fn record_usage(
         };
     }
     usage.retain(|id, _| control.allocation(crate::AllocationId(*id)).is_some());
+    taken
 }
 
 /// How long (ms) running job `job` has had every task idle, if at least

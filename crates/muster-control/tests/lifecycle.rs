@@ -1475,13 +1475,33 @@ fn the_ledger_charges_held_used_and_idle_gpu_time_minute_by_minute() {
     assert_eq!(closed[0].minute_ms, 100 * MINUTE_MS);
     assert_eq!(closed[0].allocated_gpu_ms, 2 * 30_000);
     assert_eq!(closed[0].measured_gpu_ms, 0);
-    assert_eq!((closed[0].queue.as_str(), closed[0].user.as_str()), ("default", "alice"));
-    assert_eq!((closed[0].gpu_model.as_str(), closed[0].job), ("H100-80GB", 1));
+    assert_eq!(
+        (closed[0].queue.as_str(), closed[0].user.as_str()),
+        ("default", "alice")
+    );
+    assert_eq!(
+        (closed[0].gpu_model.as_str(), closed[0].job),
+        ("H100-80GB", 1)
+    );
     // Telemetry says 90% busy; 20 s later it says idle (2%) for 40 s.
     let allocation = tasks[0].allocation.0;
     let mut closed = Vec::new();
-    ledger.observe(allocation, 90, 1_000, start + 30_000, &mut closed);
-    ledger.observe(allocation, 2, 500, start + 50_000, &mut closed);
+    ledger.observe(
+        &world.control,
+        allocation,
+        90,
+        1_000,
+        start + 30_000,
+        &mut closed,
+    );
+    ledger.observe(
+        &world.control,
+        allocation,
+        2,
+        500,
+        start + 50_000,
+        &mut closed,
+    );
     assert!(closed.is_empty());
     let closed = ledger.accrue(&world.control, start + 90_000);
     assert_eq!(closed.len(), 1);
@@ -1489,11 +1509,17 @@ fn the_ledger_charges_held_used_and_idle_gpu_time_minute_by_minute() {
     assert_eq!(minute.minute_ms, 101 * MINUTE_MS);
     assert_eq!(minute.allocated_gpu_ms, 2 * 60_000);
     assert_eq!(minute.measured_gpu_ms, 2 * 60_000);
-    assert_eq!(minute.used_gpu_ms, 2 * 20_000 * 90 / 100 + 2 * 40_000 * 2 / 100);
+    assert_eq!(
+        minute.used_gpu_ms,
+        2 * 20_000 * 90 / 100 + 2 * 40_000 * 2 / 100
+    );
     assert_eq!(minute.idle_gpu_ms, 2 * 40_000);
     assert_eq!(minute.samples, 2);
     assert_eq!(minute.mean_utilization(), Some(46.0));
-    assert_eq!((minute.peak_utilization, minute.peak_memory_mib), (90, 1_000));
+    assert_eq!(
+        (minute.peak_utilization, minute.peak_memory_mib),
+        (90, 1_000)
+    );
     // Charged 5 s into the next minute; then the job ends: that partial
     // minute closes with the allocation (what ran after the last accrual,
     // at most the accrual period, is not charged), and nothing more is.

@@ -48,6 +48,13 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/jobs/{id}", get(get_job))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .route("/v1/jobs/{id}/logs", get(job_logs))
+        .route("/v1/jobs/{id}/usage", get(crate::accounting::job_usage))
+        .route("/v1/cost", get(crate::accounting::cost_endpoint))
+        .route("/v1/prices", get(crate::accounting::list_prices))
+        .route(
+            "/v1/prices/{model}",
+            put(crate::accounting::set_price).delete(crate::accounting::remove_price),
+        )
         .route("/v1/arrays/{id}/cancel", post(cancel_array))
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/nodes/{name}", get(get_node).delete(remove_node))
@@ -107,6 +114,7 @@ async fn metrics(State(shared): Shared_) -> Response {
         Ok(usage) => usage.clone(),
         Err(poisoned) => poisoned.into_inner().clone(),
     };
+    let spent = shared.accounting.spent_by_queue();
     let rendering = Arc::clone(&shared);
     let rendered = tokio::task::spawn_blocking(move || {
         let core = rendering.read();
@@ -116,6 +124,7 @@ async fn metrics(State(shared): Shared_) -> Response {
             &usage,
             rendering.settings.idle_after_ms,
             &rendering.instruments,
+            &spent,
             now().0,
         )
     })
@@ -365,6 +374,7 @@ const MAX_PAGE: u32 = 1000;
 /// Adds what telemetry says of jobs the server holds in memory: each
 /// task's GPU usage, and how long a running job has been idle.
 fn with_usage(shared: &Shared, views: &mut [JobView]) {
+    let core = shared.read();
     let usage = match shared.usage.lock() {
         Ok(usage) => usage,
         Err(poisoned) => poisoned.into_inner(),
@@ -393,6 +403,17 @@ fn with_usage(shared: &Shared, views: &mut [JobView]) {
             shared.settings.idle_after_ms,
         )
         .map(|ms| ms / 1000);
+        view.warnings.clear();
+        let finished = JobState::parse(&view.state).is_some_and(JobState::is_final);
+        if !finished
+            && let Some(queue) = core
+                .control()
+                .queues()
+                .find(|queue| queue.name.0 == view.queue)
+            && let Some(warning) = crate::accounting::budget_warning(shared, queue)
+        {
+            view.warnings.push(warning);
+        }
     }
 }
 
@@ -569,9 +590,27 @@ async fn submit_job(
         });
     }
     tracing::info!(job = id.0, elements = count, "job submitted");
+    let warnings = {
+        let core = shared.read();
+        core.control()
+            .job(id)
+            .and_then(|job| {
+                let queue = core
+                    .control()
+                    .queues()
+                    .find(|queue| queue.name == job.spec.queue)?;
+                crate::accounting::budget_warning(&shared, queue)
+            })
+            .into_iter()
+            .collect()
+    };
     Ok((
         StatusCode::CREATED,
-        Json(SubmitResponse { id: id.0, elements }),
+        Json(SubmitResponse {
+            id: id.0,
+            elements,
+            warnings,
+        }),
     ))
 }
 
@@ -1209,9 +1248,11 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
 )]
 async fn list_queues(State(shared): Shared_) -> Json<QueueList> {
     let core = shared.read();
-    Json(QueueList {
-        queues: queue_views(&core),
-    })
+    let mut queues = queue_views(&core);
+    for queue in &mut queues {
+        queue.spent_this_month = shared.accounting.spent(&queue.name);
+    }
+    Json(QueueList { queues })
 }
 
 /// The most GPUs a quota may name.
@@ -1262,12 +1303,33 @@ async fn set_queue(
             }
         },
     };
+    let budget = match update.budget {
+        None => None,
+        Some(amount) if amount.is_finite() && (0.0..=1e12).contains(&amount) => {
+            Some(muster_model::Budget {
+                monthly_cents: (amount * 100.0).round() as u64,
+                hard: update.budget_hard,
+            })
+        }
+        Some(amount) => {
+            return Err(ApiError::invalid(format!(
+                "budget: expected an amount per month from 0 to 1e12 in the price list's \
+                 currency, got {amount}"
+            )));
+        }
+    };
+    if update.budget_hard && budget.is_none() {
+        return Err(ApiError::invalid(
+            "budget_hard needs a budget: pass budget (an amount per month) as well",
+        ));
+    }
     let spec = QueueSpec {
         name: QueueName(name.clone()),
         guaranteed,
         borrow_limit,
         weight: update.weight,
         idle_timeout,
+        budget,
     };
     let mut batch = Batch::default();
     if let Ok(text) = serde_json::to_string(&QueueRecord::from(&spec)) {
@@ -1275,13 +1337,15 @@ async fn set_queue(
     }
     let (_, durable) = shared.apply(Input::SetQueue(spec.clone()), batch)?;
     durable.wait().await?;
+    crate::accounting::refresh_budgets(&shared).await?;
     shared.wake_scheduler.notify_one();
     tracing::info!(queue = %name, "queue set");
     let core = shared.read();
-    let view = queue_views(&core)
+    let mut view = queue_views(&core)
         .into_iter()
         .find(|view| view.name == name)
         .unwrap_or_else(|| empty_queue_view(&spec));
+    view.spent_this_month = shared.accounting.spent(&name);
     Ok(Json(view))
 }
 
@@ -1626,13 +1690,14 @@ async fn push_telemetry(
                 memory_used_mib: gpu.memory_used_mib,
             })
             .collect();
-        muster_control::usage::record_usage(
+        let samples = muster_control::usage::record_usage(
             usage.entry(node.clone()).or_default(),
             core.control(),
             &name,
             &readings,
             now().0,
         );
+        shared.accounting.observe(&shared, core.control(), &samples);
         // Jobs on this node idle for their own idle_timeout are stopped.
         let control = core.control();
         let jobs: std::collections::BTreeSet<JobId> =
@@ -1759,6 +1824,9 @@ async fn push_logs(
         list_nodes, get_node, remove_node, reset_identity, cordon_node, uncordon_node, drain_node,
         list_pools, list_queues, set_queue,
         register_agent, heartbeat, push_logs,
+        crate::accounting::job_usage, crate::accounting::cost_endpoint,
+        crate::accounting::list_prices, crate::accounting::set_price,
+        crate::accounting::remove_price,
     ),
     components(schemas(ErrorBody, ErrorCode)),
     modifiers(&BearerAuth),
@@ -1795,7 +1863,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 19, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 23, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",
@@ -1808,6 +1876,9 @@ mod tests {
             "HeartbeatResponse",
             "ErrorBody",
             "LogChunk",
+            "CostReport",
+            "JobUsage",
+            "PriceList",
         ] {
             assert!(schemas.contains_key(name), "{name} is described");
         }

@@ -311,6 +311,8 @@ pub struct Settings {
     pub heartbeat_ms: u64,
     /// A running job whose GPUs stay below 5% this long is shown idle.
     pub idle_after_ms: u64,
+    /// Accounting minutes older than this are deleted.
+    pub usage_retention_ms: u64,
 }
 
 /// What every task and handler shares.
@@ -341,6 +343,8 @@ pub struct Shared {
     pub usage: std::sync::Mutex<crate::metrics::UsageByNode>,
     /// Counters and histograms of the server's own work, for `/metrics`.
     pub instruments: crate::metrics::Instruments,
+    /// GPU accounting: open minutes, prices, budgets.
+    pub accounting: crate::accounting::Accounting,
     /// Task logs, bounded per task.
     pub logs: std::sync::Arc<crate::logstore::LogStore>,
     /// Becomes true when the server shuts down (ends long polls).
@@ -379,6 +383,7 @@ impl Shared {
         join_token: String,
         metrics_token: String,
         instruments: crate::metrics::Instruments,
+        accounting: crate::accounting::Accounting,
         logs: crate::logstore::LogStore,
         shutdown: watch::Receiver<bool>,
     ) -> Shared {
@@ -396,6 +401,7 @@ impl Shared {
             telemetry: std::sync::Mutex::new(BTreeMap::new()),
             usage: std::sync::Mutex::new(BTreeMap::new()),
             instruments,
+            accounting,
             logs: std::sync::Arc::new(logs),
             shutdown,
         }

@@ -27,6 +27,7 @@
 //! # }
 //! ```
 
+mod accounting;
 mod api;
 mod auth;
 mod core;
@@ -83,6 +84,12 @@ pub struct ServerConfig {
     pub idle_after_ms: u64,
     /// What a node whose software stack differs from its pool's gets.
     pub stack_policy: muster_control::StackPolicy,
+    /// How long GPU accounting minutes (per task and minute, behind `muster
+    /// cost`, budgets and per-job usage) are kept.
+    pub usage_retention_ms: u64,
+    /// Prices per GPU model and GPU-hour to set at start (a YAML map, e.g.
+    /// `H100-80GB: 2.50`); `muster prices set` changes them later.
+    pub prices_file: Option<PathBuf>,
 }
 
 /// The default idle threshold: 30 minutes.
@@ -107,6 +114,8 @@ impl ServerConfig {
             store_max_mib: None,
             idle_after_ms: DEFAULT_IDLE_AFTER_MS,
             stack_policy: muster_control::StackPolicy::Report,
+            usage_retention_ms: accounting::DEFAULT_USAGE_RETENTION_MS,
+            prices_file: None,
         }
     }
 }
@@ -180,6 +189,20 @@ impl Server {
             },
         )
         .await?;
+        if let Some(path) = &config.prices_file {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read the price list {}", path.display()))?;
+            let prices = muster_api::prices::parse_price_list(&text).map_err(|error| {
+                anyhow::anyhow!("the price list {} is not valid: {error}", path.display())
+            })?;
+            store
+                .write(&store::Batch {
+                    prices: prices.into_iter().map(|(m, p)| (m, Some(p))).collect(),
+                    ..store::Batch::default()
+                })
+                .await?;
+        }
+        let prices = store.prices().await?;
         let loaded = store.load().await?;
         let control_config = ControlConfig {
             lease_ms: config.lease_ms,
@@ -203,6 +226,7 @@ impl Server {
                 lease_ms: config.lease_ms,
                 heartbeat_ms: config.heartbeat_ms,
                 idle_after_ms: config.idle_after_ms,
+                usage_retention_ms: config.usage_retention_ms,
             },
             core,
             writer,
@@ -211,6 +235,7 @@ impl Server {
             join_token.clone(),
             metrics_token.clone(),
             instruments,
+            accounting::Accounting::with_prices(prices),
             logstore::LogStore::new(data_dir.join("logs"), config.max_log_bytes),
             shutdown_receiver.clone(),
         ));

@@ -130,6 +130,19 @@ pub async fn lease_ticker(shared: Arc<Shared>, mut shutdown: watch::Receiver<boo
             Err(error) => tracing::error!(error = %error.body.message, "the lease tick failed"),
         }
         forget_removed_nodes(&shared);
+        crate::accounting::tick(&shared).await;
+    }
+    // The minutes still open are written: a restart adds to the same rows.
+    let open = shared.accounting.take_open();
+    if !open.is_empty() && shared.read_only_reason().is_none() {
+        let _ = shared
+            .writer
+            .queue(crate::store::Batch {
+                usage: open,
+                ..Default::default()
+            })
+            .wait()
+            .await;
     }
 }
 

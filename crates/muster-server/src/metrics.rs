@@ -51,6 +51,9 @@ pub const SERIES: &[&str] = &[
     "muster_gpus",
     "muster_gpus_idle",
     "muster_node_stack_drift",
+    "muster_queue_budget",
+    "muster_queue_budget_spent",
+    "muster_pool_fragmentation",
     "muster_node_cpu_busy_percent",
     "muster_node_memory_used_bytes",
     "muster_node_memory_total_bytes",
@@ -240,9 +243,31 @@ pub fn render(
     usage: &UsageByNode,
     idle_after_ms: u64,
     instruments: &Instruments,
+    spent_this_month: &BTreeMap<String, f64>,
     now_ms: u64,
 ) -> String {
     let mut families = Families::new();
+    for queue in control.queues() {
+        let Some(budget) = queue.budget else {
+            continue;
+        };
+        let queue_labels = labels(vec![
+            ("queue", text(&queue.name.0)),
+            ("hard", text(if budget.hard { "true" } else { "false" })),
+        ]);
+        families.gauge(
+            "muster_queue_budget",
+            "A queue's monthly GPU budget (the price list's currency)",
+            Arc::clone(&queue_labels),
+            budget.monthly_cents as f64 / 100.0,
+        );
+        families.gauge(
+            "muster_queue_budget_spent",
+            "What a queue with a budget has spent on GPUs this calendar month (UTC)",
+            queue_labels,
+            spent_this_month.get(&queue.name.0).copied().unwrap_or(0.0),
+        );
+    }
 
     // Jobs in memory that have not ended, by state and queue; pending ones
     // by queue and reason.
@@ -292,6 +317,9 @@ pub fn render(
     }
 
     let mut nodes: BTreeMap<&str, u64> = BTreeMap::new();
+    // Per pool: free GPUs, and those of them on nodes partly taken (stranded
+    // for a job that wants a whole node).
+    let mut free_by_pool: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     let mut gpus: BTreeMap<(&str, &str, &str), u64> = BTreeMap::new();
     let mut idle: BTreeMap<(&str, &str), u64> = BTreeMap::new();
     for node in control.nodes() {
@@ -325,6 +353,24 @@ pub fn render(
                     job.spec.queue.0.as_str(),
                     job.user.as_str(),
                 ));
+            }
+        }
+        let usable = node.state == muster_control::NodeState::Ready
+            && !node.cordoned
+            && node.drift.is_none();
+        if usable && !node.spec.gpus.is_empty() {
+            let free = node
+                .spec
+                .gpus
+                .iter()
+                .filter(|gpu| {
+                    !holders.contains_key(&gpu.index) && !node.unhealthy_gpus.contains(&gpu.index)
+                })
+                .count() as u64;
+            let entry = free_by_pool.entry(pool).or_default();
+            entry.0 += free;
+            if free < node.spec.gpus.len() as u64 {
+                entry.1 += free;
             }
         }
         for gpu in &node.spec.gpus {
@@ -488,6 +534,19 @@ pub fn render(
             count as f64,
         );
     }
+    for (pool, (free, stranded)) in free_by_pool {
+        families.gauge(
+            "muster_pool_fragmentation",
+            "Share of a pool's free GPUs that lie on partly used nodes (0: every free GPU is \
+             on a wholly free node; 1: none is), on ready, uncordoned nodes",
+            labels(vec![("pool", text(pool))]),
+            if free == 0 {
+                0.0
+            } else {
+                stranded as f64 / free as f64
+            },
+        );
+    }
     for ((pool, model), count) in idle {
         families.gauge(
             "muster_gpus_idle",
@@ -581,6 +640,7 @@ mod tests {
             &none,
             0,
             &Instruments::default(),
+            &BTreeMap::new(),
             100_000 + STALE_MS,
         );
         assert!(fresh.lines().any(|l| l == line), "{fresh}");
@@ -592,6 +652,7 @@ mod tests {
             &none,
             0,
             &Instruments::default(),
+            &BTreeMap::new(),
             100_001 + STALE_MS,
         );
         assert!(!stale.contains("DCGM_FI_DEV_GPU_UTIL{"), "{stale}");
@@ -644,6 +705,7 @@ mod tests {
             &UsageByNode::new(),
             0,
             &instruments,
+            &BTreeMap::new(),
             100_000,
         );
         for name in shown(&text) {

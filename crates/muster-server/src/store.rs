@@ -8,6 +8,7 @@
 //! one commit.
 
 use crate::records::{AllocationRecord, JobRecord, NodeRecord, QueueRecord};
+use muster_control::accounting::{CostBy, UsageMinute, UsageTotals};
 use sqlx::Row;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
@@ -66,6 +67,12 @@ pub struct Batch {
     pub retired: BTreeSet<u64>,
     pub queues: BTreeMap<String, String>,
     pub counters: Option<Counters>,
+    /// Closed minutes of GPU accounting (added to a row already there).
+    pub usage: Vec<UsageMinute>,
+    /// Prices per GPU model and GPU-hour (`None`: remove the price).
+    pub prices: BTreeMap<String, Option<f64>>,
+    /// Deletes accounting minutes older than this (ms since the epoch).
+    pub prune_usage_before: Option<u64>,
 }
 
 impl Batch {
@@ -77,6 +84,9 @@ impl Batch {
             && self.retired.is_empty()
             && self.queues.is_empty()
             && self.counters.is_none()
+            && self.usage.is_empty()
+            && self.prices.is_empty()
+            && self.prune_usage_before.is_none()
     }
 
     /// Folds a later batch into this one (later records win; a node
@@ -97,6 +107,9 @@ impl Batch {
         if later.counters.is_some() {
             self.counters = later.counters;
         }
+        self.usage.extend(later.usage);
+        self.prices.extend(later.prices);
+        self.prune_usage_before = self.prune_usage_before.max(later.prune_usage_before);
     }
 }
 
@@ -140,6 +153,8 @@ pub struct SqliteStore {
 const SCHEMA: &str = include_str!("../migrations/sqlite/0001_init.sql");
 /// Schema version 2 (`PRAGMA user_version`).
 const SCHEMA_2: &str = include_str!("../migrations/sqlite/0002_bounded.sql");
+/// Schema version 3: GPU accounting and prices.
+const SCHEMA_3: &str = include_str!("../migrations/sqlite/0003_usage.sql");
 
 /// How the store is opened.
 #[derive(Debug, Clone, Copy, Default)]
@@ -199,6 +214,18 @@ impl SqliteStore {
                 .await
                 .map_err(open_error)?;
             sqlx::raw_sql("PRAGMA user_version = 2")
+                .execute(&mut *tx)
+                .await
+                .map_err(open_error)?;
+            tx.commit().await.map_err(open_error)?;
+        }
+        if version < 3 {
+            let mut tx = pool.begin().await.map_err(open_error)?;
+            sqlx::raw_sql(SCHEMA_3)
+                .execute(&mut *tx)
+                .await
+                .map_err(open_error)?;
+            sqlx::raw_sql("PRAGMA user_version = 3")
                 .execute(&mut *tx)
                 .await
                 .map_err(open_error)?;
@@ -388,6 +415,64 @@ impl Store for SqliteStore {
                 .map_err(database)?;
             }
         }
+        for minute in &batch.usage {
+            sqlx::query(
+                "INSERT INTO usage_minutes (allocation, minute, job, rank, node, pool, gpu_model, \
+                 queue, user, allocated_gpu_ms, measured_gpu_ms, used_gpu_ms, idle_gpu_ms, \
+                 samples, utilization_sum, peak_utilization, peak_memory_mib) VALUES \
+                 (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17) \
+                 ON CONFLICT (allocation, minute) DO UPDATE SET \
+                 allocated_gpu_ms = allocated_gpu_ms + excluded.allocated_gpu_ms, \
+                 measured_gpu_ms = measured_gpu_ms + excluded.measured_gpu_ms, \
+                 used_gpu_ms = used_gpu_ms + excluded.used_gpu_ms, \
+                 idle_gpu_ms = idle_gpu_ms + excluded.idle_gpu_ms, \
+                 samples = samples + excluded.samples, \
+                 utilization_sum = utilization_sum + excluded.utilization_sum, \
+                 peak_utilization = max(peak_utilization, excluded.peak_utilization), \
+                 peak_memory_mib = max(peak_memory_mib, excluded.peak_memory_mib)",
+            )
+            .bind(to_i64(minute.allocation))
+            .bind(to_i64(minute.minute_ms))
+            .bind(to_i64(minute.job))
+            .bind(i64::from(minute.rank))
+            .bind(&minute.node)
+            .bind(&minute.pool)
+            .bind(&minute.gpu_model)
+            .bind(&minute.queue)
+            .bind(&minute.user)
+            .bind(to_i64(minute.allocated_gpu_ms))
+            .bind(to_i64(minute.measured_gpu_ms))
+            .bind(to_i64(minute.used_gpu_ms))
+            .bind(to_i64(minute.idle_gpu_ms))
+            .bind(i64::from(minute.samples))
+            .bind(to_i64(minute.utilization_sum))
+            .bind(i64::from(minute.peak_utilization))
+            .bind(to_i64(minute.peak_memory_mib))
+            .execute(&mut *tx)
+            .await
+            .map_err(database)?;
+        }
+        for (model, price) in &batch.prices {
+            match price {
+                Some(price) => sqlx::query(
+                    "INSERT INTO prices (model, per_gpu_hour) VALUES (?1, ?2) \
+                     ON CONFLICT (model) DO UPDATE SET per_gpu_hour = excluded.per_gpu_hour",
+                )
+                .bind(model)
+                .bind(price),
+                None => sqlx::query("DELETE FROM prices WHERE model = ?1").bind(model),
+            }
+            .execute(&mut *tx)
+            .await
+            .map_err(database)?;
+        }
+        if let Some(before) = batch.prune_usage_before {
+            sqlx::query("DELETE FROM usage_minutes WHERE minute < ?1")
+                .bind(to_i64(before))
+                .execute(&mut *tx)
+                .await
+                .map_err(database)?;
+        }
         tx.commit().await.map_err(database)
     }
 }
@@ -503,6 +588,112 @@ impl SqliteStore {
     }
 }
 
+impl SqliteStore {
+    /// The price list: per GPU model, per GPU-hour.
+    pub async fn prices(&self) -> Result<BTreeMap<String, f64>, StoreError> {
+        let rows = sqlx::query("SELECT model, per_gpu_hour FROM prices")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(database)?;
+        let mut prices = BTreeMap::new();
+        for row in rows {
+            prices.insert(
+                row.try_get("model").map_err(database)?,
+                row.try_get("per_gpu_hour").map_err(database)?,
+            );
+        }
+        Ok(prices)
+    }
+
+    /// Accounting minutes from `since_ms` on, summed per group of `by` and
+    /// GPU model.
+    pub async fn usage_totals(
+        &self,
+        by: CostBy,
+        since_ms: u64,
+    ) -> Result<Vec<UsageTotals>, StoreError> {
+        macro_rules! totals_by {
+            ($column:literal) => {
+                concat!(
+                    "SELECT ",
+                    $column,
+                    " AS key, gpu_model, sum(allocated_gpu_ms) AS allocated, \
+                     sum(measured_gpu_ms) AS measured, sum(used_gpu_ms) AS used, \
+                     sum(idle_gpu_ms) AS idle FROM usage_minutes WHERE minute >= ?1 \
+                     GROUP BY key, gpu_model"
+                )
+            };
+        }
+        let sql = match by {
+            CostBy::Queue => totals_by!("queue"),
+            CostBy::User => totals_by!("user"),
+            CostBy::Job => totals_by!("CAST(job AS TEXT)"),
+            CostBy::Pool => totals_by!("pool"),
+        };
+        let rows = sqlx::query(sql)
+            .bind(to_i64(since_ms))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(database)?;
+        let mut totals = Vec::with_capacity(rows.len());
+        for row in rows {
+            let number = |name: &str| -> Result<u64, StoreError> {
+                let value: i64 = row.try_get(name).map_err(database)?;
+                Ok(u64::try_from(value).unwrap_or(0))
+            };
+            totals.push(UsageTotals {
+                key: row.try_get("key").map_err(database)?,
+                gpu_model: row.try_get("gpu_model").map_err(database)?,
+                allocated_gpu_ms: number("allocated")?,
+                measured_gpu_ms: number("measured")?,
+                used_gpu_ms: number("used")?,
+                idle_gpu_ms: number("idle")?,
+            });
+        }
+        Ok(totals)
+    }
+
+    /// A job's accounting minutes, oldest first (the latest `limit`).
+    pub async fn job_usage(&self, job: u64, limit: u32) -> Result<Vec<UsageMinute>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM (SELECT * FROM usage_minutes WHERE job = ?1 \
+             ORDER BY minute DESC, allocation DESC LIMIT ?2) ORDER BY minute, allocation",
+        )
+        .bind(to_i64(job))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(database)?;
+        let mut minutes = Vec::with_capacity(rows.len());
+        for row in rows {
+            let number = |name: &str| -> Result<u64, StoreError> {
+                let value: i64 = row.try_get(name).map_err(database)?;
+                Ok(u64::try_from(value).unwrap_or(0))
+            };
+            minutes.push(UsageMinute {
+                minute_ms: number("minute")?,
+                allocation: number("allocation")?,
+                job: number("job")?,
+                rank: u32::try_from(number("rank")?).unwrap_or(u32::MAX),
+                node: row.try_get("node").map_err(database)?,
+                pool: row.try_get("pool").map_err(database)?,
+                gpu_model: row.try_get("gpu_model").map_err(database)?,
+                queue: row.try_get("queue").map_err(database)?,
+                user: row.try_get("user").map_err(database)?,
+                allocated_gpu_ms: number("allocated_gpu_ms")?,
+                measured_gpu_ms: number("measured_gpu_ms")?,
+                used_gpu_ms: number("used_gpu_ms")?,
+                idle_gpu_ms: number("idle_gpu_ms")?,
+                samples: u32::try_from(number("samples")?).unwrap_or(u32::MAX),
+                utilization_sum: number("utilization_sum")?,
+                peak_utilization: u32::try_from(number("peak_utilization")?).unwrap_or(100),
+                peak_memory_mib: number("peak_memory_mib")?,
+            });
+        }
+        Ok(minutes)
+    }
+}
+
 fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
@@ -524,6 +715,8 @@ mod tests {
                 borrow_limit_milli: None,
                 weight: 2,
                 idle_timeout_s: Some(1800),
+                budget_monthly_cents: Some(500_000),
+                budget_hard: true,
             })
             .unwrap(),
         );
@@ -542,5 +735,111 @@ mod tests {
         assert_eq!(loaded.counters.next_job, 5);
         assert_eq!(loaded.counters.next_generation, 4);
         assert_eq!(loaded.counters.next_epoch, 6);
+        assert_eq!(loaded.queues[0].budget_monthly_cents, Some(500_000));
+        assert!(loaded.queues[0].budget_hard);
+    }
+
+    /// A hand-computed month: team-a held 2 H100s for 90 minutes (one hour
+    /// busy at 80%, half an hour idle), team-b one L4 for an hour without
+    /// telemetry; H100s cost 2.50 an hour, L4s have no price.
+    #[tokio::test]
+    async fn usage_minutes_sum_to_the_hand_computed_cost() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path()).await.unwrap();
+        let minute = muster_control::accounting::MINUTE_MS;
+        let base = 1_000 * minute;
+        let mut batch = Batch::default();
+        for m in 0..90 {
+            let idle = m >= 60;
+            batch.usage.push(UsageMinute {
+                minute_ms: base + m * minute,
+                allocation: 1,
+                job: 7,
+                rank: 0,
+                node: "gpu-1".into(),
+                pool: "default".into(),
+                gpu_model: "H100-80GB".into(),
+                queue: "team-a".into(),
+                user: "alice".into(),
+                allocated_gpu_ms: 2 * minute,
+                measured_gpu_ms: 2 * minute,
+                used_gpu_ms: if idle { 0 } else { 2 * minute * 80 / 100 },
+                idle_gpu_ms: if idle { 2 * minute } else { 0 },
+                samples: 6,
+                utilization_sum: if idle { 0 } else { 480 },
+                peak_utilization: if idle { 0 } else { 80 },
+                peak_memory_mib: 1_000,
+            });
+        }
+        for m in 0..60 {
+            batch.usage.push(UsageMinute {
+                minute_ms: base + m * minute,
+                allocation: 2,
+                job: 8,
+                node: "gpu-2".into(),
+                pool: "inference".into(),
+                gpu_model: "L4".into(),
+                queue: "team-b".into(),
+                user: "bob".into(),
+                allocated_gpu_ms: minute,
+                ..UsageMinute::default()
+            });
+        }
+        // A minute written twice (a flush after a restart) adds up.
+        let mut again = batch.usage[0].clone();
+        again.allocated_gpu_ms = 0;
+        again.measured_gpu_ms = 0;
+        again.used_gpu_ms = 0;
+        again.samples = 1;
+        batch.usage.push(again);
+        batch.prices.insert("H100-80GB".into(), Some(2.5));
+        batch.prices.insert("A100".into(), Some(1.0));
+        store.write(&batch).await.unwrap();
+        let mut batch = Batch::default();
+        batch.prices.insert("A100".into(), None);
+        store.write(&batch).await.unwrap();
+        let prices = store.prices().await.unwrap();
+        assert_eq!(prices, BTreeMap::from([("H100-80GB".to_string(), 2.5)]));
+        let totals = store.usage_totals(CostBy::Queue, base).await.unwrap();
+        let report = muster_control::accounting::cost_report(&totals, &prices);
+        assert_eq!(report.len(), 2);
+        let a = &report[0];
+        assert_eq!(a.key, "team-a");
+        assert!((a.allocated_gpu_hours - 3.0).abs() < 1e-9, "{a:?}");
+        assert!((a.used_gpu_hours - 1.6).abs() < 1e-9, "{a:?}");
+        assert!((a.idle_gpu_hours - 1.0).abs() < 1e-9, "{a:?}");
+        assert!((a.cost - 7.5).abs() < 1e-9, "{a:?}");
+        assert!((a.waste - 2.5).abs() < 1e-9, "{a:?}");
+        let b = &report[1];
+        assert_eq!(b.key, "team-b");
+        assert_eq!(b.cost, 0.0);
+        assert!((b.unpriced_gpu_hours - 1.0).abs() < 1e-9);
+        assert!((b.unmeasured_gpu_hours - 1.0).abs() < 1e-9);
+        // Grouped by job and by pool; and a window that starts later.
+        let by_job = store.usage_totals(CostBy::Job, base).await.unwrap();
+        assert!(by_job.iter().any(|t| t.key == "7"));
+        let by_pool = store.usage_totals(CostBy::Pool, base).await.unwrap();
+        assert!(by_pool.iter().any(|t| t.key == "inference"));
+        let late = store
+            .usage_totals(CostBy::Queue, base + 60 * minute)
+            .await
+            .unwrap();
+        assert_eq!(late.len(), 1, "team-b's minutes all lie before");
+        assert_eq!(late[0].idle_gpu_ms, 60 * minute);
+        // A job's minutes read back, the duplicate folded in.
+        let minutes = store.job_usage(7, 10_000).await.unwrap();
+        assert_eq!(minutes.len(), 90);
+        assert_eq!(minutes[0].samples, 7);
+        assert_eq!(
+            store.job_usage(7, 5).await.unwrap()[0].minute_ms,
+            base + 85 * minute
+        );
+        // Pruning drops what lies before the retention.
+        let batch = Batch {
+            prune_usage_before: Some(base + 30 * minute),
+            ..Batch::default()
+        };
+        store.write(&batch).await.unwrap();
+        assert_eq!(store.job_usage(7, 10_000).await.unwrap().len(), 60);
     }
 }

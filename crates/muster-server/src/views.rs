@@ -57,6 +57,12 @@ pub fn job_view<'a>(
         tasks,
         pending_reason: if job.state != JobState::Pending {
             None
+        } else if pending_code == Some("budget") {
+            Some(format!(
+                "budget exhausted: queue {} has spent its monthly GPU budget (a hard limit); \
+                 its jobs wait until the month ends or an admin raises the budget",
+                job.spec.queue
+            ))
         } else if let (Some("array-limit"), Some(array)) = (pending_code, job.array) {
             Some(format!(
                 "array job {} runs at most {} elements at once; this one starts when one \
@@ -73,6 +79,7 @@ pub fn job_view<'a>(
         },
         queue_position: job.queue_position,
         idle_for_s: None,
+        warnings: Vec::new(),
         array: job.array.map(|array| muster_api::protocol::ArrayView {
             job: array.array.0,
             index: array.index,
@@ -184,6 +191,9 @@ pub fn empty_queue_view(spec: &QueueSpec) -> QueueView {
         in_use_gpus: 0.0,
         pending_jobs: 0,
         running_jobs: 0,
+        budget: spec.budget.map(|b| b.monthly_cents as f64 / 100.0),
+        budget_hard: spec.budget.is_some_and(|b| b.hard),
+        spent_this_month: 0.0,
     }
 }
 

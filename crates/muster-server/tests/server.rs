@@ -811,6 +811,8 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
                 .to_string(),
             "muster_gpus{pool=\"default\",modelName=\"H100-80GB\",state=\"free\"} 2.0".to_string(),
             "muster_gpus_idle{pool=\"default\",modelName=\"H100-80GB\"} 1.0".to_string(),
+            // Both free GPUs sit beside the job: a 4-GPU job could not start.
+            "muster_pool_fragmentation{pool=\"default\"} 1.0".to_string(),
             "muster_jobs{state=\"running\",queue=\"team-a\"} 1.0".to_string(),
             "muster_nodes{state=\"ready\"} 1.0".to_string(),
             "muster_node_cpu_busy_percent{Hostname=\"gpu-1\"} 12.5".to_string(),
@@ -1716,6 +1718,236 @@ async fn a_store_that_breaks_an_invariant_is_refused_with_the_reason() {
         let text = format!("{error:#}");
         assert!(text.contains("inconsistent"), "{text}");
         assert!(text.contains("missing allocation 999"), "{text}");
+    })
+    .await;
+}
+
+fn telemetry_of(epoch: u64, utilization: impl Fn(u32) -> u32) -> Value {
+    use muster_api::protocol::{GpuSample, NodeSample, TelemetryReport};
+    serde_json::to_value(TelemetryReport {
+        epoch,
+        sampled_ms: 1,
+        gpus: (0..4)
+            .map(|index| GpuSample {
+                index,
+                utilization_pct: utilization(index),
+                memory_used_mib: 1_000,
+                memory_total_mib: 81_920,
+                power_watts: None,
+                temperature_c: None,
+                sm_clock_mhz: None,
+                ecc_uncorrected: None,
+                healthy: true,
+            })
+            .collect(),
+        node: NodeSample::default(),
+    })
+    .expect("a report")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_time_is_accounted_priced_and_a_hard_budget_holds_its_queue() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        // Prices are kept under the model's name as agents give it.
+        let (status, body) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/prices/h100-80gb",
+                Some(&admin),
+                Some(json!({ "per_gpu_hour": 2.5 })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["prices"]["H100-80GB"], 2.5);
+        let (status, _) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/prices/H100",
+                Some(&admin),
+                Some(json!({ "per_gpu_hour": -1.0 })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+
+        let registered = api.register(server.join_token(), "gpu-1").await;
+        let (token, epoch) = (registered.node_token.clone(), registered.epoch);
+        let id = api.submit(&admin, spec("train", "team-a", 2)).await;
+        let placed = wait_for_desired(&api, &token, epoch, &[], 1).await;
+        let held = placed.desired[0].gpus.clone();
+        let running = all_running(&placed.desired);
+        let beat =
+            |observed: Vec<ObservedAllocation>| heartbeat_body(epoch, observed, placed.version, 0);
+        let (status, _) = api
+            .post("/v1/agents/gpu-1/heartbeat", &token, beat(running.clone()))
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let busy = |index: u32| {
+            if held.contains(&index) { 80 } else { 0 }
+        };
+        let path = "/v1/agents/gpu-1/telemetry";
+        assert_eq!(
+            api.post(path, &token, telemetry_of(epoch, busy)).await.0,
+            StatusCode::OK
+        );
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        assert_eq!(
+            api.post(path, &token, telemetry_of(epoch, busy)).await.0,
+            StatusCode::OK
+        );
+        // While it runs, its open minute already counts.
+        let (_, live) = api.get(&format!("/v1/jobs/{id}/usage"), &admin).await;
+        let live: JobUsage = serde_json::from_value(live).expect("usage");
+        assert_eq!(live.ranks.len(), 1);
+        assert!(live.ranks[0].allocated_gpu_hours > 0.0, "{live:?}");
+        let mut exited = running.clone();
+        exited[0].exited = Some(Some(0));
+        let (status, _) = api
+            .post("/v1/agents/gpu-1/heartbeat", &token, beat(exited))
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(api.job(&admin, id).await.state, "succeeded");
+
+        // The job's minutes, written once it ended.
+        let mut usage: Option<JobUsage> = None;
+        for _ in 0..100 {
+            let (status, body) = api.get(&format!("/v1/jobs/{id}/usage"), &admin).await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            let found: JobUsage = serde_json::from_value(body).expect("usage");
+            if found.ranks.first().is_some_and(|r| r.samples == 2) && usage.as_ref() == Some(&found)
+            {
+                break;
+            }
+            usage = Some(found);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let usage = usage.expect("usage");
+        let rank = &usage.ranks[0];
+        assert_eq!(rank.samples, 2);
+        assert_eq!(rank.mean_utilization_pct, Some(80.0));
+        assert_eq!(
+            (rank.peak_utilization_pct, rank.peak_memory_mib),
+            (80, 2_000)
+        );
+        // Two GPUs for about 2.5 s, used at 80% while telemetry covered them.
+        let held_hours = rank.allocated_gpu_hours;
+        assert!(
+            held_hours > 2.0 * 2.0 / 3600.0 && held_hours < 2.0 * 10.0 / 3600.0,
+            "{rank:?}"
+        );
+        assert!(rank.used_gpu_hours > 0.0 && rank.used_gpu_hours <= 0.8 * held_hours + 1e-12);
+        assert_eq!(rank.idle_gpu_hours, 0.0);
+        assert!(!usage.minutes.is_empty());
+        let (_, missing) = api.get("/v1/jobs/x/usage", &admin).await;
+        assert!(error_of(&missing).message.contains("job id"), "{missing}");
+
+        // The cost: the GPU-hours at 2.50, by queue and by job.
+        let (status, body) = api.get("/v1/cost?since=1h&by=queue", &admin).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let report: CostReport = serde_json::from_value(body).expect("a report");
+        assert_eq!(report.lines.len(), 1);
+        let line = &report.lines[0];
+        assert_eq!(line.key, "team-a");
+        assert!(
+            (line.allocated_gpu_hours - held_hours).abs() < 1e-12,
+            "{line:?}"
+        );
+        assert!((line.cost - held_hours * 2.5).abs() < 1e-9, "{line:?}");
+        assert!(report.unpriced_models.is_empty());
+        let (_, body) = api.get("/v1/cost?since=month&by=job", &admin).await;
+        let by_job: CostReport = serde_json::from_value(body).expect("a report");
+        assert_eq!(by_job.lines[0].key, id.to_string());
+        let (status, body) = api.get("/v1/cost?by=team", &admin).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(error_of(&body).message.contains("queue, user, job or pool"));
+
+        // A hard budget below what team-a spent: its next job waits, and
+        // says why; submitting warns.
+        let (status, body) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/queues/team-a",
+                Some(&admin),
+                Some(json!({ "guaranteed_gpus": 0.0, "weight": 1,
+                             "budget": 0.0001, "budget_hard": true })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(
+            body["spent_this_month"].as_f64().expect("spent") > 0.0001,
+            "{body}"
+        );
+        let (status, body) = api
+            .post(
+                "/v1/jobs",
+                &admin,
+                json!({ "spec": spec("next", "team-a", 1) }),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        let next = body["id"].as_u64().expect("an id");
+        assert!(
+            body["warnings"][0]
+                .as_str()
+                .expect("a warning")
+                .contains("budget"),
+            "{body}"
+        );
+        // Other queues still run.
+        let other = api.submit(&admin, spec("other", "team-b", 1)).await;
+        let placed = wait_for_desired(&api, &token, epoch, &[], 1).await;
+        assert_eq!(placed.desired[0].job, other);
+        let job = api.job(&admin, next).await;
+        assert_eq!(job.pending_code.as_deref(), Some("budget"), "{job:?}");
+        assert!(
+            job.pending_reason
+                .expect("a reason")
+                .contains("budget exhausted")
+        );
+        assert!(!job.warnings.is_empty());
+        let (_, text) = api.get("/metrics", &admin).await;
+        let text = text.as_str().expect("text").to_string();
+        for line in [
+            "muster_queue_budget{queue=\"team-a\",hard=\"true\"} 0.0",
+            "muster_jobs_pending{queue=\"team-a\",reason=\"budget\"} 1.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}\nnot in:\n{text}");
+        }
+        // Raised, the job starts.
+        let (status, _) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/queues/team-a",
+                Some(&admin),
+                Some(json!({ "guaranteed_gpus": 0.0, "weight": 1, "budget": 1000.0 })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let placed = wait_for_desired(&api, &token, epoch, &[], 2).await;
+        assert!(placed.desired.iter().any(|task| task.job == next));
+        server.shutdown().await;
+
+        // A price file at start adds to the stored prices; the accounting
+        // survives the restart.
+        std::fs::write(dir.path().join("prices.yaml"), "L4: 0.80\n").unwrap();
+        let mut config = test_config(dir.path());
+        config.prices_file = Some(dir.path().join("prices.yaml"));
+        let server = Server::start(config).await.unwrap();
+        let api = Api::new(&server);
+        let (_, body) = api.get("/v1/prices", &admin).await;
+        assert_eq!(body["prices"], json!({ "H100-80GB": 2.5, "L4": 0.8 }));
+        let (_, body) = api.get(&format!("/v1/jobs/{id}/usage"), &admin).await;
+        let after: JobUsage = serde_json::from_value(body).expect("usage");
+        assert_eq!(after.ranks[0].allocated_gpu_hours, held_hours);
+        server.shutdown().await;
+        std::fs::write(dir.path().join("prices.yaml"), "L4: free\n").unwrap();
+        let mut config = test_config(dir.path());
+        config.prices_file = Some(dir.path().join("prices.yaml"));
+        let error = Server::start(config).await.expect_err("a bad price list");
+        assert!(error.to_string().contains("prices.yaml"), "{error}");
     })
     .await;
 }

@@ -1823,6 +1823,7 @@ fn metrics(args: MetricsBench) -> Result<()> {
             &muster_server::metrics::UsageByNode::new(),
             muster_server::DEFAULT_IDLE_AFTER_MS,
             &muster_server::metrics::Instruments::default(),
+            &std::collections::BTreeMap::new(),
             now.0,
         );
         times.push(started.elapsed());

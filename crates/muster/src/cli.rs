@@ -56,6 +56,11 @@ pub enum Command {
     Fleet(crate::commands::PoolsArgs),
     /// List queues, or set one (`muster queues set NAME --guaranteed 8`).
     Queues(crate::commands::QueuesArgs),
+    /// GPU-hours allocated, used and idle, and their cost, per queue, user,
+    /// job or pool (`muster cost --since 30d --by queue`).
+    Cost(crate::commands::CostArgs),
+    /// The price of a GPU-hour per model (`muster prices set H100-80GB 2.50`).
+    Prices(crate::commands::PricesArgs),
     /// Print shell completions.
     Completions {
         #[arg(value_enum)]

@@ -50,6 +50,14 @@ pub struct ServerArgs {
     /// pools of 3 nodes or more).
     #[arg(long, value_name = "POLICY", default_value = "report", value_parser = parse_stack_policy)]
     pub stack_policy: muster_control::StackPolicy,
+    /// How long GPU accounting (per task and minute: `muster cost`, budgets,
+    /// per-job usage) is kept.
+    #[arg(long, value_name = "DURATION", default_value = "35d", value_parser = parse_duration_ms)]
+    pub usage_retention: u64,
+    /// Prices per GPU model and GPU-hour to set at start, a YAML map such as
+    /// `H100-80GB: 2.50` (`muster prices set` changes them later).
+    #[arg(long, value_name = "FILE")]
+    pub prices: Option<PathBuf>,
 }
 
 fn parse_stack_policy(text: &str) -> Result<muster_control::StackPolicy, String> {
@@ -323,17 +331,21 @@ pub fn server(args: ServerArgs) -> Result<()> {
     init_logging();
     let data_dir = args.data_dir.unwrap_or_else(default_data_dir);
     runtime()?.block_on(async {
-        let handle = muster_server::Server::start(server_config(
-            args.listen,
-            data_dir.clone(),
-            args.lease,
-            args.placement,
-            args.max_log_bytes,
-            args.retention,
-            args.store_max_size,
-            args.idle_after,
-            args.stack_policy,
-        ))
+        let handle = muster_server::Server::start(muster_server::ServerConfig {
+            usage_retention_ms: args.usage_retention,
+            prices_file: args.prices.clone(),
+            ..server_config(
+                args.listen,
+                data_dir.clone(),
+                args.lease,
+                args.placement,
+                args.max_log_bytes,
+                args.retention,
+                args.store_max_size,
+                args.idle_after,
+                args.stack_policy,
+            )
+        })
         .await?;
         eprintln!("muster server listening on http://{}", handle.addr());
         eprintln!(

@@ -22,7 +22,7 @@ fn write_out(args: std::fmt::Arguments<'_>) {
 }
 
 /// Writes a task's output exactly as it is (bytes, not text).
-fn write_bytes(bytes: &[u8]) {
+pub(crate) fn write_bytes(bytes: &[u8]) {
     let mut stdout = std::io::stdout().lock();
     if let Err(error) = stdout.write_all(bytes).and_then(|()| stdout.flush())
         && error.kind() == std::io::ErrorKind::BrokenPipe
@@ -35,6 +35,9 @@ macro_rules! outln {
     () => { write_out(format_args!("\n")) };
     ($($arg:tt)*) => { write_out(format_args!("{}\n", format_args!($($arg)*))) };
 }
+
+mod cost;
+pub use cost::{CostArgs, PricesArgs, cost, prices};
 
 /// Where the server is and how to authenticate.
 #[derive(Debug, Clone, Args)]
@@ -158,7 +161,7 @@ impl Connection {
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -186,13 +189,13 @@ fn ago_text(span_ms: u64) -> String {
     }
 }
 
-fn print_json(value: &impl serde::Serialize) -> Result<()> {
+pub(crate) fn print_json(value: &impl serde::Serialize) -> Result<()> {
     outln!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
 }
 
 /// Prints rows as aligned columns.
-fn table(header: &[&str], rows: Vec<Vec<String>>) {
+pub(crate) fn table(header: &[&str], rows: Vec<Vec<String>>) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in &rows {
         for (i, cell) in row.iter().enumerate() {
@@ -666,10 +669,14 @@ pub fn run(args: RunArgs) -> std::result::Result<u8, Failure> {
             .then(|| tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()))
             .transpose()
             .context("cannot catch Ctrl-C")?;
-        let id = client
-            .submit_with(spec, args.waiting.allow_pending)
+        let response = client
+            .submit_request(spec, args.waiting.allow_pending)
             .await
             .map_err(anyhow::Error::from)?;
+        let id = response.id;
+        for warning in &response.warnings {
+            eprintln!("warning: {warning}");
+        }
         if args.detach {
             if args.connection.json {
                 print_json(&serde_json::json!({ "id": id }))?;
@@ -785,6 +792,9 @@ fn print_submitted(response: &muster_api::protocol::SubmitResponse, json: bool) 
         return print_json(response);
     }
     outln!("{}", response.id);
+    for warning in &response.warnings {
+        eprintln!("warning: {warning}");
+    }
     if let Some(elements) = response.elements {
         eprintln!(
             "array job {} submitted: {elements} element(s), jobs {} to {}; `muster ps` groups \
@@ -1252,16 +1262,23 @@ pub struct JobArgs {
 
 pub fn describe(args: JobArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
-    let job = runtime()?.block_on(async {
+    let (job, usage) = runtime()?.block_on(async {
         let id = resolve_one(&client, &args.job).await?;
-        client.job(id).await.map_err(anyhow::Error::from)
+        let job = client.job(id).await.map_err(anyhow::Error::from)?;
+        // Usage is extra: a server without it still describes the job.
+        let usage = client.job_usage(id).await.ok();
+        Ok::<_, anyhow::Error>((job, usage))
     })?;
     if args.connection.json {
         print_json(&job)?;
         return Ok(0);
     }
+
     outln!("job {}: {}", job.id, job.name);
     outln!("  state:     {}", job.state);
+    for warning in &job.warnings {
+        outln!("  warning:   {warning}");
+    }
     if let Some(code) = job.exit_code {
         outln!("  exit code: {code}");
     }
@@ -1364,6 +1381,23 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
                     usage.samples
                 );
             }
+        }
+    }
+    if let Some(usage) = usage.filter(|usage| !usage.ranks.is_empty()) {
+        outln!("  GPU use (every attempt, one-minute accounting):");
+        for rank in &usage.ranks {
+            outln!(
+                "    rank {}: utilisation mean {}, peak {}%; memory peak {} MiB; {:.3} GPU-h \
+                 held, {:.3} used, {:.3} idle",
+                rank.rank,
+                rank.mean_utilization_pct
+                    .map_or("-".to_string(), |mean| format!("{mean:.0}%")),
+                rank.peak_utilization_pct,
+                rank.peak_memory_mib,
+                rank.allocated_gpu_hours,
+                rank.used_gpu_hours,
+                rank.idle_gpu_hours
+            );
         }
     }
     outln!("  history:");
@@ -1890,6 +1924,14 @@ pub enum QueueCommand {
         /// long (e.g. 30m, for notebook queues); they end `idle_stopped`.
         #[arg(long, value_name = "DURATION")]
         idle_timeout: Option<String>,
+        /// Monthly GPU budget in the price list's currency (`muster
+        /// prices`); past it `describe`, `submit` and metrics warn.
+        #[arg(long, value_name = "AMOUNT")]
+        budget: Option<f64>,
+        /// Past the budget the queue's new jobs wait (`budget exhausted`)
+        /// instead of only a warning.
+        #[arg(long, requires = "budget")]
+        budget_hard: bool,
     },
 }
 
@@ -1902,6 +1944,8 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
         borrow_limit,
         weight,
         idle_timeout,
+        budget,
+        budget_hard,
     }) = &args.command
     {
         let update = QueueUpdate {
@@ -1909,6 +1953,8 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
             borrow_limit_gpus: *borrow_limit,
             weight: *weight,
             idle_timeout: idle_timeout.clone(),
+            budget: *budget,
+            budget_hard: *budget_hard,
         };
         let queue = rt
             .block_on(client.set_queue(name, &update))
@@ -1935,6 +1981,7 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
             "RUNNING",
             "PENDING",
             "IDLE TIMEOUT",
+            "SPENT / BUDGET (MONTH)",
         ],
         list.queues
             .iter()
@@ -1950,6 +1997,14 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
                     q.pending_jobs.to_string(),
                     q.idle_timeout_s
                         .map_or("-".to_string(), |s| ago_text(s * 1000)),
+                    match q.budget {
+                        Some(budget) => format!(
+                            "{:.2} / {budget:.2}{}",
+                            q.spent_this_month,
+                            if q.budget_hard { " (hard)" } else { "" }
+                        ),
+                        None => format!("{:.2}", q.spent_this_month),
+                    },
                 ]
             })
             .collect(),

@@ -50,6 +50,8 @@ fn main() -> ExitCode {
         cli::Command::Uncordon(args) => commands::node_action(args, "uncordon"),
         cli::Command::Drain(args) => commands::node_action(args, "drain"),
         cli::Command::Queues(args) => commands::queues(args),
+        cli::Command::Cost(args) => commands::cost(args),
+        cli::Command::Prices(args) => commands::prices(args),
         cli::Command::Pools(args) => commands::pools(args),
         cli::Command::Completions { shell } => {
             let mut command = <cli::Cli as clap::CommandFactory>::command();
