@@ -400,6 +400,7 @@ fn gpu_sample(
         temperature_c: gpu.temperature_c,
         sm_clock_mhz: gpu.sm_clock_mhz,
         ecc_uncorrected: gpu.ecc_errors,
+        xid: gpu.xid,
         healthy: gpu.healthy,
     }
 }

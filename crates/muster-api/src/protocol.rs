@@ -379,6 +379,10 @@ pub struct GpuSample {
     /// Uncorrected (double-bit) ECC errors since the driver loaded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ecc_uncorrected: Option<u64>,
+    /// The latest XID the driver reported for this GPU since the agent
+    /// started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xid: Option<u64>,
     pub healthy: bool,
 }
 
@@ -577,6 +581,11 @@ pub struct NodeView {
     /// GPU indices out of service.
     #[serde(default)]
     pub unhealthy_gpus: Vec<u32>,
+    /// What the node's latest telemetry says of GPUs with an XID or
+    /// uncorrected ECC errors (`GPU 1: XID 79, the GPU has fallen off the
+    /// bus`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_events: Vec<String>,
     /// Why the scheduler leaves the node out, if it does (a spec it
     /// cannot take).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -119,8 +119,9 @@ pub fn is_reserved_env_name(name: &str) -> bool {
 
 /// Names under a reserved prefix that a job sets itself:
 /// `MUSTER_SIM_UTIL` (a share, 0 to 1) is how busy the simulated GPU
-/// backend keeps the job's GPUs.
-pub const JOB_SETTABLE_ENV_NAMES: &[&str] = &["MUSTER_SIM_UTIL"];
+/// backend keeps the job's GPUs, `MUSTER_SIM_XID` an XID it reports on
+/// them; real GPUs ignore both.
+pub const JOB_SETTABLE_ENV_NAMES: &[&str] = &["MUSTER_SIM_UTIL", "MUSTER_SIM_XID"];
 
 fn signal_names() -> String {
     model::Signal::ALL

@@ -211,3 +211,37 @@ fn truncated(text: &str) -> String {
         None => text.to_string(),
     }
 }
+
+/// What an XID (an error the NVIDIA driver logs for a GPU) means, when it
+/// means the GPU itself is at fault and should take no more work until it
+/// is reset or repaired; `None` for XIDs an application causes (13, 31,
+/// 43, 45: its own faults, which leave the GPU fine) or that are unknown.
+/// From NVIDIA's XID catalogue.
+pub fn fatal_xid(xid: u64) -> Option<&'static str> {
+    Some(match xid {
+        48 => "a double-bit ECC error",
+        63 => "ECC page retirement or row remapping pending",
+        64 => "ECC page retirement or row remapping failed",
+        74 => "an NVLink error",
+        79 => "the GPU has fallen off the bus",
+        92 => "a high single-bit ECC error rate",
+        94 => "a contained ECC error",
+        95 => "an uncontained ECC error",
+        119 => "a GSP RPC timeout",
+        120 => "a GSP error",
+        140 => "an unrecovered ECC error",
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod xid_tests {
+    #[test]
+    fn hardware_xids_are_fatal_and_application_ones_are_not() {
+        assert!(super::fatal_xid(79).is_some_and(|what| what.contains("bus")));
+        assert!(super::fatal_xid(48).is_some());
+        for xid in [13, 31, 43, 45, 0, 9_999] {
+            assert_eq!(super::fatal_xid(xid), None, "XID {xid}");
+        }
+    }
+}

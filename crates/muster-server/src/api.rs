@@ -983,12 +983,44 @@ async fn job_logs(
 )]
 async fn list_nodes(State(shared): Shared_) -> Json<NodeList> {
     let core = shared.read();
-    let nodes = core
+    let mut nodes: Vec<NodeView> = core
         .control()
         .nodes()
         .map(|node| node_view(&core, node))
         .collect();
+    drop(core);
+    for node in &mut nodes {
+        with_gpu_events(&shared, node);
+    }
     Json(NodeList { nodes })
+}
+
+/// Adds what the node's latest telemetry says of GPUs with an XID or
+/// uncorrected ECC errors.
+fn with_gpu_events(shared: &Shared, view: &mut NodeView) {
+    let telemetry = match shared.telemetry.lock() {
+        Ok(telemetry) => telemetry,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    let Some(latest) = telemetry.get(&view.name) else {
+        return;
+    };
+    view.gpu_events = latest
+        .report
+        .gpus
+        .iter()
+        .flat_map(|gpu| {
+            let xid = gpu.xid.map(|xid| match muster_model::fatal_xid(xid) {
+                Some(what) => format!("GPU {}: XID {xid}, {what}", gpu.index),
+                None => format!("GPU {}: XID {xid} (an application error)", gpu.index),
+            });
+            let ecc = gpu
+                .ecc_uncorrected
+                .filter(|errors| *errors > 0)
+                .map(|errors| format!("GPU {}: {errors} uncorrected ECC error(s)", gpu.index));
+            xid.into_iter().chain(ecc)
+        })
+        .collect();
 }
 
 /// One node.
@@ -1002,12 +1034,16 @@ async fn get_node(
     State(shared): Shared_,
     PathParams(name): PathParams<String>,
 ) -> Result<Json<NodeView>, ApiError> {
-    let core = shared.read();
-    let node = core
-        .control()
-        .node(&NodeName(name.clone()))
-        .ok_or_else(|| node_not_found(&name))?;
-    Ok(Json(node_view(&core, node)))
+    let mut view = {
+        let core = shared.read();
+        let node = core
+            .control()
+            .node(&NodeName(name.clone()))
+            .ok_or_else(|| node_not_found(&name))?;
+        node_view(&core, node)
+    };
+    with_gpu_events(&shared, &mut view);
+    Ok(Json(view))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]

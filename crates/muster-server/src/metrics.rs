@@ -43,6 +43,7 @@ pub const SERIES: &[&str] = &[
     "DCGM_FI_DEV_GPU_TEMP",
     "DCGM_FI_DEV_SM_CLOCK",
     "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "DCGM_FI_DEV_XID_ERRORS",
     "muster_jobs",
     "muster_jobs_pending",
     "muster_job_idle_seconds",
@@ -443,6 +444,13 @@ pub fn render(
                     f64::from(mhz),
                 );
             }
+            if let Some(xid) = sample.xid {
+                gauge(
+                    "DCGM_FI_DEV_XID_ERRORS",
+                    "Value of the last XID error encountered.",
+                    xid as f64,
+                );
+            }
             if let Some(errors) = sample.ecc_uncorrected {
                 gauge(
                     "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
@@ -620,6 +628,7 @@ mod tests {
                         temperature_c: None,
                         sm_clock_mhz: None,
                         ecc_uncorrected: None,
+                        xid: None,
                         healthy: true,
                     }],
                     node: NodeSample::default(),

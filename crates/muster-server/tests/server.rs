@@ -737,6 +737,7 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
                     temperature_c: Some(61),
                     sm_clock_mhz: Some(1_980),
                     ecc_uncorrected: Some(0),
+                    xid: None,
                     healthy: true,
                 })
                 .collect(),
@@ -1737,6 +1738,7 @@ fn telemetry_of(epoch: u64, utilization: impl Fn(u32) -> u32) -> Value {
                 temperature_c: None,
                 sm_clock_mhz: None,
                 ecc_uncorrected: None,
+                xid: None,
                 healthy: true,
             })
             .collect(),

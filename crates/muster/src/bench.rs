@@ -714,6 +714,7 @@ fn bench_report(epoch: u64, seed: u32) -> muster_api::protocol::TelemetryReport 
                 temperature_c: Some(62),
                 sm_clock_mhz: Some(1_980),
                 ecc_uncorrected: Some(0),
+                xid: None,
                 healthy: true,
             })
             .collect(),
@@ -1768,6 +1769,7 @@ fn metrics(args: MetricsBench) -> Result<()> {
                             temperature_c: Some(62),
                             sm_clock_mhz: Some(1_980),
                             ecc_uncorrected: Some(0),
+                            xid: None,
                             healthy: true,
                         })
                         .collect(),

@@ -1672,14 +1672,22 @@ fn describe_node(node: &NodeView) {
     outln!("  GPUs:");
     for (gpu, free) in node.gpus.iter().zip(&node.gpu_free) {
         outln!(
-            "    {} {} {} GiB, NVLink domain {}, {:.3} free  {}",
+            "    {} {} {} GiB, NVLink domain {}, {:.3} free  {}{}",
             gpu.index,
             gpu.model,
             gpu.memory_mib / 1024,
             gpu.nvlink_domain,
             f64::from(*free) / 1000.0,
-            gpu.uuid
+            gpu.uuid,
+            if node.unhealthy_gpus.contains(&gpu.index) {
+                "  OUT OF SERVICE"
+            } else {
+                ""
+            }
         );
+    }
+    for event in &node.gpu_events {
+        outln!("  event:     {event}");
     }
     let allocations: Vec<String> = node.allocations.iter().map(u64::to_string).collect();
     outln!(

@@ -1115,6 +1115,82 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
     assert!(pool["majority"]["kernel"].is_string(), "{fleet}");
     let text = stdout(&env.muster(&["fleet"]));
     assert!(text.contains("every node has the pool's stack"), "{text}");
+    // The GPU time of the jobs above is accounted: per rank in describe,
+    // per queue in `muster cost`, priced.
+    let output = env.muster(&["prices", "set", "H100-80GB", "3"]);
+    assert!(output.status.success(), "{output:?}");
+    common::wait_until("the cost of the jobs", Duration::from_secs(30), || {
+        let report = json(&env.muster(&["cost", "--since", "1h", "--json"]));
+        report["lines"][0]["used_gpu_hours"]
+            .as_f64()
+            .is_some_and(|used| used > 0.0)
+    });
+    let report = json(&env.muster(&["cost", "--since", "1h", "--json"]));
+    let line = &report["lines"][0];
+    assert_eq!(line["key"], "default", "{report}");
+    let held = line["allocated_gpu_hours"].as_f64().expect("hours");
+    assert!(
+        (line["cost"].as_f64().expect("cost") - 3.0 * held).abs() < 1e-9,
+        "{report}"
+    );
+    assert!(
+        line["idle_gpu_hours"]
+            .as_f64()
+            .is_some_and(|idle| idle > 0.0),
+        "{report}"
+    );
+    let text = stdout(&env.muster(&["cost", "--by", "job", "--csv"]));
+    assert!(text.starts_with("job,allocated_gpu_hours,"), "{text}");
+    assert!(
+        text.lines().any(|l| l.starts_with(&format!("{id},"))),
+        "{text}"
+    );
+    let text = stdout(&env.muster(&["describe", &id]));
+    assert!(text.contains("GPU use (every attempt"), "{text}");
+    assert!(text.contains("rank 0: utilisation mean 90%"), "{text}");
+    // The driver reports XID 79 (fallen off the bus) on a task's GPU: the
+    // GPU is taken out of service and shown with the event.
+    let output = env.muster(&[
+        "run",
+        "--detach",
+        "--gpus",
+        "1",
+        "-e",
+        "MUSTER_SIM_XID=79",
+        "--",
+        "sleep",
+        "60",
+    ]);
+    assert!(output.status.success(), "{output:?}");
+    let broken = stdout(&output).trim().to_string();
+    let nodes = json(&env.muster(&["nodes", "--json"]));
+    let node = nodes["nodes"][0]["name"]
+        .as_str()
+        .expect("a node")
+        .to_string();
+    common::wait_until("the GPU out of service", Duration::from_secs(30), || {
+        let view = json(&env.muster(&["nodes", &node, "--json"]));
+        view["unhealthy_gpus"]
+            .as_array()
+            .is_some_and(|gpus| !gpus.is_empty())
+            && view["gpu_events"].as_array().is_some_and(|events| {
+                events.iter().any(|e| {
+                    e.as_str()
+                        .is_some_and(|e| e.contains("XID 79, the GPU has fallen off the bus"))
+                })
+            })
+    });
+    let text = stdout(&env.muster(&["nodes", &node]));
+    assert!(text.contains("OUT OF SERVICE"), "{text}");
+    let (_, metrics) = http_get(&env.url, "/metrics", token.trim());
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("DCGM_FI_DEV_XID_ERRORS{") && l.ends_with(" 79.0")),
+        "{metrics}"
+    );
+    let output = env.muster(&["cancel", &broken]);
+    assert!(output.status.success(), "{output:?}");
 }
 
 /// A query string's value, percent-encoded.

@@ -83,8 +83,13 @@ pub struct GpuTelemetry {
     pub ecc_errors: Option<u64>,
     /// The streaming multiprocessors' clock.
     pub sm_clock_mhz: Option<u32>,
+    /// The latest XID the driver reported for this GPU since the agent
+    /// started (`None`: none). One that [`muster_model::fatal_xid`] names
+    /// makes the GPU unhealthy until the agent restarts (after a reset).
+    pub xid: Option<u64>,
     /// `false` when the GPU should not get new work: memory pages pending
-    /// retirement, uncorrected ECC errors, or the GPU fell off the bus.
+    /// retirement, uncorrected ECC errors, a fatal XID, or the GPU fell off
+    /// the bus.
     pub healthy: bool,
 }
 

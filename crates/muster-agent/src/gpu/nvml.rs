@@ -5,16 +5,23 @@
 //! returns [`GpuError::NoDriver`]. NVML calls block (briefly): the agent calls
 //! the backend from a blocking thread.
 //!
-//! Not read yet: XID events (they need an NVML event set, waited on in a
-//! thread of their own), MIG instances, row remapping.
+//! XID events: an NVML event set registered for critical XIDs on every GPU
+//! at start, drained (without waiting) at each telemetry read; the latest
+//! XID per GPU is kept, and a fatal one ([`muster_model::fatal_xid`])
+//! makes the GPU unhealthy until the agent restarts. Not read yet: MIG
+//! instances, row remapping.
 
 use super::{GpuBackend, GpuError, GpuInfo, GpuInventory, GpuTelemetry};
 use muster_model::{GpuModel, MemoryMib};
 use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
+use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::event::EventSet;
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
+use std::sync::{Mutex, PoisonError};
 
 /// The library the NVIDIA driver installs (the unversioned `.so` comes only
 /// with development packages, so it is not asked for).
@@ -27,7 +34,14 @@ const MIB: u64 = 1024 * 1024;
 
 /// GPUs read through NVML.
 pub struct NvmlBackend {
-    nvml: Nvml,
+    /// Loaded once per agent process and kept for its life (the event set
+    /// borrows it).
+    nvml: &'static Nvml,
+    /// Critical XID events of every GPU that supports them (`None`: no GPU
+    /// does, or the set could not be made).
+    events: Option<Mutex<EventSet<'static>>>,
+    /// The latest XID per GPU index.
+    xids: Mutex<BTreeMap<u32, u64>>,
 }
 
 impl std::fmt::Debug for NvmlBackend {
@@ -45,11 +59,38 @@ impl NvmlBackend {
     /// Loads NVML from another path (a driver installed outside the loader's
     /// search path).
     pub fn with_library_path(path: impl AsRef<OsStr>) -> Result<Self, GpuError> {
-        let nvml = Nvml::builder()
-            .lib_path(path.as_ref())
-            .init()
-            .map_err(init_error)?;
-        Ok(NvmlBackend { nvml })
+        let nvml: &'static Nvml = Box::leak(Box::new(
+            Nvml::builder()
+                .lib_path(path.as_ref())
+                .init()
+                .map_err(init_error)?,
+        ));
+        Ok(NvmlBackend {
+            nvml,
+            events: xid_events(nvml).map(Mutex::new),
+            xids: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// Takes the XID events that arrived since the last call.
+    fn drain_xids(&self) {
+        let Some(events) = &self.events else {
+            return;
+        };
+        let events = events.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut xids = self.xids.lock().unwrap_or_else(PoisonError::into_inner);
+        // Bounded: a storm of events is read over several samples.
+        for _ in 0..1_000 {
+            let Ok(event) = events.wait(0) else {
+                break;
+            };
+            if let (Ok(index), Some(XidError::Value(xid))) =
+                (event.device.index(), event.event_data)
+            {
+                tracing::warn!(gpu = index, xid, "the driver reported an XID");
+                xids.insert(index, xid);
+            }
+        }
     }
 
     fn device(&self, index: u32) -> Result<nvml_wrapper::Device<'_>, GpuError> {
@@ -149,6 +190,12 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn telemetry(&self) -> Result<Vec<GpuTelemetry>, GpuError> {
+        self.drain_xids();
+        let xids = self
+            .xids
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         let count = self
             .nvml
             .device_count()
@@ -167,6 +214,7 @@ impl GpuBackend for NvmlBackend {
                         temperature_c: None,
                         ecc_errors: None,
                         sm_clock_mhz: None,
+                        xid: xids.get(&index).copied(),
                         healthy: false,
                     });
                     continue;
@@ -198,11 +246,51 @@ impl GpuBackend for NvmlBackend {
                 temperature_c: temperature.ok(),
                 ecc_errors: ecc,
                 sm_clock_mhz: device.clock_info(Clock::SM).ok(),
-                healthy: !lost && !pending_retirement.unwrap_or(false) && ecc.unwrap_or(0) == 0,
+                xid: xids.get(&index).copied(),
+                healthy: !lost
+                    && !pending_retirement.unwrap_or(false)
+                    && ecc.unwrap_or(0) == 0
+                    && xids
+                        .get(&index)
+                        .and_then(|xid| muster_model::fatal_xid(*xid))
+                        .is_none(),
             });
         }
         Ok(samples)
     }
+}
+
+/// An event set with every GPU that supports critical XID events
+/// registered; `None` when none does.
+fn xid_events(nvml: &'static Nvml) -> Option<EventSet<'static>> {
+    let count = nvml.device_count().ok()?;
+    let mut set = nvml.create_event_set().ok()?;
+    let mut registered = 0;
+    for index in 0..count {
+        let Ok(device) = nvml.device_by_index(index) else {
+            continue;
+        };
+        // A failed registration frees the set: only GPUs that say they
+        // support the events are registered.
+        let supported = device
+            .supported_event_types()
+            .is_ok_and(|types| types.contains(EventTypes::CRITICAL_XID_ERROR));
+        if !supported {
+            tracing::info!(gpu = index, "no XID events from this GPU");
+            continue;
+        }
+        match device.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+            Ok(back) => {
+                registered += 1;
+                set = back;
+            }
+            Err(error) => {
+                tracing::warn!(gpu = index, error = %error.error, "cannot watch XID events");
+                return None;
+            }
+        }
+    }
+    (registered > 0).then_some(set)
 }
 
 /// Errors that mean the GPU itself is gone or wedged (not merely that a

@@ -52,6 +52,8 @@ const DEFAULT_TDP_WATTS: u32 = 300;
 struct GpuState {
     utilization_pct: u32,
     healthy: bool,
+    /// The latest XID "reported" (`MUSTER_SIM_XID` of a task on it).
+    xid: Option<u64>,
 }
 
 /// GPUs that exist only in this process. Everything is deterministic: the
@@ -129,6 +131,7 @@ impl SimulatedBackend {
             GpuState {
                 utilization_pct: 0,
                 healthy: true,
+                xid: None,
             };
             gpus.len()
         ];
@@ -186,6 +189,19 @@ impl GpuBackend for SimulatedBackend {
         gpus: &[u32],
         env: &std::collections::BTreeMap<String, String>,
     ) {
+        // `MUSTER_SIM_XID=79`: the driver reports that XID on the task's
+        // GPUs as it starts (a fatal one takes them out of service).
+        if let Some(xid) = env
+            .get("MUSTER_SIM_XID")
+            .and_then(|text| text.trim().parse::<u64>().ok())
+        {
+            let mut states = self.states.lock().unwrap_or_else(PoisonError::into_inner);
+            for &index in gpus {
+                if let Some(state) = states.get_mut(index as usize) {
+                    state.xid = Some(xid);
+                }
+            }
+        }
         // `MUSTER_SIM_UTIL=0.9`: the task keeps its GPUs 90% busy.
         let pct = env
             .get("MUSTER_SIM_UTIL")
@@ -242,7 +258,8 @@ impl GpuBackend for SimulatedBackend {
                     temperature_c: Some(30 + pct / 2),
                     ecc_errors: Some(0),
                     sm_clock_mhz: Some(if pct > 0 { 1980 } else { 345 }),
-                    healthy: state.healthy,
+                    xid: state.xid,
+                    healthy: state.healthy && state.xid.and_then(muster_model::fatal_xid).is_none(),
                 }
             })
             .collect())
@@ -449,6 +466,25 @@ mod tests {
         assert!(a.gpus()[1].uuid.starts_with("GPU-sim-"));
         assert!(a.gpus()[1].uuid.ends_with("-1"));
         assert!(!a.gpus()[0].uuid.contains("node-a"));
+    }
+
+    #[test]
+    fn a_task_declaring_a_fatal_xid_takes_its_gpus_out_of_service() {
+        let backend = parse("4xH100-80GB");
+        let env = |xid: &str| {
+            std::collections::BTreeMap::from([("MUSTER_SIM_XID".to_string(), xid.to_string())])
+        };
+        // An application's own fault (XID 13) leaves the GPU in service.
+        backend.task_started("a", &[0], &env("13"));
+        backend.task_started("b", &[1, 2], &env("79"));
+        let telemetry = backend.telemetry().expect("telemetry");
+        assert_eq!((telemetry[0].xid, telemetry[0].healthy), (Some(13), true));
+        assert_eq!((telemetry[1].xid, telemetry[1].healthy), (Some(79), false));
+        assert!(!telemetry[2].healthy);
+        assert_eq!((telemetry[3].xid, telemetry[3].healthy), (None, true));
+        // It stays so after the task ends: the GPU needs a reset.
+        backend.task_ended("b");
+        assert!(!backend.telemetry().expect("telemetry")[1].healthy);
     }
 
     #[test]
