@@ -750,6 +750,34 @@ pub struct PriceList {
     pub prices: std::collections::BTreeMap<String, f64>,
 }
 
+/// One GPU in a node's history point.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct GpuPoint {
+    pub index: u32,
+    pub utilization_pct: u32,
+    pub memory_used_mib: u64,
+}
+
+/// A node's telemetry at one moment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct NodeHistoryPoint {
+    pub at_ms: u64,
+    pub gpus: Vec<GpuPoint>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_busy_pct: Option<f64>,
+}
+
+/// `GET /v1/nodes/{name}/telemetry`: the last hour, a point at most every
+/// 10 seconds, oldest first (memory only).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct NodeHistory {
+    pub node: String,
+    pub points: Vec<NodeHistoryPoint>,
+}
+
 /// `PUT /v1/prices/{model}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -58,6 +58,7 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/arrays/{id}/cancel", post(cancel_array))
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/nodes/{name}", get(get_node).delete(remove_node))
+        .route("/v1/nodes/{name}/telemetry", get(node_history))
         .route("/v1/nodes/{name}/reset-identity", post(reset_identity))
         .route("/v1/nodes/{name}/cordon", post(cordon_node))
         .route("/v1/nodes/{name}/uncordon", post(uncordon_node))
@@ -70,6 +71,7 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/agents/{node}/heartbeat", post(heartbeat))
         .route("/v1/agents/{node}/logs", post(push_logs))
         .route("/v1/agents/{node}/telemetry", post(push_telemetry))
+        .merge(crate::dashboard::routes(shared.clone()))
         .route_layer(axum::middleware::from_fn_with_state(
             shared.clone(),
             time_request,
@@ -217,7 +219,7 @@ fn need_of(path: &str) -> Need {
     Need::Admin
 }
 
-fn identify(shared: &Shared, token: &str) -> Option<Identity> {
+pub(crate) fn identify(shared: &Shared, token: &str) -> Option<Identity> {
     if same_token(token, &shared.admin_token) {
         return Some(Identity::Admin);
     }
@@ -346,24 +348,24 @@ fn check_name(what: &str, name: &str) -> Result<(), ApiError> {
 
 // ---------------------------------------------------------------- jobs
 
-#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct JobQuery {
     /// Only jobs not finished (pending, running, stopping).
-    active: Option<bool>,
+    pub(crate) active: Option<bool>,
     /// Only jobs of this queue.
-    queue: Option<String>,
+    pub(crate) queue: Option<String>,
     /// Only jobs in this state (pending, running, stopping, succeeded,
     /// failed, cancelled, timed_out, idle_stopped).
-    state: Option<String>,
+    pub(crate) state: Option<String>,
     /// Only jobs of this user.
-    user: Option<String>,
+    pub(crate) user: Option<String>,
     /// The most jobs to return: 1 to 1000, 100 by default.
-    limit: Option<u32>,
+    pub(crate) limit: Option<u32>,
     /// Where the previous page ended (its `next_cursor`).
-    cursor: Option<String>,
+    pub(crate) cursor: Option<String>,
     /// Only the elements of this array job.
-    array: Option<u64>,
+    pub(crate) array: Option<u64>,
 }
 
 /// The default page of `GET /v1/jobs`.
@@ -622,7 +624,7 @@ async fn submit_job(
     responses((status = 200, body = JobList), (status = 400, body = ErrorBody)),
     security(("bearer" = []))
 )]
-async fn list_jobs(
+pub(crate) async fn list_jobs(
     State(shared): Shared_,
     Params(query): Params<JobQuery>,
 ) -> Result<Json<JobList>, ApiError> {
@@ -753,7 +755,7 @@ async fn list_jobs(
     responses((status = 200, body = JobView), (status = 404, body = ErrorBody)),
     security(("bearer" = []))
 )]
-async fn get_job(
+pub(crate) async fn get_job(
     State(shared): Shared_,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<JobView>, ApiError> {
@@ -981,7 +983,7 @@ async fn job_logs(
     responses((status = 200, body = NodeList)),
     security(("bearer" = []))
 )]
-async fn list_nodes(State(shared): Shared_) -> Json<NodeList> {
+pub(crate) async fn list_nodes(State(shared): Shared_) -> Json<NodeList> {
     let core = shared.read();
     let mut nodes: Vec<NodeView> = core
         .control()
@@ -993,6 +995,33 @@ async fn list_nodes(State(shared): Shared_) -> Json<NodeList> {
         with_gpu_events(&shared, node);
     }
     Json(NodeList { nodes })
+}
+
+/// A node's telemetry over the last hour: a point at most every 10 seconds
+/// (memory only; empty after a restart or without telemetry).
+#[utoipa::path(
+    get, path = "/v1/nodes/{name}/telemetry", tag = "nodes",
+    params(("name" = String, Path, description = "the node's name")),
+    responses((status = 200, body = NodeHistory), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn node_history(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<NodeHistory>, ApiError> {
+    if shared
+        .read()
+        .control()
+        .node(&NodeName(name.clone()))
+        .is_none()
+    {
+        return Err(node_not_found(&name));
+    }
+    let points = match shared.history.lock() {
+        Ok(history) => history.of(&name, now().0),
+        Err(poisoned) => poisoned.into_inner().of(&name, now().0),
+    };
+    Ok(Json(NodeHistory { node: name, points }))
 }
 
 /// Adds what the node's latest telemetry says of GPUs with an XID or
@@ -1030,7 +1059,7 @@ fn with_gpu_events(shared: &Shared, view: &mut NodeView) {
     responses((status = 200, body = NodeView), (status = 404, body = ErrorBody)),
     security(("bearer" = []))
 )]
-async fn get_node(
+pub(crate) async fn get_node(
     State(shared): Shared_,
     PathParams(name): PathParams<String>,
 ) -> Result<Json<NodeView>, ApiError> {
@@ -1282,7 +1311,7 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
     responses((status = 200, body = QueueList)),
     security(("bearer" = []))
 )]
-async fn list_queues(State(shared): Shared_) -> Json<QueueList> {
+pub(crate) async fn list_queues(State(shared): Shared_) -> Json<QueueList> {
     let core = shared.read();
     let mut queues = queue_views(&core);
     for queue in &mut queues {
@@ -1759,6 +1788,10 @@ async fn push_telemetry(
             tracing::warn!(job = job.0, error = %error.body.message, "cannot stop an idle job");
         }
     }
+    match shared.history.lock() {
+        Ok(mut history) => history.record(&node, &report, now().0),
+        Err(poisoned) => poisoned.into_inner().record(&node, &report, now().0),
+    }
     let entry = crate::metrics::NodeTelemetry {
         received_ms: now().0,
         report,
@@ -1857,7 +1890,7 @@ async fn push_logs(
     info(title = "muster", description = "muster's /v1 API: jobs, nodes, queues, agents."),
     paths(
         submit_job, list_jobs, get_job, cancel_job, cancel_array, job_logs, push_telemetry, fleet,
-        list_nodes, get_node, remove_node, reset_identity, cordon_node, uncordon_node, drain_node,
+        list_nodes, get_node, node_history, remove_node, reset_identity, cordon_node, uncordon_node, drain_node,
         list_pools, list_queues, set_queue,
         register_agent, heartbeat, push_logs,
         crate::accounting::job_usage, crate::accounting::cost_endpoint,
@@ -1899,7 +1932,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 23, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 24, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",

@@ -339,6 +339,8 @@ pub struct Shared {
     /// The latest telemetry of each node (memory only: one report per
     /// registered node, replaced by the next).
     pub telemetry: std::sync::Mutex<BTreeMap<String, crate::metrics::NodeTelemetry>>,
+    /// Each node's telemetry over the last hour (memory only).
+    pub history: std::sync::Mutex<crate::history::NodeHistories>,
     /// Each task's GPU usage from telemetry (memory only), per node.
     pub usage: std::sync::Mutex<crate::metrics::UsageByNode>,
     /// Counters and histograms of the server's own work, for `/metrics`.
@@ -400,6 +402,7 @@ impl Shared {
             metrics_token,
             telemetry: std::sync::Mutex::new(BTreeMap::new()),
             usage: std::sync::Mutex::new(BTreeMap::new()),
+            history: std::sync::Mutex::new(Default::default()),
             instruments,
             accounting,
             logs: std::sync::Arc::new(logs),

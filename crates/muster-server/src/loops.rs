@@ -164,4 +164,9 @@ fn forget_removed_nodes(shared: &Shared) {
     {
         usage.retain(|node, _| registered(node));
     }
+    if let Ok(mut history) = shared.history.lock()
+        && history.len() > core.control().nodes().count()
+    {
+        history.retain(registered);
+    }
 }

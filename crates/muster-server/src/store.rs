@@ -653,6 +653,28 @@ impl SqliteStore {
         Ok(totals)
     }
 
+    /// The whole cluster's GPU-milliseconds per minute from `since_ms` on:
+    /// (minute, allocated, used), oldest first.
+    pub async fn cluster_minutes(&self, since_ms: u64) -> Result<Vec<(u64, u64, u64)>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT minute, sum(allocated_gpu_ms) AS allocated, sum(used_gpu_ms) AS used \
+             FROM usage_minutes WHERE minute >= ?1 GROUP BY minute ORDER BY minute",
+        )
+        .bind(to_i64(since_ms))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(database)?;
+        let mut minutes = Vec::with_capacity(rows.len());
+        for row in rows {
+            let number = |name: &str| -> Result<u64, StoreError> {
+                let value: i64 = row.try_get(name).map_err(database)?;
+                Ok(u64::try_from(value).unwrap_or(0))
+            };
+            minutes.push((number("minute")?, number("allocated")?, number("used")?));
+        }
+        Ok(minutes)
+    }
+
     /// A job's accounting minutes, oldest first (the latest `limit`).
     pub async fn job_usage(&self, job: u64, limit: u32) -> Result<Vec<UsageMinute>, StoreError> {
         let rows = sqlx::query(
@@ -834,6 +856,10 @@ mod tests {
             store.job_usage(7, 5).await.unwrap()[0].minute_ms,
             base + 85 * minute
         );
+        // The cluster per minute: both jobs' first minute.
+        let cluster = store.cluster_minutes(base).await.unwrap();
+        assert_eq!(cluster.len(), 90);
+        assert_eq!(cluster[0], (base, 3 * minute, 2 * minute * 80 / 100));
         // Pruning drops what lies before the retention.
         let batch = Batch {
             prune_usage_before: Some(base + 30 * minute),

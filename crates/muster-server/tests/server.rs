@@ -1953,3 +1953,133 @@ async fn gpu_time_is_accounted_priced_and_a_hard_budget_holds_its_queue() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_needs_a_token_escapes_what_it_shows_and_loads_nothing_else() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let registered = api.register(server.join_token(), "gpu-1").await;
+        let mut hostile = spec("hostile", "team-a", 1);
+        hostile["command"] = json!(["sh", "-c", "echo '<script>alert(1)</script>'"]);
+        let id = api.submit(&admin, hostile).await;
+        // A node's telemetry over the last hour.
+        let (status, _) = api
+            .post(
+                "/v1/agents/gpu-1/telemetry",
+                &registered.node_token,
+                telemetry_of(registered.epoch, |_| 40),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, body) = api.get("/v1/nodes/gpu-1/telemetry", &admin).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let history: NodeHistory = serde_json::from_value(body).expect("a history");
+        assert_eq!(history.points.len(), 1);
+        assert_eq!(history.points[0].gpus[0].utilization_pct, 40);
+        assert_eq!(
+            api.get("/v1/nodes/nope/telemetry", &admin).await.0,
+            StatusCode::NOT_FOUND
+        );
+
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .unwrap();
+        let get = |path: String, cookie: Option<String>| {
+            let mut request = client.get(api.url(&path));
+            if let Some(cookie) = cookie {
+                request = request.header("cookie", cookie);
+            }
+            request.send()
+        };
+        // No token, a wrong one, a node's: the sign-in page, 401.
+        for (path, cookie) in [
+            ("/".to_string(), None),
+            ("/ui/jobs?token=wrong".to_string(), None),
+            (
+                "/ui/jobs".to_string(),
+                Some(format!("muster_token={}", registered.node_token)),
+            ),
+        ] {
+            let response = get(path.clone(), cookie).await.unwrap();
+            assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "{path}");
+            assert!(
+                response
+                    .text()
+                    .await
+                    .unwrap()
+                    .contains("Paste the admin token")
+            );
+        }
+        // A token in the address: kept in an HttpOnly cookie and taken out
+        // of the address.
+        let response = get(format!("/ui/jobs?state=pending&token={admin}"), None)
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::SEE_OTHER);
+        assert_eq!(response.headers()["location"], "/ui/jobs?state=pending");
+        let cookie = response.headers()["set-cookie"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"),
+            "{cookie}"
+        );
+        let cookie = cookie.split(';').next().unwrap().to_string();
+        for path in [
+            "/",
+            "/ui/queues",
+            "/ui/jobs",
+            "/ui/nodes",
+            "/ui/nodes/gpu-1",
+            "/ui/cost",
+        ] {
+            let response = get(path.to_string(), Some(cookie.clone())).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "{path}");
+            let csp = response.headers()["content-security-policy"]
+                .to_str()
+                .unwrap();
+            assert!(csp.contains("default-src 'none'"), "{csp}");
+            let text = response.text().await.unwrap();
+            assert!(!text.contains("<script"), "{path}: no script at all");
+        }
+        let text = get(format!("/ui/jobs/{id}"), Some(cookie.clone()))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            text.contains("&lt;script&gt;alert(1)&lt;/script&gt;"),
+            "{text}"
+        );
+        assert!(!text.contains("<script"), "{text}");
+        let response = get("/ui/jobs/999".to_string(), Some(cookie.clone()))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::NOT_FOUND);
+        // The sign-in form.
+        let response = client
+            .post(api.url("/ui/login"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!("token={}", server.metrics_token()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::SEE_OTHER);
+        let response = client
+            .post(api.url("/ui/login"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body("token=nope")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        server.shutdown().await;
+    })
+    .await;
+}

@@ -1079,6 +1079,7 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
             .any(|l| l.starts_with(&format!("muster_job_idle_seconds{{job_id=\"{idle}\""))),
         "{metrics}"
     );
+    dashboard_in_chromium(&env, &data, &id, &idle);
     prometheus_scrapes(&env, &data.join("metrics.token"), &id, &idle);
     let output = env.muster(&["cancel", &id, &idle]);
     assert!(output.status.success(), "{output:?}");
@@ -1191,6 +1192,164 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
     );
     let output = env.muster(&["cancel", &broken]);
     assert!(output.status.success(), "{output:?}");
+}
+
+/// One page in a real headless Chromium (Debian's package): its DOM, with a
+/// screenshot written beside the test's other files. No console message
+/// may appear (there is no script, so one would be a blocked load, a CSP
+/// violation or an error).
+fn chromium_page(url: &str, screenshot: &std::path::Path) -> String {
+    let output = std::process::Command::new("/usr/bin/chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1280,1000",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--dump-dom",
+        ])
+        .arg(format!("--screenshot={}", screenshot.display()))
+        .arg(url)
+        .output()
+        .expect("chromium runs");
+    assert!(
+        output.status.success(),
+        "chromium failed on {url}: {output:?}"
+    );
+    let log = String::from_utf8_lossy(&output.stderr);
+    let console: Vec<&str> = log.lines().filter(|l| l.contains(":CONSOLE")).collect();
+    assert!(
+        console.is_empty(),
+        "console messages on {url}: {console:#?}"
+    );
+    let png = std::fs::read(screenshot).expect("a screenshot");
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 2_000,
+        "{}",
+        screenshot.display()
+    );
+    stdout(&output)
+}
+
+/// The number in the element tagged `data-test="NAME"` after `from`.
+fn tagged(dom: &str, from: &str, name: &str) -> String {
+    let start = dom
+        .find(from)
+        .unwrap_or_else(|| panic!("{from} not in {dom}"));
+    let tag = format!("data-test=\"{name}\">");
+    let at = dom[start..]
+        .find(&tag)
+        .unwrap_or_else(|| panic!("{tag} not after {from}"));
+    let rest = &dom[start + at + tag.len()..];
+    rest[..rest.find('<').unwrap_or(rest.len())].to_string()
+}
+
+/// The dashboard in Chromium shows what the API says: every page renders,
+/// with no console message, for the admin token; the metrics token sees
+/// no task output; without a token, the sign-in page.
+fn dashboard_in_chromium(env: &Env, data: &std::path::Path, busy: &str, idle: &str) {
+    if !std::path::Path::new("/usr/bin/chromium").exists() {
+        assert!(
+            std::env::var_os("MUSTER_REQUIRE_TOOLS").is_none(),
+            "/usr/bin/chromium is missing (Debian: apt-get install chromium)"
+        );
+        eprintln!("note: no /usr/bin/chromium here; the dashboard check is skipped");
+        return;
+    }
+    let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+    std::fs::create_dir_all(&shots).expect("a screenshot directory");
+    let token = std::fs::read_to_string(data.join("admin.token")).expect("the admin token");
+    let page = |path: &str, name: &str| {
+        let separator = if path.contains('?') { '&' } else { '?' };
+        chromium_page(
+            &format!("{}{path}{separator}token={}", env.url, token.trim()),
+            &shots.join(format!("{name}.png")),
+        )
+    };
+    let nodes = json(&env.muster(&["nodes", "--json"]));
+    let node = &nodes["nodes"][0];
+    let name = node["name"].as_str().expect("a node");
+    let allocated = node["gpu_free"]
+        .as_array()
+        .expect("free GPUs")
+        .iter()
+        .filter(|free| free.as_u64() != Some(1000))
+        .count();
+    let running = json(&env.muster(&["ps", "--state", "running", "--json"]))["jobs"]
+        .as_array()
+        .expect("jobs")
+        .len();
+    let dom = page("/", "overview");
+    assert_eq!(
+        tagged(&dom, "", "gpus-allocated"),
+        allocated.to_string(),
+        "{dom}"
+    );
+    assert_eq!(tagged(&dom, "", "gpus-total"), "2");
+    assert_eq!(tagged(&dom, "", "gpus-idle"), "1", "the idle job's GPU");
+    assert_eq!(tagged(&dom, "", "jobs-running"), running.to_string());
+    let dom = page("/ui/queues", "queues");
+    assert_eq!(
+        tagged(&dom, "data-queue=\"default\"", "running"),
+        running.to_string()
+    );
+    let dom = page("/ui/jobs?state=running", "jobs");
+    assert!(dom.contains(&format!("data-job=\"{busy}\"")), "{dom}");
+    assert!(dom.contains(&format!("data-job=\"{idle}\"")), "{dom}");
+    let usage: serde_json::Value = serde_json::from_str(
+        &http_get(&env.url, &format!("/v1/jobs/{busy}/usage"), token.trim()).1,
+    )
+    .expect("usage");
+    let mean = usage["ranks"][0]["mean_utilization_pct"]
+        .as_f64()
+        .expect("a mean");
+    let dom = page(&format!("/ui/jobs/{busy}"), "job");
+    assert_eq!(tagged(&dom, "", "state"), "running");
+    assert_eq!(
+        tagged(&dom, "data-rank=\"0\"", "mean"),
+        format!("{mean:.0}%")
+    );
+    assert!(dom.contains("Output (rank 0"), "{dom}");
+    let dom = page("/ui/nodes", "nodes");
+    assert_eq!(
+        tagged(&dom, &format!("data-node=\"{name}\""), "unhealthy"),
+        "ok"
+    );
+    let dom = page(&format!("/ui/nodes/{name}"), "node");
+    assert!(dom.contains("<polyline"), "the last hour's chart: {dom}");
+    assert_eq!(tagged(&dom, "data-gpu=\"0\"", "health"), "ok");
+    let before: serde_json::Value =
+        serde_json::from_str(&http_get(&env.url, "/v1/cost?since=1h", token.trim()).1)
+            .expect("cost");
+    let dom = page("/ui/cost?since=1h&by=queue", "cost");
+    let after: serde_json::Value =
+        serde_json::from_str(&http_get(&env.url, "/v1/cost?since=1h", token.trim()).1)
+            .expect("cost");
+    let shown: f64 = tagged(&dom, "data-key=\"default\"", "allocated")
+        .parse()
+        .expect("a number");
+    let hours = |report: &serde_json::Value| {
+        report["lines"][0]["allocated_gpu_hours"]
+            .as_f64()
+            .expect("hours")
+    };
+    assert!(
+        shown >= hours(&before) - 0.0005 && shown <= hours(&after) + 0.0005,
+        "{shown} between {before} and {after}"
+    );
+    // The metrics token sees the pages but no task output.
+    let metrics_token = std::fs::read_to_string(data.join("metrics.token")).expect("a token");
+    let dom = chromium_page(
+        &format!("{}/ui/jobs/{busy}?token={}", env.url, metrics_token.trim()),
+        &shots.join("job-read-only.png"),
+    );
+    assert!(dom.contains("Output needs the admin token"), "{dom}");
+    // Without a token: the sign-in page.
+    let dom = chromium_page(&format!("{}/ui/nodes", env.url), &shots.join("sign-in.png"));
+    assert!(dom.contains("Paste the admin token"), "{dom}");
+    eprintln!("dashboard screenshots: {}", shots.display());
 }
 
 /// A query string's value, percent-encoded.
