@@ -586,6 +586,10 @@ pub struct NodeView {
     /// bus`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpu_events: Vec<String>,
+    /// Each GPU's utilisation in the node's latest telemetry, by index
+    /// (empty: no telemetry in the last minute).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_utilization_pct: Vec<u32>,
     /// Why the scheduler leaves the node out, if it does (a spec it
     /// cannot take).
     #[serde(default, skip_serializing_if = "Option::is_none")]

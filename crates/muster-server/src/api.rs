@@ -1024,8 +1024,8 @@ async fn node_history(
     Ok(Json(NodeHistory { node: name, points }))
 }
 
-/// Adds what the node's latest telemetry says of GPUs with an XID or
-/// uncorrected ECC errors.
+/// Adds what the node's latest telemetry says: each GPU's utilisation (if
+/// fresh), and GPUs with an XID or uncorrected ECC errors.
 fn with_gpu_events(shared: &Shared, view: &mut NodeView) {
     let telemetry = match shared.telemetry.lock() {
         Ok(telemetry) => telemetry,
@@ -1034,6 +1034,20 @@ fn with_gpu_events(shared: &Shared, view: &mut NodeView) {
     let Some(latest) = telemetry.get(&view.name) else {
         return;
     };
+    if now().0.saturating_sub(latest.received_ms) <= crate::metrics::STALE_MS {
+        view.gpu_utilization_pct = view
+            .gpus
+            .iter()
+            .map(|gpu| {
+                latest
+                    .report
+                    .gpus
+                    .iter()
+                    .find(|sample| sample.index == gpu.index)
+                    .map_or(0, |sample| sample.utilization_pct)
+            })
+            .collect();
+    }
     view.gpu_events = latest
         .report
         .gpus

@@ -133,6 +133,7 @@ pub fn node_view(core: &Core, node: &Node) -> NodeView {
             .collect(),
         unhealthy_gpus: node.unhealthy_gpus.clone(),
         gpu_events: Vec::new(),
+        gpu_utilization_pct: Vec::new(),
         stack: node.software.stack.clone(),
         drift: node.drift.clone(),
         gpu_free,

@@ -56,6 +56,9 @@ pub enum Command {
     Fleet(crate::commands::PoolsArgs),
     /// List queues, or set one (`muster queues set NAME --guaranteed 8`).
     Queues(crate::commands::QueuesArgs),
+    /// A live view of the cluster: nodes with a bar per GPU, jobs with their
+    /// utilisation (`--once` prints one frame).
+    Top(crate::commands::TopArgs),
     /// GPU-hours allocated, used and idle, and their cost, per queue, user,
     /// job or pool (`muster cost --since 30d --by queue`).
     Cost(crate::commands::CostArgs),

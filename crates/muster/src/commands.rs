@@ -37,7 +37,9 @@ macro_rules! outln {
 }
 
 mod cost;
+mod top;
 pub use cost::{CostArgs, PricesArgs, cost, prices};
+pub use top::{TopArgs, top};
 
 /// Where the server is and how to authenticate.
 #[derive(Debug, Clone, Args)]

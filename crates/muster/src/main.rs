@@ -51,6 +51,7 @@ fn main() -> ExitCode {
         cli::Command::Drain(args) => commands::node_action(args, "drain"),
         cli::Command::Queues(args) => commands::queues(args),
         cli::Command::Cost(args) => commands::cost(args),
+        cli::Command::Top(args) => commands::top(args),
         cli::Command::Prices(args) => commands::prices(args),
         cli::Command::Pools(args) => commands::pools(args),
         cli::Command::Completions { shell } => {

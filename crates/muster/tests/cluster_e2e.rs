@@ -1080,6 +1080,21 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
         "{metrics}"
     );
     dashboard_in_chromium(&env, &data, &id, &idle);
+    // `muster top`, one frame: the node's GPUs, the busy job at 90%.
+    let output = env.muster(&["top", "--once", "--size", "140x30"]);
+    assert!(output.status.success(), "{output:?}");
+    let text = stdout(&output);
+    assert!(text.contains("GPUs 2: 2 allocated, 0 free"), "{text}");
+    let row = text
+        .lines()
+        .find(|line| line.starts_with(&format!("{id} ")))
+        .unwrap_or_default();
+    assert!(row.contains(" 90%"), "{text}");
+    let row = text
+        .lines()
+        .find(|line| line.starts_with(&format!("{idle} ")))
+        .unwrap_or_default();
+    assert!(row.contains("(idle)"), "{text}");
     prometheus_scrapes(&env, &data.join("metrics.token"), &id, &idle);
     let output = env.muster(&["cancel", &id, &idle]);
     assert!(output.status.success(), "{output:?}");
