@@ -401,6 +401,8 @@ fn gpu_sample(
         sm_clock_mhz: gpu.sm_clock_mhz,
         ecc_uncorrected: gpu.ecc_errors,
         xid: gpu.xid,
+        pcie_tx_bytes: gpu.pcie_tx_bytes,
+        pcie_rx_bytes: gpu.pcie_rx_bytes,
         healthy: gpu.healthy,
     }
 }

@@ -383,6 +383,11 @@ pub struct GpuSample {
     /// started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub xid: Option<u64>,
+    /// PCIe bytes sent and received since the driver loaded (counters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_tx_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_rx_bytes: Option<u64>,
     pub healthy: bool,
 }
 

@@ -91,6 +91,8 @@ mod tests {
                 sm_clock_mhz: None,
                 ecc_uncorrected: None,
                 xid: None,
+                pcie_tx_bytes: None,
+                pcie_rx_bytes: None,
                 healthy: true,
             }],
             node: NodeSample::default(),

@@ -44,6 +44,8 @@ pub const SERIES: &[&str] = &[
     "DCGM_FI_DEV_SM_CLOCK",
     "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
     "DCGM_FI_DEV_XID_ERRORS",
+    "muster_gpu_pcie_transmit_bytes_total",
+    "muster_gpu_pcie_receive_bytes_total",
     "muster_jobs",
     "muster_jobs_pending",
     "muster_job_idle_seconds",
@@ -458,6 +460,22 @@ pub fn render(
                     errors as f64,
                 );
             }
+            for (name, help, bytes) in [
+                (
+                    "muster_gpu_pcie_transmit_bytes",
+                    "PCIe bytes the GPU sent since the driver loaded",
+                    sample.pcie_tx_bytes,
+                ),
+                (
+                    "muster_gpu_pcie_receive_bytes",
+                    "PCIe bytes the GPU received since the driver loaded",
+                    sample.pcie_rx_bytes,
+                ),
+            ] {
+                if let Some(bytes) = bytes {
+                    families.counter(name, help, Arc::clone(&gpu_labels), bytes);
+                }
+            }
         }
         if let Some(report) = fresh {
             let host = || labels(vec![("Hostname", Arc::clone(&host_text))]);
@@ -629,6 +647,8 @@ mod tests {
                         sm_clock_mhz: None,
                         ecc_uncorrected: None,
                         xid: None,
+                        pcie_tx_bytes: None,
+                        pcie_rx_bytes: None,
                         healthy: true,
                     }],
                     node: NodeSample::default(),

@@ -738,6 +738,8 @@ async fn metrics_show_gpus_under_dcgm_names_with_the_job_holding_them() {
                     sm_clock_mhz: Some(1_980),
                     ecc_uncorrected: Some(0),
                     xid: None,
+                    pcie_tx_bytes: None,
+                    pcie_rx_bytes: None,
                     healthy: true,
                 })
                 .collect(),
@@ -1739,6 +1741,8 @@ fn telemetry_of(epoch: u64, utilization: impl Fn(u32) -> u32) -> Value {
                 sm_clock_mhz: None,
                 ecc_uncorrected: None,
                 xid: None,
+                pcie_tx_bytes: None,
+                pcie_rx_bytes: None,
                 healthy: true,
             })
             .collect(),

@@ -715,6 +715,8 @@ fn bench_report(epoch: u64, seed: u32) -> muster_api::protocol::TelemetryReport 
                 sm_clock_mhz: Some(1_980),
                 ecc_uncorrected: Some(0),
                 xid: None,
+                pcie_tx_bytes: None,
+                pcie_rx_bytes: None,
                 healthy: true,
             })
             .collect(),
@@ -1770,6 +1772,8 @@ fn metrics(args: MetricsBench) -> Result<()> {
                             sm_clock_mhz: Some(1_980),
                             ecc_uncorrected: Some(0),
                             xid: None,
+                            pcie_tx_bytes: None,
+                            pcie_rx_bytes: None,
                             healthy: true,
                         })
                         .collect(),

@@ -1023,6 +1023,12 @@ fn metrics_show_a_running_jobs_gpu_utilisation_from_the_agent() {
                 && line.ends_with(" 90.0")
         })
     });
+    // PCIe counters where the device counts them (the simulated one does).
+    assert!(
+        last.lines()
+            .any(|l| l.starts_with("muster_gpu_pcie_transmit_bytes_total{") && l.contains(&wanted)),
+        "{last}"
+    );
     // The node's own counters come along; the other GPU is free and idle.
     assert!(
         last.lines()

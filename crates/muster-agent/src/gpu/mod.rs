@@ -87,6 +87,10 @@ pub struct GpuTelemetry {
     /// started (`None`: none). One that [`muster_model::fatal_xid`] names
     /// makes the GPU unhealthy until the agent restarts (after a reset).
     pub xid: Option<u64>,
+    /// PCIe bytes sent and received since the driver loaded (`None` where
+    /// the device does not count them).
+    pub pcie_tx_bytes: Option<u64>,
+    pub pcie_rx_bytes: Option<u64>,
     /// `false` when the GPU should not get new work: memory pages pending
     /// retirement, uncorrected ECC errors, a fatal XID, or the GPU fell off
     /// the bus.

@@ -8,7 +8,10 @@
 //! XID events: an NVML event set registered for critical XIDs on every GPU
 //! at start, drained (without waiting) at each telemetry read; the latest
 //! XID per GPU is kept, and a fatal one ([`muster_model::fatal_xid`])
-//! makes the GPU unhealthy until the agent restarts. Not read yet: MIG
+//! makes the GPU unhealthy until the agent restarts. PCIe bytes come from
+//! NVML's field values (`NVML_FI_DEV_PCIE_COUNT_TX_BYTES`/`RX_BYTES`, where
+//! the driver counts them). Not read yet: NVLink throughput (its field
+//! values are per link, and nvml-wrapper 0.13 asks for link 0 only), MIG
 //! instances, row remapping.
 
 use super::{GpuBackend, GpuError, GpuInfo, GpuInventory, GpuTelemetry};
@@ -215,6 +218,8 @@ impl GpuBackend for NvmlBackend {
                         ecc_errors: None,
                         sm_clock_mhz: None,
                         xid: xids.get(&index).copied(),
+                        pcie_tx_bytes: None,
+                        pcie_rx_bytes: None,
                         healthy: false,
                     });
                     continue;
@@ -236,6 +241,7 @@ impl GpuBackend for NvmlBackend {
             ]
             .contains(&true);
             let ecc = ecc.ok();
+            let (pcie_tx_bytes, pcie_rx_bytes) = pcie_bytes(&device);
             samples.push(GpuTelemetry {
                 index,
                 utilization_pct: utilization.map(|rates| rates.gpu.min(100)).unwrap_or(0),
@@ -247,6 +253,8 @@ impl GpuBackend for NvmlBackend {
                 ecc_errors: ecc,
                 sm_clock_mhz: device.clock_info(Clock::SM).ok(),
                 xid: xids.get(&index).copied(),
+                pcie_tx_bytes,
+                pcie_rx_bytes,
                 healthy: !lost
                     && !pending_retirement.unwrap_or(false)
                     && ecc.unwrap_or(0) == 0
@@ -258,6 +266,31 @@ impl GpuBackend for NvmlBackend {
         }
         Ok(samples)
     }
+}
+
+/// NVML's field ids of the PCIe byte counters.
+const PCIE_COUNT_TX_BYTES: u32 = 197;
+const PCIE_COUNT_RX_BYTES: u32 = 198;
+
+/// PCIe bytes sent and received since the driver loaded, where counted.
+fn pcie_bytes(device: &nvml_wrapper::Device<'_>) -> (Option<u64>, Option<u64>) {
+    use nvml_wrapper::enums::device::SampleValue;
+    use nvml_wrapper::structs::device::FieldId;
+    let Ok(values) =
+        device.field_values_for(&[FieldId(PCIE_COUNT_TX_BYTES), FieldId(PCIE_COUNT_RX_BYTES)])
+    else {
+        return (None, None);
+    };
+    let value = |i: usize| match values.get(i) {
+        Some(Ok(sample)) => match sample.value {
+            Ok(SampleValue::U64(v)) => Some(v),
+            Ok(SampleValue::U32(v)) => Some(u64::from(v)),
+            Ok(SampleValue::I64(v)) => u64::try_from(v).ok(),
+            _ => None,
+        },
+        _ => None,
+    };
+    (value(0), value(1))
 }
 
 /// An event set with every GPU that supports critical XID events

@@ -51,6 +51,8 @@ const DEFAULT_TDP_WATTS: u32 = 300;
 #[derive(Debug, Clone, Copy)]
 struct GpuState {
     utilization_pct: u32,
+    /// PCIe bytes "moved" so far: a busy GPU moves more.
+    pcie_bytes: u64,
     healthy: bool,
     /// The latest XID "reported" (`MUSTER_SIM_XID` of a task on it).
     xid: Option<u64>,
@@ -130,6 +132,7 @@ impl SimulatedBackend {
         let states = vec![
             GpuState {
                 utilization_pct: 0,
+                pcie_bytes: 0,
                 healthy: true,
                 xid: None,
             };
@@ -224,7 +227,7 @@ impl GpuBackend for SimulatedBackend {
     }
 
     fn telemetry(&self) -> Result<Vec<GpuTelemetry>, GpuError> {
-        let states = self.states.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut states = self.states.lock().unwrap_or_else(PoisonError::into_inner);
         let mut load = vec![0u32; self.gpus.len()];
         for (gpus, pct) in self
             .loads
@@ -241,10 +244,12 @@ impl GpuBackend for SimulatedBackend {
         Ok(self
             .gpus
             .iter()
-            .zip(states.iter())
+            .zip(states.iter_mut())
             .zip(load)
             .map(|((gpu, state), load)| {
                 let pct = state.utilization_pct.max(load);
+                // Deterministic: 10 MB a sample at full load, per reading.
+                state.pcie_bytes += u64::from(pct) * 100_000;
                 let tdp = TDP_WATTS
                     .iter()
                     .find(|(name, _)| *name == family(&gpu.model))
@@ -259,6 +264,8 @@ impl GpuBackend for SimulatedBackend {
                     ecc_errors: Some(0),
                     sm_clock_mhz: Some(if pct > 0 { 1980 } else { 345 }),
                     xid: state.xid,
+                    pcie_tx_bytes: Some(state.pcie_bytes),
+                    pcie_rx_bytes: Some(state.pcie_bytes / 2),
                     healthy: state.healthy && state.xid.and_then(muster_model::fatal_xid).is_none(),
                 }
             })
@@ -505,11 +512,27 @@ mod tests {
         assert_eq!(busy[1].power_milliwatts, Some(700_000));
         assert_eq!(busy[1].temperature_c, Some(80));
         assert!(!busy[0].healthy);
+        // The same load reads the same, but for the PCIe counters, which a
+        // busy GPU moves on at each reading and an idle one does not.
+        let again = backend.telemetry().expect("telemetry");
+        let without_counters = |samples: &[GpuTelemetry]| -> Vec<GpuTelemetry> {
+            samples
+                .iter()
+                .map(|s| GpuTelemetry {
+                    pcie_tx_bytes: None,
+                    pcie_rx_bytes: None,
+                    ..s.clone()
+                })
+                .collect()
+        };
         assert_eq!(
-            busy,
-            backend.telemetry().expect("telemetry"),
+            without_counters(&busy),
+            without_counters(&again),
             "deterministic"
         );
+        assert_eq!(busy[1].pcie_tx_bytes, Some(10_000_000));
+        assert_eq!(again[1].pcie_tx_bytes, Some(20_000_000));
+        assert_eq!(again[0].pcie_tx_bytes, Some(0));
 
         let error = backend.set_busy(2, 10).expect_err("only 2 GPUs");
         assert_eq!(
