@@ -639,6 +639,13 @@ pub struct QueueView {
     /// Seconds: its jobs are stopped once their GPUs are idle this long.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout_s: Option<u64>,
+    /// Seconds below `idle_below_pct` after which its jobs count as idle
+    /// (`None`: the server's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_after_s: Option<u64>,
+    /// Below this utilisation its jobs' GPUs count as idle (`None`: 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_below_pct: Option<u32>,
     pub in_use_gpus: f64,
     pub pending_jobs: u32,
     pub running_jobs: u32,
@@ -671,6 +678,14 @@ pub struct QueueUpdate {
     /// (e.g. `"30m"`; absent: never).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout: Option<String>,
+    /// Its jobs count as idle once their GPUs stay below `idle_below_pct`
+    /// this long (e.g. `"10m"`; absent: the server's `--idle-after`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_after: Option<String>,
+    /// Below this utilisation (percent, 1 to 100) a GPU counts as idle
+    /// (absent: 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_below_pct: Option<u32>,
     /// Monthly GPU budget in the price list's currency (absent: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<f64>,

@@ -8,7 +8,8 @@
 //! (its GPUs times the time; a fraction of a GPU counts its share), split at
 //! wall-clock minute boundaries; of that, the part telemetry saw used
 //! (weighted by utilisation) and the part it saw idle (below
-//! [`crate::usage::IDLE_UTILIZATION_PCT`]). A minute closes when the clock
+//! [`crate::usage::IDLE_UTILIZATION_PCT`], or the job's queue's
+//! `idle_below_pct`). A minute closes when the clock
 //! passes its end or the allocation stops running; closed minutes are
 //! returned to be written.
 
@@ -67,6 +68,8 @@ struct Account {
     gpu_milli: u64,
     /// The latest utilisation telemetry gave (percent), if any yet.
     utilization: Option<u32>,
+    /// Below this utilisation the time counts idle (the job's queue's).
+    idle_below_pct: u32,
     minute: UsageMinute,
 }
 
@@ -187,6 +190,7 @@ fn open_account(
             .map(|(_, milli)| u64::from(*milli))
             .sum(),
         utilization: None,
+        idle_below_pct: control.idle_below_pct_of(job),
         minute: UsageMinute {
             minute_ms: now_ms - now_ms % MINUTE_MS,
             allocation: allocation.id.0,
@@ -226,7 +230,7 @@ fn charge(account: &mut Account, now_ms: u64, closed: &mut Vec<UsageMinute>) {
         if let Some(utilization) = account.utilization {
             minute.measured_gpu_ms += held;
             minute.used_gpu_ms += held * u64::from(utilization) / 100;
-            if utilization < crate::usage::IDLE_UTILIZATION_PCT {
+            if utilization < account.idle_below_pct {
                 minute.idle_gpu_ms += held;
             }
         }

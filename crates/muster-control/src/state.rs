@@ -991,6 +991,26 @@ impl ControlPlane {
         drift
     }
 
+    /// Below what utilisation (percent) `job`'s GPUs count as idle: its
+    /// queue's `idle_below_pct`, else [`crate::usage::IDLE_UTILIZATION_PCT`].
+    pub fn idle_below_pct_of(&self, job: &Job) -> u32 {
+        self.queues
+            .get(&job.spec.queue)
+            .and_then(|queue| queue.idle_below_pct)
+            .unwrap_or(crate::usage::IDLE_UTILIZATION_PCT)
+    }
+
+    /// How long `job`'s GPUs must stay idle for it to be shown idle: its
+    /// queue's `idle_after`, else `default_ms` (the server's).
+    pub fn idle_after_ms_of(&self, job: &Job, default_ms: u64) -> u64 {
+        self.queues
+            .get(&job.spec.queue)
+            .and_then(|queue| queue.idle_after)
+            .map_or(default_ms, |after| {
+                u64::try_from(after.as_millis()).unwrap_or(u64::MAX)
+            })
+    }
+
     /// How long `job`'s GPUs may stay idle before it is stopped: the
     /// shorter of its own `idle_timeout` and its queue's (`None`: never).
     pub fn idle_timeout_of(&self, job: &Job) -> Option<std::time::Duration> {

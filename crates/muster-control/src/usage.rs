@@ -14,7 +14,8 @@ pub struct GpuReading {
     pub memory_used_mib: u64,
 }
 
-/// Below this utilisation (percent) an allocated GPU counts as idle.
+/// Below this utilisation (percent) an allocated GPU counts as idle (a
+/// queue may set its own: `QueueSpec::idle_below_pct`).
 pub const IDLE_UTILIZATION_PCT: u32 = 5;
 
 /// A task's GPU usage as telemetry saw it (memory only: one entry per
@@ -67,12 +68,15 @@ pub fn record_usage(
             / samples.len() as u64;
         let memory: u64 = samples.iter().map(|s| s.memory_used_mib).sum();
         taken.push((allocation.id.0, utilization as u32, memory));
+        let below = control
+            .job(allocation.job)
+            .map_or(IDLE_UTILIZATION_PCT, |job| control.idle_below_pct_of(job));
         let entry = usage.entry(allocation.id.0).or_default();
         entry.samples += 1;
         entry.utilization_sum += utilization;
         entry.peak_utilization = entry.peak_utilization.max(utilization as u32);
         entry.peak_memory_mib = entry.peak_memory_mib.max(memory);
-        entry.idle_since_ms = if utilization < u64::from(IDLE_UTILIZATION_PCT) {
+        entry.idle_since_ms = if utilization < u64::from(below) {
             Some(entry.idle_since_ms.unwrap_or(now_ms))
         } else {
             None

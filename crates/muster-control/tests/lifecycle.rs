@@ -1560,3 +1560,65 @@ fn a_queue_over_its_hard_budget_holds_its_pending_jobs_until_released() {
     assert_eq!(world.desired("a").len(), 1);
     assert_eq!(world.control.pending_code(JobId(1)), None);
 }
+
+#[test]
+fn a_queue_may_set_its_own_idle_threshold_and_duration() {
+    use muster_control::usage::{GpuReading, UsageByNode, idle_for_ms, record_usage};
+    let mut world = World::new(&["a"]);
+    let mut queue = muster_model::QueueSpec::best_effort("notebooks");
+    queue.idle_below_pct = Some(20);
+    queue.idle_after = Some(std::time::Duration::from_secs(60));
+    world.step(Input::SetQueue(queue));
+    world.step(Input::Submit {
+        id: JobId(1),
+        spec: JobSpec::simple("nb", "notebooks", GpuRequest::Whole(1), vec!["x".into()]),
+        user: "alice".into(),
+    });
+    world.submit(2, 1, 1);
+    world.cycle();
+    let tasks = world.desired("a");
+    world.report("a", tasks.iter().map(running).collect());
+    assert_eq!(world.control.idle_below_pct_of(world.job(1)), 20);
+    assert_eq!(world.control.idle_below_pct_of(world.job(2)), 5);
+    assert_eq!(
+        world.control.idle_after_ms_of(world.job(1), 1_800_000),
+        60_000
+    );
+    assert_eq!(
+        world.control.idle_after_ms_of(world.job(2), 1_800_000),
+        1_800_000
+    );
+    // Both jobs' GPUs at 15%: idle for the notebook queue, busy enough
+    // for the default one.
+    let readings: Vec<GpuReading> = tasks
+        .iter()
+        .flat_map(|task| task.gpus.iter())
+        .map(|&index| GpuReading {
+            index,
+            utilization_pct: 15,
+            memory_used_mib: 100,
+        })
+        .collect();
+    let mut usage = UsageByNode::new();
+    let node = NodeName::from("a");
+    record_usage(
+        usage.entry("a".into()).or_default(),
+        &world.control,
+        &node,
+        &readings,
+        1_000,
+    );
+    let idle = |id: u64, now: u64| {
+        let job = world.control.job(JobId(id)).expect("a job");
+        idle_for_ms(
+            &world.control,
+            &usage,
+            job,
+            now,
+            world.control.idle_after_ms_of(job, 1_800_000),
+        )
+    };
+    assert_eq!(idle(1, 30_000), None, "not yet a minute");
+    assert_eq!(idle(1, 61_000), Some(60_000));
+    assert_eq!(idle(2, 10_000_000), None, "15% is not idle at 5%");
+}

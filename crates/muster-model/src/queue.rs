@@ -34,6 +34,13 @@ pub struct QueueSpec {
     /// long (for interactive and notebook queues), as with a job's own
     /// `idle_timeout`; the shorter of the two applies.
     pub idle_timeout: Option<std::time::Duration>,
+    /// A running job of this queue counts as idle once all its GPUs have
+    /// stayed below `idle_below_pct` this long (`None`: the server's
+    /// `--idle-after`, 30 minutes by default).
+    pub idle_after: Option<std::time::Duration>,
+    /// Below this utilisation (percent) a GPU of this queue's jobs counts
+    /// as idle (`None`: 5).
+    pub idle_below_pct: Option<u32>,
     /// What the queue may spend on GPUs in a calendar month (UTC).
     pub budget: Option<Budget>,
 }
@@ -56,6 +63,8 @@ impl QueueSpec {
             borrow_limit: None,
             weight: 1,
             idle_timeout: None,
+            idle_after: None,
+            idle_below_pct: None,
             budget: None,
         }
     }

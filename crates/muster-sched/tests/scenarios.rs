@@ -339,6 +339,8 @@ mod queues {
             borrow_limit: borrow.map(GpuMilli::whole),
             weight,
             idle_timeout: None,
+            idle_after: None,
+            idle_below_pct: None,
             budget: None,
         }
     }
@@ -502,6 +504,8 @@ mod preemption {
                 borrow_limit: None,
                 weight: 1,
                 idle_timeout: None,
+                idle_after: None,
+                idle_below_pct: None,
                 budget: None,
             },
             QueueSpec::best_effort("borrower"),
@@ -524,6 +528,8 @@ mod preemption {
                 borrow_limit: None,
                 weight: 1,
                 idle_timeout: None,
+                idle_after: None,
+                idle_below_pct: None,
                 budget: None,
             },
             QueueSpec::best_effort("other"),

@@ -402,7 +402,13 @@ fn with_usage(shared: &Shared, views: &mut [JobView]) {
                 .iter()
                 .map(|task| task.usage.as_ref().and_then(|u| u.idle_since_ms)),
             now_ms,
-            shared.settings.idle_after_ms,
+            core.control()
+                .queues()
+                .find(|queue| queue.name.0 == view.queue)
+                .and_then(|queue| queue.idle_after)
+                .map_or(shared.settings.idle_after_ms, |after| {
+                    u64::try_from(after.as_millis()).unwrap_or(u64::MAX)
+                }),
         )
         .map(|ms| ms / 1000);
         view.warnings.clear();
@@ -1382,6 +1388,24 @@ async fn set_queue(
             }
         },
     };
+    let idle_after = match update.idle_after.as_deref() {
+        None | Some("") => None,
+        Some(text) => match muster_api::parse_duration_text(text) {
+            Ok(duration) => Some(duration),
+            Err(_) => {
+                return Err(ApiError::invalid(format!(
+                    "idle_after: expected a duration like 10m or 1h, got {text:?}"
+                )));
+            }
+        },
+    };
+    if let Some(pct) = update.idle_below_pct
+        && !(1..=100).contains(&pct)
+    {
+        return Err(ApiError::invalid(format!(
+            "idle_below_pct: expected a utilisation from 1 to 100 (percent), got {pct}"
+        )));
+    }
     let budget = match update.budget {
         None => None,
         Some(amount) if amount.is_finite() && (0.0..=1e12).contains(&amount) => {
@@ -1408,6 +1432,8 @@ async fn set_queue(
         borrow_limit,
         weight: update.weight,
         idle_timeout,
+        idle_after,
+        idle_below_pct: update.idle_below_pct,
         budget,
     };
     let mut batch = Batch::default();

@@ -280,9 +280,13 @@ pub fn render(
         *jobs
             .entry((job.state.name(), job.spec.queue.0.as_str()))
             .or_default() += 1;
-        if let Some(idle) =
-            muster_control::usage::idle_for_ms(control, usage, job, now_ms, idle_after_ms)
-        {
+        if let Some(idle) = muster_control::usage::idle_for_ms(
+            control,
+            usage,
+            job,
+            now_ms,
+            control.idle_after_ms_of(job, idle_after_ms),
+        ) {
             families.gauge(
                 "muster_job_idle_seconds",
                 "Running jobs whose GPUs have all been below 5% utilisation for at least the \

@@ -381,6 +381,10 @@ pub struct QueueRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout_s: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_after_s: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_below_pct: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget_monthly_cents: Option<u64>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub budget_hard: bool,
@@ -394,6 +398,8 @@ impl From<&QueueSpec> for QueueRecord {
             borrow_limit_milli: queue.borrow_limit.map(|l| l.0),
             weight: queue.weight,
             idle_timeout_s: queue.idle_timeout.map(|t| t.as_secs()),
+            idle_after_s: queue.idle_after.map(|t| t.as_secs()),
+            idle_below_pct: queue.idle_below_pct,
             budget_monthly_cents: queue.budget.map(|b| b.monthly_cents),
             budget_hard: queue.budget.is_some_and(|b| b.hard),
         }
@@ -408,6 +414,8 @@ impl From<QueueRecord> for QueueSpec {
             borrow_limit: record.borrow_limit_milli.map(GpuMilli),
             weight: record.weight.max(1),
             idle_timeout: record.idle_timeout_s.map(std::time::Duration::from_secs),
+            idle_after: record.idle_after_s.map(std::time::Duration::from_secs),
+            idle_below_pct: record.idle_below_pct.map(|pct| pct.min(100)),
             budget: record
                 .budget_monthly_cents
                 .map(|monthly_cents| muster_model::Budget {

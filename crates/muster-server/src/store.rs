@@ -737,6 +737,8 @@ mod tests {
                 borrow_limit_milli: None,
                 weight: 2,
                 idle_timeout_s: Some(1800),
+                idle_after_s: Some(600),
+                idle_below_pct: Some(10),
                 budget_monthly_cents: Some(500_000),
                 budget_hard: true,
             })

@@ -190,6 +190,8 @@ pub fn empty_queue_view(spec: &QueueSpec) -> QueueView {
         borrow_limit_gpus: spec.borrow_limit.map(|l| f64::from(l.0) / 1000.0),
         weight: spec.weight,
         idle_timeout_s: spec.idle_timeout.map(|t| t.as_secs()),
+        idle_after_s: spec.idle_after.map(|t| t.as_secs()),
+        idle_below_pct: spec.idle_below_pct,
         in_use_gpus: 0.0,
         pending_jobs: 0,
         running_jobs: 0,

@@ -202,6 +202,8 @@ pub fn proportional_queues(jobs: &[ReplayJob], capacity_milli: u64) -> Vec<Queue
             borrow_limit: None,
             weight: 1,
             idle_timeout: None,
+            idle_after: None,
+            idle_below_pct: None,
             budget: None,
         })
         .collect()

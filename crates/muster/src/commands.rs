@@ -1934,6 +1934,14 @@ pub enum QueueCommand {
         /// long (e.g. 30m, for notebook queues); they end `idle_stopped`.
         #[arg(long, value_name = "DURATION")]
         idle_timeout: Option<String>,
+        /// Its jobs count as idle once their GPUs stay below --idle-below
+        /// this long (default: the server's --idle-after).
+        #[arg(long, value_name = "DURATION")]
+        idle_after: Option<String>,
+        /// Below this utilisation (percent) its jobs' GPUs count as idle
+        /// (default 5).
+        #[arg(long, value_name = "PERCENT")]
+        idle_below: Option<u32>,
         /// Monthly GPU budget in the price list's currency (`muster
         /// prices`); past it `describe`, `submit` and metrics warn.
         #[arg(long, value_name = "AMOUNT")]
@@ -1954,6 +1962,8 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
         borrow_limit,
         weight,
         idle_timeout,
+        idle_after,
+        idle_below,
         budget,
         budget_hard,
     }) = &args.command
@@ -1963,6 +1973,8 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
             borrow_limit_gpus: *borrow_limit,
             weight: *weight,
             idle_timeout: idle_timeout.clone(),
+            idle_after: idle_after.clone(),
+            idle_below_pct: *idle_below,
             budget: *budget,
             budget_hard: *budget_hard,
         };
@@ -1990,6 +2002,7 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
             "IN USE",
             "RUNNING",
             "PENDING",
+            "IDLE WHEN",
             "IDLE TIMEOUT",
             "SPENT / BUDGET (MONTH)",
         ],
@@ -2005,6 +2018,14 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
                     format!("{}", q.in_use_gpus),
                     q.running_jobs.to_string(),
                     q.pending_jobs.to_string(),
+                    match (q.idle_below_pct, q.idle_after_s) {
+                        (None, None) => "default".to_string(),
+                        (below, after) => format!(
+                            "<{}% for {}",
+                            below.unwrap_or(5),
+                            after.map_or("default".to_string(), |s| ago_text(s * 1000))
+                        ),
+                    },
                     q.idle_timeout_s
                         .map_or("-".to_string(), |s| ago_text(s * 1000)),
                     match q.budget {
