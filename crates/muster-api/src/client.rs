@@ -370,6 +370,22 @@ impl Client {
         self.send(self.http.delete(&url), &url).await
     }
 
+    /// Sets a pool's own stack policy.
+    pub async fn set_pool_policy(
+        &self,
+        pool: &str,
+        update: &PoolPolicyUpdate,
+    ) -> Result<PoolList, ClientError> {
+        let url = format!("{}/v1/pools/{}/policy", self.base, encode(pool));
+        self.send(self.http.put(&url).json(update), &url).await
+    }
+
+    /// Removes a pool's own stack policy.
+    pub async fn remove_pool_policy(&self, pool: &str) -> Result<PoolList, ClientError> {
+        let url = format!("{}/v1/pools/{}/policy", self.base, encode(pool));
+        self.send(self.http.delete(&url), &url).await
+    }
+
     pub async fn pools(&self) -> Result<PoolList, ClientError> {
         self.get("/v1/pools").await
     }

@@ -614,6 +614,25 @@ pub struct PoolView {
     pub gpu_free_milli: u64,
     /// The GPU models in the pool.
     pub models: Vec<String>,
+    /// Its stack policy: `report`, `majority` or `required` (its own, or
+    /// the server's `--stack-policy`).
+    #[serde(default)]
+    pub stack_policy: String,
+    /// Under `required`: component → the version every node must report.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub required: BTreeMap<String, String>,
+}
+
+/// `PUT /v1/pools/{name}/policy` (admin): the pool's own stack policy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PoolPolicyUpdate {
+    /// `report`, `majority` or `required`.
+    pub stack_policy: String,
+    /// Under `required`: component (`driver`, `cuda`, `vbios`, `kernel`,
+    /// `nccl`, `container_runtime`) → version.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub required: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

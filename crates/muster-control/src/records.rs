@@ -33,6 +33,8 @@ pub struct Records {
     pub allocations: Vec<Allocation>,
     pub nodes: Vec<Node>,
     pub queues: Vec<QueueSpec>,
+    /// Pools with a stack policy of their own.
+    pub pool_policies: Vec<(muster_model::PoolName, crate::PoolPolicy)>,
     pub counters: Counters,
 }
 
@@ -78,6 +80,11 @@ impl ControlPlane {
             allocations: self.allocations.values().cloned().collect(),
             nodes: self.nodes.values().cloned().collect(),
             queues: self.queues.values().cloned().collect(),
+            pool_policies: self
+                .pool_policies
+                .iter()
+                .map(|(pool, policy)| (pool.clone(), policy.clone()))
+                .collect(),
             counters: self.counters(),
         }
     }
@@ -132,8 +139,10 @@ impl ControlPlane {
             allocations,
             nodes,
             queues,
+            pool_policies,
             counters,
         } = records;
+        control.pool_policies = pool_policies.into_iter().collect();
         for mut node in nodes {
             node.last_heartbeat = now;
             control.next_epoch = control.next_epoch.max(node.epoch + 1);
@@ -272,6 +281,7 @@ impl MemoryStore {
                 .collect(),
             nodes: self.nodes.values().cloned().collect(),
             queues: Vec::new(),
+            pool_policies: Vec::new(),
             counters: self.counters,
         }
     }

@@ -332,6 +332,12 @@ pub enum Input {
         force: bool,
     },
     SetQueue(QueueSpec),
+    /// Sets (or, with `None`, removes) a pool's stack policy; the pool's
+    /// nodes' drift follows at once.
+    SetPoolPolicy {
+        pool: muster_model::PoolName,
+        policy: Option<PoolPolicy>,
+    },
     /// The queues whose monthly budget is spent under a hard limit (the
     /// shell sums their cost): their pending jobs wait, `budget exhausted`,
     /// until a later input leaves them out. Replaces the previous set.
@@ -406,6 +412,39 @@ pub enum StackPolicy {
     /// its pool's stack (pools of at least 3 nodes: with fewer, no version
     /// is a majority).
     Majority,
+    /// Kept from new work unless it reports the versions a pool's policy
+    /// requires ([`PoolPolicy::required`]; a component it does not report
+    /// differs). Only as a pool's policy.
+    Required,
+}
+
+impl StackPolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            StackPolicy::Report => "report",
+            StackPolicy::Majority => "majority",
+            StackPolicy::Required => "required",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<StackPolicy> {
+        Some(match text {
+            "report" => StackPolicy::Report,
+            "majority" => StackPolicy::Majority,
+            "required" => StackPolicy::Required,
+            _ => return None,
+        })
+    }
+}
+
+/// A pool's own stack policy, over the server's default
+/// ([`ControlConfig::stack_policy`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PoolPolicy {
+    pub stack: StackPolicy,
+    /// Under [`StackPolicy::Required`]: component (`driver`, `cuda`,
+    /// `vbios`, `kernel`, `nccl`, ...) → the version every node must report.
+    pub required: BTreeMap<String, String>,
 }
 
 /// The default retention of finished jobs in the hot state: one hour.
@@ -466,6 +505,8 @@ pub struct ControlPlane {
     pub(crate) memory_limited: BTreeSet<JobId>,
     /// Nodes the last scheduling cycle left out, with why (memory only).
     pub(crate) excluded: BTreeMap<NodeName, String>,
+    /// Pools with a stack policy of their own.
+    pub(crate) pool_policies: BTreeMap<muster_model::PoolName, PoolPolicy>,
     /// Queues over a hard budget ([`Input::HoldBudgets`]; memory only: the
     /// shell recomputes it from its store).
     pub(crate) budget_held: BTreeSet<QueueName>,
@@ -674,6 +715,7 @@ impl ControlPlane {
             memory_limited: BTreeSet::new(),
             excluded: BTreeMap::new(),
             budget_held: BTreeSet::new(),
+            pool_policies: BTreeMap::new(),
             deadlines: BTreeSet::new(),
             waiting: BTreeSet::new(),
             node_shapes: BTreeMap::new(),
@@ -939,18 +981,23 @@ impl ControlPlane {
         })
     }
 
-    /// Under [`StackPolicy::Majority`], marks the nodes of `node`'s pool
-    /// whose stack differs from the pool's (or clears the mark of those that
-    /// no longer do).
+    /// Marks the nodes of `node`'s pool whose stack breaks the pool's
+    /// policy (or clears the mark of those that no longer do).
     pub(crate) fn apply_stack_policy(&mut self, node: &NodeName, outputs: &mut Vec<Output>) {
-        if self.config.stack_policy != StackPolicy::Majority {
-            return;
-        }
         let Some(pool) = self.nodes.get(node).map(|n| n.spec.pool.clone()) else {
             return;
         };
-        let drift = self.drift_of_pool(&pool);
-        for found in self.nodes.values_mut().filter(|n| n.spec.pool == pool) {
+        self.refresh_pool_drift(&pool, outputs);
+    }
+
+    /// Recomputes the drift of every node of `pool`.
+    pub(crate) fn refresh_pool_drift(
+        &mut self,
+        pool: &muster_model::PoolName,
+        outputs: &mut Vec<Output>,
+    ) {
+        let drift = self.drift_of_pool(pool);
+        for found in self.nodes.values_mut().filter(|n| &n.spec.pool == pool) {
             let now = drift.get(&found.spec.name).cloned();
             if found.drift != now {
                 found.drift = now;
@@ -959,11 +1006,61 @@ impl ControlPlane {
         }
     }
 
-    /// Each drifting node of `pool` with its reason (empty below 3 nodes).
+    /// `pool`'s stack policy: its own, else the server's.
+    pub fn stack_policy_of(&self, pool: &muster_model::PoolName) -> PoolPolicy {
+        self.pool_policies.get(pool).cloned().unwrap_or(PoolPolicy {
+            stack: self.config.stack_policy,
+            required: BTreeMap::new(),
+        })
+    }
+
+    /// Pools with a policy of their own.
+    pub fn pool_policies(&self) -> &BTreeMap<muster_model::PoolName, PoolPolicy> {
+        &self.pool_policies
+    }
+
+    /// Each node of `pool` that breaks its policy, with the reason: under
+    /// `majority` the nodes that differ from the pool's most common stack
+    /// (pools of 3 nodes or more), under `required` those that do not
+    /// report a required version.
     pub(crate) fn drift_of_pool(
         &self,
         pool: &muster_model::PoolName,
     ) -> BTreeMap<NodeName, String> {
+        let policy = self.stack_policy_of(pool);
+        match policy.stack {
+            StackPolicy::Report => return BTreeMap::new(),
+            StackPolicy::Required => {
+                let mut drift = BTreeMap::new();
+                for node in self.nodes.values().filter(|n| &n.spec.pool == pool) {
+                    let components = node.software.components();
+                    let differences: Vec<String> = policy
+                        .required
+                        .iter()
+                        .filter(|(component, version)| {
+                            components.get(component.as_str()) != Some(&version.as_str())
+                        })
+                        .map(|(component, version)| {
+                            format!(
+                                " {component} {} vs required {version}",
+                                components
+                                    .get(component.as_str())
+                                    .copied()
+                                    .unwrap_or(crate::fleet::NONE)
+                            )
+                        })
+                        .collect();
+                    if !differences.is_empty() {
+                        drift.insert(
+                            node.spec.name.clone(),
+                            format!("stack drift:{}", differences.join(",")),
+                        );
+                    }
+                }
+                return drift;
+            }
+            StackPolicy::Majority => {}
+        }
         let members: Vec<crate::fleet::NodeStack<'_>> = self
             .nodes
             .values()
@@ -1618,6 +1715,22 @@ impl ControlPlane {
             }
             Input::SetQueue(spec) => {
                 self.queues.insert(spec.name.clone(), spec);
+            }
+            Input::SetPoolPolicy { pool, policy } => {
+                if let Some(policy) = &policy
+                    && policy.stack == StackPolicy::Required
+                    && policy.required.is_empty()
+                {
+                    return Err(ControlError::Invalid(
+                        "the required policy needs the versions to require (component=version)"
+                            .to_string(),
+                    ));
+                }
+                match policy {
+                    Some(policy) => self.pool_policies.insert(pool.clone(), policy),
+                    None => self.pool_policies.remove(&pool),
+                };
+                self.refresh_pool_drift(&pool, &mut outputs);
             }
             Input::HoldBudgets { queues } => {
                 if queues != self.budget_held {
@@ -2685,7 +2798,7 @@ impl ControlPlane {
         if self.waiting != self.waiting_from_jobs() {
             return Err("the index of dependencies is out of date".to_string());
         }
-        if self.config.stack_policy == StackPolicy::Majority {
+        {
             let pools: BTreeSet<&muster_model::PoolName> =
                 self.nodes.values().map(|n| &n.spec.pool).collect();
             for pool in pools {

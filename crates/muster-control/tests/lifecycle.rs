@@ -1622,3 +1622,85 @@ fn a_queue_may_set_its_own_idle_threshold_and_duration() {
     assert_eq!(idle(1, 61_000), Some(60_000));
     assert_eq!(idle(2, 10_000_000), None, "15% is not idle at 5%");
 }
+
+#[test]
+fn a_pool_may_require_versions_and_a_node_without_them_takes_no_work() {
+    use muster_control::{PoolPolicy, StackPolicy};
+    let mut world = World::new(&[]);
+    let register = |world: &mut World, name: &str, driver: &str| {
+        world.step(Input::Register {
+            spec: MakeNode::new(name).gpus(4, "H100-80GB").build().spec,
+            address: "10.0.0.1".into(),
+            software: Software {
+                backend: "nvml".into(),
+                driver: Some(driver.into()),
+                cuda: Some("12.4".into()),
+                stack: Default::default(),
+            },
+        });
+    };
+    register(&mut world, "a", "550.90");
+    register(&mut world, "b", "550.54");
+    let drift = |world: &World, name: &str| {
+        world
+            .control
+            .node(&NodeName::from(name))
+            .and_then(|n| n.drift.clone())
+    };
+    // The server's default (report) marks nothing.
+    assert_eq!(drift(&world, "b"), None);
+    let pool = muster_model::PoolName::from("default");
+    let required = PoolPolicy {
+        stack: StackPolicy::Required,
+        required: [("driver", "550.90"), ("nccl", "2.21.5")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    world.step(Input::SetPoolPolicy {
+        pool: pool.clone(),
+        policy: Some(required.clone()),
+    });
+    assert_eq!(
+        drift(&world, "b").as_deref(),
+        Some("stack drift: driver 550.54 vs required 550.90, nccl (none) vs required 2.21.5")
+    );
+    assert!(drift(&world, "a").is_some(), "no nccl");
+    world.submit(1, 1, 1);
+    world.cycle();
+    assert!(world.desired("a").is_empty() && world.desired("b").is_empty());
+    // Only the driver, then: a is fine and takes the work.
+    let mut driver_only = required.clone();
+    driver_only.required.remove("nccl");
+    world.step(Input::SetPoolPolicy {
+        pool: pool.clone(),
+        policy: Some(driver_only),
+    });
+    assert_eq!(drift(&world, "a"), None);
+    world.cycle();
+    assert_eq!(world.desired("a").len(), 1);
+    // The policy survives a restart (records), and drift is derived again.
+    let restored =
+        ControlPlane::restore(ControlConfig::default(), world.control.records(), world.now)
+            .expect("restored");
+    assert_eq!(restored.stack_policy_of(&pool).stack, StackPolicy::Required);
+    assert!(
+        restored
+            .node(&NodeName::from("b"))
+            .is_some_and(|n| n.drift.is_some())
+    );
+    // Without versions, `required` is refused; removed, nothing is marked.
+    let refused = world.control.handle(
+        world.now,
+        Input::SetPoolPolicy {
+            pool: pool.clone(),
+            policy: Some(PoolPolicy {
+                stack: StackPolicy::Required,
+                required: Default::default(),
+            }),
+        },
+    );
+    assert!(refused.is_err());
+    world.step(Input::SetPoolPolicy { pool, policy: None });
+    assert_eq!(drift(&world, "b"), None);
+}

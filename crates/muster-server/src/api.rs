@@ -64,6 +64,10 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/nodes/{name}/uncordon", post(uncordon_node))
         .route("/v1/nodes/{name}/drain", post(drain_node))
         .route("/v1/pools", get(list_pools))
+        .route(
+            "/v1/pools/{name}/policy",
+            put(set_pool_policy).delete(remove_pool_policy),
+        )
         .route("/v1/fleet", get(fleet))
         .route("/v1/queues", get(list_queues))
         .route("/v1/queues/{name}", put(set_queue))
@@ -1305,6 +1309,8 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
             gpus: 0,
             gpu_free_milli: 0,
             models: Vec::new(),
+            stack_policy: String::new(),
+            required: BTreeMap::new(),
         });
         pool.nodes += 1;
         pool.gpus += view.gpus.len() as u32;
@@ -1318,9 +1324,133 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
             }
         }
     }
+    // Pools with a policy and no node yet are listed too.
+    for name in core.control().pool_policies().keys() {
+        pools.entry(name.0.clone()).or_insert_with(|| PoolView {
+            name: name.0.clone(),
+            nodes: 0,
+            schedulable_nodes: 0,
+            gpus: 0,
+            gpu_free_milli: 0,
+            models: Vec::new(),
+            stack_policy: String::new(),
+            required: BTreeMap::new(),
+        });
+    }
+    for pool in pools.values_mut() {
+        let policy = core.control().stack_policy_of(&PoolName(pool.name.clone()));
+        pool.stack_policy = policy.stack.name().to_string();
+        pool.required = policy.required;
+    }
     Json(PoolList {
         pools: pools.into_values().collect(),
     })
+}
+
+/// The most components a pool may require versions of.
+const MAX_REQUIRED_COMPONENTS: usize = 16;
+
+/// Set a pool's own stack policy: `report`, `majority` (a node that
+/// differs from the pool's most common stack takes no new work) or
+/// `required` (a node that does not report the given versions takes none).
+#[utoipa::path(
+    put, path = "/v1/pools/{name}/policy", tag = "nodes",
+    params(("name" = String, Path, description = "the pool's name")),
+    request_body = PoolPolicyUpdate,
+    responses((status = 200, body = PoolList), (status = 400, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn set_pool_policy(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+    Body(update): Body<PoolPolicyUpdate>,
+) -> Result<Json<PoolList>, ApiError> {
+    check_name("a pool name", &name)?;
+    let stack =
+        muster_control::StackPolicy::parse(update.stack_policy.trim()).ok_or_else(|| {
+            ApiError::invalid(format!(
+                "stack_policy: expected report, majority or required, got {:?}",
+                update.stack_policy
+            ))
+        })?;
+    let mut problems = Vec::new();
+    if update.required.len() > MAX_REQUIRED_COMPONENTS {
+        problems.push(format!(
+            "at most {MAX_REQUIRED_COMPONENTS} components may be required"
+        ));
+    }
+    for (component, version) in &update.required {
+        let plain = |text: &str| {
+            !text.is_empty()
+                && text.len() <= 128
+                && !text.chars().any(|c| c.is_control() || c == ',')
+        };
+        if !plain(component) || !plain(version) {
+            problems.push(format!(
+                "required: {component:?}={version:?}: a component and a version are 1 to 128 \
+                 printable characters without commas"
+            ));
+        }
+    }
+    match (stack, update.required.is_empty()) {
+        (muster_control::StackPolicy::Required, true) => problems.push(
+            "the required policy needs versions to require, like {\"driver\": \"550.90\"}"
+                .to_string(),
+        ),
+        (muster_control::StackPolicy::Required, false) | (_, true) => {}
+        (_, false) => problems.push(format!(
+            "required versions go with the required policy, not {}",
+            stack.name()
+        )),
+    }
+    if !problems.is_empty() {
+        return Err(ApiError::invalid(problems.join("; ")));
+    }
+    let policy = muster_control::PoolPolicy {
+        stack,
+        required: update.required,
+    };
+    let pool = PoolName(name.clone());
+    let mut batch = Batch::default();
+    if let Ok(text) = serde_json::to_string(&crate::records::PoolRecord::of(&pool, &policy)) {
+        batch.pools.insert(name.clone(), Some(text));
+    }
+    let (_, durable) = shared.apply(
+        Input::SetPoolPolicy {
+            pool,
+            policy: Some(policy),
+        },
+        batch,
+    )?;
+    durable.wait().await?;
+    shared.wake_scheduler.notify_one();
+    tracing::info!(pool = %name, "pool policy set");
+    Ok(list_pools(State(shared)).await)
+}
+
+/// Remove a pool's own stack policy: the server's `--stack-policy` applies.
+#[utoipa::path(
+    delete, path = "/v1/pools/{name}/policy", tag = "nodes",
+    params(("name" = String, Path, description = "the pool's name")),
+    responses((status = 200, body = PoolList), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn remove_pool_policy(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<PoolList>, ApiError> {
+    let pool = PoolName(name.clone());
+    if !shared.read().control().pool_policies().contains_key(&pool) {
+        return Err(ApiError::not_found(format!(
+            "pool {name} has no policy of its own; `muster pools` lists them"
+        )));
+    }
+    let mut batch = Batch::default();
+    batch.pools.insert(name.clone(), None);
+    let (_, durable) = shared.apply(Input::SetPoolPolicy { pool, policy: None }, batch)?;
+    durable.wait().await?;
+    shared.wake_scheduler.notify_one();
+    Ok(list_pools(State(shared)).await)
 }
 
 // ---------------------------------------------------------------- queues
@@ -1931,7 +2061,7 @@ async fn push_logs(
     paths(
         submit_job, list_jobs, get_job, cancel_job, cancel_array, job_logs, push_telemetry, fleet,
         list_nodes, get_node, node_history, remove_node, reset_identity, cordon_node, uncordon_node, drain_node,
-        list_pools, list_queues, set_queue,
+        list_pools, set_pool_policy, remove_pool_policy, list_queues, set_queue,
         register_agent, heartbeat, push_logs,
         crate::accounting::job_usage, crate::accounting::cost_endpoint,
         crate::accounting::list_prices, crate::accounting::set_price,
@@ -1972,7 +2102,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 24, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 25, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",

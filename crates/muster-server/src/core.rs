@@ -99,6 +99,9 @@ impl Core {
             records.nodes.push(node);
         }
         records.queues = loaded.queues.into_iter().map(QueueSpec::from).collect();
+        for pool in loaded.pools {
+            records.pool_policies.push(pool.into_policy()?);
+        }
         let mut next_job = loaded.counters.next_job.max(1);
         for job in loaded.jobs {
             let job = job.into_job()?;

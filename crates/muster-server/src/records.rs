@@ -426,6 +426,44 @@ impl From<QueueRecord> for QueueSpec {
     }
 }
 
+/// A pool's own stack policy as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolRecord {
+    pub name: String,
+    /// `report`, `majority` or `required`.
+    pub stack_policy: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub required: BTreeMap<String, String>,
+}
+
+impl PoolRecord {
+    pub fn of(pool: &muster_model::PoolName, policy: &muster_control::PoolPolicy) -> PoolRecord {
+        PoolRecord {
+            name: pool.0.clone(),
+            stack_policy: policy.stack.name().to_string(),
+            required: policy.required.clone(),
+        }
+    }
+
+    pub fn into_policy(
+        self,
+    ) -> Result<(muster_model::PoolName, muster_control::PoolPolicy), RecordError> {
+        let stack = muster_control::StackPolicy::parse(&self.stack_policy).ok_or_else(|| {
+            record_error(
+                format!("pool {}", self.name),
+                format!("unknown stack policy {:?}", self.stack_policy),
+            )
+        })?;
+        Ok((
+            muster_model::PoolName(self.name),
+            muster_control::PoolPolicy {
+                stack,
+                required: self.required,
+            },
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

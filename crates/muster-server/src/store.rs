@@ -7,7 +7,7 @@
 //! writer task ([`crate::writer`]) folds every batch queued meanwhile into
 //! one commit.
 
-use crate::records::{AllocationRecord, JobRecord, NodeRecord, QueueRecord};
+use crate::records::{AllocationRecord, JobRecord, NodeRecord, PoolRecord, QueueRecord};
 use muster_control::accounting::{CostBy, UsageMinute, UsageTotals};
 use sqlx::Row;
 use sqlx::sqlite::{
@@ -73,6 +73,8 @@ pub struct Batch {
     pub prices: BTreeMap<String, Option<f64>>,
     /// Deletes accounting minutes older than this (ms since the epoch).
     pub prune_usage_before: Option<u64>,
+    /// Pool policies (JSON records; `None`: the pool's is removed).
+    pub pools: BTreeMap<String, Option<String>>,
 }
 
 impl Batch {
@@ -87,6 +89,7 @@ impl Batch {
             && self.usage.is_empty()
             && self.prices.is_empty()
             && self.prune_usage_before.is_none()
+            && self.pools.is_empty()
     }
 
     /// Folds a later batch into this one (later records win; a node
@@ -110,6 +113,7 @@ impl Batch {
         self.usage.extend(later.usage);
         self.prices.extend(later.prices);
         self.prune_usage_before = self.prune_usage_before.max(later.prune_usage_before);
+        self.pools.extend(later.pools);
     }
 }
 
@@ -122,6 +126,7 @@ pub struct Loaded {
     /// With each node's token.
     pub nodes: Vec<(NodeRecord, String)>,
     pub queues: Vec<QueueRecord>,
+    pub pools: Vec<PoolRecord>,
     pub counters: Counters,
 }
 
@@ -155,6 +160,8 @@ const SCHEMA: &str = include_str!("../migrations/sqlite/0001_init.sql");
 const SCHEMA_2: &str = include_str!("../migrations/sqlite/0002_bounded.sql");
 /// Schema version 3: GPU accounting and prices.
 const SCHEMA_3: &str = include_str!("../migrations/sqlite/0003_usage.sql");
+/// Schema version 4: pool policies.
+const SCHEMA_4: &str = include_str!("../migrations/sqlite/0004_pools.sql");
 
 /// How the store is opened.
 #[derive(Debug, Clone, Copy, Default)]
@@ -226,6 +233,18 @@ impl SqliteStore {
                 .await
                 .map_err(open_error)?;
             sqlx::raw_sql("PRAGMA user_version = 3")
+                .execute(&mut *tx)
+                .await
+                .map_err(open_error)?;
+            tx.commit().await.map_err(open_error)?;
+        }
+        if version < 4 {
+            let mut tx = pool.begin().await.map_err(open_error)?;
+            sqlx::raw_sql(SCHEMA_4)
+                .execute(&mut *tx)
+                .await
+                .map_err(open_error)?;
+            sqlx::raw_sql("PRAGMA user_version = 4")
                 .execute(&mut *tx)
                 .await
                 .map_err(open_error)?;
@@ -308,6 +327,15 @@ impl Store for SqliteStore {
             loaded
                 .queues
                 .push(parse(&format!("queue {name}"), &record)?);
+        }
+        for row in sqlx::query("SELECT name, record FROM pools ORDER BY name")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(database)?
+        {
+            let name: String = row.try_get("name").map_err(database)?;
+            let record: String = row.try_get("record").map_err(database)?;
+            loaded.pools.push(parse(&format!("pool {name}"), &record)?);
         }
         for row in sqlx::query("SELECT key, value FROM meta")
             .fetch_all(&self.pool)
@@ -461,6 +489,20 @@ impl Store for SqliteStore {
                 .bind(model)
                 .bind(price),
                 None => sqlx::query("DELETE FROM prices WHERE model = ?1").bind(model),
+            }
+            .execute(&mut *tx)
+            .await
+            .map_err(database)?;
+        }
+        for (name, record) in &batch.pools {
+            match record {
+                Some(record) => sqlx::query(
+                    "INSERT INTO pools (name, record) VALUES (?1, ?2) \
+                     ON CONFLICT (name) DO UPDATE SET record = excluded.record",
+                )
+                .bind(name)
+                .bind(record),
+                None => sqlx::query("DELETE FROM pools WHERE name = ?1").bind(name),
             }
             .execute(&mut *tx)
             .await

@@ -1007,6 +1007,54 @@ async fn the_fleet_names_the_node_whose_stack_differs_from_its_pool() {
         let message = error_of(&body).message;
         assert!(message.contains("at most 16"), "{message}");
         assert!(message.contains("\"Bad Name\""), "{message}");
+        // The pool requires driver 550.54: gpu-3 (550.90) takes no new
+        // work, saying why; the policy survives a restart; removed, the
+        // server's default (report) applies again.
+        let put = |body: Value| {
+            api.call(
+                reqwest::Method::PUT,
+                "/v1/pools/default/policy",
+                Some(&admin),
+                Some(body),
+            )
+        };
+        let (status, body) = put(json!({ "stack_policy": "required" })).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(error_of(&body).message.contains("needs versions"), "{body}");
+        let (status, body) = put(json!({ "stack_policy": "sometimes" })).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        let (status, body) = put(json!({
+            "stack_policy": "required", "required": { "driver": "550.54" }
+        }))
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["pools"][0]["stack_policy"], "required", "{body}");
+        assert_eq!(body["pools"][0]["required"]["driver"], "550.54", "{body}");
+        let (_, body) = api.get("/v1/nodes/gpu-3", &admin).await;
+        assert_eq!(
+            body["drift"], "stack drift: driver 550.90 vs required 550.54",
+            "{body}"
+        );
+        server.shutdown().await;
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let (_, body) = api.get("/v1/nodes/gpu-3", &admin).await;
+        assert_eq!(
+            body["drift"], "stack drift: driver 550.90 vs required 550.54",
+            "{body}"
+        );
+        let (status, body) = api
+            .call(
+                reqwest::Method::DELETE,
+                "/v1/pools/default/policy",
+                Some(&admin),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["pools"][0]["stack_policy"], "report", "{body}");
+        let (_, body) = api.get("/v1/nodes/gpu-3", &admin).await;
+        assert!(body["drift"].is_null(), "{body}");
         server.shutdown().await;
     })
     .await;

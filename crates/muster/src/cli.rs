@@ -49,11 +49,13 @@ pub enum Command {
     Uncordon(crate::commands::NodeActionArgs),
     /// Cordon a node and move its work elsewhere.
     Drain(crate::commands::NodeActionArgs),
-    /// List pools (named by the agents' --pool).
+    /// List pools (named by the agents' --pool), or set a pool's stack
+    /// policy (`muster pools set gpu-a --stack-policy required --require
+    /// driver=550.90`).
     Pools(crate::commands::PoolsArgs),
     /// Each pool's software stack (driver, CUDA, VBIOS, kernel, NCCL,
     /// container runtime) and the nodes that differ from it.
-    Fleet(crate::commands::PoolsArgs),
+    Fleet(crate::commands::FleetArgs),
     /// List queues, or set one (`muster queues set NAME --guaranteed 8`).
     Queues(crate::commands::QueuesArgs),
     /// A live view of the cluster: nodes with a bar per GPU, jobs with their

@@ -1624,6 +1624,32 @@ pub enum NodesAction {
 
 #[derive(Debug, Args)]
 pub struct PoolsArgs {
+    #[command(subcommand)]
+    pub command: Option<PoolCommand>,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum PoolCommand {
+    /// Set a pool's own stack policy (admin): `report`, `majority` (a node
+    /// that differs from the pool's most common stack takes no new work)
+    /// or `required` (a node without the --require'd versions takes none).
+    Set {
+        pool: String,
+        #[arg(long, value_name = "POLICY", value_parser = ["report", "majority", "required"])]
+        stack_policy: String,
+        /// COMPONENT=VERSION a node must report (driver, cuda, vbios,
+        /// kernel, nccl, container_runtime); repeat for several.
+        #[arg(long, value_name = "COMPONENT=VERSION")]
+        require: Vec<String>,
+    },
+    /// Remove a pool's own policy: the server's --stack-policy applies.
+    Reset { pool: String },
+}
+
+#[derive(Debug, Args)]
+pub struct FleetArgs {
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -1821,9 +1847,31 @@ pub fn node_action(args: NodeActionArgs, action: &str) -> Result<u8, Failure> {
 
 pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
-    let list = runtime()?
-        .block_on(client.pools())
-        .map_err(anyhow::Error::from)?;
+    let list = match &args.command {
+        None => runtime()?.block_on(client.pools()),
+        Some(PoolCommand::Set {
+            pool,
+            stack_policy,
+            require,
+        }) => {
+            let mut required = std::collections::BTreeMap::new();
+            for pair in require {
+                let (component, version) = pair.split_once('=').ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--require takes COMPONENT=VERSION, like driver=550.90; got {pair:?}"
+                    )
+                })?;
+                required.insert(component.trim().to_string(), version.trim().to_string());
+            }
+            let update = muster_api::protocol::PoolPolicyUpdate {
+                stack_policy: stack_policy.clone(),
+                required,
+            };
+            runtime()?.block_on(client.set_pool_policy(pool, &update))
+        }
+        Some(PoolCommand::Reset { pool }) => runtime()?.block_on(client.remove_pool_policy(pool)),
+    }
+    .map_err(anyhow::Error::from)?;
     if args.connection.json {
         print_json(&list)?;
         return Ok(0);
@@ -1836,6 +1884,7 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
             "GPUS",
             "FREE GPUS",
             "MODELS",
+            "STACK POLICY",
         ],
         list.pools
             .iter()
@@ -1847,6 +1896,19 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
                     p.gpus.to_string(),
                     format!("{:.2}", p.gpu_free_milli as f64 / 1000.0),
                     p.models.join(","),
+                    if p.required.is_empty() {
+                        p.stack_policy.clone()
+                    } else {
+                        format!(
+                            "{}: {}",
+                            p.stack_policy,
+                            p.required
+                                .iter()
+                                .map(|(c, v)| format!("{c}={v}"))
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        )
+                    },
                 ]
             })
             .collect(),
@@ -1855,7 +1917,7 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
 }
 
 /// `muster fleet`: each pool's software stack and the nodes that differ.
-pub fn fleet(args: PoolsArgs) -> Result<u8, Failure> {
+pub fn fleet(args: FleetArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
     let fleet = runtime()?
         .block_on(client.fleet())
