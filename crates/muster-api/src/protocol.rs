@@ -813,7 +813,7 @@ pub struct NodeHistoryPoint {
 }
 
 /// `GET /v1/nodes/{name}/telemetry`: the last hour, a point at most every
-/// 10 seconds, oldest first (memory only).
+/// 30 seconds, oldest first (memory only).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NodeHistory {

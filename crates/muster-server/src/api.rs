@@ -1007,7 +1007,7 @@ pub(crate) async fn list_nodes(State(shared): Shared_) -> Json<NodeList> {
     Json(NodeList { nodes })
 }
 
-/// A node's telemetry over the last hour: a point at most every 10 seconds
+/// A node's telemetry over the last hour: a point at most every 30 seconds
 /// (memory only; empty after a restart or without telemetry).
 #[utoipa::path(
     get, path = "/v1/nodes/{name}/telemetry", tag = "nodes",

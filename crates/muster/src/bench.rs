@@ -1818,6 +1818,34 @@ fn metrics(args: MetricsBench) -> Result<()> {
     )
     .map_err(|error| anyhow!("{error}"))?;
     control.apply_outcome(now, &outcome);
+    // The agents say their tasks run (the accounting charges running ones).
+    let names: Vec<NodeName> = control.nodes().map(|n| n.spec.name.clone()).collect();
+    for name in names {
+        let observed: Vec<muster_control::Observed> = control
+            .desired(&name)
+            .into_iter()
+            .map(|task| muster_control::Observed {
+                allocation: task.allocation,
+                generation: task.generation,
+                exited: None,
+                fenced: false,
+                memory_limit: false,
+            })
+            .collect();
+        let epoch = control.node(&name).map_or(0, |node| node.epoch);
+        control
+            .handle(
+                now,
+                Input::Heartbeat {
+                    node: name,
+                    epoch,
+                    sequence: 0,
+                    observed,
+                    unhealthy: None,
+                },
+            )
+            .map_err(|error| anyhow!("{error}"))?;
+    }
     let mut times = Vec::new();
     let mut bytes = 0;
     let mut lines = 0;
@@ -1848,6 +1876,68 @@ fn metrics(args: MetricsBench) -> Result<()> {
         percentile_ms(&times, 90.0),
         percentile_ms(&times, 0.0),
         args.scrapes
+    );
+    accounting(&control)
+}
+
+/// The GPU accounting at this size: the server's once-a-second charge of
+/// every running task, and writing a minute's rows to a real store.
+fn accounting(control: &muster_control::ControlPlane) -> Result<()> {
+    use muster_control::accounting::{Ledger, MINUTE_MS};
+    use muster_server::store::{Batch, SqliteStore, Store};
+    let start = 1_000_000 * MINUTE_MS;
+    let mut ledger = Ledger::default();
+    ledger.accrue(control, start);
+    let mut ticks = Vec::new();
+    let mut minutes = Vec::new();
+    for second in 1..=180 {
+        let started = Instant::now();
+        let closed = ledger.accrue(control, start + second * 1_000);
+        ticks.push(started.elapsed());
+        if !closed.is_empty() {
+            minutes.push(closed);
+        }
+    }
+    ticks.sort_unstable();
+    let dir = tempfile::tempdir().context("a temporary directory")?;
+    let rows = minutes.first().map_or(0, Vec::len);
+    // On a thread of its own: the benchmarks run inside a runtime already.
+    let path = dir.path().to_path_buf();
+    let mut writes = std::thread::spawn(move || -> Result<Vec<Duration>> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("a runtime")?;
+        rt.block_on(async {
+            let store = SqliteStore::open(&path).await?;
+            let mut writes = Vec::new();
+            for minute in minutes {
+                let batch = Batch {
+                    usage: minute,
+                    ..Batch::default()
+                };
+                let started = Instant::now();
+                store.write(&batch).await?;
+                writes.push(started.elapsed());
+            }
+            store.close().await;
+            Ok(writes)
+        })
+    })
+    .join()
+    .map_err(|_| anyhow!("the store benchmark panicked"))??;
+    writes.sort_unstable();
+    println!(
+        "muster bench metrics: accounting of {} running tasks: a charge median {:.2} ms \
+         (p90 {:.2} ms, max {:.2} ms, the minute's close included) over {} seconds; a \
+         minute's {rows} rows written in {:.1} ms (median of {})",
+        ledger.open_accounts(),
+        percentile_ms(&ticks, 50.0),
+        percentile_ms(&ticks, 90.0),
+        percentile_ms(&ticks, 100.0),
+        ticks.len(),
+        percentile_ms(&writes, 50.0),
+        writes.len()
     );
     Ok(())
 }
