@@ -678,6 +678,9 @@ pub struct QueueView {
     /// Spent this calendar month (UTC), at the current prices.
     #[serde(default)]
     pub spent_this_month: f64,
+    /// Its members may read each other's jobs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub members_see_jobs: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -711,6 +714,9 @@ pub struct QueueUpdate {
     /// Past the budget, the queue's new jobs wait.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub budget_hard: bool,
+    /// Its members may read (not cancel) each other's jobs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub members_see_jobs: bool,
 }
 
 /// One rank's use of its GPUs over a job's life (`GET /v1/jobs/{id}/usage`).
@@ -819,6 +825,80 @@ pub struct NodeHistoryPoint {
 pub struct NodeHistory {
     pub node: String,
     pub points: Vec<NodeHistoryPoint>,
+}
+
+/// `POST /v1/users` (admin): a user and its role.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UserCreate {
+    pub name: String,
+    /// `user`, `operator` or `admin`.
+    pub role: String,
+    /// The queues a `user` may submit to (default: `default`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queues: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UserView {
+    pub name: String,
+    pub role: String,
+    /// The queues it may submit to (empty for operators and admins: all).
+    pub queues: Vec<String>,
+    pub created_ms: u64,
+}
+
+/// A user made or its token rotated: the token, shown this once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UserToken {
+    pub user: UserView,
+    pub token: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UserList {
+    pub users: Vec<UserView>,
+}
+
+/// `GET /v1/whoami`: the token's user.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct WhoAmI {
+    pub name: String,
+    pub role: String,
+    /// `None`: every queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queues: Option<Vec<String>>,
+}
+
+/// One mutating request in the audit log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AuditView {
+    pub at_ms: u64,
+    /// The token's user (`admin`, a user, `node:NAME`, `join`), `admin (as
+    /// bob)` when the admin submitted for bob, or `(no token)` / `(unknown
+    /// token)`.
+    pub who: String,
+    /// Method and route: `POST /v1/jobs/{id}/cancel`.
+    pub action: String,
+    /// The path asked for.
+    pub object: String,
+    /// The client's address.
+    pub origin: String,
+    pub status: u16,
+    /// Authorization let it through (not 401 or 403).
+    pub allowed: bool,
+}
+
+/// `GET /v1/audit` (admin), newest first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AuditList {
+    pub entries: Vec<AuditView>,
 }
 
 /// `PUT /v1/prices/{model}`.

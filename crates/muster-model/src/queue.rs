@@ -43,6 +43,9 @@ pub struct QueueSpec {
     pub idle_below_pct: Option<u32>,
     /// What the queue may spend on GPUs in a calendar month (UTC).
     pub budget: Option<Budget>,
+    /// Whether the queue's members may see (read, not cancel) each other's
+    /// jobs; otherwise a user sees only its own.
+    pub members_see_jobs: bool,
 }
 
 /// A queue's monthly GPU budget, in hundredths of the price list's currency.
@@ -66,6 +69,7 @@ impl QueueSpec {
             idle_after: None,
             idle_below_pct: None,
             budget: None,
+            members_see_jobs: false,
         }
     }
 

@@ -342,6 +342,7 @@ mod queues {
             idle_after: None,
             idle_below_pct: None,
             budget: None,
+            members_see_jobs: false,
         }
     }
 
@@ -507,6 +508,7 @@ mod preemption {
                 idle_after: None,
                 idle_below_pct: None,
                 budget: None,
+                members_see_jobs: false,
             },
             QueueSpec::best_effort("borrower"),
         ];
@@ -531,6 +533,7 @@ mod preemption {
                 idle_after: None,
                 idle_below_pct: None,
                 budget: None,
+                members_see_jobs: false,
             },
             QueueSpec::best_effort("other"),
         ];

@@ -158,8 +158,14 @@ pub async fn tick(shared: &Shared) {
     if due(&shared.accounting.last_prune_ms, PRUNE_EVERY_MS) {
         shared.writer.queue_quietly(Batch {
             prune_usage_before: Some(now_ms.saturating_sub(shared.settings.usage_retention_ms)),
+            prune_audit_before: Some(now_ms.saturating_sub(shared.settings.audit_retention_ms)),
+            prune_idempotency_before: Some(now_ms.saturating_sub(crate::idempotency::KEY_TTL_MS)),
             ..Batch::default()
         });
+        match shared.idempotency.lock() {
+            Ok(mut keys) => keys.prune(now_ms),
+            Err(poisoned) => poisoned.into_inner().prune(now_ms),
+        }
     }
     if due(&shared.accounting.last_budget_ms, BUDGET_EVERY_MS)
         && let Err(error) = refresh_budgets(shared).await
@@ -283,12 +289,24 @@ const MS_PER_HOUR: f64 = 3_600_000.0;
 )]
 pub async fn job_usage(
     State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<crate::api::Identity>,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<JobUsage>, ApiError> {
     let job: u64 = id
         .trim()
         .parse()
         .map_err(|_| ApiError::invalid(format!("a job id is a number like 12, got {id:?}")))?;
+    // A job it may not read is not found; a retired one whose record is
+    // gone still has its minutes (for an admin or operator).
+    match crate::api::visible_job(&shared, &identity, muster_model::JobId(job)).await {
+        Ok(_) => {}
+        Err(error)
+            if error.body.code == muster_api::protocol::ErrorCode::NotFound
+                && identity
+                    .principal()
+                    .is_some_and(|p| p.role >= crate::users::Role::Operator) => {}
+        Err(error) => return Err(error),
+    }
     let mut minutes = shared.store.job_usage(job, MAX_USAGE_POINTS).await?;
     minutes.extend(shared.accounting.open_minutes_of(job));
     Ok(Json(usage_of(job, &minutes)))

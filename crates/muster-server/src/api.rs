@@ -13,7 +13,7 @@ use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{delete, get, post, put};
 use muster_api::protocol::*;
 use muster_control::{Allocation, AllocationId, Input, Job, JobState, Observed, Software};
 use muster_model::{
@@ -34,8 +34,8 @@ const MAX_HEARTBEAT_WAIT: Duration = Duration::from_secs(30);
 const LOG_FOLLOW_WAIT: Duration = Duration::from_secs(10);
 /// The most log bytes returned at once.
 const MAX_LOG_READ: usize = 1024 * 1024;
-/// The user a job is recorded under when the request names none.
-const DEFAULT_USER: &str = "admin";
+/// The built-in admin's name (the admin token's user).
+pub(crate) const DEFAULT_USER: &str = "admin";
 /// The header naming the user a job is submitted for.
 pub const USER_HEADER: &str = "x-muster-user";
 
@@ -50,6 +50,17 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/jobs/{id}/logs", get(job_logs))
         .route("/v1/jobs/{id}/usage", get(crate::accounting::job_usage))
         .route("/v1/cost", get(crate::accounting::cost_endpoint))
+        .route(
+            "/v1/users",
+            post(crate::users::create_user).get(crate::users::list_users),
+        )
+        .route("/v1/users/{name}", delete(crate::users::remove_user))
+        .route(
+            "/v1/users/{name}/rotate-token",
+            post(crate::users::rotate_token),
+        )
+        .route("/v1/whoami", get(crate::users::whoami))
+        .route("/v1/audit", get(crate::users::audit))
         .route("/v1/prices", get(crate::accounting::list_prices))
         .route(
             "/v1/prices/{model}",
@@ -187,18 +198,44 @@ async fn method_not_allowed(request: Request) -> ApiError {
 /// Who a request comes from, by its token.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Identity {
+    /// The admin token in the data directory (the built-in `admin`).
     Admin,
     Join,
     Node(String),
-    /// The metrics token: `/metrics` only.
+    /// The metrics token: `/metrics` (and the dashboard, read-only) only.
     Metrics,
+    /// A user made with `muster users add`.
+    User(crate::users::Principal),
+}
+
+impl Identity {
+    /// The principal of a user or the admin (`None`: agents, metrics).
+    pub fn principal(&self) -> Option<crate::users::Principal> {
+        match self {
+            Identity::Admin => Some(crate::users::Principal::admin()),
+            Identity::User(principal) => Some(principal.clone()),
+            Identity::Join | Identity::Node(_) | Identity::Metrics => None,
+        }
+    }
+
+    /// How the audit log names it.
+    pub fn audit_name(&self) -> String {
+        match self {
+            Identity::Admin => DEFAULT_USER.to_string(),
+            Identity::Join => "join".to_string(),
+            Identity::Node(node) => format!("node:{node}"),
+            Identity::Metrics => "metrics".to_string(),
+            Identity::User(principal) => principal.name.clone(),
+        }
+    }
 }
 
 /// What an endpoint needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Need {
     Nothing,
-    Admin,
+    /// A user of at least this role (the admin token is an admin).
+    Role(crate::users::Role),
     /// The join token (a new node) or a node's own credential.
     Register,
     Node(String),
@@ -206,7 +243,11 @@ enum Need {
     Metrics,
 }
 
-fn need_of(path: &str) -> Need {
+/// What `method` on `path` needs. Routes not named here need an admin, so
+/// a new route is closed until it is given its place.
+fn need_of(method: &axum::http::Method, path: &str) -> Need {
+    use crate::users::Role;
+    use axum::http::Method;
     if path == "/metrics" {
         return Need::Metrics;
     }
@@ -220,12 +261,32 @@ fn need_of(path: &str) -> Need {
         let node = rest.split('/').next().unwrap_or_default();
         return Need::Node(node.to_string());
     }
-    Need::Admin
+    let parts: Vec<&str> = path.trim_end_matches('/').split('/').skip(2).collect();
+    let read = method == Method::GET;
+    let role = match (parts.as_slice(), read) {
+        // Jobs: anyone with a user token; who may see or touch which job
+        // is checked by the handler (its own, its queue's, or any for
+        // operators and admins).
+        (["jobs"], _) | (["jobs", _], true) | (["jobs", _, "logs" | "usage"], true) => Role::User,
+        (["jobs", _, "cancel"] | ["arrays", _, "cancel"], false) => Role::User,
+        (["whoami"], true) => Role::User,
+        (["nodes"] | ["nodes", _] | ["nodes", _, "telemetry"], true) => Role::User,
+        (["pools"] | ["fleet"] | ["queues"] | ["prices"], true) => Role::User,
+        // Nodes and pools are the operators'.
+        (["nodes", _], false) | (["nodes", _, _], false) => Role::Operator,
+        (["pools", _, "policy"], false) => Role::Operator,
+        (["cost"], true) => Role::Operator,
+        _ => Role::Admin,
+    };
+    Need::Role(role)
 }
 
 pub(crate) fn identify(shared: &Shared, token: &str) -> Option<Identity> {
     if same_token(token, &shared.admin_token) {
         return Some(Identity::Admin);
+    }
+    if let Some(user) = shared.users().of_token(token) {
+        return Some(Identity::User(crate::users::Principal::of(user)));
     }
     if same_token(token, &shared.join_token) {
         return Some(Identity::Join);
@@ -241,41 +302,129 @@ pub(crate) fn identify(shared: &Shared, token: &str) -> Option<Identity> {
 
 // Answers name files by their name in the server's data directory, never
 // by their path on the server.
-async fn authenticate(State(shared): Shared_, mut request: Request, next: Next) -> Response {
-    let need = need_of(request.uri().path());
+async fn authenticate(State(shared): Shared_, request: Request, next: Next) -> Response {
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let origin = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map_or_else(|| "-".to_string(), |info| info.0.ip().to_string());
+    let impersonated = request
+        .headers()
+        .get(USER_HEADER)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_string);
+    let (who, response) = authorize(&shared, request, next).await;
+    if audited(&method, &path) {
+        let status = response.status().as_u16();
+        let who = match impersonated {
+            Some(user) if who == DEFAULT_USER && user != DEFAULT_USER => {
+                format!("{who} (as {user})")
+            }
+            _ => who,
+        };
+        shared.audit(crate::store::AuditEntry {
+            at_ms: now().0,
+            who,
+            action: format!("{method} {}", route_template(&path)),
+            object: path.chars().take(512).collect(),
+            origin,
+            status,
+            allowed: status != 401 && status != 403,
+        });
+    }
+    response
+}
+
+/// Whether a request goes into the audit log: every change, but an agent's
+/// heartbeats, logs and telemetry (hundreds a second, and not a person's
+/// doing; registrations are logged).
+fn audited(method: &axum::http::Method, path: &str) -> bool {
+    use axum::http::Method;
+    if matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS) {
+        return false;
+    }
+    !(path.starts_with("/v1/agents/") && path != "/v1/agents/register")
+}
+
+/// A path with its ids and names as placeholders (`/v1/jobs/{id}/cancel`).
+fn route_template(path: &str) -> String {
+    let mut parts: Vec<String> = path.split('/').map(str::to_string).collect();
+    if parts.len() > 3 && parts[1] == "v1" {
+        let placeholder = match parts[2].as_str() {
+            "jobs" | "arrays" => "{id}",
+            "nodes" | "queues" | "pools" | "users" | "agents" => "{name}",
+            "prices" => "{model}",
+            _ => "",
+        };
+        if !placeholder.is_empty() && parts[3] != "register" {
+            parts[3] = placeholder.to_string();
+        }
+    }
+    parts.join("/").chars().take(256).collect()
+}
+
+/// Checks the token against what the route needs; runs the request if it
+/// may. Answers who it was (for the audit log) and the response.
+async fn authorize(shared: &Shared, mut request: Request, next: Next) -> (String, Response) {
+    use crate::users::Role;
+    let need = need_of(request.method(), request.uri().path());
     if need == Need::Nothing {
-        return next.run(request).await;
+        return ("-".to_string(), next.run(request).await);
     }
     let Some(token) = bearer(request.headers()) else {
-        return ApiError::new(
-            ErrorCode::Unauthenticated,
-            "missing bearer token: pass --token or set MUSTER_TOKEN (the admin token is the file \
-             admin.token in the server's data directory; `muster` also reads \
-             ~/.local/share/muster/admin.token)",
-        )
-        .into_response();
+        return (
+            "(no token)".to_string(),
+            ApiError::new(
+                ErrorCode::Unauthenticated,
+                "missing bearer token: pass --token, set MUSTER_TOKEN or `muster login` (the \
+                 admin token is the file admin.token in the server's data directory; `muster` \
+                 also reads ~/.local/share/muster/admin.token)",
+            )
+            .into_response(),
+        );
     };
-    let Some(identity) = identify(&shared, token) else {
-        return ApiError::new(
-            ErrorCode::Unauthenticated,
-            "invalid token: pass --token or set MUSTER_TOKEN to the admin token (admin.token in \
-             the server's data directory); agents join with the join token (join.token there) \
-             and then use their own node credential, which an admin may have reset",
-        )
-        .into_response();
+    let Some(identity) = identify(shared, token) else {
+        return (
+            "(unknown token)".to_string(),
+            ApiError::new(
+                ErrorCode::Unauthenticated,
+                "invalid token: pass --token or set MUSTER_TOKEN to your user's token (`muster \
+                 users add` prints it once; an admin may rotate it) or the admin token \
+                 (admin.token in the server's data directory); agents join with the join token \
+                 (join.token there) and then use their own node credential",
+            )
+            .into_response(),
+        );
     };
+    let who = identity.audit_name();
     let denied = match (&need, &identity) {
-        (Need::Admin, Identity::Admin)
-        | (Need::Register, Identity::Join | Identity::Node(_))
+        (Need::Register, Identity::Join | Identity::Node(_))
         | (Need::Metrics, Identity::Admin | Identity::Metrics) => None,
+        (Need::Metrics, Identity::User(principal)) if principal.role >= Role::Operator => None,
+        (Need::Role(_), Identity::Admin) => None,
+        (Need::Role(needed), Identity::User(principal)) => (principal.role < *needed).then(|| {
+            let with_article = |role: Role| match role {
+                Role::User => "a user",
+                Role::Operator => "an operator",
+                Role::Admin => "an admin",
+            };
+            format!(
+                "{} is {}; this needs {} (an admin makes users of each role: `muster users add \
+                 NAME --role ROLE`)",
+                principal.name,
+                with_article(principal.role),
+                with_article(*needed)
+            )
+        }),
         (Need::Metrics, _) => Some(
             "/metrics takes the metrics token (metrics.token in the server's data directory) \
              or the admin token"
                 .to_string(),
         ),
         (_, Identity::Metrics) => Some(
-            "the metrics token only reads /metrics; use the admin token (admin.token in the \
-             server's data directory) for this"
+            "the metrics token only reads /metrics and the dashboard; use a user's token for \
+             this"
                 .to_string(),
         ),
         (Need::Node(wanted), Identity::Node(node)) if wanted == node => None,
@@ -290,23 +439,26 @@ async fn authenticate(State(shared): Shared_, mut request: Request, next: Next) 
         (Need::Register, _) => Some(
             "agents register with the join token (a new node) or their node credential".to_string(),
         ),
-        (Need::Admin, Identity::Join) => Some(
-            "the join token only registers agents; use the admin token (admin.token in the \
-             server's data directory) for this"
+        (Need::Role(_), Identity::Join) => Some(
+            "the join token only registers agents; use a user's token or the admin token \
+             (admin.token in the server's data directory) for this"
                 .to_string(),
         ),
-        (Need::Admin, _) => Some(
+        (Need::Role(_), Identity::Node(_)) => Some(
             "a node credential is only for that node's registration, heartbeats and logs; use \
-             the admin token (admin.token in the server's data directory) for this"
+             a user's token or the admin token (admin.token in the server's data directory)"
                 .to_string(),
         ),
         (Need::Nothing, _) => None,
     };
     match denied {
-        Some(message) => ApiError::new(ErrorCode::PermissionDenied, message).into_response(),
+        Some(message) => (
+            who,
+            ApiError::new(ErrorCode::PermissionDenied, message).into_response(),
+        ),
         None => {
             request.extensions_mut().insert(identity);
-            next.run(request).await
+            (who, next.run(request).await)
         }
     }
 }
@@ -431,7 +583,7 @@ fn with_usage(shared: &Shared, views: &mut [JobView]) {
 
 /// A job and every attempt's allocations, from memory or, once retired,
 /// from the store.
-struct FoundJob {
+pub(crate) struct FoundJob {
     job: Job,
     allocations: BTreeMap<AllocationId, Allocation>,
     /// Why it waits, as a code (pending jobs of the hot state only).
@@ -483,6 +635,61 @@ async fn find_job(shared: &Shared, id: JobId) -> Result<FoundJob, ApiError> {
     match shared.store.retired_job(id.0).await? {
         Some(stored) => FoundJob::from_store(stored),
         None => Err(job_not_found(id)),
+    }
+}
+
+/// The principal of a request's identity (the authentication layer lets
+/// only users and the admin reach the job routes).
+fn principal_of(identity: &Identity) -> Result<crate::users::Principal, ApiError> {
+    identity.principal().ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::PermissionDenied,
+            "this needs a user's token or the admin token",
+        )
+    })
+}
+
+/// Whether `queue` lets its members see each other's jobs.
+fn members_see_jobs(shared: &Shared, queue: &str) -> bool {
+    shared
+        .read()
+        .control()
+        .queues()
+        .any(|spec| spec.name.0 == queue && spec.members_see_jobs)
+}
+
+/// Job `id` as `identity` may see it: a job it may not read is answered
+/// as one that does not exist (its existence is not told).
+pub(crate) async fn visible_job(
+    shared: &Shared,
+    identity: &Identity,
+    id: JobId,
+) -> Result<FoundJob, ApiError> {
+    let principal = principal_of(identity)?;
+    let found = find_job(shared, id).await?;
+    let queue = found.job.spec.queue.0.as_str();
+    if principal.may_read(&found.job.user, queue, members_see_jobs(shared, queue)) {
+        Ok(found)
+    } else {
+        Err(job_not_found(id))
+    }
+}
+
+/// Whether `identity` may cancel job `id`: its own, or any for an admin
+/// (one it may not even read is not found).
+async fn may_cancel(shared: &Shared, identity: &Identity, id: JobId) -> Result<(), ApiError> {
+    let found = visible_job(shared, identity, id).await?;
+    let principal = principal_of(identity)?;
+    if principal.may_cancel(&found.job.user) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "job {id} is {}'s: only its user or an admin may cancel it",
+                found.job.user
+            ),
+        ))
     }
 }
 
@@ -558,38 +765,142 @@ async fn resolve_retired_dependencies(
 )]
 async fn submit_job(
     State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
     headers: axum::http::HeaderMap,
     Body(request): Body<SubmitRequest>,
 ) -> Result<(StatusCode, Json<SubmitResponse>), ApiError> {
+    let principal = principal_of(&identity)?;
+    // The job is the token's user's; only an admin may submit for another
+    // (and the audit log says so).
     let user = match headers.get(USER_HEADER) {
-        None => DEFAULT_USER.to_string(),
+        None => principal.name.clone(),
         Some(value) => {
             let user = value
                 .to_str()
                 .map_err(|_| ApiError::invalid(format!("the {USER_HEADER} header is not text")))?;
             check_name("the user", user)?;
+            if user != principal.name && principal.role != crate::users::Role::Admin {
+                return Err(ApiError::new(
+                    ErrorCode::PermissionDenied,
+                    format!(
+                        "{} may submit only as itself; only an admin may submit for {user}",
+                        principal.name
+                    ),
+                ));
+            }
             user.to_string()
         }
     };
-    let mut spec = muster_api::parse_job_spec_value(&request.spec)
+    let spec = muster_api::parse_job_spec_value(&request.spec)
         .map_err(|errors| ApiError::invalid(errors.to_string()))?;
-    resolve_retired_dependencies(&shared, &mut spec).await?;
-    if !request.allow_pending
-        && let Some(why) = shared.read().control().never_fits(&spec)
-    {
+    if !principal.member_of(&spec.queue.0) {
+        return Err(ApiError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "{} may submit to queue(s) {}, not {}; an admin adds queues with `muster users \
+                 add {} --queues ...`",
+                principal.name,
+                principal.queues.clone().unwrap_or_default().join(", "),
+                spec.queue,
+                principal.name
+            ),
+        ));
+    }
+    // A retry with the same key answers the job the first request made.
+    let key = match headers.get("idempotency-key") {
+        None => None,
+        Some(value) => {
+            let key = value.to_str().unwrap_or_default().to_string();
+            crate::idempotency::check_key(&key).map_err(ApiError::invalid)?;
+            Some(key)
+        }
+    };
+    if let Some(key) = &key {
+        let claim = match shared.idempotency.lock() {
+            Ok(mut keys) => keys.claim(&user, key, now().0),
+            Err(poisoned) => poisoned.into_inner().claim(&user, key, now().0),
+        };
+        match claim {
+            crate::idempotency::Claim::Go => {}
+            crate::idempotency::Claim::Made(job) => {
+                let elements = find_job(&shared, JobId(job))
+                    .await
+                    .ok()
+                    .and_then(|found| found.job.array.map(|a| a.count));
+                return Ok((
+                    StatusCode::OK,
+                    Json(SubmitResponse {
+                        id: job,
+                        elements,
+                        warnings: vec![format!(
+                            "the Idempotency-Key was used within 24 hours: this is job {job}, \
+                             made by the first request"
+                        )],
+                    }),
+                ));
+            }
+            crate::idempotency::Claim::Busy => {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    "a request with this Idempotency-Key is being submitted; retry in a moment",
+                ));
+            }
+        }
+    }
+    let result = submit_spec(
+        &shared,
+        spec,
+        user.clone(),
+        request.allow_pending,
+        key.as_deref(),
+    )
+    .await;
+    if let Some(key) = &key {
+        let mut keys = match shared.idempotency.lock() {
+            Ok(keys) => keys,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        match &result {
+            Ok((_, response)) => keys.made(&user, key, response.id, now().0),
+            Err(_) => keys.release(&user, key),
+        }
+    }
+    result
+}
+
+/// Submits a parsed spec for `user`; with an idempotency key, the key is
+/// written in the same commit as the job.
+async fn submit_spec(
+    shared: &Arc<Shared>,
+    mut spec: muster_model::JobSpec,
+    user: String,
+    allow_pending: bool,
+    key: Option<&str>,
+) -> Result<(StatusCode, Json<SubmitResponse>), ApiError> {
+    resolve_retired_dependencies(shared, &mut spec).await?;
+    if !allow_pending && let Some(why) = shared.read().control().never_fits(&spec) {
         return Err(ApiError::invalid(why));
     }
     // An array's elements take consecutive ids, reserved here at once.
     let elements = spec.array.as_ref().map(|array| array.len() as u32);
     let count = u64::from(elements.unwrap_or(1));
-    let (_, durable, id) = shared.apply_with(
+    let submitter = user.clone();
+    let (_, durable, id) = shared.apply_with_batch(
         |core: &mut Core| {
             let id = JobId(core.next_job);
             core.next_job += count;
             Ok((Input::Submit { id, spec, user }, id))
         },
         |_, id| id,
-        Batch::default(),
+        |id| {
+            let mut batch = Batch::default();
+            if let Some(key) = key {
+                batch
+                    .idempotency
+                    .insert((submitter.clone(), key.to_string()), (id.0, now().0));
+            }
+            batch
+        },
     )?;
     if let Err(error) = durable.wait().await {
         // Not durable, so not accepted: the control plane forgets it.
@@ -611,7 +922,7 @@ async fn submit_job(
                     .control()
                     .queues()
                     .find(|queue| queue.name == job.spec.queue)?;
-                crate::accounting::budget_warning(&shared, queue)
+                crate::accounting::budget_warning(shared, queue)
             })
             .into_iter()
             .collect()
@@ -636,8 +947,32 @@ async fn submit_job(
 )]
 pub(crate) async fn list_jobs(
     State(shared): Shared_,
-    Params(query): Params<JobQuery>,
+    axum::Extension(identity): axum::Extension<Identity>,
+    Params(mut query): Params<JobQuery>,
 ) -> Result<Json<JobList>, ApiError> {
+    // A user lists its own jobs, or a queue's whose members see each
+    // other's (and it belongs to); operators and admins anything.
+    let principal = principal_of(&identity)?;
+    if principal.role == crate::users::Role::User {
+        let shared_queue = query
+            .queue
+            .as_deref()
+            .is_some_and(|queue| principal.member_of(queue) && members_see_jobs(&shared, queue));
+        match query.user.as_deref() {
+            Some(user) if user != principal.name && !shared_queue => {
+                return Err(ApiError::new(
+                    ErrorCode::PermissionDenied,
+                    format!(
+                        "{} sees its own jobs (and those of a queue that lets its members see \
+                         each other's); not {user}'s",
+                        principal.name
+                    ),
+                ));
+            }
+            None if !shared_queue => query.user = Some(principal.name.clone()),
+            _ => {}
+        }
+    }
     // One state or a comma list, in any case.
     let states: Option<Vec<JobState>> = match query.state.as_deref().filter(|s| !s.is_empty()) {
         None => None,
@@ -767,10 +1102,11 @@ pub(crate) async fn list_jobs(
 )]
 pub(crate) async fn get_job(
     State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<JobView>, ApiError> {
     let id = parse_job_id(&id)?;
-    let mut view = find_job(&shared, id).await?.view();
+    let mut view = visible_job(&shared, &identity, id).await?.view();
     with_usage(&shared, std::slice::from_mut(&mut view));
     Ok(Json(view))
 }
@@ -789,9 +1125,11 @@ pub(crate) async fn get_job(
 )]
 async fn cancel_array(
     State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<JobList>, ApiError> {
     let id = parse_job_id(&id)?;
+    may_cancel(&shared, &identity, id).await?;
     let (_, durable) = shared.apply(Input::CancelArray { array: id }, Batch::default())?;
     durable.wait().await?;
     let core = shared.read();
@@ -823,9 +1161,11 @@ async fn cancel_array(
 )]
 async fn cancel_job(
     State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<JobView>, ApiError> {
     let id = parse_job_id(&id)?;
+    may_cancel(&shared, &identity, id).await?;
     match shared.apply(Input::Cancel { job: id }, Batch::default()) {
         Ok((_, durable)) => durable.wait().await?,
         // A retired job has finished: nothing to cancel.
@@ -869,10 +1209,12 @@ const LOG_SETTLE: Duration = Duration::from_secs(5);
 )]
 async fn job_logs(
     State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
     PathParams(id): PathParams<String>,
     Params(query): Params<LogsQuery>,
 ) -> Result<Json<LogsResponse>, ApiError> {
     let id = parse_job_id(&id)?;
+    visible_job(&shared, &identity, id).await?;
     let rank = query.rank.unwrap_or(0);
     let offset = query.offset.unwrap_or(0);
     let limit = query
@@ -1565,6 +1907,7 @@ async fn set_queue(
         idle_after,
         idle_below_pct: update.idle_below_pct,
         budget,
+        members_see_jobs: update.members_see_jobs,
     };
     let mut batch = Batch::default();
     if let Ok(text) = serde_json::to_string(&QueueRecord::from(&spec)) {
@@ -1740,11 +2083,11 @@ async fn register_agent(
                         format!("this credential belongs to node {owner}, not to node {name}"),
                     ));
                 }
-                Identity::Admin | Identity::Metrics => {
+                Identity::Admin | Identity::Metrics | Identity::User(_) => {
                     return Err(ApiError::new(
                         ErrorCode::PermissionDenied,
-                        "agents register with the join token or their node credential, not the \
-                         admin or metrics token",
+                        "agents register with the join token or their node credential, not a \
+                         user's, the admin or the metrics token",
                     ));
                 }
             };
@@ -2066,6 +2409,8 @@ async fn push_logs(
         crate::accounting::job_usage, crate::accounting::cost_endpoint,
         crate::accounting::list_prices, crate::accounting::set_price,
         crate::accounting::remove_price,
+        crate::users::create_user, crate::users::list_users, crate::users::remove_user,
+        crate::users::rotate_token, crate::users::whoami, crate::users::audit,
     ),
     components(schemas(ErrorBody, ErrorCode)),
     modifiers(&BearerAuth),
@@ -2102,7 +2447,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 25, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 30, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",
@@ -2135,20 +2480,34 @@ mod tests {
 
     #[test]
     fn endpoints_need_the_right_token() {
-        assert_eq!(need_of("/healthz"), Need::Nothing);
-        assert_eq!(need_of("/v1/openapi.json"), Need::Nothing);
-        assert_eq!(need_of("/v1/jobs/3"), Need::Admin);
-        assert_eq!(need_of("/v1/arrays/3/cancel"), Need::Admin);
-        assert_eq!(need_of("/metrics"), Need::Metrics);
+        use crate::users::Role;
+        use axum::http::Method;
+        let get = |path: &str| need_of(&Method::GET, path);
+        let post = |path: &str| need_of(&Method::POST, path);
+        assert_eq!(get("/healthz"), Need::Nothing);
+        assert_eq!(get("/v1/openapi.json"), Need::Nothing);
+        assert_eq!(get("/v1/jobs/3"), Need::Role(Role::User));
+        assert_eq!(post("/v1/arrays/3/cancel"), Need::Role(Role::User));
+        assert_eq!(post("/v1/nodes/a/drain"), Need::Role(Role::Operator));
         assert_eq!(
-            need_of("/v1/agents/gpu-1/telemetry"),
+            need_of(&Method::PUT, "/v1/queues/a"),
+            Need::Role(Role::Admin)
+        );
+        assert_eq!(post("/v1/users"), Need::Role(Role::Admin));
+        assert_eq!(get("/v1/something-new"), Need::Role(Role::Admin));
+        assert_eq!(get("/metrics"), Need::Metrics);
+        assert_eq!(
+            post("/v1/agents/gpu-1/telemetry"),
             Need::Node("gpu-1".into())
         );
-        assert_eq!(need_of("/v1/agents/register"), Need::Register);
+        assert_eq!(post("/v1/agents/register"), Need::Register);
         assert_eq!(
-            need_of("/v1/agents/gpu-1/heartbeat"),
+            post("/v1/agents/gpu-1/heartbeat"),
             Need::Node("gpu-1".into())
         );
-        assert_eq!(need_of("/v1/agents/"), Need::Node(String::new()));
+        assert_eq!(post("/v1/agents/"), Need::Node(String::new()));
+        assert_eq!(route_template("/v1/jobs/12/cancel"), "/v1/jobs/{id}/cancel");
+        assert_eq!(route_template("/v1/agents/register"), "/v1/agents/register");
+        assert_eq!(route_template("/v1/prices/H100"), "/v1/prices/{model}");
     }
 }

@@ -316,6 +316,8 @@ pub struct Settings {
     pub idle_after_ms: u64,
     /// Accounting minutes older than this are deleted.
     pub usage_retention_ms: u64,
+    /// Audit entries older than this are deleted.
+    pub audit_retention_ms: u64,
 }
 
 /// What every task and handler shares.
@@ -350,6 +352,10 @@ pub struct Shared {
     pub instruments: crate::metrics::Instruments,
     /// GPU accounting: open minutes, prices, budgets.
     pub accounting: crate::accounting::Accounting,
+    /// Users (by name and token hash).
+    pub users: RwLock<crate::users::Users>,
+    /// Idempotency keys of submissions: (user, key) → job, when (24 h).
+    pub idempotency: std::sync::Mutex<crate::idempotency::Keys>,
     /// Task logs, bounded per task.
     pub logs: std::sync::Arc<crate::logstore::LogStore>,
     /// Becomes true when the server shuts down (ends long polls).
@@ -389,6 +395,7 @@ impl Shared {
         metrics_token: String,
         instruments: crate::metrics::Instruments,
         accounting: crate::accounting::Accounting,
+        tenants: crate::users::Tenants,
         logs: crate::logstore::LogStore,
         shutdown: watch::Receiver<bool>,
     ) -> Shared {
@@ -408,8 +415,36 @@ impl Shared {
             history: std::sync::Mutex::new(Default::default()),
             instruments,
             accounting,
+            users: RwLock::new(tenants.users),
+            idempotency: std::sync::Mutex::new(tenants.keys),
             logs: std::sync::Arc::new(logs),
             shutdown,
+        }
+    }
+
+    /// The users, to read (token lookups).
+    pub fn users(&self) -> std::sync::RwLockReadGuard<'_, crate::users::Users> {
+        match self.users.read() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    /// The users, to change.
+    pub fn users_mut(&self) -> std::sync::RwLockWriteGuard<'_, crate::users::Users> {
+        match self.users.write() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    /// Appends `entry` to the audit log (written with the next commit).
+    pub fn audit(&self, entry: crate::store::AuditEntry) {
+        if self.read_only_reason().is_none() {
+            self.writer.queue_quietly(Batch {
+                audit: vec![entry],
+                ..Batch::default()
+            });
         }
     }
 
@@ -461,6 +496,30 @@ impl Shared {
             let outputs = core.control.handle(now(), input)?;
             let made = then(&core, made);
             let mut batch = extra;
+            core.record(&outputs, &mut batch);
+            (outputs, self.writer.queue(batch), made)
+        };
+        self.after(&outputs, true);
+        Ok((outputs, durable, made))
+    }
+
+    /// [`Shared::apply_with`], with the extra records made from what `then`
+    /// answered (written in the same commit).
+    pub fn apply_with_batch<R, T>(
+        &self,
+        make: impl FnOnce(&mut Core) -> Result<(Input, R), ApiError>,
+        then: impl FnOnce(&Core, R) -> T,
+        extra: impl FnOnce(&T) -> Batch,
+    ) -> Result<(Vec<Output>, Durable, T), ApiError> {
+        let (outputs, durable, made) = {
+            let mut core = self.lock();
+            if let Some(reason) = self.read_only_reason() {
+                return Err(read_only(&reason));
+            }
+            let (input, made) = make(&mut core)?;
+            let outputs = core.control.handle(now(), input)?;
+            let made = then(&core, made);
+            let mut batch = extra(&made);
             core.record(&outputs, &mut batch);
             (outputs, self.writer.queue(batch), made)
         };

@@ -53,8 +53,14 @@ enum Viewer {
 fn viewer_of(shared: &Shared, token: &str) -> Option<Viewer> {
     match crate::api::identify(shared, token)? {
         Identity::Admin => Some(Viewer::Admin),
+        // Operators see every job and its output anyway.
+        Identity::User(principal) if principal.role >= crate::users::Role::Operator => {
+            Some(Viewer::Admin)
+        }
         Identity::Metrics => Some(Viewer::ReadOnly),
-        Identity::Join | Identity::Node(_) => None,
+        // A user sees its own jobs through the CLI and the API; the pages
+        // show the whole cluster.
+        Identity::User(_) | Identity::Join | Identity::Node(_) => None,
     }
 }
 
@@ -534,7 +540,13 @@ async fn jobs(State(shared): Shared_, Params(filter): Params<JobFilterForm>) -> 
         limit: Some(200),
         ..JobQuery::default()
     };
-    let list = match crate::api::list_jobs(State(Arc::clone(&shared)), Params(query)).await {
+    let list = match crate::api::list_jobs(
+        State(Arc::clone(&shared)),
+        axum::Extension(Identity::Admin),
+        Params(query),
+    )
+    .await
+    {
         Ok(list) => list.0,
         Err(error) => return error_page(error),
     };
@@ -578,11 +590,22 @@ async fn job(
     axum::Extension(viewer): axum::Extension<Viewer>,
     PathParams(id): PathParams<String>,
 ) -> Response {
-    let view = match crate::api::get_job(State(Arc::clone(&shared)), PathParams(id.clone())).await {
+    let view = match crate::api::get_job(
+        State(Arc::clone(&shared)),
+        axum::Extension(Identity::Admin),
+        PathParams(id.clone()),
+    )
+    .await
+    {
         Ok(view) => view.0,
         Err(error) => return error_page(error),
     };
-    let usage = match crate::accounting::job_usage(State(Arc::clone(&shared)), PathParams(id)).await
+    let usage = match crate::accounting::job_usage(
+        State(Arc::clone(&shared)),
+        axum::Extension(Identity::Admin),
+        PathParams(id),
+    )
+    .await
     {
         Ok(usage) => usage.0,
         Err(error) => return error_page(error),

@@ -71,6 +71,10 @@ impl NodeHistories {
     pub fn len(&self) -> usize {
         self.nodes.len()
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
 }
 
 #[cfg(test)]

@@ -34,11 +34,13 @@ mod core;
 mod dashboard;
 mod error;
 mod history;
+mod idempotency;
 mod logstore;
 mod loops;
 pub mod metrics;
 mod records;
 pub mod store;
+pub mod users;
 mod views;
 mod writer;
 
@@ -92,6 +94,8 @@ pub struct ServerConfig {
     /// Prices per GPU model and GPU-hour to set at start (a YAML map, e.g.
     /// `H100-80GB: 2.50`); `muster prices set` changes them later.
     pub prices_file: Option<PathBuf>,
+    /// How long the audit log keeps an entry (400 days by default).
+    pub audit_retention_ms: u64,
 }
 
 /// The default idle threshold: 30 minutes.
@@ -118,6 +122,7 @@ impl ServerConfig {
             stack_policy: muster_control::StackPolicy::Report,
             usage_retention_ms: accounting::DEFAULT_USAGE_RETENTION_MS,
             prices_file: None,
+            audit_retention_ms: 400 * 86_400_000,
         }
     }
 }
@@ -205,7 +210,11 @@ impl Server {
                 .await?;
         }
         let prices = store.prices().await?;
-        let loaded = store.load().await?;
+        let mut loaded = store.load().await?;
+        let tenants = users::Tenants {
+            users: users::Users::load(std::mem::take(&mut loaded.users)),
+            keys: idempotency::Keys::load(std::mem::take(&mut loaded.idempotency), now().0),
+        };
         let control_config = ControlConfig {
             lease_ms: config.lease_ms,
             retention_ms: config.retention_ms,
@@ -229,6 +238,7 @@ impl Server {
                 heartbeat_ms: config.heartbeat_ms,
                 idle_after_ms: config.idle_after_ms,
                 usage_retention_ms: config.usage_retention_ms,
+                audit_retention_ms: config.audit_retention_ms,
             },
             core,
             writer,
@@ -238,6 +248,7 @@ impl Server {
             metrics_token.clone(),
             instruments,
             accounting::Accounting::with_prices(prices),
+            tenants,
             logstore::LogStore::new(data_dir.join("logs"), config.max_log_bytes),
             shutdown_receiver.clone(),
         ));
@@ -254,7 +265,11 @@ impl Server {
         let router = api::router(shared.clone());
         let mut stop = shutdown_receiver.clone();
         let http = tokio::spawn(async move {
-            let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
+            let serve = axum::serve(
+                listener,
+                router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+            )
+            .with_graceful_shutdown(async move {
                 let _ = stop.wait_for(|stop| *stop).await;
             });
             if let Err(error) = serve.await {

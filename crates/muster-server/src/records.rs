@@ -388,6 +388,8 @@ pub struct QueueRecord {
     pub budget_monthly_cents: Option<u64>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub budget_hard: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub members_see_jobs: bool,
 }
 
 impl From<&QueueSpec> for QueueRecord {
@@ -402,6 +404,7 @@ impl From<&QueueSpec> for QueueRecord {
             idle_below_pct: queue.idle_below_pct,
             budget_monthly_cents: queue.budget.map(|b| b.monthly_cents),
             budget_hard: queue.budget.is_some_and(|b| b.hard),
+            members_see_jobs: queue.members_see_jobs,
         }
     }
 }
@@ -422,6 +425,7 @@ impl From<QueueRecord> for QueueSpec {
                     monthly_cents,
                     hard: record.budget_hard,
                 }),
+            members_see_jobs: record.members_see_jobs,
         }
     }
 }

@@ -75,6 +75,33 @@ pub struct Batch {
     pub prune_usage_before: Option<u64>,
     /// Pool policies (JSON records; `None`: the pool's is removed).
     pub pools: BTreeMap<String, Option<String>>,
+    /// Users (JSON records; `None`: removed).
+    pub users: BTreeMap<String, Option<String>>,
+    /// Entries to append to the audit log.
+    pub audit: Vec<AuditEntry>,
+    /// (user, key) → (job, at ms) of submissions with an idempotency key.
+    pub idempotency: BTreeMap<(String, String), (u64, u64)>,
+    /// Deletes audit entries and idempotency keys older than these (ms).
+    pub prune_audit_before: Option<u64>,
+    pub prune_idempotency_before: Option<u64>,
+}
+
+/// One mutating request, as the audit log keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AuditEntry {
+    pub at_ms: u64,
+    /// The token's user (`admin`, `node:NAME`, `join`, `metrics`), or
+    /// `(no token)` / `(unknown token)`.
+    pub who: String,
+    /// Method and route, e.g. `POST /v1/jobs/{id}/cancel`.
+    pub action: String,
+    /// The path asked for (with the object's id or name).
+    pub object: String,
+    /// The client's address.
+    pub origin: String,
+    pub status: u16,
+    /// Whether authorization let it through (not 401 or 403).
+    pub allowed: bool,
 }
 
 impl Batch {
@@ -90,6 +117,11 @@ impl Batch {
             && self.prices.is_empty()
             && self.prune_usage_before.is_none()
             && self.pools.is_empty()
+            && self.users.is_empty()
+            && self.audit.is_empty()
+            && self.idempotency.is_empty()
+            && self.prune_audit_before.is_none()
+            && self.prune_idempotency_before.is_none()
     }
 
     /// Folds a later batch into this one (later records win; a node
@@ -114,6 +146,13 @@ impl Batch {
         self.prices.extend(later.prices);
         self.prune_usage_before = self.prune_usage_before.max(later.prune_usage_before);
         self.pools.extend(later.pools);
+        self.users.extend(later.users);
+        self.audit.extend(later.audit);
+        self.idempotency.extend(later.idempotency);
+        self.prune_audit_before = self.prune_audit_before.max(later.prune_audit_before);
+        self.prune_idempotency_before = self
+            .prune_idempotency_before
+            .max(later.prune_idempotency_before);
     }
 }
 
@@ -127,6 +166,9 @@ pub struct Loaded {
     pub nodes: Vec<(NodeRecord, String)>,
     pub queues: Vec<QueueRecord>,
     pub pools: Vec<PoolRecord>,
+    pub users: Vec<crate::users::UserRecord>,
+    /// Idempotency keys: (user, key, job, at ms).
+    pub idempotency: Vec<(String, String, u64, u64)>,
     pub counters: Counters,
 }
 
@@ -162,6 +204,8 @@ const SCHEMA_2: &str = include_str!("../migrations/sqlite/0002_bounded.sql");
 const SCHEMA_3: &str = include_str!("../migrations/sqlite/0003_usage.sql");
 /// Schema version 4: pool policies.
 const SCHEMA_4: &str = include_str!("../migrations/sqlite/0004_pools.sql");
+/// Schema version 5: users, the audit log, idempotency keys.
+const SCHEMA_5: &str = include_str!("../migrations/sqlite/0005_tenants.sql");
 
 /// How the store is opened.
 #[derive(Debug, Clone, Copy, Default)]
@@ -245,6 +289,18 @@ impl SqliteStore {
                 .await
                 .map_err(open_error)?;
             sqlx::raw_sql("PRAGMA user_version = 4")
+                .execute(&mut *tx)
+                .await
+                .map_err(open_error)?;
+            tx.commit().await.map_err(open_error)?;
+        }
+        if version < 5 {
+            let mut tx = pool.begin().await.map_err(open_error)?;
+            sqlx::raw_sql(SCHEMA_5)
+                .execute(&mut *tx)
+                .await
+                .map_err(open_error)?;
+            sqlx::raw_sql("PRAGMA user_version = 5")
                 .execute(&mut *tx)
                 .await
                 .map_err(open_error)?;
@@ -336,6 +392,29 @@ impl Store for SqliteStore {
             let name: String = row.try_get("name").map_err(database)?;
             let record: String = row.try_get("record").map_err(database)?;
             loaded.pools.push(parse(&format!("pool {name}"), &record)?);
+        }
+        for row in sqlx::query("SELECT name, record FROM users ORDER BY name")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(database)?
+        {
+            let name: String = row.try_get("name").map_err(database)?;
+            let record: String = row.try_get("record").map_err(database)?;
+            loaded.users.push(parse(&format!("user {name}"), &record)?);
+        }
+        for row in sqlx::query("SELECT user, key, job, at FROM idempotency")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(database)?
+        {
+            let job: i64 = row.try_get("job").map_err(database)?;
+            let at: i64 = row.try_get("at").map_err(database)?;
+            loaded.idempotency.push((
+                row.try_get("user").map_err(database)?,
+                row.try_get("key").map_err(database)?,
+                u64::try_from(job).unwrap_or(0),
+                u64::try_from(at).unwrap_or(0),
+            ));
         }
         for row in sqlx::query("SELECT key, value FROM meta")
             .fetch_all(&self.pool)
@@ -507,6 +586,63 @@ impl Store for SqliteStore {
             .execute(&mut *tx)
             .await
             .map_err(database)?;
+        }
+        for (name, record) in &batch.users {
+            match record {
+                Some(record) => sqlx::query(
+                    "INSERT INTO users (name, record) VALUES (?1, ?2) \
+                     ON CONFLICT (name) DO UPDATE SET record = excluded.record",
+                )
+                .bind(name)
+                .bind(record),
+                None => sqlx::query("DELETE FROM users WHERE name = ?1").bind(name),
+            }
+            .execute(&mut *tx)
+            .await
+            .map_err(database)?;
+        }
+        for entry in &batch.audit {
+            sqlx::query(
+                "INSERT INTO audit (at, who, action, object, origin, status, allowed) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            )
+            .bind(to_i64(entry.at_ms))
+            .bind(&entry.who)
+            .bind(&entry.action)
+            .bind(&entry.object)
+            .bind(&entry.origin)
+            .bind(i64::from(entry.status))
+            .bind(entry.allowed)
+            .execute(&mut *tx)
+            .await
+            .map_err(database)?;
+        }
+        for ((user, key), (job, at)) in &batch.idempotency {
+            sqlx::query(
+                "INSERT INTO idempotency (user, key, job, at) VALUES (?1, ?2, ?3, ?4) \
+                 ON CONFLICT (user, key) DO UPDATE SET job = excluded.job, at = excluded.at",
+            )
+            .bind(user)
+            .bind(key)
+            .bind(to_i64(*job))
+            .bind(to_i64(*at))
+            .execute(&mut *tx)
+            .await
+            .map_err(database)?;
+        }
+        if let Some(before) = batch.prune_audit_before {
+            sqlx::query("DELETE FROM audit WHERE at < ?1")
+                .bind(to_i64(before))
+                .execute(&mut *tx)
+                .await
+                .map_err(database)?;
+        }
+        if let Some(before) = batch.prune_idempotency_before {
+            sqlx::query("DELETE FROM idempotency WHERE at < ?1")
+                .bind(to_i64(before))
+                .execute(&mut *tx)
+                .await
+                .map_err(database)?;
         }
         if let Some(before) = batch.prune_usage_before {
             sqlx::query("DELETE FROM usage_minutes WHERE minute < ?1")
@@ -717,6 +853,46 @@ impl SqliteStore {
         Ok(minutes)
     }
 
+    /// Audit entries from `since_ms` on (of `who`, if given), newest first,
+    /// at most `limit`.
+    pub async fn audit(
+        &self,
+        since_ms: u64,
+        who: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
+        let mut query: sqlx::QueryBuilder<sqlx::Sqlite> = sqlx::QueryBuilder::new(
+            "SELECT at, who, action, object, origin, status, allowed FROM audit WHERE at >= ",
+        );
+        query.push_bind(to_i64(since_ms));
+        if let Some(who) = who {
+            query.push(" AND who = ");
+            query.push_bind(who.to_string());
+        }
+        query.push(" ORDER BY id DESC LIMIT ");
+        query.push_bind(i64::from(limit));
+        let rows = query
+            .build()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(database)?;
+        let mut entries = Vec::with_capacity(rows.len());
+        for row in rows {
+            let at: i64 = row.try_get("at").map_err(database)?;
+            let status: i64 = row.try_get("status").map_err(database)?;
+            entries.push(AuditEntry {
+                at_ms: u64::try_from(at).unwrap_or(0),
+                who: row.try_get("who").map_err(database)?,
+                action: row.try_get("action").map_err(database)?,
+                object: row.try_get("object").map_err(database)?,
+                origin: row.try_get("origin").map_err(database)?,
+                status: u16::try_from(status).unwrap_or(0),
+                allowed: row.try_get("allowed").map_err(database)?,
+            });
+        }
+        Ok(entries)
+    }
+
     /// A job's accounting minutes, oldest first (the latest `limit`).
     pub async fn job_usage(&self, job: u64, limit: u32) -> Result<Vec<UsageMinute>, StoreError> {
         let rows = sqlx::query(
@@ -783,6 +959,7 @@ mod tests {
                 idle_below_pct: Some(10),
                 budget_monthly_cents: Some(500_000),
                 budget_hard: true,
+                members_see_jobs: true,
             })
             .unwrap(),
         );

@@ -198,6 +198,7 @@ pub fn empty_queue_view(spec: &QueueSpec) -> QueueView {
         budget: spec.budget.map(|b| b.monthly_cents as f64 / 100.0),
         budget_hard: spec.budget.is_some_and(|b| b.hard),
         spent_this_month: 0.0,
+        members_see_jobs: spec.members_see_jobs,
     }
 }
 

@@ -2135,3 +2135,638 @@ async fn the_dashboard_needs_a_token_escapes_what_it_shows_and_loads_nothing_els
     })
     .await;
 }
+
+/// Who calls, in the authorization matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Who {
+    NoToken,
+    WrongToken,
+    Join,
+    Node,
+    Metrics,
+    /// The owner of the job the routes name (a user of team-a).
+    Alice,
+    /// Another user of team-a, whose members see each other's jobs.
+    Bob,
+    /// A user of team-b only.
+    Carol,
+    Operator,
+    Admin,
+}
+
+/// (method, route as OpenAPI names it, path, body, status per caller).
+type Case = (
+    reqwest::Method,
+    &'static str,
+    String,
+    Option<Value>,
+    Vec<(Who, u16)>,
+);
+
+const EVERYONE: [Who; 10] = [
+    Who::NoToken,
+    Who::WrongToken,
+    Who::Join,
+    Who::Node,
+    Who::Metrics,
+    Who::Alice,
+    Who::Bob,
+    Who::Carol,
+    Who::Operator,
+    Who::Admin,
+];
+
+/// The statuses of a route for which only `allowed` get past
+/// authorization (answering `ok`), the rest 401 (no or a wrong token) or
+/// 403.
+fn only(allowed: &[Who], ok: u16) -> Vec<(Who, u16)> {
+    EVERYONE
+        .iter()
+        .map(|who| {
+            let status = if allowed.contains(who) {
+                ok
+            } else if matches!(who, Who::NoToken | Who::WrongToken) {
+                401
+            } else {
+                403
+            };
+            (*who, status)
+        })
+        .collect()
+}
+
+const USERS: [Who; 5] = [Who::Alice, Who::Bob, Who::Carol, Who::Operator, Who::Admin];
+
+/// Alice's job as each caller sees it: its owner, a member of its shared
+/// queue and staff read it; carol does not see it at all.
+fn job_read(ok: u16) -> Vec<(Who, u16)> {
+    let mut statuses = only(&USERS, ok);
+    for (who, status) in &mut statuses {
+        if *who == Who::Carol {
+            *status = 404;
+        }
+    }
+    statuses
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_authorization_matrix_holds_for_every_route() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let node = api.register(server.join_token(), "gpu-1").await.node_token;
+        let (status, _) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/queues/team-a",
+                Some(&admin),
+                Some(json!({ "guaranteed_gpus": 0.0, "weight": 1, "members_see_jobs": true })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let mut tokens = std::collections::BTreeMap::new();
+        for (name, role, queues) in [
+            ("alice", "user", vec!["team-a"]),
+            ("bob", "user", vec!["team-a"]),
+            ("carol", "user", vec!["team-b"]),
+            ("olga", "operator", vec![]),
+            ("root2", "admin", vec![]),
+        ] {
+            let (status, body) = api
+                .post(
+                    "/v1/users",
+                    &admin,
+                    json!({ "name": name, "role": role, "queues": queues }),
+                )
+                .await;
+            assert_eq!(status, StatusCode::CREATED, "{body}");
+            tokens.insert(name, body["token"].as_str().expect("a token").to_string());
+        }
+        let token_of = |who: Who| -> Option<String> {
+            Some(match who {
+                Who::NoToken => return None,
+                Who::WrongToken => "0".repeat(64),
+                Who::Join => server.join_token().to_string(),
+                Who::Node => node.clone(),
+                Who::Metrics => server.metrics_token().to_string(),
+                Who::Alice => tokens["alice"].clone(),
+                Who::Bob => tokens["bob"].clone(),
+                Who::Carol => tokens["carol"].clone(),
+                Who::Operator => tokens["olga"].clone(),
+                Who::Admin => tokens["root2"].clone(),
+            })
+        };
+        // Alice's job, in team-a.
+        let (status, body) = api
+            .post(
+                "/v1/jobs",
+                &tokens["alice"],
+                json!({ "spec": spec("mine", "team-a", 1) }),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        let job = body["id"].as_u64().expect("an id");
+        let (_, body) = api.get(&format!("/v1/jobs/{job}"), &admin).await;
+        assert_eq!(body["user"], "alice", "the job is the token's user's");
+
+        use reqwest::Method;
+        let team_a = json!({ "spec": spec("x", "team-a", 1) });
+        let mut submit = only(&USERS, 201);
+        for (who, status) in &mut submit {
+            if *who == Who::Carol {
+                *status = 403;
+            }
+        }
+        let mut cancel = job_read(200);
+        for (who, status) in &mut cancel {
+            if matches!(who, Who::Bob | Who::Operator) {
+                *status = 403;
+            }
+        }
+        let mut array_cancel = cancel.clone();
+        for (_, status) in &mut array_cancel {
+            if *status == 200 {
+                *status = 400;
+            }
+        }
+        let staff = [Who::Operator, Who::Admin];
+        // (method, route as OpenAPI names it, path, body, statuses)
+        let cases: Vec<Case> = vec![
+            (
+                Method::GET,
+                "/v1/jobs",
+                "/v1/jobs".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            (
+                Method::POST,
+                "/v1/jobs",
+                "/v1/jobs".into(),
+                Some(team_a),
+                submit,
+            ),
+            (
+                Method::GET,
+                "/v1/jobs/{id}",
+                format!("/v1/jobs/{job}"),
+                None,
+                job_read(200),
+            ),
+            (
+                Method::GET,
+                "/v1/jobs/{id}/logs",
+                format!("/v1/jobs/{job}/logs"),
+                None,
+                job_read(200),
+            ),
+            (
+                Method::GET,
+                "/v1/jobs/{id}/usage",
+                format!("/v1/jobs/{job}/usage"),
+                None,
+                job_read(200),
+            ),
+            (
+                Method::GET,
+                "/v1/nodes",
+                "/v1/nodes".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            (
+                Method::GET,
+                "/v1/nodes/{name}",
+                "/v1/nodes/gpu-1".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            (
+                Method::GET,
+                "/v1/nodes/{name}/telemetry",
+                "/v1/nodes/gpu-1/telemetry".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            (
+                Method::DELETE,
+                "/v1/nodes/{name}",
+                "/v1/nodes/nope".into(),
+                None,
+                only(&staff, 404),
+            ),
+            (
+                Method::POST,
+                "/v1/nodes/{name}/cordon",
+                "/v1/nodes/nope/cordon".into(),
+                None,
+                only(&staff, 404),
+            ),
+            (
+                Method::POST,
+                "/v1/nodes/{name}/uncordon",
+                "/v1/nodes/nope/uncordon".into(),
+                None,
+                only(&staff, 404),
+            ),
+            (
+                Method::POST,
+                "/v1/nodes/{name}/drain",
+                "/v1/nodes/nope/drain".into(),
+                None,
+                only(&staff, 404),
+            ),
+            (
+                Method::POST,
+                "/v1/nodes/{name}/reset-identity",
+                "/v1/nodes/nope/reset-identity".into(),
+                None,
+                only(&staff, 404),
+            ),
+            (
+                Method::GET,
+                "/v1/pools",
+                "/v1/pools".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            (
+                Method::PUT,
+                "/v1/pools/{name}/policy",
+                "/v1/pools/gpu-a/policy".into(),
+                Some(json!({ "stack_policy": "report" })),
+                only(&staff, 200),
+            ),
+            (
+                Method::DELETE,
+                "/v1/pools/{name}/policy",
+                "/v1/pools/nope/policy".into(),
+                None,
+                only(&staff, 404),
+            ),
+            (
+                Method::GET,
+                "/v1/fleet",
+                "/v1/fleet".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            (
+                Method::GET,
+                "/v1/queues",
+                "/v1/queues".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            (
+                Method::PUT,
+                "/v1/queues/{name}",
+                "/v1/queues/team-c".into(),
+                Some(json!({ "guaranteed_gpus": 0.0, "weight": 1 })),
+                only(&[Who::Admin], 200),
+            ),
+            (
+                Method::GET,
+                "/v1/cost",
+                "/v1/cost".into(),
+                None,
+                only(&staff, 200),
+            ),
+            (
+                Method::GET,
+                "/v1/prices",
+                "/v1/prices".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            (
+                Method::PUT,
+                "/v1/prices/{model}",
+                "/v1/prices/L4".into(),
+                Some(json!({ "per_gpu_hour": 1.0 })),
+                only(&[Who::Admin], 200),
+            ),
+            (
+                Method::DELETE,
+                "/v1/prices/{model}",
+                "/v1/prices/NOPE".into(),
+                None,
+                only(&[Who::Admin], 404),
+            ),
+            (
+                Method::GET,
+                "/v1/users",
+                "/v1/users".into(),
+                None,
+                only(&[Who::Admin], 200),
+            ),
+            (
+                Method::POST,
+                "/v1/users",
+                "/v1/users".into(),
+                Some(json!({ "name": "dave", "role": "user" })),
+                only(&[Who::Admin], 201),
+            ),
+            (
+                Method::DELETE,
+                "/v1/users/{name}",
+                "/v1/users/nobody".into(),
+                None,
+                only(&[Who::Admin], 404),
+            ),
+            (
+                Method::POST,
+                "/v1/users/{name}/rotate-token",
+                "/v1/users/nobody/rotate-token".into(),
+                None,
+                only(&[Who::Admin], 404),
+            ),
+            (
+                Method::GET,
+                "/v1/whoami",
+                "/v1/whoami".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            (
+                Method::GET,
+                "/v1/audit",
+                "/v1/audit".into(),
+                None,
+                only(&[Who::Admin], 200),
+            ),
+            (
+                Method::POST,
+                "/v1/agents/register",
+                "/v1/agents/register".into(),
+                Some(json!({})),
+                only(&[Who::Join, Who::Node], 400),
+            ),
+            (
+                Method::POST,
+                "/v1/agents/{node}/heartbeat",
+                "/v1/agents/gpu-1/heartbeat".into(),
+                Some(json!({})),
+                only(&[Who::Node], 400),
+            ),
+            (
+                Method::POST,
+                "/v1/agents/{node}/logs",
+                "/v1/agents/gpu-1/logs".into(),
+                Some(json!({})),
+                only(&[Who::Node], 400),
+            ),
+            (
+                Method::POST,
+                "/v1/agents/{node}/telemetry",
+                "/v1/agents/gpu-1/telemetry".into(),
+                Some(json!({})),
+                only(&[Who::Node], 400),
+            ),
+            (
+                Method::GET,
+                "/metrics",
+                "/metrics".into(),
+                None,
+                only(&[Who::Metrics, Who::Operator, Who::Admin], 200),
+            ),
+            // Cancels last: they change the job.
+            (
+                Method::POST,
+                "/v1/arrays/{id}/cancel",
+                format!("/v1/arrays/{job}/cancel"),
+                None,
+                array_cancel,
+            ),
+            (
+                Method::POST,
+                "/v1/jobs/{id}/cancel",
+                format!("/v1/jobs/{job}/cancel"),
+                None,
+                cancel,
+            ),
+        ];
+        // Every route of the API is in the matrix: a new one fails here
+        // until it is given its row.
+        let (_, document) = api.get("/v1/openapi.json", &admin).await;
+        for (path, item) in document["paths"].as_object().expect("paths") {
+            for method in item.as_object().expect("methods").keys() {
+                let method =
+                    Method::from_bytes(method.to_uppercase().as_bytes()).expect("a method");
+                assert!(
+                    cases
+                        .iter()
+                        .any(|(m, route, ..)| *m == method && route == path),
+                    "{method} {path} is not in the authorization matrix"
+                );
+            }
+        }
+        let mut failures = Vec::new();
+        for (method, route, path, body, statuses) in &cases {
+            for (who, expected) in statuses {
+                let (status, answer) = api
+                    .call(
+                        method.clone(),
+                        path,
+                        token_of(*who).as_deref(),
+                        body.clone(),
+                    )
+                    .await;
+                if status.as_u16() != *expected {
+                    failures.push(format!(
+                        "{method} {route} as {who:?}: {status}, expected {expected}: {answer}"
+                    ));
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+        // The public ones.
+        for path in ["/healthz", "/v1/openapi.json"] {
+            let (status, _) = api.call(Method::GET, path, None, None).await;
+            assert_eq!(status, StatusCode::OK, "{path}");
+        }
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_are_audited_and_a_retried_submission_makes_one_job() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let (_, body) = api
+            .post(
+                "/v1/users",
+                &admin,
+                json!({ "name": "alice", "role": "user" }),
+            )
+            .await;
+        let alice = body["token"].as_str().expect("a token").to_string();
+        assert_eq!(body["user"]["queues"], json!(["default"]));
+        // The token is shown once: the list has no token, the store no copy.
+        let (_, list) = api.get("/v1/users", &admin).await;
+        assert!(!list.to_string().contains(&alice), "{list}");
+        let db = std::fs::read(dir.path().join("muster.db")).unwrap();
+        assert!(
+            !db.windows(alice.len()).any(|w| w == alice.as_bytes()),
+            "the token is not in the store"
+        );
+        let (_, me) = api.get("/v1/whoami", &alice).await;
+        assert_eq!(me["name"], "alice");
+        // Submitting with a key: a retry answers the same job.
+        let submit = |key: &'static str| {
+            let request = api
+                .http
+                .post(api.url("/v1/jobs"))
+                .bearer_auth(&alice)
+                .header("idempotency-key", key)
+                .json(&json!({ "spec": spec("once", "default", 1) }));
+            async move {
+                let response = request.send().await.expect("sent");
+                let status = response.status();
+                let body: Value = response.json().await.expect("JSON");
+                (status, body)
+            }
+        };
+        let (status, first) = submit("k-1").await;
+        assert_eq!(status, StatusCode::CREATED, "{first}");
+        let (status, again) = submit("k-1").await;
+        assert_eq!(status, StatusCode::OK, "{again}");
+        assert_eq!(again["id"], first["id"]);
+        let (status, other) = submit("k-2").await;
+        assert_eq!(status, StatusCode::CREATED);
+        assert_ne!(other["id"], first["id"]);
+        let (status, _) = api
+            .call(
+                reqwest::Method::POST,
+                "/v1/jobs",
+                Some(&alice),
+                Some(json!({ "spec": spec("x", "team-z", 1) })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "not a member of team-z");
+        // Impersonation is the admin's only, and audited.
+        let response = api
+            .http
+            .post(api.url("/v1/jobs"))
+            .bearer_auth(&alice)
+            .header("x-muster-user", "bob")
+            .json(&json!({ "spec": spec("x", "default", 1) }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        let response = api
+            .http
+            .post(api.url("/v1/jobs"))
+            .bearer_auth(&admin)
+            .header("x-muster-user", "bob")
+            .json(&json!({ "spec": spec("for-bob", "default", 1) }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        // A restart keeps the keys and the users.
+        server.shutdown().await;
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let (status, after) = {
+            let response = api
+                .http
+                .post(api.url("/v1/jobs"))
+                .bearer_auth(&alice)
+                .header("idempotency-key", "k-1")
+                .json(&json!({ "spec": spec("once", "default", 1) }))
+                .send()
+                .await
+                .unwrap();
+            (response.status(), response.json::<Value>().await.unwrap())
+        };
+        assert_eq!(status, StatusCode::OK, "{after}");
+        assert_eq!(after["id"], first["id"]);
+        let (_, list) = api.get("/v1/jobs?user=alice", &admin).await;
+        let names: Vec<&str> = list["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|job| job["name"].as_str())
+            .collect();
+        assert_eq!(
+            names.iter().filter(|name| **name == "once").count(),
+            2,
+            "{names:?}"
+        );
+        // The audit log: who did what, allowed or not; newest first.
+        let mut entries = Value::Null;
+        for _ in 0..50 {
+            let (status, body) = api.get("/v1/audit?since=1h", &admin).await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            if body["entries"].as_array().is_some_and(|e| e.len() >= 7) {
+                entries = body["entries"].clone();
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let entries = entries.as_array().expect("entries").clone();
+        let find = |who: &str, allowed: bool, status: u64| {
+            entries.iter().any(|e| {
+                e["who"] == who
+                    && e["action"] == "POST /v1/jobs"
+                    && e["allowed"] == allowed
+                    && e["status"] == status
+            })
+        };
+        assert!(find("alice", true, 201), "{entries:#?}");
+        assert!(find("alice", false, 403), "{entries:#?}");
+        assert!(find("admin (as bob)", true, 201), "{entries:#?}");
+        assert!(
+            entries
+                .iter()
+                .any(|e| e["action"] == "POST /v1/users" && e["who"] == "admin"),
+            "{entries:#?}"
+        );
+        assert!(
+            entries.iter().all(|e| e["origin"] == "127.0.0.1"),
+            "{entries:#?}"
+        );
+        let (_, mine) = api.get("/v1/audit?user=alice", &admin).await;
+        assert!(
+            mine["entries"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|e| e["who"] == "alice")
+        );
+        // Users go: the token stops working at once; rotation replaces it.
+        let (status, rotated) = api
+            .post("/v1/users/alice/rotate-token", &admin, json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            api.get("/v1/whoami", &alice).await.0,
+            StatusCode::UNAUTHORIZED
+        );
+        let fresh = rotated["token"].as_str().unwrap().to_string();
+        assert_eq!(api.get("/v1/whoami", &fresh).await.0, StatusCode::OK);
+        let (status, _) = api
+            .call(
+                reqwest::Method::DELETE,
+                "/v1/users/alice",
+                Some(&admin),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            api.get("/v1/whoami", &fresh).await.0,
+            StatusCode::UNAUTHORIZED
+        );
+        server.shutdown().await;
+    })
+    .await;
+}

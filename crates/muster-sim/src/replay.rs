@@ -205,6 +205,7 @@ pub fn proportional_queues(jobs: &[ReplayJob], capacity_milli: u64) -> Vec<Queue
             idle_after: None,
             idle_below_pct: None,
             budget: None,
+            members_see_jobs: false,
         })
         .collect()
 }

@@ -58,6 +58,9 @@ pub struct ServerArgs {
     /// `H100-80GB: 2.50` (`muster prices set` changes them later).
     #[arg(long, value_name = "FILE")]
     pub prices: Option<PathBuf>,
+    /// How long the audit log (`muster audit`) keeps an entry.
+    #[arg(long, value_name = "DURATION", default_value = "400d", value_parser = parse_duration_ms)]
+    pub audit_retention: u64,
 }
 
 fn parse_stack_policy(text: &str) -> Result<muster_control::StackPolicy, String> {
@@ -334,6 +337,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
         let handle = muster_server::Server::start(muster_server::ServerConfig {
             usage_retention_ms: args.usage_retention,
             prices_file: args.prices.clone(),
+            audit_retention_ms: args.audit_retention,
             ..server_config(
                 args.listen,
                 data_dir.clone(),

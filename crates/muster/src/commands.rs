@@ -2012,6 +2012,9 @@ pub enum QueueCommand {
         /// instead of only a warning.
         #[arg(long, requires = "budget")]
         budget_hard: bool,
+        /// Its members may read (not cancel) each other's jobs.
+        #[arg(long)]
+        members_see_jobs: bool,
     },
 }
 
@@ -2028,6 +2031,7 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
         idle_below,
         budget,
         budget_hard,
+        members_see_jobs,
     }) = &args.command
     {
         let update = QueueUpdate {
@@ -2039,6 +2043,7 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
             idle_below_pct: *idle_below,
             budget: *budget,
             budget_hard: *budget_hard,
+            members_see_jobs: *members_see_jobs,
         };
         let queue = rt
             .block_on(client.set_queue(name, &update))

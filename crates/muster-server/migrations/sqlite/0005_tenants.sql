@@ -1,0 +1,26 @@
+-- Schema version 5: users (a token's hash, never the token), the audit
+-- log of mutating requests, and idempotency keys of submissions.
+CREATE TABLE IF NOT EXISTS users (
+    name TEXT PRIMARY KEY,
+    record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at INTEGER NOT NULL,
+    who TEXT NOT NULL,
+    action TEXT NOT NULL,
+    object TEXT NOT NULL,
+    origin TEXT NOT NULL,
+    status INTEGER NOT NULL,
+    allowed INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_by_time ON audit (at);
+CREATE INDEX IF NOT EXISTS audit_by_who ON audit (who, at);
+CREATE TABLE IF NOT EXISTS idempotency (
+    user TEXT NOT NULL,
+    key TEXT NOT NULL,
+    job INTEGER NOT NULL,
+    at INTEGER NOT NULL,
+    PRIMARY KEY (user, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idempotency_by_time ON idempotency (at);
