@@ -56,6 +56,29 @@ pub struct Client {
     http: reqwest::Client,
 }
 
+/// How long a submission is retried while the server cannot be reached.
+const SUBMIT_RETRY_FOR: Duration = Duration::from_secs(60);
+
+/// A key no other submission has: 128 bits from the process's random hash
+/// seeds, the time and a counter.
+fn idempotency_key() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let count = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let mut parts = [0u64; 2];
+    for part in &mut parts {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u128(nanos);
+        hasher.write_u64(count);
+        hasher.write_u32(std::process::id());
+        *part = hasher.finish();
+    }
+    format!("muster-{:016x}{:016x}", parts[0], parts[1])
+}
+
 /// The header that names the user a submission is for.
 pub const USER_HEADER: &str = "x-muster-user";
 
@@ -158,7 +181,10 @@ impl Client {
     }
 
     /// [`Client::submit_with`], answering the whole response (an array's
-    /// element count too).
+    /// element count too). The submission carries a fresh `Idempotency-Key`
+    /// and is retried with it while the server cannot be reached (up to a
+    /// minute, backing off): a server that crashed after saving the job
+    /// answers the same job when it is back, never a second one.
     pub async fn submit_request(
         &self,
         spec: serde_json::Value,
@@ -168,7 +194,36 @@ impl Client {
             spec,
             allow_pending,
         };
-        self.post("/v1/jobs", &request, None).await
+        let key = idempotency_key();
+        let url = format!("{}/v1/jobs", self.base);
+        let deadline = std::time::Instant::now() + SUBMIT_RETRY_FOR;
+        let mut wait = Duration::from_millis(250);
+        loop {
+            let attempt = self
+                .send(
+                    self.http
+                        .post(&url)
+                        .header("idempotency-key", &key)
+                        .json(&request),
+                    &url,
+                )
+                .await;
+            match attempt {
+                Err(ClientError::Transport { .. }) if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(5));
+                }
+                // A retry that arrived while the first was still being
+                // saved: ask again.
+                Err(ClientError::Api { status: 409, body })
+                    if body.message.contains("Idempotency-Key")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(wait).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     pub async fn jobs(&self, filter: &JobFilter) -> Result<JobList, ClientError> {
@@ -384,6 +439,46 @@ impl Client {
     pub async fn remove_pool_policy(&self, pool: &str) -> Result<PoolList, ClientError> {
         let url = format!("{}/v1/pools/{}/policy", self.base, encode(pool));
         self.send(self.http.delete(&url), &url).await
+    }
+
+    pub async fn whoami(&self) -> Result<WhoAmI, ClientError> {
+        self.get("/v1/whoami").await
+    }
+
+    pub async fn add_user(&self, user: &UserCreate) -> Result<UserToken, ClientError> {
+        self.post("/v1/users", user, None).await
+    }
+
+    pub async fn users(&self) -> Result<UserList, ClientError> {
+        self.get("/v1/users").await
+    }
+
+    pub async fn remove_user(&self, name: &str) -> Result<UserView, ClientError> {
+        let url = format!("{}/v1/users/{}", self.base, encode(name));
+        self.send(self.http.delete(&url), &url).await
+    }
+
+    pub async fn rotate_token(&self, name: &str) -> Result<UserToken, ClientError> {
+        self.post(
+            &format!("/v1/users/{}/rotate-token", encode(name)),
+            &serde_json::json!({}),
+            None,
+        )
+        .await
+    }
+
+    /// The audit log since `since` (`24h`, `30d`), of `user` if given.
+    pub async fn audit(
+        &self,
+        since: &str,
+        user: Option<&str>,
+        limit: u32,
+    ) -> Result<AuditList, ClientError> {
+        let mut path = format!("/v1/audit?since={}&limit={limit}", encode(since));
+        if let Some(user) = user {
+            path.push_str(&format!("&user={}", encode(user)));
+        }
+        self.get(&path).await
     }
 
     pub async fn pools(&self) -> Result<PoolList, ClientError> {

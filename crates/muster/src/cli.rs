@@ -58,6 +58,14 @@ pub enum Command {
     Fleet(crate::commands::FleetArgs),
     /// List queues, or set one (`muster queues set NAME --guaranteed 8`).
     Queues(crate::commands::QueuesArgs),
+    /// Users and their roles (admin): `muster users add alice --role user
+    /// --queues team-a` prints its token once.
+    Users(crate::commands::UsersArgs),
+    /// Keep a token (read from standard input) and the server in the client
+    /// config, after checking them: `muster login --server https://...`.
+    Login(crate::commands::LoginArgs),
+    /// The audit log (admin): every change, who, from where, allowed or not.
+    Audit(crate::commands::AuditArgs),
     /// A live view of the cluster: nodes with a bar per GPU, jobs with their
     /// utilisation (`--once` prints one frame).
     Top(crate::commands::TopArgs),

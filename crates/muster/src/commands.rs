@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Writes to standard output; a closed pipe (`muster ps | head`) ends the
 /// program quietly instead of panicking.
-fn write_out(args: std::fmt::Arguments<'_>) {
+pub(crate) fn write_out(args: std::fmt::Arguments<'_>) {
     let mut stdout = std::io::stdout().lock();
     if let Err(error) = stdout.write_fmt(args).and_then(|()| stdout.flush())
         && error.kind() == std::io::ErrorKind::BrokenPipe
@@ -37,8 +37,10 @@ macro_rules! outln {
 }
 
 mod cost;
+mod tenants;
 mod top;
 pub use cost::{CostArgs, PricesArgs, cost, prices};
+pub use tenants::{AuditArgs, LoginArgs, UsersArgs, audit, login, users};
 pub use top::{TopArgs, top};
 
 /// Where the server is and how to authenticate.
@@ -132,12 +134,15 @@ impl Connection {
             .or_else(|| std::env::var("MUSTER_SERVER").ok())
             .or_else(|| config["server"].as_str().map(str::to_string))
             .unwrap_or_else(|| DEFAULT_SERVER.to_string());
-        let token = match self
+        let given = self
             .token
             .clone()
             .or_else(|| std::env::var("MUSTER_TOKEN").ok())
-            .or_else(|| config["token"].as_str().map(str::to_string))
-        {
+            .or_else(|| config["token"].as_str().map(str::to_string));
+        // The admin token from a file (`muster up`'s) submits as the login
+        // user; a user's own token is its user's, and says nothing more.
+        let from_admin_file = given.is_none();
+        let token = match given {
             Some(token) => token,
             None => {
                 let file = config["token_file"]
@@ -156,10 +161,15 @@ impl Connection {
             }
         };
         let client = Client::new(&server, &token);
-        Ok(match std::env::var("USER").ok().filter(|u| !u.is_empty()) {
-            Some(user) => client.with_user(&user),
-            None => client,
-        })
+        Ok(
+            match std::env::var("USER")
+                .ok()
+                .filter(|u| !u.is_empty() && from_admin_file)
+            {
+                Some(user) => client.with_user(&user),
+                None => client,
+            },
+        )
     }
 }
 
@@ -176,7 +186,7 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn ago(ms: u64) -> String {
+pub(crate) fn ago(ms: u64) -> String {
     ago_text(now_ms().saturating_sub(ms))
 }
 

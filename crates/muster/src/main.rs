@@ -52,6 +52,9 @@ fn main() -> ExitCode {
         cli::Command::Queues(args) => commands::queues(args),
         cli::Command::Cost(args) => commands::cost(args),
         cli::Command::Top(args) => commands::top(args),
+        cli::Command::Users(args) => commands::users(args),
+        cli::Command::Login(args) => commands::login(args),
+        cli::Command::Audit(args) => commands::audit(args),
         cli::Command::Prices(args) => commands::prices(args),
         cli::Command::Pools(args) => commands::pools(args),
         cli::Command::Completions { shell } => {

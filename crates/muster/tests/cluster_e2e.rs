@@ -1463,3 +1463,219 @@ fn prometheus_scrapes(env: &Env, token_file: &std::path::Path, busy: &str, idle:
     let _ = prometheus.kill();
     let _ = prometheus.wait();
 }
+
+/// POST `body` to `path` with a token and an idempotency key; the status
+/// and the body.
+fn http_post_with_key(url: &str, path: &str, token: &str, key: &str, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let address = url.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(address).expect("the server answers");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("a timeout");
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nHost: {address}\r\nAuthorization: Bearer {token}\r\n\
+         Idempotency-Key: {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("request sent");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).expect("an answer");
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_string());
+    (status, body)
+}
+
+#[test]
+fn users_log_in_see_their_own_jobs_and_a_submission_survives_a_server_crash_once() {
+    let mut env = Env::new();
+    let (server, data) = env.start_server();
+    let admin = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
+    let admin = admin.trim().to_string();
+    env.flags = vec![
+        "--server".into(),
+        env.url.clone(),
+        "--token".into(),
+        admin.clone(),
+    ];
+    let output = env.muster(&[
+        "users", "add", "alice", "--role", "user", "--queues", "team-a",
+    ]);
+    assert!(output.status.success(), "{output:?}");
+    let alice = stdout(&output).trim().to_string();
+    assert_eq!(alice.len(), 64, "{alice}");
+    // Alice logs in from her own config (the token on standard input).
+    let alice_config = env.path("alice-config");
+    let login = |args: &[&str]| {
+        let mut child = env
+            .command()
+            .env("XDG_CONFIG_HOME", &alice_config)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("muster runs");
+        use std::io::Write;
+        if let Some(mut input) = child.stdin.take() {
+            let _ = writeln!(input, "{alice}");
+        }
+        child.wait_with_output().expect("muster ends")
+    };
+    let output = login(&["login", "--server", &env.url]);
+    assert!(output.status.success(), "{output:?}");
+    assert!(stdout(&output).contains("as alice (user)"), "{output:?}");
+    let config = std::fs::read_to_string(alice_config.join("muster/config.json")).expect("config");
+    assert!(config.contains(&alice));
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(alice_config.join("muster/config.json"))
+        .expect("config")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o077, 0, "the config is its owner's only");
+    let as_alice = |args: &[&str]| {
+        env.command()
+            .env("XDG_CONFIG_HOME", &alice_config)
+            .args(args)
+            .output()
+            .expect("muster runs")
+    };
+    // The admin's job and alice's.
+    let output = env.muster(&["submit", "--allow-pending", "-"]);
+    assert!(!output.status.success(), "no file on stdin");
+    let spec = env.path("job.yaml");
+    std::fs::write(
+        &spec,
+        "name: theirs\nqueue: team-a\ngpus: 1\ncommand: [sleep, '60']\n",
+    )
+    .expect("a spec");
+    let output = env.muster(&["submit", "--allow-pending", spec.to_str().expect("a path")]);
+    assert!(output.status.success(), "{output:?}");
+    let theirs = stdout(&output).trim().to_string();
+    std::fs::write(
+        &spec,
+        "name: mine\nqueue: team-a\ngpus: 1\ncommand: [sleep, '60']\n",
+    )
+    .expect("a spec");
+    let output = as_alice(&["submit", "--allow-pending", spec.to_str().expect("a path")]);
+    assert!(output.status.success(), "{output:?}");
+    let mine = stdout(&output).trim().to_string();
+    let listed = json(&as_alice(&["ps", "--json"]));
+    let ids: Vec<String> = listed["jobs"]
+        .as_array()
+        .expect("jobs")
+        .iter()
+        .map(|job| job["id"].to_string())
+        .collect();
+    assert_eq!(ids, vec![mine.clone()], "alice sees only her job");
+    let output = as_alice(&["cancel", &theirs]);
+    assert_eq!(
+        output.status.code(),
+        Some(3),
+        "not found for her: {output:?}"
+    );
+    let output = as_alice(&["drain", "x"]);
+    assert_eq!(output.status.code(), Some(4), "refused: {output:?}");
+    // The audit log has her submission and her refused drain (entries are
+    // written with the next commit: wait a moment for them).
+    let mut audit = serde_json::Value::Null;
+    common::wait_until("the audit entries", Duration::from_secs(10), || {
+        audit = json(&env.muster(&["audit", "--json"]));
+        let entries = audit["entries"].as_array().cloned().unwrap_or_default();
+        entries
+            .iter()
+            .any(|e| e["who"] == "alice" && e["action"] == "POST /v1/jobs" && e["status"] == 201)
+            && entries.iter().any(|e| {
+                e["who"] == "alice"
+                    && e["action"] == "POST /v1/nodes/{name}/drain"
+                    && e["allowed"] == false
+                    && e["status"] == 403
+            })
+    });
+    let text = stdout(&env.muster(&["audit", "--user", "alice"]));
+    assert!(text.contains("REFUSED"), "{text}");
+    // A submission with a key, then the server is killed (SIGKILL) and
+    // started again: the retry answers the same job.
+    let body = r#"{"spec":{"name":"once","gpus":1,"command":["true"]},"allow_pending":true}"#;
+    let (status, first) = http_post_with_key(&env.url, "/v1/jobs", &admin, "crash-key", body);
+    assert_eq!(status, 201, "{first}");
+    drop(server);
+    let server = env.start(
+        "server-again",
+        &[
+            "server",
+            "--listen",
+            env.url.trim_start_matches("http://"),
+            "--data-dir",
+            data.to_str().expect("a path"),
+        ],
+    );
+    let (status, again) = http_post_with_key(&env.url, "/v1/jobs", &admin, "crash-key", body);
+    assert_eq!(status, 200, "{again}");
+    let id =
+        |text: &str| serde_json::from_str::<serde_json::Value>(text).expect("JSON")["id"].clone();
+    assert_eq!(id(&first), id(&again));
+    // The CLI retries a submission while the server is down, with one key:
+    // one job when it is back.
+    drop(server);
+    let mut submit = env
+        .command()
+        .arg("run")
+        .args(&env.flags)
+        .args([
+            "--detach",
+            "--allow-pending",
+            "--name",
+            "retried",
+            "--gpus",
+            "1",
+            "--",
+            "true",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("muster runs");
+    std::thread::sleep(Duration::from_millis(1_500));
+    let _server = env.start(
+        "server-third",
+        &[
+            "server",
+            "--listen",
+            env.url.trim_start_matches("http://"),
+            "--data-dir",
+            data.to_str().expect("a path"),
+        ],
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = submit.try_wait().expect("a status") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the retried submission ended"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "{:?}", submit.wait_with_output());
+    let all = json(&env.muster(&["ps", "--all", "--json"]));
+    let named = |name: &str| {
+        all["jobs"]
+            .as_array()
+            .expect("jobs")
+            .iter()
+            .filter(|job| job["name"] == name)
+            .count()
+    };
+    assert_eq!(named("once"), 1, "{all}");
+    assert_eq!(named("retried"), 1, "{all}");
+}

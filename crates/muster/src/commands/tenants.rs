@@ -1,0 +1,239 @@
+//! `muster users`, `muster login` and `muster audit`.
+
+use super::{Connection, Failure, ago, config_path, print_json, runtime, table, write_out};
+use anyhow::Context;
+use clap::Args;
+use muster_api::protocol::UserCreate;
+use std::io::Read;
+
+#[derive(Debug, Args)]
+pub struct UsersArgs {
+    #[command(subcommand)]
+    pub command: Option<UserCommand>,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum UserCommand {
+    /// Make a user (admin) and print its token, this once.
+    Add {
+        name: String,
+        /// `user` (its own jobs, in its queues), `operator` (also nodes,
+        /// pools, every job) or `admin` (everything).
+        #[arg(long, default_value = "user", value_parser = ["user", "operator", "admin"])]
+        role: String,
+        /// The queues a user may submit to, comma-separated (default:
+        /// `default`).
+        #[arg(long, value_delimiter = ',')]
+        queues: Vec<String>,
+    },
+    /// List users (never their tokens).
+    List,
+    /// Remove a user: its token stops working at once.
+    Remove { name: String },
+    /// A new token for a user (printed once); the old one stops working.
+    RotateToken { name: String },
+}
+
+pub fn users(args: UsersArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let rt = runtime()?;
+    let json = args.connection.json;
+    match args.command.unwrap_or(UserCommand::List) {
+        UserCommand::Add { name, role, queues } => {
+            let made = rt
+                .block_on(client.add_user(&UserCreate { name, role, queues }))
+                .map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&made)?;
+            } else {
+                outln!("{}", made.token);
+                eprintln!(
+                    "user {} ({}) made; its token is above, shown this once: give it to the \
+                     user, who runs `muster login --server URL` and pastes it",
+                    made.user.name, made.user.role
+                );
+            }
+        }
+        UserCommand::RotateToken { name } => {
+            let made = rt
+                .block_on(client.rotate_token(&name))
+                .map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&made)?;
+            } else {
+                outln!("{}", made.token);
+                eprintln!(
+                    "user {}: new token above (the old one no longer works)",
+                    name
+                );
+            }
+        }
+        UserCommand::Remove { name } => {
+            let gone = rt
+                .block_on(client.remove_user(&name))
+                .map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&gone)?;
+            } else {
+                outln!("user {} removed", gone.name);
+            }
+        }
+        UserCommand::List => {
+            let list = rt.block_on(client.users()).map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&list)?;
+            } else {
+                table(
+                    &["USER", "ROLE", "QUEUES", "MADE"],
+                    list.users
+                        .iter()
+                        .map(|user| {
+                            vec![
+                                user.name.clone(),
+                                user.role.clone(),
+                                if user.queues.is_empty() {
+                                    "(all)".to_string()
+                                } else {
+                                    user.queues.join(",")
+                                },
+                                format!("{} ago", ago(user.created_ms)),
+                            ]
+                        })
+                        .collect(),
+                );
+            }
+        }
+    }
+    Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct LoginArgs {
+    /// Read the token from this file instead of standard input.
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// Checks a token against the server and keeps it (and the server) in the
+/// client config, readable by its owner only.
+pub fn login(args: LoginArgs) -> Result<u8, Failure> {
+    let token = match (&args.connection.token, &args.token_file) {
+        (Some(token), _) => token.clone(),
+        (None, Some(file)) => std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read {}", file.display()))?,
+        (None, None) => {
+            eprintln!("paste the token and press Enter (or end with Ctrl-D):");
+            let mut text = String::new();
+            std::io::stdin()
+                .lock()
+                .take(4096)
+                .read_to_string(&mut text)
+                .context("cannot read the token from standard input")?;
+            text.lines().next().unwrap_or_default().to_string()
+        }
+    };
+    let token = token.trim().to_string();
+    if token.is_empty() {
+        return Err(anyhow::anyhow!("no token given").into());
+    }
+    let connection = Connection {
+        token: Some(token.clone()),
+        ..args.connection.clone()
+    };
+    let client = connection.client()?;
+    let me = runtime()?
+        .block_on(client.whoami())
+        .map_err(anyhow::Error::from)?;
+    let path = config_path();
+    let mut config: serde_json::Value = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_else(|| serde_json::json!({}));
+    config["server"] = client.base().into();
+    config["token"] = token.into();
+    if let Some(object) = config.as_object_mut() {
+        object.remove("token_file");
+    }
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    write_private(
+        &path,
+        &serde_json::to_string_pretty(&config).unwrap_or_default(),
+    )
+    .with_context(|| format!("cannot write {}", path.display()))?;
+    outln!(
+        "logged in to {} as {} ({}); the token is kept in {}",
+        client.base(),
+        me.name,
+        me.role,
+        path.display()
+    );
+    Ok(0)
+}
+
+/// Writes `text` to `path`, readable and writable by its owner only.
+fn write_private(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    file.write_all(text.as_bytes())
+}
+
+#[derive(Debug, Args)]
+pub struct AuditArgs {
+    /// How far back (24h, 30d).
+    #[arg(long, default_value = "24h")]
+    pub since: String,
+    /// Only this user's requests (`admin`, a user, `node:NAME`).
+    #[arg(long)]
+    pub user: Option<String>,
+    /// At most this many entries.
+    #[arg(long, default_value_t = 1000)]
+    pub limit: u32,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// The audit log (admin): who changed what, from where, allowed or not.
+pub fn audit(args: AuditArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let list = runtime()?
+        .block_on(client.audit(&args.since, args.user.as_deref(), args.limit))
+        .map_err(anyhow::Error::from)?;
+    if args.connection.json {
+        print_json(&list)?;
+        return Ok(0);
+    }
+    table(
+        &[
+            "WHEN", "WHO", "ACTION", "OBJECT", "FROM", "STATUS", "ALLOWED",
+        ],
+        list.entries
+            .iter()
+            .map(|entry| {
+                vec![
+                    format!("{} ago", ago(entry.at_ms)),
+                    entry.who.clone(),
+                    entry.action.clone(),
+                    entry.object.clone(),
+                    entry.origin.clone(),
+                    entry.status.to_string(),
+                    if entry.allowed { "yes" } else { "REFUSED" }.to_string(),
+                ]
+            })
+            .collect(),
+    );
+    Ok(0)
+}
