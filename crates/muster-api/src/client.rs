@@ -441,6 +441,37 @@ impl Client {
         self.send(self.http.delete(&url), &url).await
     }
 
+    /// Sets a secret's value (for `queue`'s jobs, or every queue's).
+    pub async fn set_secret(
+        &self,
+        name: &str,
+        value: &str,
+        queue: Option<&str>,
+    ) -> Result<SecretView, ClientError> {
+        let url = format!("{}/v1/secrets/{}", self.base, encode(name));
+        let body = SecretSet {
+            value: value.to_string(),
+            queue: queue.map(str::to_string),
+        };
+        self.send(self.http.put(&url).json(&body), &url).await
+    }
+
+    pub async fn secrets(&self) -> Result<SecretList, ClientError> {
+        self.get("/v1/secrets").await
+    }
+
+    pub async fn remove_secret(
+        &self,
+        name: &str,
+        queue: Option<&str>,
+    ) -> Result<SecretView, ClientError> {
+        let mut url = format!("{}/v1/secrets/{}", self.base, encode(name));
+        if let Some(queue) = queue {
+            url.push_str(&format!("?queue={}", encode(queue)));
+        }
+        self.send(self.http.delete(&url), &url).await
+    }
+
     pub async fn whoami(&self) -> Result<WhoAmI, ClientError> {
         self.get("/v1/whoami").await
     }

@@ -901,6 +901,34 @@ pub struct AuditList {
     pub entries: Vec<AuditView>,
 }
 
+/// `PUT /v1/secrets/{name}` (admin).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SecretSet {
+    /// The value (at most 64 KiB); never answered back.
+    pub value: String,
+    /// The queue whose jobs may use it (absent: every queue's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
+}
+
+/// A secret's name and scope, never its value.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SecretView {
+    pub name: String,
+    /// `None`: for every queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
+    pub updated_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SecretList {
+    pub secrets: Vec<SecretView>,
+}
+
 /// `PUT /v1/prices/{model}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

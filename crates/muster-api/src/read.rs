@@ -23,6 +23,7 @@ pub(crate) const JOB_FIELDS: &[&str] = &[
     "memory",
     "command",
     "env",
+    "secrets",
     "working_dir",
     "image",
     "max_runtime",
@@ -324,6 +325,7 @@ impl Reader {
             cpus: self.quantity(map, "cpus", "cpus", CPUS_ACCEPTED),
             memory: self.quantity(map, "memory", "memory", MEMORY_ACCEPTED),
             command: self.command(map),
+            secrets: self.secrets(map),
             env: self.env(map),
             working_dir: self.string(map, "working_dir", "working_dir"),
             image: self.string(map, "image", "image"),
@@ -521,12 +523,70 @@ impl Reader {
         }
     }
 
+    /// Variables whose value is a secret: `env: {X: {secret: NAME}}`, and
+    /// the wire form `secrets: {X: NAME}`.
+    fn secrets(&mut self, map: &Map<String, Value>) -> BTreeMap<String, String> {
+        let mut secrets = BTreeMap::new();
+        if let Some(Value::Object(variables)) = given(map, "env") {
+            for (key, value) in variables {
+                if let Value::Object(reference) = value {
+                    match (reference.len(), reference.get("secret")) {
+                        (1, Some(Value::String(name))) => {
+                            secrets.insert(key.clone(), name.clone());
+                        }
+                        _ => {
+                            let path = field_path("env", key);
+                            self.fail(
+                                &path,
+                                path.clone(),
+                                "expected a value, or {secret: NAME} for a secret".to_string(),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        match given(map, "secrets") {
+            None => {}
+            Some(Value::Object(variables)) => {
+                for (key, value) in variables {
+                    match value {
+                        Value::String(name) => {
+                            secrets.insert(key.clone(), name.clone());
+                        }
+                        other => {
+                            let path = field_path("secrets", key);
+                            self.fail(
+                                &path,
+                                path.clone(),
+                                format!("expected a secret's name, got {}", describe_value(other)),
+                            );
+                        }
+                    }
+                }
+            }
+            Some(other) => self.fail(
+                "secrets",
+                "secrets".to_string(),
+                format!(
+                    "expected a mapping of variable names to secret names, got {}",
+                    describe_value(other)
+                ),
+            ),
+        }
+        secrets
+    }
+
     fn env(&mut self, map: &Map<String, Value>) -> BTreeMap<String, String> {
         let mut env = BTreeMap::new();
         match given(map, "env") {
             None => {}
             Some(Value::Object(variables)) => {
                 for (key, value) in variables {
+                    if value.is_object() {
+                        // A secret: read by `secrets`.
+                        continue;
+                    }
                     match scalar_text(value) {
                         Ok(text) => {
                             env.insert(key.clone(), text);

@@ -106,6 +106,7 @@ fn full_spec() -> model::JobSpec {
             ("OMP_NUM_THREADS".to_string(), "8".to_string()),
             ("USE_FLASH".to_string(), "true".to_string()),
         ]),
+        secrets: BTreeMap::new(),
         working_dir: Some("/workspace".to_string()),
         image: Some("nvcr.io/nvidia/pytorch:24.05-py3".to_string()),
         max_runtime: Some(Duration::from_secs(86_400)),
@@ -554,7 +555,7 @@ fn unknown_fields_get_the_closest_name_at_every_level() {
     assert_eq!(
         errors("name: a\ncommand: [x]\nzzz: 1\n"),
         [
-            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, working_dir, image, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env, idle_timeout"
+            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, secrets, working_dir, image, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env, idle_timeout"
         ]
     );
     assert_eq!(
@@ -1020,4 +1021,41 @@ fn an_array_is_bounded_by_what_all_its_copies_weigh() {
         small.array.map(|a| (a.len(), a.limit)),
         Some((10_000, Some(8)))
     );
+}
+
+#[test]
+fn a_secret_is_named_in_env_or_secrets_and_never_a_value() {
+    let spec = parse(
+        "name: a\ncommand: [x]\nenv:\n  A: '1'\n  HF_TOKEN: {secret: hf}\nsecrets:\n  WANDB_KEY: wandb\n",
+    );
+    assert_eq!(spec.env.get("A").map(String::as_str), Some("1"));
+    assert!(!spec.env.contains_key("HF_TOKEN"));
+    assert_eq!(spec.secrets.get("HF_TOKEN").map(String::as_str), Some("hf"));
+    assert_eq!(
+        spec.secrets.get("WANDB_KEY").map(String::as_str),
+        Some("wandb")
+    );
+    // The wire form keeps the names, and reads back the same.
+    let wire = serde_json::to_value(crate::wire::JobSpec::from(&spec)).expect("wire");
+    assert_eq!(wire["secrets"]["HF_TOKEN"], "hf");
+    let again = crate::parse_job_spec_value(&wire).expect("reads back");
+    assert_eq!(again, spec);
+    for (yaml, wanted) in [
+        ("env: {X: {secret: hf, extra: 1}}", "{secret: NAME}"),
+        (
+            "env: {MUSTER_X: {secret: hf}}",
+            "not a variable a job may set",
+        ),
+        (
+            "env: {X: '1'}\nsecrets: {X: hf}",
+            "both as a value and as a secret",
+        ),
+        ("env: {X: {secret: 'a b'}}", "the secret's name"),
+    ] {
+        let text = format!("name: a\ncommand: [x]\n{yaml}\n");
+        let errors = crate::parse_job_spec_yaml(&text)
+            .expect_err(yaml)
+            .to_string();
+        assert!(errors.contains(wanted), "{yaml}: {errors}");
+    }
 }

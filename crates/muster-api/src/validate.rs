@@ -248,6 +248,7 @@ impl Checker {
             cpu_per_node,
             memory_per_node,
             command,
+            secrets: self.secrets(&spec.secrets, &env),
             env,
             working_dir,
             image,
@@ -560,6 +561,40 @@ impl Checker {
             }
         }
         command.argv()
+    }
+
+    fn secrets(
+        &mut self,
+        secrets: &BTreeMap<String, String>,
+        env: &BTreeMap<String, String>,
+    ) -> BTreeMap<String, String> {
+        for (variable, name) in secrets {
+            let path = field_path("env", variable);
+            if !is_env_name(variable) || is_reserved_env_name(variable) {
+                self.error(
+                    &path,
+                    "not a variable a job may set: letters, digits and '_', not MUSTER_*, PET_* \
+                     or the GPU variables"
+                        .to_string(),
+                );
+            }
+            if env.contains_key(variable) {
+                self.error(&path, "set both as a value and as a secret".to_string());
+            }
+            if !model::is_plain_name(name) || name.len() > 63 {
+                self.error(
+                    &path,
+                    format!(
+                        "the secret's name {} is 1 to 63 letters, digits, '-', '_' or '.'",
+                        quote(name)
+                    ),
+                );
+            }
+        }
+        if secrets.len() > 64 {
+            self.error("env", "at most 64 secrets a job".to_string());
+        }
+        secrets.clone()
     }
 
     fn env(&mut self, env: &BTreeMap<String, String>) -> BTreeMap<String, String> {

@@ -119,6 +119,10 @@ pub struct JobSpec {
     pub command: Option<CommandSpec>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
+    /// Variables whose values are secrets (`env: {HF_TOKEN: {secret: hf}}`
+    /// in a spec): variable → secret name.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub secrets: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub working_dir: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -207,6 +211,7 @@ impl From<&model::JobSpec> for JobSpec {
             memory: Some(memory_quantity(spec.memory_per_node)),
             command: Some(CommandSpec::Argv(spec.command.clone())),
             env: spec.env.clone(),
+            secrets: spec.secrets.clone(),
             working_dir: spec.working_dir.clone(),
             image: spec.image.clone(),
             max_runtime: spec.max_runtime.map(duration_quantity),

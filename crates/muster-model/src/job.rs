@@ -383,6 +383,10 @@ pub struct JobSpec {
     pub memory_per_node: MemoryMib,
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
+    /// Variables whose values are secrets: variable name → secret name
+    /// (`env: {HF_TOKEN: {secret: hf}}`). The value is put in only on the
+    /// way to the node that runs the task; the spec holds the name.
+    pub secrets: BTreeMap<String, String>,
     pub working_dir: Option<String>,
     pub image: Option<String>,
     pub max_runtime: Option<Duration>,
@@ -419,6 +423,7 @@ impl JobSpec {
             memory_per_node: MemoryMib(1024),
             command,
             env: BTreeMap::new(),
+            secrets: BTreeMap::new(),
             working_dir: None,
             image: None,
             max_runtime: None,

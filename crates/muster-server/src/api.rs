@@ -60,6 +60,11 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
             post(crate::users::rotate_token),
         )
         .route("/v1/whoami", get(crate::users::whoami))
+        .route("/v1/secrets", get(crate::secrets::list_secrets))
+        .route(
+            "/v1/secrets/{name}",
+            put(crate::secrets::set_secret).delete(crate::secrets::remove_secret),
+        )
         .route("/v1/audit", get(crate::users::audit))
         .route("/v1/prices", get(crate::accounting::list_prices))
         .route(
@@ -353,7 +358,7 @@ fn route_template(path: &str) -> String {
     if parts.len() > 3 && parts[1] == "v1" {
         let placeholder = match parts[2].as_str() {
             "jobs" | "arrays" => "{id}",
-            "nodes" | "queues" | "pools" | "users" | "agents" => "{name}",
+            "nodes" | "queues" | "pools" | "users" | "agents" | "secrets" => "{name}",
             "prices" => "{model}",
             _ => "",
         };
@@ -793,6 +798,7 @@ async fn submit_job(
     };
     let spec = muster_api::parse_job_spec_value(&request.spec)
         .map_err(|errors| ApiError::invalid(errors.to_string()))?;
+    crate::secrets::check_spec(&shared, &spec)?;
     if !principal.member_of(&spec.queue.0) {
         return Err(ApiError::new(
             ErrorCode::PermissionDenied,
@@ -2169,12 +2175,13 @@ async fn heartbeat(
     let (version, desired, covered) = {
         let core = shared.read();
         let version = *versions.borrow();
-        let desired = core
+        let mut desired = core
             .control()
             .desired(&name)
             .into_iter()
             .map(desired_view)
-            .collect();
+            .collect::<Vec<_>>();
+        crate::secrets::fill(&shared, core.control(), &mut desired);
         // Every change so far is queued at or before this number.
         (version, desired, shared.writer.queued())
     };
@@ -2411,6 +2418,7 @@ async fn push_logs(
         crate::accounting::remove_price,
         crate::users::create_user, crate::users::list_users, crate::users::remove_user,
         crate::users::rotate_token, crate::users::whoami, crate::users::audit,
+        crate::secrets::set_secret, crate::secrets::list_secrets, crate::secrets::remove_secret,
     ),
     components(schemas(ErrorBody, ErrorCode)),
     modifiers(&BearerAuth),
@@ -2447,7 +2455,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 30, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 32, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",

@@ -354,6 +354,8 @@ pub struct Shared {
     pub accounting: crate::accounting::Accounting,
     /// Users (by name and token hash).
     pub users: RwLock<crate::users::Users>,
+    /// Secrets, sealed, and their key.
+    pub secrets: std::sync::Mutex<crate::secrets::Secrets>,
     /// Idempotency keys of submissions: (user, key) → job, when (24 h).
     pub idempotency: std::sync::Mutex<crate::idempotency::Keys>,
     /// Task logs, bounded per task.
@@ -417,6 +419,7 @@ impl Shared {
             accounting,
             users: RwLock::new(tenants.users),
             idempotency: std::sync::Mutex::new(tenants.keys),
+            secrets: std::sync::Mutex::new(tenants.secrets),
             logs: std::sync::Arc::new(logs),
             shutdown,
         }

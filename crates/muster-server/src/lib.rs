@@ -39,6 +39,7 @@ mod logstore;
 mod loops;
 pub mod metrics;
 mod records;
+pub mod secrets;
 pub mod store;
 pub mod users;
 mod views;
@@ -211,9 +212,11 @@ impl Server {
         }
         let prices = store.prices().await?;
         let mut loaded = store.load().await?;
+        let secrets_key = secrets::load_key(&data_dir.join("secrets.key"))?;
         let tenants = users::Tenants {
             users: users::Users::load(std::mem::take(&mut loaded.users)),
             keys: idempotency::Keys::load(std::mem::take(&mut loaded.idempotency), now().0),
+            secrets: secrets::Secrets::new(secrets_key, std::mem::take(&mut loaded.secrets)),
         };
         let control_config = ControlConfig {
             lease_ms: config.lease_ms,

@@ -77,6 +77,8 @@ pub struct Batch {
     pub pools: BTreeMap<String, Option<String>>,
     /// Users (JSON records; `None`: removed).
     pub users: BTreeMap<String, Option<String>>,
+    /// Secrets by (name, queue): sealed JSON records; `None`: removed.
+    pub secrets: BTreeMap<(String, String), Option<String>>,
     /// Entries to append to the audit log.
     pub audit: Vec<AuditEntry>,
     /// (user, key) → (job, at ms) of submissions with an idempotency key.
@@ -118,6 +120,7 @@ impl Batch {
             && self.prune_usage_before.is_none()
             && self.pools.is_empty()
             && self.users.is_empty()
+            && self.secrets.is_empty()
             && self.audit.is_empty()
             && self.idempotency.is_empty()
             && self.prune_audit_before.is_none()
@@ -147,6 +150,7 @@ impl Batch {
         self.prune_usage_before = self.prune_usage_before.max(later.prune_usage_before);
         self.pools.extend(later.pools);
         self.users.extend(later.users);
+        self.secrets.extend(later.secrets);
         self.audit.extend(later.audit);
         self.idempotency.extend(later.idempotency);
         self.prune_audit_before = self.prune_audit_before.max(later.prune_audit_before);
@@ -167,6 +171,7 @@ pub struct Loaded {
     pub queues: Vec<QueueRecord>,
     pub pools: Vec<PoolRecord>,
     pub users: Vec<crate::users::UserRecord>,
+    pub secrets: Vec<crate::secrets::SecretRecord>,
     /// Idempotency keys: (user, key, job, at ms).
     pub idempotency: Vec<(String, String, u64, u64)>,
     pub counters: Counters,
@@ -402,6 +407,17 @@ impl Store for SqliteStore {
             let record: String = row.try_get("record").map_err(database)?;
             loaded.users.push(parse(&format!("user {name}"), &record)?);
         }
+        for row in sqlx::query("SELECT name, queue, record FROM secrets")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(database)?
+        {
+            let name: String = row.try_get("name").map_err(database)?;
+            let record: String = row.try_get("record").map_err(database)?;
+            loaded
+                .secrets
+                .push(parse(&format!("secret {name}"), &record)?);
+        }
         for row in sqlx::query("SELECT user, key, job, at FROM idempotency")
             .fetch_all(&self.pool)
             .await
@@ -596,6 +612,23 @@ impl Store for SqliteStore {
                 .bind(name)
                 .bind(record),
                 None => sqlx::query("DELETE FROM users WHERE name = ?1").bind(name),
+            }
+            .execute(&mut *tx)
+            .await
+            .map_err(database)?;
+        }
+        for ((name, queue), record) in &batch.secrets {
+            match record {
+                Some(record) => sqlx::query(
+                    "INSERT INTO secrets (name, queue, record) VALUES (?1, ?2, ?3) \
+                     ON CONFLICT (name, queue) DO UPDATE SET record = excluded.record",
+                )
+                .bind(name)
+                .bind(queue)
+                .bind(record),
+                None => sqlx::query("DELETE FROM secrets WHERE name = ?1 AND queue = ?2")
+                    .bind(name)
+                    .bind(queue),
             }
             .execute(&mut *tx)
             .await

@@ -105,10 +105,11 @@ impl Principal {
 }
 
 /// What the server loads of users and idempotency keys at start.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Tenants {
     pub users: Users,
     pub keys: crate::idempotency::Keys,
+    pub secrets: crate::secrets::Secrets,
 }
 
 /// SHA-256 of a token, hex.

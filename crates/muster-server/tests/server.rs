@@ -2491,6 +2491,27 @@ async fn the_authorization_matrix_holds_for_every_route() {
                 only(&USERS, 200),
             ),
             (
+                Method::PUT,
+                "/v1/secrets/{name}",
+                "/v1/secrets/hf".into(),
+                Some(json!({ "value": "x" })),
+                only(&[Who::Admin], 200),
+            ),
+            (
+                Method::GET,
+                "/v1/secrets",
+                "/v1/secrets".into(),
+                None,
+                only(&[Who::Admin], 200),
+            ),
+            (
+                Method::DELETE,
+                "/v1/secrets/{name}",
+                "/v1/secrets/nope".into(),
+                None,
+                only(&[Who::Admin], 404),
+            ),
+            (
                 Method::GET,
                 "/v1/audit",
                 "/v1/audit".into(),
@@ -2766,6 +2787,120 @@ async fn changes_are_audited_and_a_retried_submission_makes_one_job() {
             api.get("/v1/whoami", &fresh).await.0,
             StatusCode::UNAUTHORIZED
         );
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_reaches_only_its_task_and_is_never_shown() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let value = "s3cret-VALUE-7f1e2d";
+        let (status, body) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/secrets/hf",
+                Some(&admin),
+                Some(json!({ "value": value })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(!body.to_string().contains(value));
+        let (status, _) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/secrets/team-only",
+                Some(&admin),
+                Some(json!({ "value": "other", "queue": "team-a" })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        // A job may name only secrets of its queue (or every queue's).
+        let mut wrong = spec("x", "team-b", 1);
+        wrong["env"] = json!({ "T": { "secret": "team-only" } });
+        let (status, body) = api.post("/v1/jobs", &admin, json!({ "spec": wrong })).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(
+            error_of(&body).message.contains("no secret \"team-only\""),
+            "{body}"
+        );
+        let one = api.register(server.join_token(), "gpu-1").await;
+        let two = api.register(server.join_token(), "gpu-2").await;
+        let mut job = spec("uses-secret", "default", 4);
+        job["env"] = json!({ "HF_TOKEN": { "secret": "hf" }, "PLAIN": "1" });
+        let id = api.submit(&admin, job).await;
+        // The node that runs it gets the value in the task's environment;
+        // the other node gets nothing.
+        let mut found = None;
+        for _ in 0..100 {
+            for (name, node) in [("gpu-1", &one), ("gpu-2", &two)] {
+                let (status, body) = api
+                    .post(
+                        &format!("/v1/agents/{name}/heartbeat"),
+                        &node.node_token,
+                        heartbeat_body(node.epoch, Vec::new(), 0, 0),
+                    )
+                    .await;
+                assert_eq!(status, StatusCode::OK);
+                let response: HeartbeatResponse = serde_json::from_value(body).unwrap();
+                if !response.desired.is_empty() {
+                    assert!(found.is_none(), "one node runs the task");
+                    found = Some(response.desired);
+                }
+            }
+            if found.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let desired = found.expect("the task placed");
+        assert_eq!(desired[0].job, id);
+        assert_eq!(
+            desired[0].env.get("HF_TOKEN").map(String::as_str),
+            Some(value)
+        );
+        assert_eq!(desired[0].env.get("PLAIN").map(String::as_str), Some("1"));
+        // Nothing a person or a scraper can read holds it.
+        let metrics = server.metrics_token().to_string();
+        let mut seen = Vec::new();
+        for (path, token) in [
+            (format!("/v1/jobs/{id}"), admin.as_str()),
+            ("/v1/jobs".to_string(), admin.as_str()),
+            ("/v1/secrets".to_string(), admin.as_str()),
+            ("/v1/audit".to_string(), admin.as_str()),
+            ("/v1/nodes".to_string(), admin.as_str()),
+            ("/metrics".to_string(), metrics.as_str()),
+            ("/".to_string(), admin.as_str()),
+            ("/ui/jobs".to_string(), admin.as_str()),
+            (format!("/ui/jobs/{id}"), admin.as_str()),
+        ] {
+            let (_, body) = api.get(&path, token).await;
+            if body.to_string().contains(value) {
+                seen.push(path);
+            }
+        }
+        assert!(seen.is_empty(), "the secret is shown by {seen:?}");
+        server.shutdown().await;
+        // Nor the store (sealed), which keeps it across a restart.
+        for entry in std::fs::read_dir(dir.path()).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_file() {
+                let bytes = std::fs::read(&path).unwrap();
+                assert!(
+                    !bytes.windows(value.len()).any(|w| w == value.as_bytes()),
+                    "{} holds the secret",
+                    path.display()
+                );
+            }
+        }
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let (_, list) = api.get("/v1/secrets", &admin).await;
+        assert_eq!(list["secrets"].as_array().map(Vec::len), Some(2), "{list}");
         server.shutdown().await;
     })
     .await;

@@ -64,6 +64,10 @@ pub enum Command {
     /// Keep a token (read from standard input) and the server in the client
     /// config, after checking them: `muster login --server https://...`.
     Login(crate::commands::LoginArgs),
+    /// Secrets (admin): `muster secrets set hf < token.txt`, then
+    /// `env: {HF_TOKEN: {secret: hf}}` in a spec or `muster run --secret
+    /// HF_TOKEN=hf`.
+    Secrets(crate::commands::SecretsArgs),
     /// The audit log (admin): every change, who, from where, allowed or not.
     Audit(crate::commands::AuditArgs),
     /// A live view of the cluster: nodes with a bar per GPU, jobs with their

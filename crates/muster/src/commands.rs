@@ -40,7 +40,7 @@ mod cost;
 mod tenants;
 mod top;
 pub use cost::{CostArgs, PricesArgs, cost, prices};
-pub use tenants::{AuditArgs, LoginArgs, UsersArgs, audit, login, users};
+pub use tenants::{AuditArgs, LoginArgs, SecretsArgs, UsersArgs, audit, login, secrets, users};
 pub use top::{TopArgs, top};
 
 /// Where the server is and how to authenticate.
@@ -274,6 +274,10 @@ pub struct RunArgs {
     /// then exits 124).
     #[arg(long, value_name = "DURATION")]
     pub idle_timeout: Option<String>,
+    /// VAR=SECRET: the task's VAR holds the secret's value (`muster secrets
+    /// set SECRET`); repeat for several.
+    #[arg(long = "secret", value_name = "VAR=SECRET")]
+    pub secrets: Vec<String>,
     #[command(flatten)]
     pub waiting: WaitingArgs,
     /// The command and its arguments (after `--` when an argument of it
@@ -346,6 +350,16 @@ fn run_spec(args: &RunArgs) -> Result<serde_json::Value> {
     }
     if let Some(timeout) = &args.idle_timeout {
         spec["idle_timeout"] = timeout.clone().into();
+    }
+    if !args.secrets.is_empty() {
+        let mut secrets = serde_json::Map::new();
+        for pair in &args.secrets {
+            let Some((variable, name)) = pair.split_once('=') else {
+                anyhow::bail!("--secret takes VAR=SECRET, like HF_TOKEN=hf; got {pair:?}");
+            };
+            secrets.insert(variable.to_string(), name.into());
+        }
+        spec["secrets"] = secrets.into();
     }
     if !args.waiting.after.is_empty() {
         spec["after"] = args.waiting.after.clone().into();
@@ -2138,6 +2152,7 @@ mod tests {
             detach: false,
             time: None,
             idle_timeout: None,
+            secrets: Vec::new(),
             waiting: WaitingArgs::default(),
             export: "NONE".into(),
             command: command.iter().map(|s| s.to_string()).collect(),

@@ -55,6 +55,7 @@ fn main() -> ExitCode {
         cli::Command::Users(args) => commands::users(args),
         cli::Command::Login(args) => commands::login(args),
         cli::Command::Audit(args) => commands::audit(args),
+        cli::Command::Secrets(args) => commands::secrets(args),
         cli::Command::Prices(args) => commands::prices(args),
         cli::Command::Pools(args) => commands::pools(args),
         cli::Command::Completions { shell } => {

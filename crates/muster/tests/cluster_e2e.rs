@@ -1679,3 +1679,95 @@ fn users_log_in_see_their_own_jobs_and_a_submission_survives_a_server_crash_once
     assert_eq!(named("once"), 1, "{all}");
     assert_eq!(named("retried"), 1, "{all}");
 }
+
+#[test]
+fn a_task_gets_its_secret_and_nothing_shows_it() {
+    let env = Env::new();
+    let listen = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("up-data");
+    let mut up = env.spawn(
+        "up",
+        &[
+            "up",
+            "--listen",
+            &listen,
+            "--data-dir",
+            data.to_str().expect("a path"),
+            "--simulate-gpus",
+            "1xH100-80GB",
+        ],
+    );
+    env.wait_for_api(&mut up);
+    let value = "hf_e2e-Secret-91c4";
+    let mut child = env
+        .command()
+        .args(["secrets", "set", "hf"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("muster runs");
+    {
+        use std::io::Write;
+        let mut input = child.stdin.take().expect("stdin");
+        writeln!(input, "{value}").expect("written");
+    }
+    let output = child.wait_with_output().expect("muster ends");
+    assert!(output.status.success(), "{output:?}");
+    // The task proves it got the value by its hash, without printing it.
+    let output = env.muster(&[
+        "run",
+        "--gpus",
+        "1",
+        "--secret",
+        "HF_TOKEN=hf",
+        "--",
+        "sh",
+        "-c",
+        "printf %s \"$HF_TOKEN\" | sha256sum",
+    ]);
+    assert!(output.status.success(), "{output:?}");
+    let expected = {
+        let mut hasher = std::process::Command::new("sha256sum")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("sha256sum");
+        {
+            use std::io::Write;
+            hasher
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(value.as_bytes())
+                .expect("written");
+        }
+        stdout(&hasher.wait_with_output().expect("a hash"))
+    };
+    assert_eq!(
+        stdout(&output).split_whitespace().next(),
+        expected.split_whitespace().next(),
+        "{output:?}"
+    );
+    // Not in describe, ps, the secrets list, the server's log or its store.
+    for args in [
+        &["describe", "1", "--json"][..],
+        &["ps", "--all", "--json"],
+        &["secrets", "list", "--json"],
+    ] {
+        let output = env.muster(args);
+        assert!(output.status.success(), "{args:?}: {output:?}");
+        assert!(
+            !stdout(&output).contains(value),
+            "{args:?} shows the secret"
+        );
+    }
+    let log = std::fs::read_to_string(env.path("up.log")).expect("the log");
+    assert!(!log.contains(value), "the server's log holds the secret");
+    let store = std::fs::read(data.join("muster.db")).expect("the store");
+    assert!(!store.windows(value.len()).any(|w| w == value.as_bytes()));
+    // A secret that does not exist is refused at submission.
+    let output = env.muster(&["run", "--gpus", "1", "--secret", "X=nope", "--", "true"]);
+    assert_eq!(output.status.code(), Some(6), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("no secret \"nope\""));
+}

@@ -24,3 +24,11 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (user, key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS idempotency_by_time ON idempotency (at);
+-- Secrets, encrypted (ChaCha20-Poly1305 with the key in secrets.key beside
+-- the store): one per name and queue ('' for every queue).
+CREATE TABLE IF NOT EXISTS secrets (
+    name TEXT NOT NULL,
+    queue TEXT NOT NULL,
+    record TEXT NOT NULL,
+    PRIMARY KEY (name, queue)
+) WITHOUT ROWID;

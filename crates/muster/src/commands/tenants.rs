@@ -237,3 +237,107 @@ pub fn audit(args: AuditArgs) -> Result<u8, Failure> {
     );
     Ok(0)
 }
+
+#[derive(Debug, Args)]
+pub struct SecretsArgs {
+    #[command(subcommand)]
+    pub command: Option<SecretCommand>,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum SecretCommand {
+    /// Set a secret (admin); its value is read from standard input (one
+    /// trailing newline dropped), never from the command line.
+    Set {
+        name: String,
+        /// Only this queue's jobs may use it (default: every queue's).
+        #[arg(long)]
+        queue: Option<String>,
+    },
+    /// List secrets (names and queues; never values).
+    List,
+    /// Remove a secret.
+    Remove {
+        name: String,
+        #[arg(long)]
+        queue: Option<String>,
+    },
+}
+
+pub fn secrets(args: SecretsArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let rt = runtime()?;
+    let json = args.connection.json;
+    match args.command.unwrap_or(SecretCommand::List) {
+        SecretCommand::Set { name, queue } => {
+            let mut value = String::new();
+            std::io::stdin()
+                .lock()
+                .take(64 * 1024 + 2)
+                .read_to_string(&mut value)
+                .context("cannot read the secret from standard input")?;
+            let value = value
+                .strip_suffix('\n')
+                .map(|v| v.strip_suffix('\r').unwrap_or(v))
+                .unwrap_or(&value)
+                .to_string();
+            if value.is_empty() {
+                return Err(anyhow::anyhow!(
+                    "no value on standard input (e.g. `muster secrets set hf < token.txt`)"
+                )
+                .into());
+            }
+            let set = rt
+                .block_on(client.set_secret(&name, &value, queue.as_deref()))
+                .map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&set)?;
+            } else {
+                outln!(
+                    "secret {} set{}",
+                    set.name,
+                    set.queue
+                        .map_or(" for every queue".to_string(), |q| format!(
+                            " for queue {q}"
+                        ))
+                );
+            }
+        }
+        SecretCommand::Remove { name, queue } => {
+            let gone = rt
+                .block_on(client.remove_secret(&name, queue.as_deref()))
+                .map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&gone)?;
+            } else {
+                outln!("secret {} removed", gone.name);
+            }
+        }
+        SecretCommand::List => {
+            let list = rt.block_on(client.secrets()).map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&list)?;
+            } else {
+                table(
+                    &["SECRET", "QUEUE", "SET"],
+                    list.secrets
+                        .iter()
+                        .map(|secret| {
+                            vec![
+                                secret.name.clone(),
+                                secret
+                                    .queue
+                                    .clone()
+                                    .unwrap_or_else(|| "(every queue)".into()),
+                                format!("{} ago", ago(secret.updated_ms)),
+                            ]
+                        })
+                        .collect(),
+                );
+            }
+        }
+    }
+    Ok(0)
+}
