@@ -15,6 +15,8 @@ pub enum ErrorCode {
     Conflict,
     Unauthenticated,
     PermissionDenied,
+    /// Too many requests with one token (429, with `Retry-After`).
+    ResourceExhausted,
     Unavailable,
     Internal,
 }
@@ -27,6 +29,7 @@ impl ErrorCode {
             ErrorCode::PermissionDenied => 403,
             ErrorCode::NotFound => 404,
             ErrorCode::Conflict => 409,
+            ErrorCode::ResourceExhausted => 429,
             ErrorCode::Unavailable => 503,
             ErrorCode::Internal => 500,
         }

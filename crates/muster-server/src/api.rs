@@ -403,6 +403,38 @@ async fn authorize(shared: &Shared, mut request: Request, next: Next) -> (String
         );
     };
     let who = identity.audit_name();
+    // Users' (and scrapers') requests are limited per token; agents pace
+    // their own.
+    if let (Some(limit), false) = (
+        shared.settings.rate_limit,
+        matches!(need, Need::Register | Need::Node(_)),
+    ) {
+        let key = crate::users::token_hash(token);
+        let taken = match shared.limiter.lock() {
+            Ok(mut limiter) => limiter.take(limit, &key, std::time::Instant::now()),
+            Err(poisoned) => poisoned
+                .into_inner()
+                .take(limit, &key, std::time::Instant::now()),
+        };
+        if let Err(wait) = taken {
+            let seconds = wait.as_secs_f64().ceil().max(1.0) as u64;
+            let mut response = ApiError::new(
+                ErrorCode::ResourceExhausted,
+                format!(
+                    "too many requests with this token ({} a second, bursts of {}); retry in \
+                     {seconds} s",
+                    limit.per_second, limit.burst
+                ),
+            )
+            .into_response();
+            if let Ok(value) = axum::http::HeaderValue::from_str(&seconds.to_string()) {
+                response
+                    .headers_mut()
+                    .insert(axum::http::header::RETRY_AFTER, value);
+            }
+            return (who, response);
+        }
+    }
     let denied = match (&need, &identity) {
         (Need::Register, Identity::Join | Identity::Node(_))
         | (Need::Metrics, Identity::Admin | Identity::Metrics) => None,

@@ -318,6 +318,8 @@ pub struct Settings {
     pub usage_retention_ms: u64,
     /// Audit entries older than this are deleted.
     pub audit_retention_ms: u64,
+    /// Requests per token (agents' own endpoints aside).
+    pub rate_limit: Option<crate::ratelimit::RateLimit>,
 }
 
 /// What every task and handler shares.
@@ -354,6 +356,8 @@ pub struct Shared {
     pub accounting: crate::accounting::Accounting,
     /// Users (by name and token hash).
     pub users: RwLock<crate::users::Users>,
+    /// Each token's request bucket.
+    pub limiter: std::sync::Mutex<crate::ratelimit::Limiter>,
     /// Secrets, sealed, and their key.
     pub secrets: std::sync::Mutex<crate::secrets::Secrets>,
     /// Idempotency keys of submissions: (user, key) → job, when (24 h).
@@ -420,6 +424,7 @@ impl Shared {
             users: RwLock::new(tenants.users),
             idempotency: std::sync::Mutex::new(tenants.keys),
             secrets: std::sync::Mutex::new(tenants.secrets),
+            limiter: std::sync::Mutex::new(Default::default()),
             logs: std::sync::Arc::new(logs),
             shutdown,
         }

@@ -38,6 +38,7 @@ mod idempotency;
 mod logstore;
 mod loops;
 pub mod metrics;
+mod ratelimit;
 mod records;
 pub mod secrets;
 pub mod store;
@@ -97,7 +98,18 @@ pub struct ServerConfig {
     pub prices_file: Option<PathBuf>,
     /// How long the audit log keeps an entry (400 days by default).
     pub audit_retention_ms: u64,
+    /// Requests a token may make (agents' own endpoints aside): `None`, no
+    /// limit.
+    pub rate_limit: Option<ratelimit::RateLimit>,
 }
+
+pub use ratelimit::RateLimit;
+
+/// The default per-token limit: 1,000 requests a second, bursts of 5,000.
+pub const DEFAULT_RATE_LIMIT: RateLimit = RateLimit {
+    per_second: 1_000.0,
+    burst: 5_000.0,
+};
 
 /// The default idle threshold: 30 minutes.
 pub const DEFAULT_IDLE_AFTER_MS: u64 = 30 * 60 * 1000;
@@ -124,6 +136,7 @@ impl ServerConfig {
             usage_retention_ms: accounting::DEFAULT_USAGE_RETENTION_MS,
             prices_file: None,
             audit_retention_ms: 400 * 86_400_000,
+            rate_limit: Some(DEFAULT_RATE_LIMIT),
         }
     }
 }
@@ -242,6 +255,7 @@ impl Server {
                 idle_after_ms: config.idle_after_ms,
                 usage_retention_ms: config.usage_retention_ms,
                 audit_retention_ms: config.audit_retention_ms,
+                rate_limit: config.rate_limit,
             },
             core,
             writer,

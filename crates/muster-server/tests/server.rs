@@ -2905,3 +2905,59 @@ async fn a_secret_reaches_only_its_task_and_is_never_shown() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_past_its_rate_gets_429_with_retry_after_and_agents_are_not_limited() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = test_config(dir.path());
+        config.rate_limit = Some(muster_server::RateLimit {
+            per_second: 1.0,
+            burst: 3.0,
+        });
+        let server = Server::start(config).await.unwrap();
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let registered = api.register(server.join_token(), "gpu-1").await;
+        let mut statuses = Vec::new();
+        for _ in 0..5 {
+            statuses.push(api.get("/v1/nodes", &admin).await.0.as_u16());
+        }
+        assert_eq!(&statuses[..3], &[200, 200, 200]);
+        assert_eq!(statuses[3], 429, "{statuses:?}");
+        let response = api
+            .http
+            .get(api.url("/v1/jobs"))
+            .bearer_auth(&admin)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        let retry: u64 = response.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=2).contains(&retry), "{retry}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["code"], "resource_exhausted");
+        // Another token has its own bucket; a node's heartbeats are not
+        // limited.
+        assert_eq!(
+            api.get("/metrics", server.metrics_token()).await.0,
+            StatusCode::OK
+        );
+        for _ in 0..6 {
+            let (status, _) = api
+                .post(
+                    "/v1/agents/gpu-1/heartbeat",
+                    &registered.node_token,
+                    heartbeat_body(registered.epoch, Vec::new(), 0, 0),
+                )
+                .await;
+            assert_eq!(status, StatusCode::OK);
+        }
+        server.shutdown().await;
+    })
+    .await;
+}

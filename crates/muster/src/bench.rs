@@ -460,6 +460,9 @@ async fn start_child_server_with(
         data_dir.display().to_string(),
         "--lease".to_string(),
         format!("{}s", lease.as_secs().max(1)),
+        // A benchmark measures what the server can take, not the limit.
+        "--rate-limit".to_string(),
+        "off".to_string(),
     ];
     let args: Vec<String> = args.into_iter().chain(extra.iter().cloned()).collect();
     let mut process = ChildProcess::spawn("server", &args, &log)?;

@@ -61,6 +61,18 @@ pub struct ServerArgs {
     /// How long the audit log (`muster audit`) keeps an entry.
     #[arg(long, value_name = "DURATION", default_value = "400d", value_parser = parse_duration_ms)]
     pub audit_retention: u64,
+    /// Requests a token may make, `N/s:BURST` (agents' own endpoints
+    /// aside; past it, 429 with Retry-After), or `off`.
+    #[arg(long, value_name = "RATE", default_value = "1000/s:5000", value_parser = parse_rate_limit)]
+    pub rate_limit: RateLimitArg,
+}
+
+/// `--rate-limit`: a limit, or none (`off`).
+#[derive(Debug, Clone, Copy)]
+pub struct RateLimitArg(pub Option<muster_server::RateLimit>);
+
+fn parse_rate_limit(text: &str) -> Result<RateLimitArg, String> {
+    muster_server::RateLimit::parse(text).map(RateLimitArg)
 }
 
 fn parse_stack_policy(text: &str) -> Result<muster_control::StackPolicy, String> {
@@ -338,6 +350,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
             usage_retention_ms: args.usage_retention,
             prices_file: args.prices.clone(),
             audit_retention_ms: args.audit_retention,
+            rate_limit: args.rate_limit.0,
             ..server_config(
                 args.listen,
                 data_dir.clone(),
