@@ -49,6 +49,8 @@ pub struct ErrorBody {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SubmitRequest {
+    /// The job spec (the same fields as the YAML one; docs/job-spec.md).
+    #[cfg_attr(feature = "openapi", schema(value_type = crate::wire::JobSpec))]
     pub spec: serde_json::Value,
     /// Queue it even if no registered node could ever hold it (for nodes
     /// still to come); without it such a job is refused.
@@ -696,8 +698,12 @@ pub struct QueueList {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct QueueUpdate {
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 1_000_000))]
     pub guaranteed_gpus: f64,
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 1_000_000))]
     pub borrow_limit_gpus: Option<f64>,
+    /// Fair-share weight.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 10_000))]
     pub weight: u32,
     /// Stop the queue's jobs once their GPUs have been idle this long
     /// (e.g. `"30m"`; absent: never).
@@ -936,6 +942,7 @@ pub struct SecretList {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PriceUpdate {
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 1_000_000))]
     pub per_gpu_hour: f64,
 }
 

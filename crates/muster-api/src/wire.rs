@@ -17,6 +17,54 @@ pub enum Quantity {
     Text(String),
 }
 
+#[cfg(feature = "openapi")]
+impl utoipa::PartialSchema for Quantity {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, Type};
+        OneOfBuilder::new()
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::Number)
+                    .minimum(Some(0)),
+            )
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .description(Some("with a unit: 16GiB, 1h30m, 0.25"))
+                    .min_length(Some(1)),
+            )
+            .description(Some("a number, or a text with a unit"))
+            .into()
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl utoipa::ToSchema for Quantity {}
+
+#[cfg(feature = "openapi")]
+impl utoipa::PartialSchema for CommandSpec {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Type};
+        OneOfBuilder::new()
+            .item(
+                ArrayBuilder::new()
+                    .items(ObjectBuilder::new().schema_type(Type::String))
+                    .min_items(Some(1))
+                    .description(Some("the program and its arguments, run as they are")),
+            )
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .min_length(Some(1))
+                    .description(Some("one string, run by sh -c")),
+            )
+            .into()
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl utoipa::ToSchema for CommandSpec {}
+
 impl From<u64> for Quantity {
     fn from(value: u64) -> Self {
         Quantity::Number(serde_json::Number::from(value))
@@ -59,6 +107,7 @@ impl CommandSpec {
 
 /// How a job is told to stop (`checkpoint:` in the spec).
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CheckpointSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub signal: Option<String>,
@@ -70,6 +119,7 @@ pub struct CheckpointSpec {
 
 /// What happens when a task ends badly (`retry:` in the spec).
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RetrySpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<Quantity>,
@@ -81,6 +131,7 @@ pub struct RetrySpec {
 
 /// Where a gang's tasks may go (`topology:` in the spec).
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TopologySpec {
     /// `required` or `preferred`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -92,6 +143,7 @@ pub struct TopologySpec {
 /// the kinds of values (with suggestions for misspelt fields); converting
 /// into [`muster_model::JobSpec`] checks the values.
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobSpec {
     pub name: String,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -2453,9 +2453,62 @@ async fn push_logs(
         crate::secrets::set_secret, crate::secrets::list_secrets, crate::secrets::remove_secret,
     ),
     components(schemas(ErrorBody, ErrorCode)),
-    modifiers(&BearerAuth),
+    modifiers(&BearerAuth, &ErrorAnswers),
 )]
 struct ApiDoc;
+
+/// Every authenticated operation may answer 401 (no or an unknown
+/// token), 403 (a token that may not), 429 (past its rate; agents' own
+/// routes aside) and 400 (a body or query that cannot be read); say so in
+/// each, with the error body.
+struct ErrorAnswers;
+
+impl utoipa::Modify for ErrorAnswers {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{RefOr, ResponseBuilder, content::ContentBuilder};
+        let answer = |description: &str| {
+            RefOr::T(
+                ResponseBuilder::new()
+                    .description(description)
+                    .content(
+                        "application/json",
+                        ContentBuilder::new()
+                            .schema(Some(utoipa::openapi::Ref::from_schema_name("ErrorBody")))
+                            .build(),
+                    )
+                    .build(),
+            )
+        };
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            let agent = path.starts_with("/v1/agents/");
+            for operation in [
+                item.get.as_mut(),
+                item.put.as_mut(),
+                item.post.as_mut(),
+                item.delete.as_mut(),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                let responses = &mut operation.responses.responses;
+                for (code, description) in [
+                    ("400", "the request cannot be read (body, path or query)"),
+                    ("401", "no token, or one this server does not know"),
+                    ("403", "the token may not do this"),
+                ] {
+                    responses
+                        .entry(code.to_string())
+                        .or_insert_with(|| answer(description));
+                }
+                if !agent {
+                    responses.entry("429".to_string()).or_insert_with(|| {
+                        answer("too many requests with this token; see Retry-After")
+                    });
+                }
+            }
+        }
+    }
+}
 
 struct BearerAuth;
 
@@ -2510,6 +2563,30 @@ mod tests {
             document["components"]["securitySchemes"]["bearer"]["scheme"],
             "bearer"
         );
+        // The job spec is typed, and every operation says how it fails.
+        assert_eq!(
+            schemas["SubmitRequest"]["properties"]["spec"]["$ref"], "#/components/schemas/JobSpec",
+            "{}",
+            schemas["SubmitRequest"]
+        );
+        let spec = &schemas["JobSpec"]["properties"];
+        for field in [
+            "name", "command", "gpus", "env", "secrets", "array", "after",
+        ] {
+            assert!(spec.get(field).is_some(), "JobSpec.{field}");
+        }
+        assert_eq!(schemas["QueueUpdate"]["properties"]["weight"]["minimum"], 1);
+        for (path, item) in paths {
+            for (method, operation) in item.as_object().unwrap() {
+                let responses = operation["responses"].as_object().unwrap();
+                for code in ["400", "401", "403"] {
+                    assert!(responses.contains_key(code), "{method} {path} lacks {code}");
+                }
+                if !path.starts_with("/v1/agents/") {
+                    assert!(responses.contains_key("429"), "{method} {path} lacks 429");
+                }
+            }
+        }
         // Log bytes are base64 strings (OpenAPI's `byte` format), both ways.
         for name in ["LogChunk", "LogsResponse"] {
             let data = &schemas[name]["properties"]["data_base64"];
