@@ -11,13 +11,27 @@ use std::collections::BTreeMap;
 /// The most models a price list names.
 pub const MAX_PRICED_MODELS: usize = 1_000;
 
-/// Checks one price: a finite number from 0 to 1,000,000 per GPU-hour.
-pub fn check_price(model: &str, price: f64) -> Result<(), String> {
-    if model.trim().is_empty() || model.len() > 128 || model.chars().any(char::is_control) {
+/// Checks a GPU model's name as prices are kept.
+pub fn check_model(model: &str) -> Result<(), String> {
+    let mut chars = model.chars();
+    let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphanumeric());
+    if !first_ok
+        || model.len() > 128
+        || !model
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._()-".contains(c))
+    {
         return Err(format!(
-            "a GPU model is named in at most 128 printable characters, got {model:?}"
+            "a GPU model is 1 to 128 letters, digits, '.', '_', '(', ')' or '-', starting with a \
+             letter or digit (as agents name it, e.g. H100-80GB); got {model:?}"
         ));
     }
+    Ok(())
+}
+
+/// Checks one price: a finite number from 0 to 1,000,000 per GPU-hour.
+pub fn check_price(model: &str, price: f64) -> Result<(), String> {
+    check_model(model)?;
     if !price.is_finite() || !(0.0..=1_000_000.0).contains(&price) {
         return Err(format!(
             "the price of {model} must be a number from 0 to 1000000 per GPU-hour, got {price}"

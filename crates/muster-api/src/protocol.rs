@@ -630,7 +630,6 @@ pub struct PoolView {
 
 /// `PUT /v1/pools/{name}/policy` (admin): the pool's own stack policy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PoolPolicyUpdate {
     /// `report`, `majority` or `required`.
     pub stack_policy: String,
@@ -716,9 +715,14 @@ pub struct QueueUpdate {
     /// Below this utilisation (percent, 1 to 100) a GPU counts as idle
     /// (absent: 5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 100))]
     pub idle_below_pct: Option<u32>,
     /// Monthly GPU budget in the price list's currency (absent: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(minimum = 0, maximum = 1_000_000_000_000_u64)
+    )]
     pub budget: Option<f64>,
     /// Past the budget, the queue's new jobs wait.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -840,13 +844,26 @@ pub struct NodeHistory {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct UserCreate {
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    )]
     pub name: String,
     /// `user`, `operator` or `admin`.
+    #[cfg_attr(feature = "openapi", schema(pattern = "^(user|operator|admin)$"))]
     pub role: String,
     /// The queues a `user` may submit to (default: `default`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(max_items = 256, inline, value_type = Vec<QueueNameSchema>))]
     pub queues: Vec<String>,
 }
+
+/// A queue's name, as the schema constrains it.
+#[cfg(feature = "openapi")]
+#[derive(utoipa::ToSchema)]
+#[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
+#[allow(dead_code)]
+pub struct QueueNameSchema(String);
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -910,14 +927,73 @@ pub struct AuditList {
     pub entries: Vec<AuditView>,
 }
 
+/// `report` or `majority` with no versions, or `required` with 1 to 16.
+#[cfg(feature = "openapi")]
+impl utoipa::PartialSchema for PoolPolicyUpdate {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, Type};
+        let text = || {
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .pattern(Some(r"^[!-+\--~][ -+\--~]{0,127}$"))
+        };
+        let policy = |names: &[&str]| {
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .enum_values(Some(names.iter().map(|n| n.to_string())))
+        };
+        OneOfBuilder::new()
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::Object)
+                    .property("stack_policy", policy(&["report", "majority"]))
+                    .required("stack_policy")
+                    .property(
+                        "required",
+                        ObjectBuilder::new()
+                            .schema_type(Type::Object)
+                            .max_properties(Some(0)),
+                    ),
+            )
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::Object)
+                    .property("stack_policy", policy(&["required"]))
+                    .required("stack_policy")
+                    .property(
+                        "required",
+                        ObjectBuilder::new()
+                            .schema_type(Type::Object)
+                            .min_properties(Some(1))
+                            .max_properties(Some(16))
+                            .property_names(Some(text()))
+                            .additional_properties(Some(text())),
+                    )
+                    .required("required"),
+            )
+            .into()
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl utoipa::ToSchema for PoolPolicyUpdate {}
+
 /// `PUT /v1/secrets/{name}` (admin).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SecretSet {
-    /// The value (at most 64 KiB); never answered back.
+    /// The value (at most 64 KiB, no NUL); never answered back.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(max_length = 65_536, pattern = "^[^\\u0000]*$")
+    )]
     pub value: String,
-    /// The queue whose jobs may use it (absent: every queue's).
+    /// The queue whose jobs may use it (absent or empty: every queue's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^([A-Za-z0-9][A-Za-z0-9._-]{0,62})?$")
+    )]
     pub queue: Option<String>,
 }
 

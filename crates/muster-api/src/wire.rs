@@ -145,12 +145,25 @@ pub struct TopologySpec {
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobSpec {
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+    )]
     pub name: String,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    )]
     pub queue: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    )]
     pub pool: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^(low|normal|high|critical)$"))]
     pub priority_class: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nodes: Option<Quantity>,
@@ -168,6 +181,7 @@ pub struct JobSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory: Option<Quantity>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(required = true))]
     pub command: Option<CommandSpec>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
@@ -176,8 +190,10 @@ pub struct JobSpec {
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub secrets: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^/[^\\u0000]*$"))]
     pub working_dir: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[!-~]+$"))]
     pub image: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_runtime: Option<Quantity>,

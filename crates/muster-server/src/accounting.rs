@@ -283,7 +283,7 @@ const MS_PER_HOUR: f64 = 3_600_000.0;
 /// latest minutes. Every attempt's, as long as the retention keeps them.
 #[utoipa::path(
     get, path = "/v1/jobs/{id}/usage", tag = "jobs",
-    params(("id" = u64, Path, description = "the job's id")),
+    params(("id" = u64, Path, description = "the job's id", maximum = 9_223_372_036_854_775_807_u64)),
     responses((status = 200, body = JobUsage), (status = 400, body = ErrorBody)),
     security(("bearer" = []))
 )]
@@ -295,7 +295,9 @@ pub async fn job_usage(
     let job: u64 = id
         .trim()
         .parse()
-        .map_err(|_| ApiError::invalid(format!("a job id is a number like 12, got {id:?}")))?;
+        .ok()
+        .filter(|id| i64::try_from(*id).is_ok())
+        .ok_or_else(|| ApiError::invalid(format!("a job id is a number like 12, got {id:?}")))?;
     // A job it may not read is not found; a retired one whose record is
     // gone still has its minutes (for an admin or operator).
     match crate::api::visible_job(&shared, &identity, muster_model::JobId(job)).await {
@@ -428,7 +430,7 @@ pub async fn list_prices(State(shared): Shared_) -> Json<PriceList> {
 /// `H100-80GB`); applies to every report from now on, past usage included.
 #[utoipa::path(
     put, path = "/v1/prices/{model}", tag = "cost",
-    params(("model" = String, Path, description = "the GPU model")),
+    params(("model" = String, Path, description = "the GPU model", pattern = r"^[A-Za-z0-9][A-Za-z0-9._()-]{0,127}$")),
     request_body = PriceUpdate,
     responses((status = 200, body = PriceList), (status = 400, body = ErrorBody)),
     security(("bearer" = []))
@@ -445,7 +447,7 @@ pub async fn set_price(
 /// Remove a model's price.
 #[utoipa::path(
     delete, path = "/v1/prices/{model}", tag = "cost",
-    params(("model" = String, Path, description = "the GPU model")),
+    params(("model" = String, Path, description = "the GPU model", pattern = r"^[A-Za-z0-9][A-Za-z0-9._()-]{0,127}$")),
     responses((status = 200, body = PriceList), (status = 404, body = ErrorBody)),
     security(("bearer" = []))
 )]
@@ -453,6 +455,7 @@ pub async fn remove_price(
     State(shared): Shared_,
     PathParams(model): PathParams<String>,
 ) -> Result<Json<PriceList>, ApiError> {
+    muster_api::prices::check_model(&model).map_err(ApiError::invalid)?;
     let key = muster_api::prices::price_key(&model);
     if !shared.accounting.prices().contains_key(&key) {
         return Err(ApiError::not_found(format!(

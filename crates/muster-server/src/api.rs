@@ -504,6 +504,9 @@ async fn authorize(shared: &Shared, mut request: Request, next: Next) -> (String
 
 fn parse_job_id(text: &str) -> Result<JobId, ApiError> {
     text.parse::<u64>()
+        .ok()
+        .filter(|id| i64::try_from(*id).is_ok())
+        .ok_or(())
         .map(JobId)
         .map_err(|_| ApiError::invalid(format!("a job id is a number, got {text:?}")))
 }
@@ -549,13 +552,18 @@ pub struct JobQuery {
     /// Only jobs of this queue.
     pub(crate) queue: Option<String>,
     /// Only jobs in this state (pending, running, stopping, succeeded,
-    /// failed, cancelled, timed_out, idle_stopped).
+    /// failed, cancelled, timed_out, idle_stopped), or a comma list.
+    #[param(
+        pattern = "^(pending|running|stopping|succeeded|failed|cancelled|timed_out|idle_stopped)(,(pending|running|stopping|succeeded|failed|cancelled|timed_out|idle_stopped))*$"
+    )]
     pub(crate) state: Option<String>,
     /// Only jobs of this user.
     pub(crate) user: Option<String>,
     /// The most jobs to return: 1 to 1000, 100 by default.
+    #[param(minimum = 1, maximum = 1000)]
     pub(crate) limit: Option<u32>,
     /// Where the previous page ended (its `next_cursor`).
+    #[param(pattern = "^[0-9]{1,18}$")]
     pub(crate) cursor: Option<String>,
     /// Only the elements of this array job.
     pub(crate) array: Option<u64>,
@@ -980,7 +988,11 @@ async fn submit_spec(
 /// jobs come from memory, older finished ones from the store.
 #[utoipa::path(
     get, path = "/v1/jobs", tag = "jobs", params(JobQuery),
-    responses((status = 200, body = JobList), (status = 400, body = ErrorBody)),
+    responses(
+        (status = 200, body = JobList),
+        (status = 400, body = ErrorBody),
+        (status = 404, description = "`array` names no array job", body = ErrorBody),
+    ),
     security(("bearer" = []))
 )]
 pub(crate) async fn list_jobs(
@@ -1134,7 +1146,7 @@ pub(crate) async fn list_jobs(
 /// One job: state, tasks with nodes and GPUs, why it is pending, history.
 #[utoipa::path(
     get, path = "/v1/jobs/{id}", tag = "jobs",
-    params(("id" = u64, Path, description = "the job's id")),
+    params(("id" = u64, Path, description = "the job's id", maximum = 9_223_372_036_854_775_807_u64)),
     responses((status = 200, body = JobView), (status = 404, body = ErrorBody)),
     security(("bearer" = []))
 )]
@@ -1153,7 +1165,7 @@ pub(crate) async fn get_job(
 /// the server holds in memory (retired ones had ended), as they are now.
 #[utoipa::path(
     post, path = "/v1/arrays/{id}/cancel", tag = "jobs",
-    params(("id" = u64, Path, description = "the array's id (its first element's)")),
+    params(("id" = u64, Path, description = "the array's id (its first element's)", maximum = 9_223_372_036_854_775_807_u64)),
     responses(
         (status = 200, body = JobList),
         (status = 400, description = "the job is not an array job", body = ErrorBody),
@@ -1193,7 +1205,7 @@ async fn cancel_array(
 /// Cancel a job: a pending one at once, a running one once its tasks stop.
 #[utoipa::path(
     post, path = "/v1/jobs/{id}/cancel", tag = "jobs",
-    params(("id" = u64, Path, description = "the job's id")),
+    params(("id" = u64, Path, description = "the job's id", maximum = 9_223_372_036_854_775_807_u64)),
     responses((status = 200, body = JobView), (status = 404, body = ErrorBody)),
     security(("bearer" = []))
 )]
@@ -1241,7 +1253,7 @@ const LOG_SETTLE: Duration = Duration::from_secs(5);
 /// the wire), the offset to read next, and whether that is all.
 #[utoipa::path(
     get, path = "/v1/jobs/{id}/logs", tag = "jobs",
-    params(("id" = u64, Path, description = "the job's id"), LogsQuery),
+    params(("id" = u64, Path, description = "the job's id", maximum = 9_223_372_036_854_775_807_u64), LogsQuery),
     responses((status = 200, body = LogsResponse), (status = 404, body = ErrorBody)),
     security(("bearer" = []))
 )]
@@ -1735,7 +1747,7 @@ const MAX_REQUIRED_COMPONENTS: usize = 16;
 /// `required` (a node that does not report the given versions takes none).
 #[utoipa::path(
     put, path = "/v1/pools/{name}/policy", tag = "nodes",
-    params(("name" = String, Path, description = "the pool's name")),
+    params(("name" = String, Path, description = "the pool's name", pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
     request_body = PoolPolicyUpdate,
     responses((status = 200, body = PoolList), (status = 400, body = ErrorBody)),
     security(("bearer" = []))
@@ -1811,7 +1823,7 @@ async fn set_pool_policy(
 /// Remove a pool's own stack policy: the server's `--stack-policy` applies.
 #[utoipa::path(
     delete, path = "/v1/pools/{name}/policy", tag = "nodes",
-    params(("name" = String, Path, description = "the pool's name")),
+    params(("name" = String, Path, description = "the pool's name", pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
     responses((status = 200, body = PoolList), (status = 404, body = ErrorBody)),
     security(("bearer" = []))
 )]
@@ -1865,7 +1877,7 @@ fn quota_milli(what: &str, gpus: f64) -> Result<GpuMilli, ApiError> {
 /// Create or change a queue's quota.
 #[utoipa::path(
     put, path = "/v1/queues/{name}", tag = "queues",
-    params(("name" = String, Path, description = "the queue's name")),
+    params(("name" = String, Path, description = "the queue's name", pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
     request_body = QueueUpdate,
     responses((status = 200, body = QueueView), (status = 400, body = ErrorBody)),
     security(("bearer" = []))

@@ -261,7 +261,7 @@ async fn save(
 /// Set a secret's value (admin); the answer never holds it.
 #[utoipa::path(
     put, path = "/v1/secrets/{name}", tag = "secrets",
-    params(("name" = String, Path, description = "the secret")),
+    params(("name" = String, Path, description = "the secret", pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
     request_body = SecretSet,
     responses((status = 200, body = SecretView), (status = 400, body = ErrorBody)),
     security(("bearer" = []))
@@ -310,7 +310,7 @@ pub async fn list_secrets(State(shared): Shared_) -> Json<SecretList> {
 /// Remove a secret.
 #[utoipa::path(
     delete, path = "/v1/secrets/{name}", tag = "secrets",
-    params(("name" = String, Path, description = "the secret"), SecretQuery),
+    params(("name" = String, Path, description = "the secret", pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"), SecretQuery),
     responses((status = 200, body = SecretView), (status = 404, body = ErrorBody)),
     security(("bearer" = []))
 )]

@@ -369,7 +369,7 @@ pub async fn list_users(State(shared): Shared_) -> Json<UserList> {
 /// Remove a user: its token stops working at once (its jobs stay).
 #[utoipa::path(
     delete, path = "/v1/users/{name}", tag = "users",
-    params(("name" = String, Path, description = "the user")),
+    params(("name" = String, Path, description = "the user", pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
     responses((status = 200, body = UserView), (status = 404, body = ErrorBody)),
     security(("bearer" = []))
 )]
@@ -390,7 +390,7 @@ pub async fn remove_user(
 /// A new token for a user; the old one stops working at once.
 #[utoipa::path(
     post, path = "/v1/users/{name}/rotate-token", tag = "users",
-    params(("name" = String, Path, description = "the user")),
+    params(("name" = String, Path, description = "the user", pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
     responses((status = 200, body = UserToken), (status = 404, body = ErrorBody)),
     security(("bearer" = []))
 )]
@@ -439,6 +439,7 @@ pub struct AuditQuery {
     /// Only this user's requests (`admin`, a user, `node:NAME`).
     pub user: Option<String>,
     /// At most this many entries (1 to 10,000; 1,000 by default).
+    #[param(minimum = 1, maximum = 10_000)]
     pub limit: Option<u32>,
 }
 
