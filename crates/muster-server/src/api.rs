@@ -320,7 +320,32 @@ async fn authenticate(State(shared): Shared_, request: Request, next: Next) -> R
         .and_then(|value| value.to_str().ok())
         .map(str::to_string);
     let (who, response) = authorize(&shared, request, next).await;
-    if audited(&method, &path) {
+    // Refusals of requests without a known token are logged at most 5 a
+    // second (bursts of 100): anyone can send them, and each would be a
+    // row kept for the audit retention.
+    let anonymous = who.starts_with('(');
+    let logged = audited(&method, &path)
+        && (!anonymous || {
+            let limit = crate::ratelimit::RateLimit {
+                per_second: 5.0,
+                burst: 100.0,
+            };
+            let taken = match shared.limiter.lock() {
+                Ok(mut limiter) => {
+                    limiter.take(limit, "(anonymous audit)", std::time::Instant::now())
+                }
+                Err(poisoned) => poisoned.into_inner().take(
+                    limit,
+                    "(anonymous audit)",
+                    std::time::Instant::now(),
+                ),
+            };
+            if taken.is_err() {
+                shared.instruments.audit_dropped.inc();
+            }
+            taken.is_ok()
+        });
+    if logged {
         let status = response.status().as_u16();
         let who = match impersonated {
             Some(user) if who == DEFAULT_USER && user != DEFAULT_USER => {

@@ -68,6 +68,7 @@ pub const SERIES: &[&str] = &[
     "muster_preemptions_total",
     "muster_store_commit_seconds",
     "muster_api_request_seconds",
+    "muster_audit_dropped_total",
 ];
 
 /// Counters and histograms kept across scrapes: how the server itself
@@ -84,6 +85,9 @@ pub struct Instruments {
     pub commit_seconds: Histogram,
     /// API requests by route and method.
     pub request_seconds: RequestHistograms,
+    /// Refused requests without a known token left out of the audit log
+    /// (past its 5 a second for them).
+    pub audit_dropped: Counter,
 }
 
 /// Histograms of requests, by route and method.
@@ -108,6 +112,7 @@ impl Default for Instruments {
             preemptions: Counter::default(),
             commit_seconds: short_buckets(),
             request_seconds: Family::new_with_constructor(short_buckets),
+            audit_dropped: Counter::default(),
         }
     }
 }
@@ -143,6 +148,11 @@ impl Instruments {
             "muster_api_request_seconds",
             "API requests by route and method (heartbeats long-poll)",
             self.request_seconds.clone(),
+        );
+        registry.register(
+            "muster_audit_dropped",
+            "Refused requests without a known token left out of the audit log (past 5 a second)",
+            self.audit_dropped.clone(),
         );
     }
 }

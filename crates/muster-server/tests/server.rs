@@ -2787,6 +2787,33 @@ async fn changes_are_audited_and_a_retried_submission_makes_one_job() {
             api.get("/v1/whoami", &fresh).await.0,
             StatusCode::UNAUTHORIZED
         );
+        // A flood of requests without a token cannot fill the store: their
+        // refusals are logged at a bounded rate and the rest counted.
+        for _ in 0..300 {
+            let (status, _) = api
+                .call(reqwest::Method::POST, "/v1/jobs", None, Some(json!({})))
+                .await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED);
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (_, body) = api.get("/v1/audit?limit=10000", &admin).await;
+        let anonymous = body["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["who"] == "(no token)")
+            .count();
+        assert!((100..250).contains(&anonymous), "{anonymous} logged");
+        let (_, text) = api.get("/metrics", &admin).await;
+        let dropped: f64 = text
+            .as_str()
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("muster_audit_dropped_total "))
+            .expect("the counter")
+            .parse()
+            .unwrap();
+        assert!(dropped >= 50.0, "{dropped}");
         server.shutdown().await;
     })
     .await;
