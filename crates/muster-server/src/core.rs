@@ -356,6 +356,8 @@ pub struct Shared {
     pub accounting: crate::accounting::Accounting,
     /// Users (by name and token hash).
     pub users: RwLock<crate::users::Users>,
+    /// Audit entries waiting for a commit (see [`Shared::audit`]).
+    pub audit_pending: std::sync::Mutex<Vec<crate::store::AuditEntry>>,
     /// Each token's request bucket.
     pub limiter: std::sync::Mutex<crate::ratelimit::Limiter>,
     /// Secrets, sealed, and their key.
@@ -367,6 +369,9 @@ pub struct Shared {
     /// Becomes true when the server shuts down (ends long polls).
     pub shutdown: watch::Receiver<bool>,
 }
+
+/// Pending audit entries past this many are flushed at once.
+const AUDIT_FLUSH_AT: usize = 1_000;
 
 /// A panic interrupted a change: the state cannot be trusted.
 fn poisoned() -> ! {
@@ -425,6 +430,7 @@ impl Shared {
             idempotency: std::sync::Mutex::new(tenants.keys),
             secrets: std::sync::Mutex::new(tenants.secrets),
             limiter: std::sync::Mutex::new(Default::default()),
+            audit_pending: std::sync::Mutex::new(Vec::new()),
             logs: std::sync::Arc::new(logs),
             shutdown,
         }
@@ -446,11 +452,37 @@ impl Shared {
         }
     }
 
-    /// Appends `entry` to the audit log (written with the next commit).
+    /// Appends `entry` to the audit log: it rides with the next change's
+    /// commit, or the lease ticker's flush within a second (so entries
+    /// cost no commit of their own), and a full buffer is flushed at once.
     pub fn audit(&self, entry: crate::store::AuditEntry) {
-        if self.read_only_reason().is_none() {
+        let full = {
+            let mut pending = match self.audit_pending.lock() {
+                Ok(pending) => pending,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            pending.push(entry);
+            pending.len() >= AUDIT_FLUSH_AT
+        };
+        if full {
+            self.flush_audit();
+        }
+    }
+
+    /// The audit entries not yet queued for a commit.
+    pub fn take_audit(&self) -> Vec<crate::store::AuditEntry> {
+        match self.audit_pending.lock() {
+            Ok(mut pending) => std::mem::take(&mut *pending),
+            Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
+        }
+    }
+
+    /// Queues the pending audit entries for a commit of their own.
+    pub fn flush_audit(&self) {
+        let audit = self.take_audit();
+        if !audit.is_empty() && self.read_only_reason().is_none() {
             self.writer.queue_quietly(Batch {
-                audit: vec![entry],
+                audit,
                 ..Batch::default()
             });
         }
@@ -505,6 +537,7 @@ impl Shared {
             let made = then(&core, made);
             let mut batch = extra;
             core.record(&outputs, &mut batch);
+            batch.audit.extend(self.take_audit());
             (outputs, self.writer.queue(batch), made)
         };
         self.after(&outputs, true);
@@ -529,6 +562,7 @@ impl Shared {
             let made = then(&core, made);
             let mut batch = extra(&made);
             core.record(&outputs, &mut batch);
+            batch.audit.extend(self.take_audit());
             (outputs, self.writer.queue(batch), made)
         };
         self.after(&outputs, true);

@@ -130,8 +130,10 @@ pub async fn lease_ticker(shared: Arc<Shared>, mut shutdown: watch::Receiver<boo
             Err(error) => tracing::error!(error = %error.body.message, "the lease tick failed"),
         }
         forget_removed_nodes(&shared);
+        shared.flush_audit();
         crate::accounting::tick(&shared).await;
     }
+    shared.flush_audit();
     // The minutes still open are written: a restart adds to the same rows.
     let open = shared.accounting.take_open();
     if !open.is_empty() && shared.read_only_reason().is_none() {

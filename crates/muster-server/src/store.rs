@@ -418,7 +418,7 @@ impl Store for SqliteStore {
                 .secrets
                 .push(parse(&format!("secret {name}"), &record)?);
         }
-        for row in sqlx::query("SELECT user, key, job, at FROM idempotency")
+        for row in sqlx::query("SELECT user, key, job, at FROM idempotency ORDER BY rowid")
             .fetch_all(&self.pool)
             .await
             .map_err(database)?
@@ -634,34 +634,34 @@ impl Store for SqliteStore {
             .await
             .map_err(database)?;
         }
-        for entry in &batch.audit {
-            sqlx::query(
-                "INSERT INTO audit (at, who, action, object, origin, status, allowed) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            )
-            .bind(to_i64(entry.at_ms))
-            .bind(&entry.who)
-            .bind(&entry.action)
-            .bind(&entry.object)
-            .bind(&entry.origin)
-            .bind(i64::from(entry.status))
-            .bind(entry.allowed)
-            .execute(&mut *tx)
-            .await
-            .map_err(database)?;
+        // Many rows a statement: each statement costs a round trip to
+        // SQLite's thread, more than the row itself.
+        for chunk in batch.audit.chunks(ROWS_PER_STATEMENT) {
+            let mut insert: sqlx::QueryBuilder<sqlx::Sqlite> = sqlx::QueryBuilder::new(
+                "INSERT INTO audit (at, who, action, object, origin, status, allowed) ",
+            );
+            insert.push_values(chunk, |mut row, entry| {
+                row.push_bind(to_i64(entry.at_ms))
+                    .push_bind(&entry.who)
+                    .push_bind(&entry.action)
+                    .push_bind(&entry.object)
+                    .push_bind(&entry.origin)
+                    .push_bind(i64::from(entry.status))
+                    .push_bind(entry.allowed);
+            });
+            insert.build().execute(&mut *tx).await.map_err(database)?;
         }
-        for ((user, key), (job, at)) in &batch.idempotency {
-            sqlx::query(
-                "INSERT INTO idempotency (user, key, job, at) VALUES (?1, ?2, ?3, ?4) \
-                 ON CONFLICT (user, key) DO UPDATE SET job = excluded.job, at = excluded.at",
-            )
-            .bind(user)
-            .bind(key)
-            .bind(to_i64(*job))
-            .bind(to_i64(*at))
-            .execute(&mut *tx)
-            .await
-            .map_err(database)?;
+        let keys: Vec<_> = batch.idempotency.iter().collect();
+        for chunk in keys.chunks(ROWS_PER_STATEMENT) {
+            let mut insert: sqlx::QueryBuilder<sqlx::Sqlite> =
+                sqlx::QueryBuilder::new("INSERT INTO idempotency (user, key, job, at) ");
+            insert.push_values(chunk, |mut row, ((user, key), (job, at))| {
+                row.push_bind(user)
+                    .push_bind(key)
+                    .push_bind(to_i64(*job))
+                    .push_bind(to_i64(*at));
+            });
+            insert.build().execute(&mut *tx).await.map_err(database)?;
         }
         if let Some(before) = batch.prune_audit_before {
             sqlx::query("DELETE FROM audit WHERE at < ?1")
@@ -966,6 +966,10 @@ impl SqliteStore {
         Ok(minutes)
     }
 }
+
+/// Rows in one multi-row INSERT (SQLite takes at most 32,766 bound values
+/// a statement).
+const ROWS_PER_STATEMENT: usize = 500;
 
 fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)

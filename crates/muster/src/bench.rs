@@ -582,6 +582,8 @@ async fn submit(args: SubmitBench) -> Result<()> {
             let dir = temp_dir()?;
             let config = muster_server::ServerConfig {
                 listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                // A benchmark measures what the server takes, not the limit.
+                rate_limit: None,
                 ..muster_server::ServerConfig::new(dir.path().join("server"))
             };
             let handle = muster_server::Server::start(config)

@@ -4,8 +4,11 @@ CREATE TABLE IF NOT EXISTS users (
     name TEXT PRIMARY KEY,
     record TEXT NOT NULL
 );
+-- One row per request: the rowid orders them (no AUTOINCREMENT, whose
+-- bookkeeping costs each insert), one index by time for --since and the
+-- pruning; --user filters within the time range.
 CREATE TABLE IF NOT EXISTS audit (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    id INTEGER PRIMARY KEY,
     at INTEGER NOT NULL,
     who TEXT NOT NULL,
     action TEXT NOT NULL,
@@ -15,15 +18,15 @@ CREATE TABLE IF NOT EXISTS audit (
     allowed INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS audit_by_time ON audit (at);
-CREATE INDEX IF NOT EXISTS audit_by_who ON audit (who, at);
+-- Appended to, never looked up: the server keeps the keys of the last day
+-- in memory and reads them all at start (the latest row of a key wins).
 CREATE TABLE IF NOT EXISTS idempotency (
     user TEXT NOT NULL,
     key TEXT NOT NULL,
     job INTEGER NOT NULL,
-    at INTEGER NOT NULL,
-    PRIMARY KEY (user, key)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS idempotency_by_time ON idempotency (at);
+    at INTEGER NOT NULL
+);
+-- Pruned hourly by a scan: at most a day of keys.
 -- Secrets, encrypted (ChaCha20-Poly1305 with the key in secrets.key beside
 -- the store): one per name and queue ('' for every queue).
 CREATE TABLE IF NOT EXISTS secrets (
