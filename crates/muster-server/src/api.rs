@@ -290,19 +290,20 @@ pub(crate) fn identify(shared: &Shared, token: &str) -> Option<Identity> {
     if same_token(token, &shared.admin_token) {
         return Some(Identity::Admin);
     }
-    if let Some(user) = shared.users().of_token(token) {
-        return Some(Identity::User(crate::users::Principal::of(user)));
-    }
     if same_token(token, &shared.join_token) {
         return Some(Identity::Join);
     }
     if same_token(token, &shared.metrics_token) {
         return Some(Identity::Metrics);
     }
+    // Nodes first: their heartbeats are most of the requests.
+    if let Some(name) = shared.read().node_of_token(token) {
+        return Some(Identity::Node(name.0.clone()));
+    }
     shared
-        .read()
-        .node_of_token(token)
-        .map(|name| Identity::Node(name.0.clone()))
+        .users()
+        .of_token(token)
+        .map(|user| Identity::User(crate::users::Principal::of(user)))
 }
 
 // Answers name files by their name in the server's data directory, never
