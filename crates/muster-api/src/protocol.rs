@@ -48,6 +48,13 @@ pub struct ErrorBody {
 /// `POST /v1/jobs`: a job spec (the YAML spec's fields, as JSON).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[cfg_attr(
+    feature = "openapi",
+    schema(example = json!({
+        "spec": {"name": "train", "gpus": 1, "command": ["python", "train.py"]},
+        "allow_pending": true
+    }))
+)]
 pub struct SubmitRequest {
     /// The job spec (the same fields as the YAML one; docs/job-spec.md).
     #[cfg_attr(feature = "openapi", schema(value_type = crate::wire::JobSpec))]

@@ -181,7 +181,7 @@ pub struct JobSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory: Option<Quantity>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "openapi", schema(required = true))]
+    #[cfg_attr(feature = "openapi", schema(required = true, nullable = false))]
     pub command: Option<CommandSpec>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
@@ -212,6 +212,10 @@ pub struct JobSpec {
     pub after: Vec<String>,
     /// A job array: `"0-99%8"` (Slurm's notation).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[0-9]+(-[0-9]+(:[0-9]+)?)?(,[0-9]+(-[0-9]+(:[0-9]+)?)?)*(%[0-9]+)?$")
+    )]
     pub array: Option<String>,
     /// Give tasks the `SLURM_*` variables too.
     #[serde(skip_serializing_if = "Option::is_none")]

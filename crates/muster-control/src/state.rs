@@ -1534,7 +1534,7 @@ impl ControlPlane {
                 let elements = self.array_elements(array);
                 if elements.is_empty() {
                     return Err(match self.jobs.get(&array) {
-                        Some(_) => ControlError::Invalid(format!(
+                        Some(_) => ControlError::Conflict(format!(
                             "job {array} is not an array job; cancel it as a job"
                         )),
                         None => ControlError::JobNotFound(array),

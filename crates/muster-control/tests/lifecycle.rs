@@ -1177,8 +1177,9 @@ mod arrays {
         let refused = world
             .control
             .handle(world.now, Input::CancelArray { array: JobId(1) });
+        // Not an array job: a conflict with what the job is.
         assert!(
-            matches!(refused, Err(ControlError::Invalid(_))),
+            matches!(refused, Err(ControlError::Conflict(_))),
             "{refused:?}"
         );
         let refused = world

@@ -580,7 +580,7 @@ pub struct JobQuery {
     /// Only jobs in this state (pending, running, stopping, succeeded,
     /// failed, cancelled, timed_out, idle_stopped), or a comma list.
     #[param(
-        pattern = "^(pending|running|stopping|succeeded|failed|cancelled|timed_out|idle_stopped)(,(pending|running|stopping|succeeded|failed|cancelled|timed_out|idle_stopped))*$"
+        pattern = "^$|^(pending|running|stopping|succeeded|failed|cancelled|timed_out|idle_stopped)(,(pending|running|stopping|succeeded|failed|cancelled|timed_out|idle_stopped))*$"
     )]
     pub(crate) state: Option<String>,
     /// Only jobs of this user.
@@ -589,7 +589,7 @@ pub struct JobQuery {
     #[param(minimum = 1, maximum = 1000)]
     pub(crate) limit: Option<u32>,
     /// Where the previous page ended (its `next_cursor`).
-    #[param(pattern = "^[0-9]{1,18}$")]
+    #[param(pattern = "^$|^[0-9]{1,18}$")]
     pub(crate) cursor: Option<String>,
     /// Only the elements of this array job.
     pub(crate) array: Option<u64>,
@@ -825,7 +825,7 @@ async fn resolve_retired_dependencies(
 #[utoipa::path(
     post, path = "/v1/jobs", tag = "jobs",
     request_body = SubmitRequest,
-    params(("x-muster-user" = Option<String>, Header, description = "the user the job runs for (default: admin)")),
+    params(("x-muster-user" = Option<String>, Header, description = "the user the job runs for (an admin's only; default: the token's user)", pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
     responses(
         (status = 201, description = "accepted and saved", body = SubmitResponse),
         (status = 400, description = "invalid spec: every problem, one per line; or no registered node could ever hold the job (unless `allow_pending`)", body = ErrorBody),
@@ -1194,7 +1194,7 @@ pub(crate) async fn get_job(
     params(("id" = u64, Path, description = "the array's id (its first element's)", maximum = 9_223_372_036_854_775_807_u64)),
     responses(
         (status = 200, body = JobList),
-        (status = 400, description = "the job is not an array job", body = ErrorBody),
+        (status = 409, description = "the job is not an array job", body = ErrorBody),
         (status = 404, body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -1259,6 +1259,7 @@ pub struct LogsQuery {
     /// The byte offset of the task's output to read from; 0 by default.
     offset: Option<u64>,
     /// The most bytes to return (1 MiB at most, and by default).
+    #[param(minimum = 1, maximum = 1_048_576)]
     limit: Option<u64>,
     /// The task (allocation) `offset` belongs to, from an earlier answer:
     /// when the rank has a newer one, the answer is empty, names it, and
@@ -1969,11 +1970,8 @@ async fn set_queue(
             )));
         }
     };
-    if update.budget_hard && budget.is_none() {
-        return Err(ApiError::invalid(
-            "budget_hard needs a budget: pass budget (an amount per month) as well",
-        ));
-    }
+    // `budget_hard` without a budget holds nothing: there is no limit to
+    // be past (the CLI asks for --budget with --budget-hard).
     let spec = QueueSpec {
         name: QueueName(name.clone()),
         guaranteed,

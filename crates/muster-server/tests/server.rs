@@ -1416,7 +1416,7 @@ async fn arrays_are_listed_cancelled_and_kept_across_retirement_and_restarts() {
         let (status, body) = api
             .post(&format!("/v1/arrays/{first}/cancel"), &admin, json!({}))
             .await;
-        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(status, StatusCode::CONFLICT, "{body}");
         let (status, _) = api.post("/v1/arrays/999/cancel", &admin, json!({})).await;
         assert_eq!(status, StatusCode::NOT_FOUND);
         let (status, body) = api.get(&format!("/v1/jobs?array={first}"), &admin).await;
@@ -2288,7 +2288,7 @@ async fn the_authorization_matrix_holds_for_every_route() {
         let mut array_cancel = cancel.clone();
         for (_, status) in &mut array_cancel {
             if *status == 200 {
-                *status = 400;
+                *status = 409;
             }
         }
         let staff = [Who::Operator, Who::Admin];
