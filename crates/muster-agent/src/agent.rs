@@ -29,8 +29,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// Everything `muster agent` needs.
 #[derive(Clone)]
 pub struct AgentConfig {
-    /// `http://host:port` of the server.
+    /// `https://host:port` of the server.
     pub server: String,
+    /// What the server's certificate is trusted through (the cluster CA's
+    /// fingerprint or file).
+    pub trust: muster_api::tls::Trust,
     /// The join token: needed only to join as a new node (no credential
     /// in the state directory yet, or the credential was revoked).
     pub join_token: Option<String>,
@@ -164,6 +167,7 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), String> {
     tokio::pin!(shutdown);
+    let base = Client::with_trust(&config.server, "", &config.trust)?;
     let runtime = Arc::new(ProcessRuntime::new(RuntimeConfig {
         state_dir: config.state_dir.clone(),
         supervisor: config.supervisor.clone(),
@@ -201,7 +205,7 @@ pub async fn run(
     // Task logs go out on their own task and connection, never in the way
     // of a heartbeat; a task is forgotten only once its log is shipped.
     let logs = crate::logship::LogShipper::start(
-        &config.server,
+        base.clone(),
         &config.name,
         Arc::clone(&runtime),
         config.log_shipping.clone(),
@@ -280,7 +284,7 @@ pub async fn run(
         keys,
         forgotten: BTreeSet::new(),
         in_flight: None,
-        server: config.server.clone(),
+        server: base.clone(),
         backend: Arc::clone(&config.backend),
     };
     shell.carry_out(&mut core, outputs).await?;
@@ -441,7 +445,8 @@ struct Shell {
     /// Tasks the core forgot, kept until their log is shipped.
     forgotten: BTreeSet<String>,
     in_flight: Option<InFlight>,
-    server: String,
+    /// The server, with no token: each request's client is made from it.
+    server: Client,
     backend: Arc<dyn GpuBackend>,
 }
 
@@ -467,7 +472,7 @@ impl Shell {
                         .clone()
                         .or_else(|| self.join_token.clone())
                         .unwrap_or_default();
-                    let joiner = Client::new(&self.server, &token);
+                    let joiner = self.server.with_token(&token);
                     let request = self.register.clone();
                     let limit = self.limit(deadline_ms);
                     self.in_flight = Some(Box::pin(async move {
@@ -640,7 +645,7 @@ impl Shell {
                     write_credential(&self.credential_file, &registered.node_token)?;
                     self.credential = Some(registered.node_token.clone());
                 }
-                self.client = Some(Client::new(&self.server, &registered.node_token));
+                self.client = Some(self.server.with_token(&registered.node_token));
                 self.logs.set_token(&registered.node_token);
                 tracing::info!(epoch = registered.epoch, "registered");
                 Input::Registered {

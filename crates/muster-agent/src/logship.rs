@@ -124,7 +124,7 @@ fn allocation_of(key: &str) -> Option<u64> {
 impl LogShipper {
     /// Starts the shipper's task, sending to `server` for node `node`.
     pub fn start(
-        server: &str,
+        server: Client,
         node: &str,
         runtime: Arc<ProcessRuntime>,
         config: LogShipConfig,
@@ -132,7 +132,7 @@ impl LogShipper {
         let shared = Arc::new(Shared::default());
         let worker = Worker {
             shared: Arc::downgrade(&shared),
-            server: server.to_string(),
+            server,
             node: node.to_string(),
             runtime,
             chunk_bytes: config.chunk_bytes.clamp(1, MAX_LOG_CHUNK_BYTES),
@@ -194,7 +194,8 @@ impl LogShipper {
 
 struct Worker {
     shared: Weak<Shared>,
-    server: String,
+    /// The server, with no token.
+    server: Client,
     node: String,
     runtime: Arc<ProcessRuntime>,
     chunk_bytes: usize,
@@ -239,7 +240,7 @@ impl Worker {
             let mut unreachable = false;
             if let Some(token) = token {
                 if self.client.as_ref().is_none_or(|(t, _)| *t != token) {
-                    self.client = Some((token.clone(), Client::new(&self.server, &token)));
+                    self.client = Some((token.clone(), self.server.with_token(&token)));
                 }
                 for key in keys {
                     match self.step(&shared, &key).await {

@@ -100,7 +100,7 @@ async fn setup(max_log_bytes: u64) -> (Setup, String, u64) {
 impl Setup {
     fn shipper(&self, rate_bytes_per_s: u64) -> LogShipper {
         let shipper = LogShipper::start(
-            &self.url,
+            muster_api::client::Client::new(&self.url, ""),
             "n1",
             Arc::clone(&self.runtime),
             LogShipConfig {

@@ -79,11 +79,42 @@ fn idempotency_key() -> String {
     format!("muster-{:016x}{:016x}", parts[0], parts[1])
 }
 
+/// An error with its causes, which say what went wrong (reqwest's own
+/// message is only "error sending request").
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+fn transport_reason(error: &reqwest::Error) -> String {
+    let text = chain(error);
+    if text.contains("certificate") || text.contains("certificate authority") {
+        format!(
+            "{text} (the server's TLS certificate is not trusted: pass --ca-sha256 with the \
+             fingerprint `muster server` printed, or set MUSTER_CA_SHA256 or MUSTER_CA_FILE)"
+        )
+    } else if text.contains("InvalidContentType") || text.contains("corrupt message") {
+        format!("{text} (is the server speaking plain HTTP? then use an http:// URL)")
+    } else {
+        text
+    }
+}
+
 /// The header that names the user a submission is for.
 pub const USER_HEADER: &str = "x-muster-user";
 
 impl Client {
-    /// `base` like `http://127.0.0.1:7070`.
+    /// `base` like `https://127.0.0.1:7070`; an `https` server must have a
+    /// certificate the system trusts (see [`Client::with_trust`]).
     pub fn new(base: &str, token: &str) -> Self {
         Client {
             base: base.trim_end_matches('/').to_string(),
@@ -93,6 +124,38 @@ impl Client {
                 .connect_timeout(Duration::from_secs(5))
                 .build()
                 .unwrap_or_default(),
+        }
+    }
+
+    /// A client that trusts the server's certificate as `trust` says (the
+    /// cluster CA's file or fingerprint; the system's roots when empty).
+    pub fn with_trust(base: &str, token: &str, trust: &crate::tls::Trust) -> Result<Self, String> {
+        let mut builder = reqwest::Client::builder().connect_timeout(Duration::from_secs(5));
+        builder = match crate::tls::client_config(trust)? {
+            Some(config) => builder.tls_backend_preconfigured(config),
+            None => {
+                crate::tls::provider();
+                builder
+            }
+        };
+        let http = builder
+            .build()
+            .map_err(|error| format!("cannot set up the HTTP client: {}", chain(&error)))?;
+        Ok(Client {
+            base: base.trim_end_matches('/').to_string(),
+            token: token.to_string(),
+            user: None,
+            http,
+        })
+    }
+
+    /// The same server and trust with another token (sharing connections).
+    pub fn with_token(&self, token: &str) -> Client {
+        Client {
+            base: self.base.clone(),
+            token: token.to_string(),
+            user: None,
+            http: self.http.clone(),
         }
     }
 
@@ -121,7 +184,7 @@ impl Client {
             .await
             .map_err(|error| ClientError::Transport {
                 url: url.to_string(),
-                reason: error.to_string(),
+                reason: transport_reason(&error),
             })?;
         let status = response.status().as_u16();
         let bytes = response

@@ -40,6 +40,8 @@ pub mod protocol;
 mod quantity;
 mod read;
 pub mod sbatch;
+#[cfg(feature = "client")]
+pub mod tls;
 mod validate;
 mod wire;
 

@@ -42,6 +42,7 @@ mod ratelimit;
 mod records;
 pub mod secrets;
 pub mod store;
+pub mod tls;
 pub mod users;
 mod views;
 mod writer;
@@ -101,6 +102,10 @@ pub struct ServerConfig {
     /// Requests a token may make (agents' own endpoints aside): `None`, no
     /// limit.
     pub rate_limit: Option<ratelimit::RateLimit>,
+    /// HTTPS (a generated cluster CA, or the operator's certificate) or
+    /// plain HTTP. The library's default is plain HTTP; `muster server`'s
+    /// is the generated CA.
+    pub tls: tls::TlsMode,
 }
 
 pub use ratelimit::RateLimit;
@@ -137,6 +142,7 @@ impl ServerConfig {
             prices_file: None,
             audit_retention_ms: 400 * 86_400_000,
             rate_limit: Some(DEFAULT_RATE_LIMIT),
+            tls: tls::TlsMode::Off,
         }
     }
 }
@@ -153,6 +159,9 @@ pub struct ServerHandle {
     join_token: String,
     metrics_token: String,
     data_dir: PathBuf,
+    /// The cluster CA, when serving the generated certificate.
+    ca_pem: Option<String>,
+    https: bool,
     /// Whether this start created the data directory's tokens (a new
     /// cluster).
     pub first_start: bool,
@@ -202,6 +211,7 @@ impl Server {
         let (admin_token, first_start) = auth::load_or_create(&data_dir.join("admin.token"))?;
         let (join_token, _) = auth::load_or_create(&data_dir.join("join.token"))?;
         let (metrics_token, _) = auth::load_or_create(&data_dir.join("metrics.token"))?;
+        let tls = tls::Tls::start(&config.tls, &data_dir)?.map(Arc::new);
 
         let store = SqliteStore::open_with(
             &data_dir,
@@ -281,18 +291,41 @@ impl Server {
         let addr = listener.local_addr()?;
         let router = api::router(shared.clone());
         let mut stop = shutdown_receiver.clone();
-        let http = tokio::spawn(async move {
-            let serve = axum::serve(
-                listener,
-                router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
-            )
-            .with_graceful_shutdown(async move {
-                let _ = stop.wait_for(|stop| *stop).await;
-            });
-            if let Err(error) = serve.await {
-                tracing::error!(%error, "the HTTP server failed");
+        let stopped = async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+        };
+        let mut tasks = Vec::new();
+        let http = match &tls {
+            None => tokio::spawn(async move {
+                let serve = axum::serve(
+                    listener,
+                    router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+                )
+                .with_graceful_shutdown(stopped);
+                if let Err(error) = serve.await {
+                    tracing::error!(%error, "the HTTP server failed");
+                }
+            }),
+            Some(tls) => {
+                use axum::serve::ListenerExt;
+                // `tap_io` makes the peer's address the connection's info, as
+                // for a plain TCP listener.
+                let listener = tls
+                    .listener(listener, shutdown_receiver.clone())?
+                    .tap_io(|_| {});
+                tasks.push(tokio::spawn(tls.clone().watch(shutdown_receiver.clone())));
+                tokio::spawn(async move {
+                    let serve = axum::serve(
+                        listener,
+                        router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+                    )
+                    .with_graceful_shutdown(stopped);
+                    if let Err(error) = serve.await {
+                        tracing::error!(%error, "the HTTPS server failed");
+                    }
+                })
             }
-        });
+        };
         let policy = SchedulingPolicy {
             placement: config.placement,
             ..SchedulingPolicy::default()
@@ -313,7 +346,12 @@ impl Server {
             data_dir,
             first_start,
             shutdown,
-            tasks: vec![http, scheduler, ticker],
+            ca_pem: tls.as_ref().and_then(|tls| tls.ca_pem.clone()),
+            https: tls.is_some(),
+            tasks: {
+                tasks.extend([http, scheduler, ticker]);
+                tasks
+            },
             writer_task,
             store,
             _lock: lock,
@@ -335,6 +373,25 @@ impl ServerHandle {
     /// The token that reads `/metrics` (and nothing else).
     pub fn metrics_token(&self) -> &str {
         &self.metrics_token
+    }
+
+    /// `https://ADDR` or `http://ADDR`.
+    pub fn url(&self) -> String {
+        let scheme = if self.https { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+
+    /// The generated cluster CA (PEM), when it is what is served.
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.ca_pem.as_deref()
+    }
+
+    /// What a client trusts to reach this server: its generated CA.
+    pub fn trust(&self) -> muster_api::tls::Trust {
+        muster_api::tls::Trust {
+            ca_pem: self.ca_pem.as_ref().map(|pem| pem.as_bytes().to_vec()),
+            ca_sha256: None,
+        }
     }
 
     /// The join token (agents registering).

@@ -7,6 +7,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use muster_api::client::{Client, JobFilter};
 use muster_api::protocol::{GpuView, HeartbeatRequest, RegisterRequest};
+use muster_api::tls::Trust;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -146,6 +147,10 @@ pub struct SubmitBench {
     /// The admin token of --server.
     #[arg(long, env = "MUSTER_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// Serve the in-process server over plain HTTP instead of HTTPS (to
+    /// measure what TLS costs).
+    #[arg(long, conflicts_with = "server")]
+    pub plain_http: bool,
 }
 
 /// How the simulated agents heartbeat.
@@ -423,6 +428,28 @@ impl Drop for ChildProcess {
     }
 }
 
+/// A client of `url` trusting its certificate as `trust` says.
+fn connect(url: &str, token: &str, trust: &Trust) -> Result<Client> {
+    Client::with_trust(url, token, trust).map_err(|e| anyhow!(e))
+}
+
+/// The CA to trust a server given with --server by: $MUSTER_CA_SHA256 or
+/// $MUSTER_CA_FILE (else the system's roots).
+fn env_trust() -> Result<Trust> {
+    crate::commands::trust_of(
+        std::env::var("MUSTER_CA_SHA256").ok().as_deref(),
+        std::env::var_os("MUSTER_CA_FILE")
+            .map(PathBuf::from)
+            .as_deref(),
+    )
+}
+
+impl ChildServer {
+    fn client(&self, token: &str) -> Result<Client> {
+        connect(&self.url, token, &self.trust)
+    }
+}
+
 /// A free port on 127.0.0.1 (free when asked; the server binds it next).
 fn free_port() -> Result<u16> {
     let listener =
@@ -434,6 +461,8 @@ fn free_port() -> Result<u16> {
 struct ChildServer {
     process: ChildProcess,
     url: String,
+    /// Its generated cluster CA.
+    trust: Trust,
     admin_token: String,
     join_token: String,
     log: PathBuf,
@@ -466,17 +495,22 @@ async fn start_child_server_with(
     ];
     let args: Vec<String> = args.into_iter().chain(extra.iter().cloned()).collect();
     let mut process = ChildProcess::spawn("server", &args, &log)?;
-    let url = format!("http://127.0.0.1:{port}");
+    let url = format!("https://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         process.check_alive(&log)?;
         let tokens = (
             std::fs::read_to_string(data_dir.join("admin.token")),
             std::fs::read_to_string(data_dir.join("join.token")),
+            std::fs::read(data_dir.join("tls/ca.pem")),
         );
-        if let (Ok(admin), Ok(join)) = tokens {
+        if let (Ok(admin), Ok(join), Ok(ca)) = tokens {
             let admin = admin.trim().to_string();
-            if !admin.is_empty() && Client::new(&url, &admin).queues().await.is_ok() {
+            let trust = Trust {
+                ca_pem: Some(ca),
+                ca_sha256: None,
+            };
+            if !admin.is_empty() && connect(&url, &admin, &trust)?.queues().await.is_ok() {
                 eprintln!(
                     "started a server child process (pid {}) at {url}, data in {}",
                     process.pid(),
@@ -485,6 +519,7 @@ async fn start_child_server_with(
                 return Ok(ChildServer {
                     process,
                     url,
+                    trust,
                     admin_token: admin,
                     join_token: join.trim().to_string(),
                     log,
@@ -532,9 +567,11 @@ async fn start_named_agent(
         gpus.to_string(),
         "--state-dir".to_string(),
         dir.join(state).display().to_string(),
+        "--ca-file".to_string(),
+        server.data_dir.join("tls/ca.pem").display().to_string(),
     ];
     let mut process = ChildProcess::spawn("agent", &args, &log)?;
-    let admin = Client::new(&server.url, &server.admin_token);
+    let admin = server.client(&server.admin_token)?;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         process.check_alive(&log)?;
@@ -575,8 +612,8 @@ fn temp_dir() -> Result<tempfile::TempDir> {
 async fn submit(args: SubmitBench) -> Result<()> {
     let mut in_process = None;
     let mut _dir = None;
-    let (url, token) = match (&args.server, &args.token) {
-        (Some(url), Some(token)) => (url.clone(), token.clone()),
+    let (url, token, trust) = match (&args.server, &args.token) {
+        (Some(url), Some(token)) => (url.clone(), token.clone(), env_trust()?),
         (Some(_), None) => bail!("--server needs --token (or MUSTER_TOKEN)"),
         (None, _) => {
             let dir = temp_dir()?;
@@ -584,24 +621,32 @@ async fn submit(args: SubmitBench) -> Result<()> {
                 listen: SocketAddr::from(([127, 0, 0, 1], 0)),
                 // A benchmark measures what the server takes, not the limit.
                 rate_limit: None,
+                tls: if args.plain_http {
+                    muster_server::tls::TlsMode::Off
+                } else {
+                    muster_server::tls::TlsMode::Generated {
+                        names: vec!["localhost".into(), "127.0.0.1".into()],
+                    }
+                },
                 ..muster_server::ServerConfig::new(dir.path().join("server"))
             };
             let handle = muster_server::Server::start(config)
                 .await
                 .context("cannot start the in-process server")?;
-            let url = format!("http://{}", handle.addr());
+            let url = handle.url();
             eprintln!(
                 "started an in-process server at {url} (data in {}; it shares this process's \
                  CPU with the clients)",
                 handle.data_dir().display()
             );
             let token = handle.admin_token().to_string();
+            let trust = handle.trust();
             in_process = Some(handle);
             _dir = Some(dir);
-            (url, token)
+            (url, token, trust)
         }
     };
-    let probe = Client::new(&url, &token);
+    let probe = connect(&url, &token, &trust)?;
     probe
         .queues()
         .await
@@ -619,7 +664,7 @@ async fn submit(args: SubmitBench) -> Result<()> {
     let start_gate = Arc::new(tokio::sync::Barrier::new(args.clients as usize + 1));
     let mut clients = Vec::new();
     for _ in 0..args.clients {
-        let client = Client::new(&url, &token);
+        let client = connect(&url, &token, &trust)?;
         let (next, errors, first_error, gate, spec) = (
             next.clone(),
             errors.clone(),
@@ -782,29 +827,30 @@ async fn agents(args: AgentsBench) -> Result<()> {
     // The server holds a long poll at most lease / 2: the lease is at least
     // twice the heartbeat.
     let lease = (args.heartbeat * 2).max(Duration::from_secs(10));
-    let (mut server, url, join_token, server_pid) = match &args.server {
+    let (mut server, url, join_token, server_pid, trust) = match &args.server {
         Some(url) => {
             let token = args
                 .join_token
                 .clone()
                 .ok_or_else(|| anyhow!("--server needs --join-token"))?;
-            (None, url.clone(), token, args.server_pid)
+            (None, url.clone(), token, args.server_pid, env_trust()?)
         }
         None => {
             let server = start_child_server(dir.path(), lease).await?;
-            let (url, token, pid) = (
+            let (url, token, pid, trust) = (
                 server.url.clone(),
                 server.join_token.clone(),
                 server.process.pid(),
+                server.trust.clone(),
             );
-            (Some(server), url, token, Some(pid))
+            (Some(server), url, token, Some(pid), trust)
         }
     };
 
     // Register every agent, 64 at a time.
     let registered_at = Instant::now();
     let mut nodes: Vec<(u64, String, String, u64)> = Vec::with_capacity(args.count as usize);
-    let joiner = Client::new(&url, &join_token);
+    let joiner = connect(&url, &join_token, &trust)?;
     let names: Vec<u64> = (0..args.count).collect();
     for chunk in names.chunks(64) {
         let mut calls = Vec::new();
@@ -859,7 +905,7 @@ async fn agents(args: AgentsBench) -> Result<()> {
     let report_errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let telemetry_ms = args.telemetry.as_millis() as u64;
     for (position, (_, name, token, epoch)) in nodes.into_iter().enumerate() {
-        let client = Client::new(&url, &token);
+        let client = joiner.with_token(&token);
         if telemetry_ms > 0 {
             let client = client.clone();
             let name = name.clone();
@@ -1143,7 +1189,7 @@ async fn submit_to_running(args: SubmitToRunningBench) -> Result<()> {
     let mut server = start_child_server(dir.path(), Duration::from_secs(10)).await?;
     let mut agent = start_child_agent(dir.path(), &server, &args.simulate_gpus).await?;
     let agent_log = dir.path().join("agent.log");
-    let client = Client::new(&server.url, &server.admin_token);
+    let client = server.client(&server.admin_token)?;
     let spec = serde_json::json!({
         "name": "bench-s2r",
         "command": ["sleep", "5"],
@@ -1293,7 +1339,7 @@ async fn supervision(args: SupervisionBench) -> Result<()> {
     let mut agent = start_child_agent(dir.path(), &server, "8xH100-80GB").await?;
     let agent_log = dir.path().join("agent.log");
     let state_dir = dir.path().join("agent");
-    let client = Client::new(&server.url, &server.admin_token);
+    let client = server.client(&server.admin_token)?;
     let spec = serde_json::json!({
         "name": "bench-supervision",
         "command": ["sleep", "100000"],
@@ -1400,7 +1446,7 @@ async fn short_jobs(args: ShortJobsBench) -> Result<()> {
     let mut agent = start_child_agent(dir.path(), &server, &args.simulate_gpus).await?;
     let agent_log = dir.path().join("agent.log");
     let state_dir = dir.path().join("agent");
-    let client = Client::new(&server.url, &server.admin_token);
+    let client = server.client(&server.admin_token)?;
     let spec = serde_json::json!({
         "name": "bench-true",
         "command": ["true"],
@@ -1520,10 +1566,10 @@ async fn history(args: HistoryBench) -> Result<()> {
         let name = format!("bench-{index}");
         agents.push(start_named_agent(dir.path(), &server, "8xH100-80GB", &name, &name).await?);
     }
-    let client = Client::new(&server.url, &server.admin_token);
+    let client = server.client(&server.admin_token)?;
     // A probe node that takes no work: its heartbeats go the way every
     // agent's do (lock, the control plane, the durability barrier).
-    let joiner = Client::new(&server.url, &server.join_token);
+    let joiner = server.client(&server.join_token)?;
     let probe = joiner
         .register(&RegisterRequest {
             name: "bench-probe".to_string(),
@@ -1540,7 +1586,7 @@ async fn history(args: HistoryBench) -> Result<()> {
         })
         .await
         .context("cannot register the probe node")?;
-    let probe_client = Client::new(&server.url, &probe.node_token);
+    let probe_client = server.client(&probe.node_token)?;
     let spec = serde_json::json!({
         "name": "bench-true",
         "command": ["true"],

@@ -11,9 +11,12 @@ use std::time::Duration;
 
 #[derive(Debug, Args)]
 pub struct ServerArgs {
-    /// Address to listen on.
-    #[arg(long, default_value = "0.0.0.0:7070")]
+    /// Address to listen on (loopback by default: other machines reach the
+    /// server once this says so, e.g. 0.0.0.0:7070).
+    #[arg(long, default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
+    #[command(flatten)]
+    pub tls: TlsArgs,
     /// Where the store, tokens and logs live (default: the per-user data
     /// directory, or $MUSTER_DATA_DIR).
     #[arg(long)]
@@ -85,11 +88,92 @@ fn parse_stack_policy(text: &str) -> Result<muster_control::StackPolicy, String>
     }
 }
 
+/// How the API is served: HTTPS unless told otherwise.
+#[derive(Debug, Args)]
+pub struct TlsArgs {
+    /// Serve plain HTTP instead of HTTPS: tokens and job environments then
+    /// cross the network in the clear. For a TLS-terminating proxy in front
+    /// of the server, or tests.
+    #[arg(long, conflicts_with_all = ["tls_cert", "tls_key", "tls_san"])]
+    pub insecure_http: bool,
+    /// The server's certificate chain (PEM) instead of the generated one;
+    /// replaced files are served without a restart.
+    #[arg(long, value_name = "PATH", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The key of --tls-cert (PEM).
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Another name or address clients reach the server by, for the
+    /// generated certificate (which holds localhost, this host's name and
+    /// addresses already). Repeatable.
+    #[arg(long, value_name = "NAME")]
+    pub tls_san: Vec<String>,
+}
+
+impl TlsArgs {
+    fn mode(&self, listen: SocketAddr) -> muster_server::tls::TlsMode {
+        use muster_server::tls::TlsMode;
+        if self.insecure_http {
+            return TlsMode::Off;
+        }
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            return TlsMode::Files {
+                cert: cert.clone(),
+                key: key.clone(),
+            };
+        }
+        TlsMode::Generated {
+            names: certificate_names(listen, &self.tls_san),
+        }
+    }
+}
+
+/// The names the generated certificate is for: localhost, the loopback
+/// addresses, and, when listening beyond loopback, this host's name and
+/// addresses (or the one address listened on), and --tls-san.
+fn certificate_names(listen: SocketAddr, extra: &[String]) -> Vec<String> {
+    let mut names: Vec<String> = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+    let ip = listen.ip();
+    if ip.is_unspecified() {
+        names.push(host_name());
+        if let Ok(addresses) = nix::ifaddrs::getifaddrs() {
+            for interface in addresses {
+                let address = interface.address.as_ref();
+                let found = address
+                    .and_then(|a| a.as_sockaddr_in().map(|v4| std::net::IpAddr::V4(v4.ip())))
+                    .or_else(|| address.and_then(|a| a.as_sockaddr_in6().map(|v6| v6.ip().into())));
+                if let Some(found) = found
+                    && !found.is_loopback()
+                    && !matches!(found, std::net::IpAddr::V6(v6) if v6.is_unicast_link_local())
+                {
+                    names.push(found.to_string());
+                }
+            }
+        }
+    } else if !ip.is_loopback() {
+        names.push(host_name());
+        names.push(ip.to_string());
+    }
+    names.extend(extra.iter().cloned());
+    let mut seen = std::collections::BTreeSet::new();
+    names.retain(|name| seen.insert(name.clone()));
+    names
+}
+
 #[derive(Debug, Args)]
 pub struct AgentArgs {
-    /// The server's URL.
+    /// The server's URL (https://HOST:7070).
     #[arg(long, env = "MUSTER_SERVER")]
     pub server: String,
+    /// The cluster CA's fingerprint (sha256:...), which `muster server`
+    /// prints at start beside the join command: the agent trusts the
+    /// server's certificate only if that CA signed it.
+    #[arg(long, value_name = "FINGERPRINT", env = "MUSTER_CA_SHA256")]
+    pub ca_sha256: Option<String>,
+    /// The CA certificate(s) to trust, a PEM file (instead of, or with,
+    /// --ca-sha256). With neither, the system's roots.
+    #[arg(long, value_name = "PATH", env = "MUSTER_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
     /// A file holding the join token (the server's join.token), or set
     /// MUSTER_JOIN_TOKEN. Needed only to join as a new node: the agent then
     /// keeps its own credential in its state directory (node.credential)
@@ -223,6 +307,8 @@ pub struct UpArgs {
     pub idle_after: u64,
     #[command(flatten)]
     pub isolation: IsolationArgs,
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 /// A size in bytes: a whole number with an optional binary unit (B, KiB,
@@ -351,6 +437,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
             prices_file: args.prices.clone(),
             audit_retention_ms: args.audit_retention,
             rate_limit: args.rate_limit.0,
+            tls: args.tls.mode(args.listen),
             ..server_config(
                 args.listen,
                 data_dir.clone(),
@@ -364,12 +451,41 @@ pub fn server(args: ServerArgs) -> Result<()> {
             )
         })
         .await?;
-        eprintln!("muster server listening on http://{}", handle.addr());
+        eprintln!("muster server listening on {}", handle.url());
         eprintln!(
             "admin token: {} (owner-only); join token for agents: {}",
             data_dir.join("admin.token").display(),
             data_dir.join("join.token").display()
         );
+        let reach = if args.listen.ip().is_unspecified() {
+            format!("https://{}:{}", host_name(), handle.addr().port())
+        } else {
+            handle.url()
+        };
+        match handle
+            .ca_pem()
+            .map(|pem| muster_api::tls::fingerprint_of_pem(pem.as_bytes()))
+        {
+            Some(Ok(fingerprint)) => {
+                eprintln!(
+                    "cluster CA: {fingerprint} ({})",
+                    data_dir.join("tls/ca.pem").display()
+                );
+                eprintln!(
+                    "agents join with: muster agent --server {reach} --join-token-file join.token \
+                     --ca-sha256 {fingerprint}"
+                );
+                eprintln!(
+                    "users log in with: muster login --server {reach} --ca-sha256 {fingerprint}"
+                );
+            }
+            Some(Err(error)) => eprintln!("cannot read the cluster CA: {error}"),
+            None if !handle.url().starts_with("https") => eprintln!(
+                "warning: plain HTTP (--insecure-http): tokens and job environments cross the \
+                 network in the clear"
+            ),
+            None => {}
+        }
         if handle.first_start {
             eprintln!(
                 "first start: new tokens written; `muster` on this machine reads the admin \
@@ -425,8 +541,16 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| default_data_dir().join(format!("agent-{name}")));
     let (cgroups, supervisor) = isolation(&args.isolation, &name, &state_dir)?;
+    let trust = crate::commands::trust_of(args.ca_sha256.as_deref(), args.ca_file.as_deref())?;
+    if args.server.starts_with("https://") && trust.is_empty() {
+        eprintln!(
+            "note: no --ca-sha256 or --ca-file: the server's certificate must be trusted by \
+             the system's roots"
+        );
+    }
     let config = AgentConfig {
         server: args.server.clone(),
+        trust,
         join_token: join_token(args.join_token_file.as_deref())?,
         name: name.clone(),
         address: args.address.clone().unwrap_or_else(host_name),
@@ -475,19 +599,22 @@ pub fn up(args: UpArgs) -> Result<()> {
     };
     let (cgroups, supervisor) = isolation(&args.isolation, &name, &data_dir.join("agent"))?;
     runtime()?.block_on(async {
-        let handle = muster_server::Server::start(server_config(
-            args.listen,
-            data_dir.clone(),
-            10_000,
-            args.placement,
-            args.max_log_bytes,
-            args.retention,
-            None,
-            args.idle_after,
-            muster_control::StackPolicy::Report,
-        ))
+        let handle = muster_server::Server::start(muster_server::ServerConfig {
+            tls: args.tls.mode(args.listen),
+            ..server_config(
+                args.listen,
+                data_dir.clone(),
+                10_000,
+                args.placement,
+                args.max_log_bytes,
+                args.retention,
+                None,
+                args.idle_after,
+                muster_control::StackPolicy::Report,
+            )
+        })
         .await?;
-        let url = format!("http://{}", handle.addr());
+        let url = handle.url();
         // The CLI of this user finds the server and token with no flags.
         let config_file = config_path();
         if let Some(parent) = config_file.parent() {
@@ -497,14 +624,22 @@ pub fn up(args: UpArgs) -> Result<()> {
         let token_file = data_dir.join("admin.token");
         std::fs::write(
             &config_file,
-            serde_json::to_string_pretty(&serde_json::json!({
-                "server": url,
-                "token_file": token_file,
-            }))?,
+            serde_json::to_string_pretty(&match handle.ca_pem() {
+                Some(_) => serde_json::json!({
+                    "server": url,
+                    "token_file": token_file,
+                    "ca_file": data_dir.join("tls/ca.pem"),
+                }),
+                None => serde_json::json!({
+                    "server": url,
+                    "token_file": token_file,
+                }),
+            })?,
         )
         .with_context(|| format!("cannot write {}", config_file.display()))?;
         let agent = AgentConfig {
             server: url.clone(),
+            trust: handle.trust(),
             join_token: Some(handle.join_token().to_string()),
             name: name.clone(),
             address: "127.0.0.1".to_string(),

@@ -54,6 +54,12 @@ pub struct Connection {
     /// `muster up` wrote in its data directory).
     #[arg(long, global = true, value_name = "TOKEN")]
     pub token: Option<String>,
+    /// The cluster CA's fingerprint (sha256:..., printed by `muster server`)
+    /// to trust the server's certificate by (default: $MUSTER_CA_SHA256,
+    /// the config file's, or $MUSTER_CA_FILE / the config's `ca_file` /
+    /// the local server's CA).
+    #[arg(long, global = true, value_name = "FINGERPRINT")]
+    pub ca_sha256: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
@@ -120,7 +126,25 @@ pub fn config_path() -> PathBuf {
     home.join(".config/muster/config.json")
 }
 
-pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7070";
+pub const DEFAULT_SERVER: &str = "https://127.0.0.1:7070";
+
+/// What to trust the server's certificate by: a CA fingerprint, a CA file,
+/// both, or neither (the system's roots).
+pub fn trust_of(
+    fingerprint: Option<&str>,
+    ca_file: Option<&std::path::Path>,
+) -> Result<muster_api::tls::Trust> {
+    let ca_sha256 = fingerprint
+        .map(|text| muster_api::tls::Fingerprint::parse(text).map_err(|e| anyhow!(e)))
+        .transpose()?;
+    let ca_pem = ca_file
+        .map(|path| {
+            std::fs::read(path)
+                .with_context(|| format!("cannot read the CA file {}", path.display()))
+        })
+        .transpose()?;
+    Ok(muster_api::tls::Trust { ca_pem, ca_sha256 })
+}
 
 impl Connection {
     pub fn client(&self) -> Result<Client> {
@@ -160,7 +184,34 @@ impl Connection {
                     .to_string()
             }
         };
-        let client = Client::new(&server, &token);
+        // The config's CA is for the config's server.
+        let same_server = config["server"].as_str() == Some(server.as_str());
+        let fingerprint = self
+            .ca_sha256
+            .clone()
+            .or_else(|| std::env::var("MUSTER_CA_SHA256").ok())
+            .or_else(|| {
+                same_server
+                    .then(|| config["ca_sha256"].as_str().map(str::to_string))
+                    .flatten()
+            });
+        let ca_file = std::env::var_os("MUSTER_CA_FILE")
+            .map(PathBuf::from)
+            .or_else(|| {
+                if fingerprint.is_some() {
+                    return None;
+                }
+                same_server
+                    .then(|| config["ca_file"].as_str().map(PathBuf::from))
+                    .flatten()
+                    .or_else(|| {
+                        // The local server's CA (`muster up`, `muster server`).
+                        let local = default_data_dir().join("tls/ca.pem");
+                        (server.starts_with("https://") && local.exists()).then_some(local)
+                    })
+            });
+        let trust = trust_of(fingerprint.as_deref(), ca_file.as_deref())?;
+        let client = Client::with_trust(&server, &token, &trust).map_err(|e| anyhow!(e))?;
         Ok(
             match std::env::var("USER")
                 .ok()
@@ -2159,6 +2210,7 @@ mod tests {
             connection: Connection {
                 server: None,
                 token: None,
+                ca_sha256: None,
                 json: false,
             },
         }

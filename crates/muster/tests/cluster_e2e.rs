@@ -1771,3 +1771,196 @@ fn a_task_gets_its_secret_and_nothing_shows_it() {
     assert_eq!(output.status.code(), Some(6), "{output:?}");
     assert!(String::from_utf8_lossy(&output.stderr).contains("no secret \"nope\""));
 }
+
+/// TLS by default: `muster server` makes a cluster CA and serves HTTPS; an
+/// agent joins with the CA's fingerprint, the CLI logs in with it and runs
+/// a job; a wrong fingerprint, a plain-HTTP client and a name the
+/// certificate is not for are refused; a replaced certificate is served
+/// without a restart while the agent goes on; `muster up` writes the CA
+/// into the client config.
+#[test]
+fn tls_is_the_default_and_a_pinned_ca_is_what_clients_trust() {
+    let mut env = Env::new();
+    env.tls = true;
+    let (_server, data) = env.start_server();
+    let address = env.url.trim_start_matches("http://").to_string();
+    let url = format!("https://{address}");
+    let log = std::fs::read_to_string(env.path("server.log")).expect("server log");
+    let fingerprint = std::fs::read_to_string(data.join("tls/ca.sha256"))
+        .expect("the CA's fingerprint")
+        .trim()
+        .to_string();
+    assert!(fingerprint.starts_with("sha256:") && fingerprint.len() == 71);
+    assert!(
+        log.contains(&format!("--ca-sha256 {fingerprint}")) && log.contains(&url),
+        "the join command is printed with the fingerprint: {log}"
+    );
+    for key in ["tls/ca.key", "tls/server.key"] {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(data.join(key))
+            .expect(key)
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o077, 0, "{key} is its owner's only: {mode:o}");
+    }
+    let admin = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
+    let admin = admin.trim();
+
+    // Plain HTTP gets no answer from an HTTPS server.
+    let plain = env.muster(&["ps", "--server", &env.url, "--token", admin]);
+    assert_eq!(plain.status.code(), Some(5), "{plain:?}");
+    // Without a fingerprint (and no local CA to find) the system's roots do
+    // not know the cluster CA; with a wrong one, the pin does not match.
+    let unknown = env.muster(&["ps", "--server", &url, "--token", admin]);
+    assert_eq!(unknown.status.code(), Some(5), "{unknown:?}");
+    assert!(
+        String::from_utf8_lossy(&unknown.stderr).contains("--ca-sha256"),
+        "the error says what to do: {unknown:?}"
+    );
+    let wrong = format!("sha256:{}", "00".repeat(32));
+    let refused = env.muster(&[
+        "ps",
+        "--server",
+        &url,
+        "--token",
+        admin,
+        "--ca-sha256",
+        &wrong,
+    ]);
+    assert_eq!(refused.status.code(), Some(5), "{refused:?}");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("not the pinned one"),
+        "{refused:?}"
+    );
+
+    // An agent joins with the fingerprint.
+    let join = data.join("join.token");
+    let _agent = env.spawn(
+        "agent",
+        &[
+            "agent",
+            "--server",
+            &url,
+            "--ca-sha256",
+            &fingerprint,
+            "--join-token-file",
+            join.to_str().unwrap(),
+            "--name",
+            "tls-node",
+            "--address",
+            "127.0.0.1",
+            "--simulate-gpus",
+            "1xH100-80GB",
+            "--state-dir",
+            env.path("agent").to_str().unwrap(),
+        ],
+    );
+    // An admin logs in with the fingerprint: the config keeps it, and
+    // the CLI needs no flags after that.
+    let login = env
+        .command()
+        .args(["login", "--server", &url, "--ca-sha256", &fingerprint])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(format!("{admin}\n").as_bytes())?;
+            child.wait_with_output()
+        })
+        .expect("login runs");
+    assert!(login.status.success(), "{login:?}");
+    let config = std::fs::read_to_string(env.path("config/muster/config.json")).expect("config");
+    assert!(config.contains(&fingerprint), "{config}");
+    common::wait_until("the node over TLS", Duration::from_secs(30), || {
+        json(&env.muster(&["nodes", "--json"]))["nodes"]
+            .as_array()
+            .is_some_and(|nodes| nodes.iter().any(|n| n["state"] == "ready"))
+    });
+    let run = env.muster(&["run", "--gpus", "1", "--", "echo", "over-tls"]);
+    assert!(run.status.success(), "{run:?}");
+    assert!(stdout(&run).contains("over-tls"), "{run:?}");
+    // The name in the URL must be one the certificate is for.
+    let by_name = format!("https://localhost:{}", address.rsplit(':').next().unwrap());
+    let named = env.muster(&["ps", "--server", &by_name, "--ca-sha256", &fingerprint]);
+    assert!(
+        named.status.success(),
+        "localhost is in the certificate: {named:?}"
+    );
+
+    // The server certificate is replaced on disk by one for 127.0.0.1 only
+    // (signed by the same CA): it is served without a restart, the agent
+    // goes on, and `localhost` is now refused.
+    let ca_key = rcgen::KeyPair::from_pem(
+        &std::fs::read_to_string(data.join("tls/ca.key")).expect("CA key"),
+    )
+    .expect("CA key");
+    let issuer = rcgen::Issuer::new(muster_server::tls::ca_params(), &ca_key);
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).expect("params");
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let leaf = params.signed_by(&key, &issuer).expect("signed");
+    let ca_pem = std::fs::read_to_string(data.join("tls/ca.pem")).expect("CA");
+    std::fs::write(data.join("tls/new.key"), key.serialize_pem()).unwrap();
+    std::fs::write(data.join("tls/new.pem"), format!("{}{ca_pem}", leaf.pem())).unwrap();
+    std::fs::rename(data.join("tls/new.key"), data.join("tls/server.key")).unwrap();
+    std::fs::rename(data.join("tls/new.pem"), data.join("tls/server.pem")).unwrap();
+    common::wait_until("the new certificate", Duration::from_secs(30), || {
+        let named = env.muster(&["ps", "--server", &by_name, "--ca-sha256", &fingerprint]);
+        !named.status.success()
+            && String::from_utf8_lossy(&named.stderr).contains("not valid for name")
+    });
+    let again = env.muster(&["run", "--gpus", "1", "--", "echo", "after-rotation"]);
+    assert!(again.status.success(), "{again:?}");
+    assert!(stdout(&again).contains("after-rotation"), "{again:?}");
+    let nodes = json(&env.muster(&["nodes", "--json"]));
+    assert_eq!(nodes["nodes"][0]["state"], "ready", "{nodes}");
+    assert!(
+        std::fs::read_to_string(env.path("agent.log"))
+            .unwrap_or_default()
+            .matches("registered")
+            .count()
+            == 1,
+        "the agent never had to register again"
+    );
+}
+
+/// `muster up` serves HTTPS too, and the CLI finds its CA through the
+/// client config; `--insecure-http` is what plain HTTP takes.
+#[test]
+fn muster_up_serves_https_and_the_cli_trusts_it_with_no_flags() {
+    let mut env = Env::new();
+    env.tls = true;
+    let listen = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("up-data");
+    let _up = env.start(
+        "up",
+        &[
+            "up",
+            "--listen",
+            &listen,
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--simulate-gpus",
+            "1xH100-80GB",
+        ],
+    );
+    let config = std::fs::read_to_string(env.path("config/muster/config.json")).expect("config");
+    assert!(
+        config.contains("https://") && config.contains("ca.pem"),
+        "{config}"
+    );
+    let run = env.muster(&["run", "--", "echo", "up-over-tls"]);
+    assert!(run.status.success(), "{run:?}");
+    assert!(stdout(&run).contains("up-over-tls"));
+    let plain = env.muster(&["ps", "--server", &env.url]);
+    assert!(
+        !plain.status.success(),
+        "an HTTPS server does not speak HTTP"
+    );
+}

@@ -171,7 +171,7 @@ impl Proxy {
 fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
     let cluster = Cluster::start("4s");
     let proxy = Proxy::start(cluster.address.clone());
-    let _a = cluster.agent("node-a", &format!("http://127.0.0.1:{}", proxy.port));
+    let _a = cluster.agent("node-a", &format!("https://127.0.0.1:{}", proxy.port));
     let _b = cluster.agent("node-b", &cluster.url());
     let rt = runtime();
     let client = cluster.client();

@@ -7,7 +7,7 @@ mod common;
 
 use common::cluster::{Cluster, runtime, spawn, state, wait_for_nodes};
 use common::wait_until;
-use muster_api::client::{Client, ClientError};
+use muster_api::client::ClientError;
 use muster_api::protocol::{ErrorCode, GpuView, RegisterRequest};
 use std::time::Duration;
 
@@ -46,7 +46,7 @@ fn odd_nodes_do_not_stop_a_healthy_nodes_jobs() {
     let _mixed = cluster.agent_with("mixed", &url, "2xA100-40GB,4xL4", &[]);
     let rt = runtime();
     let client = cluster.client();
-    let joiner = Client::new(&url, &cluster.token("join.token"));
+    let joiner = cluster.client_with(&url, &cluster.token("join.token"));
     wait_for_nodes(&rt, &client, 2);
 
     // A 65-GPU agent is refused with the reason, and says so as it exits.
@@ -147,7 +147,7 @@ fn the_join_token_cannot_take_a_known_node_and_its_credential_survives_restarts(
     });
 
     // An impostor with the join token is refused, and learns nothing.
-    let joiner = Client::new(&url, &cluster.token("join.token"));
+    let joiner = cluster.client_with(&url, &cluster.token("join.token"));
     let refused = rt
         .block_on(joiner.register(&register_request("node-a", &["H100-80GB"])))
         .unwrap_err();
@@ -157,11 +157,14 @@ fn the_join_token_cannot_take_a_known_node_and_its_credential_survives_restarts(
     // The agent restarts without the join token: its credential registers
     // it again, it adopts its task, and the job runs to success once.
     drop(agent.take());
+    let fingerprint = cluster.ca_sha256();
     agent = Some(spawn(
         cluster.dir.path(),
         "node-a.log",
         &[
             "agent",
+            "--ca-sha256",
+            &fingerprint,
             "--server",
             &url,
             "--name",

@@ -153,10 +153,40 @@ pub fn login(args: LoginArgs) -> Result<u8, Failure> {
         .ok()
         .and_then(|text| serde_json::from_str(&text).ok())
         .unwrap_or_else(|| serde_json::json!({}));
+    let same_server = config["server"].as_str() == Some(client.base());
     config["server"] = client.base().into();
     config["token"] = token.into();
+    // How the server is trusted from now on: the fingerprint or CA file
+    // this login used.
+    let fingerprint = args
+        .connection
+        .ca_sha256
+        .clone()
+        .or_else(|| std::env::var("MUSTER_CA_SHA256").ok());
+    let ca_file = std::env::var_os("MUSTER_CA_FILE").map(std::path::PathBuf::from);
     if let Some(object) = config.as_object_mut() {
         object.remove("token_file");
+        if fingerprint.is_some() || ca_file.is_some() || !same_server {
+            object.remove("ca_sha256");
+            object.remove("ca_file");
+        }
+    }
+    if let Some(fingerprint) = fingerprint {
+        config["ca_sha256"] = muster_api::tls::Fingerprint::parse(&fingerprint)
+            .map_err(|e| anyhow::anyhow!(e))?
+            .to_string()
+            .into();
+    } else if let Some(file) = ca_file {
+        config["ca_file"] = std::path::absolute(&file)
+            .unwrap_or(file)
+            .display()
+            .to_string()
+            .into();
+    } else if !same_server && client.base().starts_with("https://") {
+        let local = super::default_data_dir().join("tls/ca.pem");
+        if local.exists() {
+            config["ca_file"] = local.display().to_string().into();
+        }
     }
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)

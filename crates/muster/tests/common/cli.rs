@@ -29,6 +29,10 @@ pub struct Env {
     /// Connection flags for the CLI, put before any `--` (empty with
     /// `muster up`, which writes the client config).
     pub flags: Vec<String>,
+    /// Whether `up` and `server` serve HTTPS (their default); most tests
+    /// here speak plain HTTP to them (`--insecure-http`), the TLS tests
+    /// set this.
+    pub tls: bool,
 }
 
 impl Env {
@@ -39,6 +43,7 @@ impl Env {
             dir,
             url,
             flags: Vec::new(),
+            tls: false,
         }
     }
 
@@ -63,9 +68,13 @@ impl Env {
     /// `muster ARGS` in the background, its output in `NAME.log`.
     pub fn spawn(&self, name: &'static str, args: &[&str]) -> Daemon {
         let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log file");
+        let mut args: Vec<&str> = args.to_vec();
+        if !self.tls && matches!(args.first(), Some(&"up") | Some(&"server")) {
+            args.insert(1, "--insecure-http");
+        }
         let child = self
             .command()
-            .args(args)
+            .args(&args)
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
             .spawn()

@@ -75,8 +75,28 @@ impl Cluster {
         self.dir.path().join(name)
     }
 
+    /// The server serves HTTPS with its generated CA (the default).
     pub fn url(&self) -> String {
-        format!("http://{}", self.address)
+        format!("https://{}", self.address)
+    }
+
+    /// The cluster CA's fingerprint, as `muster server` prints it.
+    pub fn ca_sha256(&self) -> String {
+        std::fs::read_to_string(self.path("server").join("tls/ca.sha256"))
+            .expect("the server wrote its CA's fingerprint")
+            .trim()
+            .to_string()
+    }
+
+    /// A client for `token` that pins the cluster CA.
+    pub fn client_with(&self, url: &str, token: &str) -> Client {
+        let trust = muster_api::tls::Trust {
+            ca_pem: None,
+            ca_sha256: Some(
+                muster_api::tls::Fingerprint::parse(&self.ca_sha256()).expect("fingerprint"),
+            ),
+        };
+        Client::with_trust(url, token, &trust).expect("client")
     }
 
     pub fn start_server(&mut self) {
@@ -108,7 +128,7 @@ impl Cluster {
     }
 
     pub fn client(&self) -> Client {
-        Client::new(&self.url(), &self.token("admin.token"))
+        self.client_with(&self.url(), &self.token("admin.token"))
     }
 
     /// An agent with `gpus` (a `--simulate-gpus` spec) and `extra` flags;
@@ -116,8 +136,11 @@ impl Cluster {
     pub fn agent_with(&self, name: &str, server_url: &str, gpus: &str, extra: &[&str]) -> Daemon {
         let state = self.path(name);
         let join_token = self.path("server").join("join.token");
+        let fingerprint = self.ca_sha256();
         let mut args = vec![
             "agent",
+            "--ca-sha256",
+            &fingerprint,
             "--server",
             server_url,
             "--join-token-file",
