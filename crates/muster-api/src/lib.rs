@@ -51,7 +51,7 @@ mod tests;
 pub use cluster::{ClusterSpec, NodeGroupSpec, parse_cluster_spec_yaml};
 pub use error::{SpecError, SpecErrors, TextLocation};
 pub use parse::{MAX_SPEC_BYTES, parse_job_spec_json, parse_job_spec_value, parse_job_spec_yaml};
-pub use quantity::parse_duration_text;
+pub use quantity::{DURATION_PATTERN, parse_api_duration, parse_duration_text};
 pub use validate::{
     MAX_ARRAY_BYTES, MAX_ATTEMPTS, MAX_CPUS_PER_NODE, MAX_GPUS_PER_NODE, MAX_GRACE_PERIOD,
     MAX_NAME_LENGTH, MAX_NODES, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, is_env_name,

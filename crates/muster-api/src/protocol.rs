@@ -48,6 +48,7 @@ pub struct ErrorBody {
 /// `POST /v1/jobs`: a job spec (the YAML spec's fields, as JSON).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
 #[cfg_attr(
     feature = "openapi",
     schema(example = json!({
@@ -700,6 +701,39 @@ pub struct QueueList {
     pub queues: Vec<QueueView>,
 }
 
+/// A whole number as JSON Schema counts one: `96` or `96.0`.
+fn whole_u32<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
+    let number = serde_json::Number::deserialize(deserializer)?;
+    number
+        .as_u64()
+        .or_else(|| {
+            number
+                .as_f64()
+                .filter(|value| {
+                    value.fract() == 0.0 && *value >= 0.0 && *value <= f64::from(u32::MAX)
+                })
+                .map(|value| value as u64)
+        })
+        .and_then(|value| u32::try_from(value).ok())
+        .ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "expected a whole number from 0 to {}, got {number}",
+                u32::MAX
+            ))
+        })
+}
+
+fn whole_u32_or_null<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u32>, D::Error> {
+    match Option::<serde_json::Number>::deserialize(deserializer)? {
+        None => Ok(None),
+        Some(number) => whole_u32(serde_json::Value::Number(number))
+            .map(Some)
+            .map_err(serde::de::Error::custom),
+    }
+}
+
 /// `PUT /v1/queues/{name}` (admin).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -710,18 +744,36 @@ pub struct QueueUpdate {
     pub borrow_limit_gpus: Option<f64>,
     /// Fair-share weight.
     #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 10_000))]
+    #[serde(deserialize_with = "whole_u32")]
     pub weight: u32,
     /// Stop the queue's jobs once their GPUs have been idle this long
-    /// (e.g. `"30m"`; absent: never).
+    /// (e.g. `"30m"`; absent, empty or zero: never).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            pattern = "^([0-9]{1,12}|([0-9]{1,12}d)?([0-9]{1,12}h)?([0-9]{1,12}m)?([0-9]{1,12}s)?)$"
+        )
+    )]
     pub idle_timeout: Option<String>,
     /// Its jobs count as idle once their GPUs stay below `idle_below_pct`
-    /// this long (e.g. `"10m"`; absent: the server's `--idle-after`).
+    /// this long (e.g. `"10m"`; absent or empty: the server's
+    /// `--idle-after`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            pattern = "^([0-9]{1,12}|([0-9]{1,12}d)?([0-9]{1,12}h)?([0-9]{1,12}m)?([0-9]{1,12}s)?)$"
+        )
+    )]
     pub idle_after: Option<String>,
     /// Below this utilisation (percent, 1 to 100) a GPU counts as idle
     /// (absent: 5).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole_u32_or_null"
+    )]
     #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 100))]
     pub idle_below_pct: Option<u32>,
     /// Monthly GPU budget in the price list's currency (absent: none).

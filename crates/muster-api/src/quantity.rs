@@ -164,6 +164,52 @@ pub(crate) fn format_memory(mib: u64) -> String {
 pub(crate) const DURATION_ACCEPTED: &str =
     "a duration like \"90s\", \"30m\", \"2h\", \"1d\" or \"1h30m\", or a whole number of seconds";
 
+/// A duration in an API field or query, as the OpenAPI document states it:
+/// whole seconds, or `d`, `h`, `m`, `s` parts largest first, at most 12
+/// digits a part, nothing else (no spaces); the empty text is "not given".
+pub const DURATION_PATTERN: &str =
+    "^([0-9]{1,12}|([0-9]{1,12}d)?([0-9]{1,12}h)?([0-9]{1,12}m)?([0-9]{1,12}s)?)$";
+
+/// Reads a duration given to the API: exactly [`DURATION_PATTERN`]
+/// (`None` for the empty text).
+pub fn parse_api_duration(text: &str) -> Result<Option<Duration>, String> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    let digits = |part: &str| part.bytes().take_while(u8::is_ascii_digit).count();
+    let whole = digits(text);
+    let fits = if whole == text.len() {
+        whole <= 12
+    } else {
+        let mut rest = text;
+        let mut last_rank = 4;
+        let mut fits = true;
+        while !rest.is_empty() {
+            let count = digits(rest);
+            let rank = match rest.as_bytes().get(count) {
+                Some(b'd') => 3,
+                Some(b'h') => 2,
+                Some(b'm') => 1,
+                Some(b's') => 0,
+                _ => 4,
+            };
+            if count == 0 || count > 12 || rank >= last_rank {
+                fits = false;
+                break;
+            }
+            last_rank = rank;
+            rest = &rest[count + 1..];
+        }
+        fits
+    };
+    if !fits {
+        return Err(format!(
+            "expected {DURATION_ACCEPTED} (no spaces, at most 12 digits a part)"
+        ));
+    }
+    parse_duration_text(text).map(Some)
+}
+
 /// Parses a duration written as text (command-line flags): whole seconds
 /// (`5400`), or parts with units `d`, `h`, `m`, `s`, each at most once and
 /// largest first (`1d2h`, `1h30m`, `90s`).
@@ -257,6 +303,46 @@ pub(crate) fn format_duration(duration: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn api_durations_are_exactly_the_pattern() {
+        let ok = |text: &str, seconds: u64| {
+            assert_eq!(
+                parse_api_duration(text),
+                Ok(Some(Duration::from_secs(seconds))),
+                "{text:?}"
+            );
+        };
+        ok("90", 90);
+        ok("30m", 1800);
+        ok("1d2h3m4s", 93_784);
+        ok("000000000001s", 1);
+        ok("999999999999", 999_999_999_999);
+        ok(
+            "999999999999d999999999999h999999999999m999999999999s",
+            90_060_999_999_909_939,
+        );
+        assert_eq!(parse_api_duration(""), Ok(None));
+        for bad in [
+            " 30m",
+            "30m ",
+            "1h 30m",
+            "30M",
+            "1m1h",
+            "1h1h",
+            "h",
+            "1x",
+            "-1s",
+            "+1s",
+            "1.5h",
+            "1234567890123",
+            "1234567890123s",
+            "٣s",
+            "1d2",
+        ] {
+            assert!(parse_api_duration(bad).is_err(), "{bad:?} is refused");
+        }
+    }
 
     fn text(value: &str) -> Quantity {
         Quantity::Text(value.to_string())

@@ -636,7 +636,7 @@ impl Checker {
     }
 
     fn image(&mut self, image: &str) -> String {
-        if image.is_empty() || image.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        if image.is_empty() || !image.bytes().all(|byte| byte.is_ascii_graphic()) {
             self.error(
                 "image",
                 format!(

@@ -108,6 +108,7 @@ impl CommandSpec {
 /// How a job is told to stop (`checkpoint:` in the spec).
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
 pub struct CheckpointSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub signal: Option<String>,
@@ -120,6 +121,7 @@ pub struct CheckpointSpec {
 /// What happens when a task ends badly (`retry:` in the spec).
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
 pub struct RetrySpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<Quantity>,
@@ -132,10 +134,88 @@ pub struct RetrySpec {
 /// Where a gang's tasks may go (`topology:` in the spec).
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
 pub struct TopologySpec {
     /// `required` or `preferred`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub same_rack: Option<String>,
+}
+
+/// Schemas of the spec's fields written out where the reader takes more
+/// shapes than the Rust type says (a scalar for a list, whole numbers and
+/// booleans as text): the document must let through all the reader
+/// accepts; what the validator then refuses answers 422.
+#[cfg(feature = "openapi")]
+mod shapes {
+    use utoipa::openapi::RefOr;
+    use utoipa::openapi::schema::Schema;
+
+    fn schema(value: serde_json::Value) -> RefOr<Schema> {
+        serde_json::from_value(value).unwrap_or_else(|_| RefOr::T(Schema::default()))
+    }
+
+    /// Text, a whole number or a boolean, written out as text.
+    fn scalar() -> serde_json::Value {
+        serde_json::json!({"type": ["string", "integer", "boolean"]})
+    }
+
+    pub fn gpu_models() -> RefOr<Schema> {
+        schema(serde_json::json!({
+            "description": "GPU models the job may run on (any of them): one, or a list",
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": scalar()},
+                {"type": "null"}
+            ]
+        }))
+    }
+
+    pub fn after() -> RefOr<Schema> {
+        let dependency = serde_json::json!({"type": ["string", "integer"]});
+        schema(serde_json::json!({
+            "description": "jobs to wait for: 12 (to succeed), \"any:12\" (to end), \"notok:12\" (to fail); one, a comma list, or a list",
+            "anyOf": [
+                dependency,
+                {"type": "array", "items": dependency},
+                {"type": "null"}
+            ]
+        }))
+    }
+
+    pub fn env() -> RefOr<Schema> {
+        schema(serde_json::json!({
+            "description": "variables: a value, or {secret: NAME} for a secret's",
+            "type": ["object", "null"],
+            "additionalProperties": {
+                "anyOf": [
+                    scalar(),
+                    {
+                        "type": "object",
+                        "properties": {"secret": {"type": "string"}},
+                        "required": ["secret"],
+                        "additionalProperties": false
+                    }
+                ]
+            }
+        }))
+    }
+
+    pub fn array() -> RefOr<Schema> {
+        schema(serde_json::json!({
+            "description": "a job array in Slurm's notation: \"0-99%8\", \"1,3,5-7\", \"0-15:4\" (at most 10,000 elements, indices up to 4,000,000)",
+            "type": ["string", "integer", "null"]
+        }))
+    }
+
+    pub fn command() -> RefOr<Schema> {
+        schema(serde_json::json!({
+            "description": "the program and its arguments, run as they are; or one string, run by sh -c",
+            "anyOf": [
+                {"type": "array", "items": scalar(), "minItems": 1},
+                {"type": "string", "minLength": 1}
+            ]
+        }))
+    }
 }
 
 /// A job spec as written (version 1 of the wire format). `None` means "not
@@ -144,6 +224,7 @@ pub struct TopologySpec {
 /// into [`muster_model::JobSpec`] checks the values.
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
 pub struct JobSpec {
     #[cfg_attr(
         feature = "openapi",
@@ -162,8 +243,8 @@ pub struct JobSpec {
         schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     )]
     pub pool: Option<String>,
+    /// `low`, `normal` (the default), `high` or `critical`, in any case.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "openapi", schema(pattern = "^(low|normal|high|critical)$"))]
     pub priority_class: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nodes: Option<Quantity>,
@@ -171,6 +252,7 @@ pub struct JobSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpus: Option<Quantity>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = shapes::gpu_models))]
     pub gpu_models: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub min_gpu_memory: Option<Quantity>,
@@ -181,13 +263,18 @@ pub struct JobSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory: Option<Quantity>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "openapi", schema(required = true, nullable = false))]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(schema_with = shapes::command, required = true)
+    )]
     pub command: Option<CommandSpec>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = shapes::env))]
     pub env: BTreeMap<String, String>,
     /// Variables whose values are secrets (`env: {HF_TOKEN: {secret: hf}}`
     /// in a spec): variable → secret name.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(nullable))]
     pub secrets: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(pattern = "^/[^\\u0000]*$"))]
@@ -209,13 +296,11 @@ pub struct JobSpec {
     pub topology: Option<TopologySpec>,
     /// Jobs to wait for: `12` (to succeed), `"any:12"`, `"notok:12"`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = shapes::after))]
     pub after: Vec<String>,
     /// A job array: `"0-99%8"` (Slurm's notation).
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(
-        feature = "openapi",
-        schema(pattern = r"^[0-9]+(-[0-9]+(:[0-9]+)?)?(,[0-9]+(-[0-9]+(:[0-9]+)?)?)*(%[0-9]+)?$")
-    )]
+    #[cfg_attr(feature = "openapi", schema(schema_with = shapes::array))]
     pub array: Option<String>,
     /// Give tasks the `SLURM_*` variables too.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -366,25 +366,31 @@ pub fn usage_of(job: u64, minutes: &[UsageMinute]) -> JobUsage {
 }
 
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct CostQuery {
     /// How far back: a duration (`30d`, `12h`) or `month` (since the 1st,
     /// UTC). Default `30d`; at most the server's usage retention is kept.
+    #[param(
+        pattern = "^(month|([0-9]{1,12}|([0-9]{1,12}d)?([0-9]{1,12}h)?([0-9]{1,12}m)?([0-9]{1,12}s)?))$"
+    )]
     pub since: Option<String>,
     /// `queue` (default), `user`, `job` or `pool`.
+    #[param(pattern = "^(|queue|user|job|pool)$")]
     pub by: Option<String>,
 }
 
 /// Where a report starts: `month` or a duration back from `now_ms`.
 pub fn since_of(text: Option<&str>, now_ms: u64) -> Result<u64, ApiError> {
-    match text.map(str::trim) {
-        None | Some("") => Ok(now_ms.saturating_sub(30 * 86_400_000)),
+    match text {
         Some("month") => Ok(month_start_ms(now_ms)),
-        Some(text) => match muster_api::parse_duration_text(text) {
-            Ok(duration) => {
+        None => Ok(now_ms.saturating_sub(30 * 86_400_000)),
+        Some(text) => match muster_api::parse_api_duration(text) {
+            Ok(None) => Ok(now_ms.saturating_sub(30 * 86_400_000)),
+            Ok(Some(duration)) => {
                 Ok(now_ms.saturating_sub(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)))
             }
-            Err(_) => Err(ApiError::invalid(format!(
-                "since: expected a duration like 30d or 12h, or `month`, got {text:?}"
+            Err(why) => Err(ApiError::invalid(format!(
+                "since: {why}, or `month`; got {text:?}"
             ))),
         },
     }
@@ -402,7 +408,7 @@ pub async fn cost_endpoint(
     State(shared): Shared_,
     Params(query): Params<CostQuery>,
 ) -> Result<Json<CostReport>, ApiError> {
-    let by = match query.by.as_deref().map(str::trim) {
+    let by = match query.by.as_deref() {
         None | Some("") => CostBy::Queue,
         Some(text) => CostBy::parse(text).ok_or_else(|| {
             ApiError::invalid(format!(

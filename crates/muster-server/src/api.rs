@@ -406,26 +406,32 @@ async fn authorize(shared: &Shared, mut request: Request, next: Next) -> (String
     let Some(token) = bearer(request.headers()) else {
         return (
             "(no token)".to_string(),
-            ApiError::new(
-                ErrorCode::Unauthenticated,
-                "missing bearer token: pass --token, set MUSTER_TOKEN or `muster login` (the \
+            refused(
+                request,
+                ApiError::new(
+                    ErrorCode::Unauthenticated,
+                    "missing bearer token: pass --token, set MUSTER_TOKEN or `muster login` (the \
                  admin token is the file admin.token in the server's data directory; `muster` \
                  also reads ~/.local/share/muster/admin.token)",
+                ),
             )
-            .into_response(),
+            .await,
         );
     };
     let Some(identity) = identify(shared, token) else {
         return (
             "(unknown token)".to_string(),
-            ApiError::new(
-                ErrorCode::Unauthenticated,
-                "invalid token: pass --token or set MUSTER_TOKEN to your user's token (`muster \
+            refused(
+                request,
+                ApiError::new(
+                    ErrorCode::Unauthenticated,
+                    "invalid token: pass --token or set MUSTER_TOKEN to your user's token (`muster \
                  users add` prints it once; an admin may rotate it) or the admin token \
                  (admin.token in the server's data directory); agents join with the join token \
                  (join.token there) and then use their own node credential",
+                ),
             )
-            .into_response(),
+            .await,
         );
     };
     let who = identity.audit_name();
@@ -458,7 +464,7 @@ async fn authorize(shared: &Shared, mut request: Request, next: Next) -> (String
                     .headers_mut()
                     .insert(axum::http::header::RETRY_AFTER, value);
             }
-            return (who, response);
+            return (who, refused(request, response).await);
         }
     }
     let denied = match (&need, &identity) {
@@ -517,13 +523,28 @@ async fn authorize(shared: &Shared, mut request: Request, next: Next) -> (String
     match denied {
         Some(message) => (
             who,
-            ApiError::new(ErrorCode::PermissionDenied, message).into_response(),
+            refused(request, ApiError::new(ErrorCode::PermissionDenied, message)).await,
         ),
         None => {
             request.extensions_mut().insert(identity);
             (who, next.run(request).await)
         }
     }
+}
+
+/// A refusal of a request whose body was not read: the body is read (up
+/// to the 1 MiB limit, for at most 5 s) and dropped first, so the
+/// connection closes cleanly; closing on unread bytes makes the kernel
+/// reset it, and the client never sees the answer (over TLS, an "EOF in
+/// violation of protocol").
+async fn refused(request: Request, refusal: impl IntoResponse) -> Response {
+    let body = request.into_body();
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        axum::body::to_bytes(body, MAX_BODY_BYTES),
+    )
+    .await;
+    refusal.into_response()
 }
 
 // ---------------------------------------------------------------- helpers
@@ -828,8 +849,9 @@ async fn resolve_retired_dependencies(
     params(("x-muster-user" = Option<String>, Header, description = "the user the job runs for (an admin's only; default: the token's user)", pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
     responses(
         (status = 201, description = "accepted and saved", body = SubmitResponse),
-        (status = 400, description = "invalid spec: every problem, one per line; or no registered node could ever hold the job (unless `allow_pending`)", body = ErrorBody),
+        (status = 400, description = "the body is not a submission (not JSON, unknown or mistyped fields outside the spec)", body = ErrorBody),
         (status = 413, description = "body over 1 MiB", body = ErrorBody),
+        (status = 422, description = "the spec is refused: every problem, one per line (values this document cannot state, such as a GPU share with several nodes, an estimate over max_runtime, an array's indices, a secret or job that does not exist); or no registered node could ever hold the job (unless `allow_pending`)", body = ErrorBody),
         (status = 503, description = "not saved: the store failed (the server is read-only)", body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -863,8 +885,8 @@ async fn submit_job(
         }
     };
     let spec = muster_api::parse_job_spec_value(&request.spec)
-        .map_err(|errors| ApiError::invalid(errors.to_string()))?;
-    crate::secrets::check_spec(&shared, &spec)?;
+        .map_err(|errors| unprocessable(errors.to_string()))?;
+    crate::secrets::check_spec(&shared, &spec).map_err(as_unprocessable)?;
     if !principal.member_of(&spec.queue.0) {
         return Err(ApiError::new(
             ErrorCode::PermissionDenied,
@@ -940,6 +962,22 @@ async fn submit_job(
     result
 }
 
+/// A job spec the document's grammar lets through but a rule it states in
+/// words refuses (a value out of range for another field, an array's
+/// indices, a secret or job that does not exist, a job no node could ever
+/// hold): 422, with the code `invalid_argument` and every problem.
+fn unprocessable(message: impl Into<String>) -> ApiError {
+    ApiError::invalid(message).with_status(StatusCode::UNPROCESSABLE_ENTITY)
+}
+
+fn as_unprocessable(error: ApiError) -> ApiError {
+    if error.body.code == ErrorCode::InvalidArgument {
+        error.with_status(StatusCode::UNPROCESSABLE_ENTITY)
+    } else {
+        error
+    }
+}
+
 /// Submits a parsed spec for `user`; with an idempotency key, the key is
 /// written in the same commit as the job.
 async fn submit_spec(
@@ -949,31 +987,35 @@ async fn submit_spec(
     allow_pending: bool,
     key: Option<&str>,
 ) -> Result<(StatusCode, Json<SubmitResponse>), ApiError> {
-    resolve_retired_dependencies(shared, &mut spec).await?;
+    resolve_retired_dependencies(shared, &mut spec)
+        .await
+        .map_err(as_unprocessable)?;
     if !allow_pending && let Some(why) = shared.read().control().never_fits(&spec) {
-        return Err(ApiError::invalid(why));
+        return Err(unprocessable(why));
     }
     // An array's elements take consecutive ids, reserved here at once.
     let elements = spec.array.as_ref().map(|array| array.len() as u32);
     let count = u64::from(elements.unwrap_or(1));
     let submitter = user.clone();
-    let (_, durable, id) = shared.apply_with_batch(
-        |core: &mut Core| {
-            let id = JobId(core.next_job);
-            core.next_job += count;
-            Ok((Input::Submit { id, spec, user }, id))
-        },
-        |_, id| id,
-        |id| {
-            let mut batch = Batch::default();
-            if let Some(key) = key {
+    let (_, durable, id) = shared
+        .apply_with_batch(
+            |core: &mut Core| {
+                let id = JobId(core.next_job);
+                core.next_job += count;
+                Ok((Input::Submit { id, spec, user }, id))
+            },
+            |_, id| id,
+            |id| {
+                let mut batch = Batch::default();
+                if let Some(key) = key {
+                    batch
+                        .idempotency
+                        .insert((submitter.clone(), key.to_string()), (id.0, now().0));
+                }
                 batch
-                    .idempotency
-                    .insert((submitter.clone(), key.to_string()), (id.0, now().0));
-            }
-            batch
-        },
-    )?;
+            },
+        )
+        .map_err(as_unprocessable)?;
     if let Err(error) = durable.wait().await {
         // Not durable, so not accepted: the control plane forgets it.
         for element in 0..count {
@@ -1090,7 +1132,8 @@ pub(crate) async fn list_jobs(
         Some(array) => {
             let head = find_job(&shared, JobId(array)).await?.job;
             let Some(element) = head.array.filter(|a| a.array == JobId(array)) else {
-                return Err(ApiError::invalid(format!(
+                // No array by that id: as for an unknown job.
+                return Err(ApiError::not_found(format!(
                     "job {array} is not an array job"
                 )));
             };
@@ -1268,6 +1311,7 @@ pub struct LogsQuery {
     /// Wait up to 10 s for new output before answering.
     follow: Option<bool>,
     /// Which attempt's output (1 for the first; default: the latest).
+    #[param(minimum = 1)]
     attempt: Option<u32>,
 }
 
@@ -1294,12 +1338,23 @@ async fn job_logs(
     visible_job(&shared, &identity, id).await?;
     let rank = query.rank.unwrap_or(0);
     let offset = query.offset.unwrap_or(0);
-    let limit = query
-        .limit
-        .map_or(MAX_LOG_READ, |limit| {
-            usize::try_from(limit).unwrap_or(MAX_LOG_READ)
-        })
-        .clamp(1, MAX_LOG_READ);
+    // The document says int64, as most clients' integers are.
+    if offset > i64::MAX as u64 || query.allocation.is_some_and(|a| a > i64::MAX as u64) {
+        return Err(ApiError::invalid(
+            "offset and allocation are at most 9223372036854775807",
+        ));
+    }
+    let limit = match query.limit {
+        None => MAX_LOG_READ,
+        Some(limit) => usize::try_from(limit)
+            .ok()
+            .filter(|limit| (1..=MAX_LOG_READ).contains(limit))
+            .ok_or_else(|| {
+                ApiError::invalid(format!(
+                    "limit is from 1 to {MAX_LOG_READ} bytes, got {limit}"
+                ))
+            })?,
+    };
     let deadline = tokio::time::Instant::now() + LOG_FOLLOW_WAIT;
     let mut changes = shared.changes.subscribe();
     let mut shutdown = shared.shutdown.clone();
@@ -1309,7 +1364,7 @@ async fn job_logs(
             let found = find_job(&shared, id).await?;
             let job = &found.job;
             if rank >= job.spec.nodes {
-                return Err(ApiError::invalid(format!(
+                return Err(ApiError::not_found(format!(
                     "job {id} has ranks 0 to {}, not {rank}",
                     job.spec.nodes.saturating_sub(1)
                 )));
@@ -1926,27 +1981,34 @@ async fn set_queue(
             update.weight
         )));
     }
-    let idle_timeout = match update.idle_timeout.as_deref() {
-        None | Some("") => None,
-        Some(text) => match muster_api::parse_duration_text(text) {
-            Ok(duration) if !duration.is_zero() => Some(duration),
-            _ => {
-                return Err(ApiError::invalid(format!(
-                    "idle_timeout: expected a duration above 0 like 30m or 2h, got {text:?}"
-                )));
-            }
-        },
+    // Zero stops nothing: no idle timeout, as when absent.
+    let idle_timeout = match update
+        .idle_timeout
+        .as_deref()
+        .map(muster_api::parse_api_duration)
+    {
+        None => None,
+        Some(Ok(duration)) => duration.filter(|d| !d.is_zero()),
+        Some(Err(why)) => {
+            return Err(ApiError::invalid(format!(
+                "idle_timeout: {why}, got {:?}",
+                update.idle_timeout.as_deref().unwrap_or_default()
+            )));
+        }
     };
-    let idle_after = match update.idle_after.as_deref() {
-        None | Some("") => None,
-        Some(text) => match muster_api::parse_duration_text(text) {
-            Ok(duration) => Some(duration),
-            Err(_) => {
-                return Err(ApiError::invalid(format!(
-                    "idle_after: expected a duration like 10m or 1h, got {text:?}"
-                )));
-            }
-        },
+    let idle_after = match update
+        .idle_after
+        .as_deref()
+        .map(muster_api::parse_api_duration)
+    {
+        None => None,
+        Some(Ok(duration)) => duration,
+        Some(Err(why)) => {
+            return Err(ApiError::invalid(format!(
+                "idle_after: {why}, got {:?}",
+                update.idle_after.as_deref().unwrap_or_default()
+            )));
+        }
     };
     if let Some(pct) = update.idle_below_pct
         && !(1..=100).contains(&pct)
@@ -2612,8 +2674,61 @@ mod tests {
             assert!(spec.get(field).is_some(), "JobSpec.{field}");
         }
         assert_eq!(schemas["QueueUpdate"]["properties"]["weight"]["minimum"], 1);
+        // Durations: the document states the grammar the server reads.
+        let duration = format!(
+            "^{}$",
+            muster_api::DURATION_PATTERN.trim_matches(['^', '$'])
+        );
+        assert_eq!(
+            schemas["QueueUpdate"]["properties"]["idle_timeout"]["pattern"],
+            duration
+        );
+        assert_eq!(
+            schemas["QueueUpdate"]["properties"]["idle_after"]["pattern"],
+            duration
+        );
+        let audit = &paths["/v1/audit"]["get"]["parameters"];
+        assert_eq!(audit[0]["name"], "since");
+        assert_eq!(audit[0]["schema"]["pattern"], duration);
+        // The spec's fields take every shape the reader takes.
+        assert!(
+            spec["gpu_models"]["anyOf"].is_array(),
+            "{}",
+            spec["gpu_models"]
+        );
+        assert!(spec["after"]["anyOf"].is_array(), "{}", spec["after"]);
+        assert!(spec["command"]["anyOf"].is_array(), "{}", spec["command"]);
+        assert!(
+            spec["env"]["additionalProperties"]["anyOf"].is_array(),
+            "{}",
+            spec["env"]
+        );
+        assert_eq!(spec["array"]["type"][1], "integer", "{}", spec["array"]);
+        let submit = &paths["/v1/jobs"]["post"]["responses"];
+        assert!(submit.get("422").is_some(), "{submit}");
+        // Unknown fields are refused, and the document says so.
+        for name in [
+            "SubmitRequest",
+            "JobSpec",
+            "RetrySpec",
+            "CheckpointSpec",
+            "TopologySpec",
+        ] {
+            assert_eq!(schemas[name]["additionalProperties"], false, "{name}");
+        }
         for (path, item) in paths {
             for (method, operation) in item.as_object().unwrap() {
+                // A parameter said to be in the path is one of the path's
+                // (utoipa's IntoParams puts them there unless told Query).
+                for parameter in operation["parameters"].as_array().into_iter().flatten() {
+                    let name = parameter["name"].as_str().unwrap();
+                    if parameter["in"] == "path" {
+                        assert!(
+                            path.contains(&format!("{{{name}}}")),
+                            "{method} {path}: {name} is a query parameter, not the path's"
+                        );
+                    }
+                }
                 let responses = operation["responses"].as_object().unwrap();
                 for code in ["400", "401", "403"] {
                     assert!(responses.contains_key(code), "{method} {path} lacks {code}");

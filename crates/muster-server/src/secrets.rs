@@ -208,8 +208,11 @@ pub fn check_spec(shared: &Shared, spec: &muster_model::JobSpec) -> Result<(), A
 type Shared_ = State<std::sync::Arc<Shared>>;
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct SecretQuery {
-    /// The queue the secret is for (absent: the one for every queue).
+    /// The queue the secret is for (absent or empty: the one for every
+    /// queue).
+    #[param(pattern = "^([A-Za-z0-9][A-Za-z0-9._-]{0,62})?$")]
     pub queue: Option<String>,
 }
 

@@ -433,8 +433,12 @@ pub async fn whoami(
 }
 
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct AuditQuery {
     /// How far back: a duration (`24h`, `30d`; default 24h).
+    #[param(
+        pattern = "^([0-9]{1,12}|([0-9]{1,12}d)?([0-9]{1,12}h)?([0-9]{1,12}m)?([0-9]{1,12}s)?)$"
+    )]
     pub since: Option<String>,
     /// Only this user's requests (`admin`, a user, `node:NAME`).
     pub user: Option<String>,
@@ -456,15 +460,16 @@ pub async fn audit(
     Params(query): Params<AuditQuery>,
 ) -> Result<Json<AuditList>, ApiError> {
     let now_ms = now().0;
-    let since = match query.since.as_deref().map(str::trim) {
-        None | Some("") => now_ms.saturating_sub(86_400_000),
-        Some(text) => {
-            let back = muster_api::parse_duration_text(text).map_err(|_| {
-                ApiError::invalid(format!(
-                    "since: expected a duration like 24h or 30d, got {text:?}"
-                ))
-            })?;
+    let since = match query.since.as_deref().map(muster_api::parse_api_duration) {
+        None | Some(Ok(None)) => now_ms.saturating_sub(86_400_000),
+        Some(Ok(Some(back))) => {
             now_ms.saturating_sub(u64::try_from(back.as_millis()).unwrap_or(u64::MAX))
+        }
+        Some(Err(why)) => {
+            return Err(ApiError::invalid(format!(
+                "since: {why}, like 24h or 30d; got {:?}",
+                query.since.as_deref().unwrap_or_default()
+            )));
         }
     };
     let limit = query.limit.unwrap_or(1_000);

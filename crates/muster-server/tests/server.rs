@@ -335,7 +335,7 @@ async fn bad_requests_are_refused_with_every_problem() {
 
         let bad = json!({ "name": "x", "gpu": 8, "nodes": 0, "command": ["a"] });
         let (status, body) = api.post("/v1/jobs", &token, json!({ "spec": bad })).await;
-        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
         let error = error_of(&body);
         assert_eq!(error.code, ErrorCode::InvalidArgument);
         let lines: Vec<&str> = error.message.lines().collect();
@@ -1081,7 +1081,7 @@ async fn a_restart_keeps_jobs_tokens_nodes_and_allocations() {
         let (status, body) = api
             .post("/v1/jobs", &admin, json!({ "spec": never_fits.clone() }))
             .await;
-        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
         assert!(
             body["message"]
                 .as_str()
@@ -1420,7 +1420,7 @@ async fn arrays_are_listed_cancelled_and_kept_across_retirement_and_restarts() {
         let (status, _) = api.post("/v1/arrays/999/cancel", &admin, json!({})).await;
         assert_eq!(status, StatusCode::NOT_FOUND);
         let (status, body) = api.get(&format!("/v1/jobs?array={first}"), &admin).await;
-        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
         assert_eq!(api.job(&admin, first).await.state, "pending");
         tokio::time::sleep(Duration::from_millis(2_500)).await;
         server.shutdown().await;
@@ -1438,7 +1438,7 @@ async fn arrays_are_listed_cancelled_and_kept_across_retirement_and_restarts() {
         let mut post = spec("post", "default", 1);
         post["after"] = json!([head]);
         let (status, body) = api.post("/v1/jobs", &admin, json!({ "spec": post })).await;
-        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
         assert!(
             error_of(&body)
                 .message
@@ -2857,7 +2857,7 @@ async fn a_secret_reaches_only_its_task_and_is_never_shown() {
         let mut wrong = spec("x", "team-b", 1);
         wrong["env"] = json!({ "T": { "secret": "team-only" } });
         let (status, body) = api.post("/v1/jobs", &admin, json!({ "spec": wrong })).await;
-        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
         assert!(
             error_of(&body).message.contains("no secret \"team-only\""),
             "{body}"

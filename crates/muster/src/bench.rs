@@ -193,6 +193,10 @@ pub struct AgentsBench {
     /// The process id of --server, to read its CPU time and memory.
     #[arg(long, requires = "server")]
     pub server_pid: Option<u32>,
+    /// Start the child server with plain HTTP instead of HTTPS (to measure
+    /// what TLS costs).
+    #[arg(long, conflicts_with = "server")]
+    pub plain_http: bool,
 }
 
 #[derive(Debug, Args)]
@@ -494,8 +498,12 @@ async fn start_child_server_with(
         "off".to_string(),
     ];
     let args: Vec<String> = args.into_iter().chain(extra.iter().cloned()).collect();
+    let plain = extra.iter().any(|arg| arg == "--insecure-http");
     let mut process = ChildProcess::spawn("server", &args, &log)?;
-    let url = format!("https://127.0.0.1:{port}");
+    let url = format!(
+        "{}://127.0.0.1:{port}",
+        if plain { "http" } else { "https" }
+    );
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         process.check_alive(&log)?;
@@ -504,10 +512,12 @@ async fn start_child_server_with(
             std::fs::read_to_string(data_dir.join("join.token")),
             std::fs::read(data_dir.join("tls/ca.pem")),
         );
-        if let (Ok(admin), Ok(join), Ok(ca)) = tokens {
+        if let (Ok(admin), Ok(join), ca) = tokens
+            && (plain || ca.is_ok())
+        {
             let admin = admin.trim().to_string();
             let trust = Trust {
-                ca_pem: Some(ca),
+                ca_pem: ca.ok(),
                 ca_sha256: None,
             };
             if !admin.is_empty() && connect(&url, &admin, &trust)?.queues().await.is_ok() {
@@ -567,9 +577,15 @@ async fn start_named_agent(
         gpus.to_string(),
         "--state-dir".to_string(),
         dir.join(state).display().to_string(),
-        "--ca-file".to_string(),
-        server.data_dir.join("tls/ca.pem").display().to_string(),
     ];
+    let ca = server.data_dir.join("tls/ca.pem");
+    let args: Vec<String> = if server.trust.ca_pem.is_some() {
+        args.into_iter()
+            .chain(["--ca-file".to_string(), ca.display().to_string()])
+            .collect()
+    } else {
+        args
+    };
     let mut process = ChildProcess::spawn("agent", &args, &log)?;
     let admin = server.client(&server.admin_token)?;
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -836,7 +852,12 @@ async fn agents(args: AgentsBench) -> Result<()> {
             (None, url.clone(), token, args.server_pid, env_trust()?)
         }
         None => {
-            let server = start_child_server(dir.path(), lease).await?;
+            let extra = if args.plain_http {
+                vec!["--insecure-http".to_string()]
+            } else {
+                Vec::new()
+            };
+            let server = start_child_server_with(dir.path(), lease, &extra).await?;
             let (url, token, pid, trust) = (
                 server.url.clone(),
                 server.join_token.clone(),
@@ -905,7 +926,8 @@ async fn agents(args: AgentsBench) -> Result<()> {
     let report_errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let telemetry_ms = args.telemetry.as_millis() as u64;
     for (position, (_, name, token, epoch)) in nodes.into_iter().enumerate() {
-        let client = joiner.with_token(&token);
+        // Each agent its own client and connections, as real agents.
+        let client = connect(&url, &token, &trust)?;
         if telemetry_ms > 0 {
             let client = client.clone();
             let name = name.clone();
