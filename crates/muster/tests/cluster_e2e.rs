@@ -1964,3 +1964,82 @@ fn muster_up_serves_https_and_the_cli_trusts_it_with_no_flags() {
         "an HTTPS server does not speak HTTP"
     );
 }
+
+/// `--tls-cert/--tls-key`: the operator's own certificate (here from a CA
+/// the test makes) is served, and clients trust it through the CA's file
+/// (`MUSTER_CA_FILE`) or its fingerprint; the server made no CA of its own.
+#[test]
+fn an_operators_own_certificate_is_served_and_trusted_through_its_ca() {
+    let mut env = Env::new();
+    env.tls = true;
+    let dir = env.path("pki");
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca_key = rcgen::KeyPair::generate().expect("key");
+    let mut ca_params = rcgen::CertificateParams::default();
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "operator CA");
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca = ca_params.self_signed(&ca_key).expect("CA");
+    let issuer = rcgen::Issuer::new(ca_params, &ca_key);
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).expect("params");
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let leaf = params.signed_by(&key, &issuer).expect("leaf");
+    std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(
+        dir.join("server.pem"),
+        format!("{}{}", leaf.pem(), ca.pem()),
+    )
+    .unwrap();
+    std::fs::write(dir.join("server.key"), key.serialize_pem()).unwrap();
+
+    let address = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("server-data");
+    let _server = env.start(
+        "server",
+        &[
+            "server",
+            "--listen",
+            &address,
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--tls-cert",
+            dir.join("server.pem").to_str().unwrap(),
+            "--tls-key",
+            dir.join("server.key").to_str().unwrap(),
+        ],
+    );
+    assert!(!data.join("tls/ca.pem").exists(), "no CA of its own");
+    let url = format!("https://{address}");
+    let admin = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
+    let by_file = env
+        .command()
+        .env("MUSTER_CA_FILE", dir.join("ca.pem"))
+        .args(["queues", "--server", &url, "--token", admin.trim()])
+        .output()
+        .expect("muster runs");
+    assert!(by_file.status.success(), "{by_file:?}");
+    let fingerprint = muster_api::tls::fingerprint_of_pem(ca.pem().as_bytes()).unwrap();
+    let by_pin = env.muster(&[
+        "queues",
+        "--server",
+        &url,
+        "--token",
+        admin.trim(),
+        "--ca-sha256",
+        &fingerprint.to_string(),
+    ]);
+    assert!(by_pin.status.success(), "{by_pin:?}");
+    // Both flags are needed together.
+    let half = env.muster(&["server", "--tls-cert", "x.pem"]);
+    assert!(!half.status.success());
+    assert!(
+        String::from_utf8_lossy(&half.stderr).contains("--tls-key"),
+        "{half:?}"
+    );
+}
