@@ -346,7 +346,62 @@ fn split_proportionally(total: u64, weights: &[usize]) -> Vec<u64> {
     parts
 }
 
+/// A node's place in a fixed pseudo-random order of the nodes, drawn by
+/// `seed`: the same name and seed always give the same rank, and different
+/// seeds give unrelated orders. With [`ClusterState::reordered`], the order
+/// that breaks ties between nodes of equal score, as the published FGD
+/// simulator does (it prefixes each node's name with its place in a random
+/// permutation drawn once per run).
+pub fn seeded_rank(seed: u64, name: &NodeName) -> u64 {
+    // FNV-1a over the name, then splitmix64 with the seed: well mixed, and
+    // the same on every machine.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in name.0.as_bytes() {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let mut z = hash ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 impl ClusterState {
+    /// The same cluster with its nodes in the order of `key` (then name):
+    /// the order in which nodes of equal score are preferred. A node's
+    /// sub-nodes stay together and in their order; model sets and task
+    /// shapes interned against `self` stay valid.
+    pub fn reordered<K: Ord>(&self, mut key: impl FnMut(&NodeName) -> K) -> ClusterState {
+        let mut groups: Vec<(K, &NodeName, NodeIndex, u32)> = self
+            .by_name
+            .iter()
+            .map(|(name, &(first, count))| (key(name), name, first, count))
+            .collect();
+        groups.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(b.1)));
+        let mut nodes = Vec::with_capacity(self.nodes.len());
+        let mut free = Vec::with_capacity(self.free.len());
+        let mut by_name = BTreeMap::new();
+        for (_, name, first, count) in groups {
+            by_name.insert(name.clone(), (nodes.len() as NodeIndex, count));
+            for index in first..first + count {
+                nodes.push(self.nodes[index as usize].clone());
+                free.push(self.free[index as usize].clone());
+            }
+        }
+        ClusterState {
+            nodes,
+            free,
+            models: self.models.clone(),
+            pools: self.pools.clone(),
+            racks: self.racks.clone(),
+            excluded_nodes: self.excluded_nodes.clone(),
+            by_name,
+            model_map: self.model_map.clone(),
+            model_sets: self.model_sets.clone(),
+            model_set_ids: self.model_set_ids.clone(),
+        }
+    }
+
     /// Builds the cluster with every node empty. Nodes are sorted by name.
     /// Never fails: nodes the engine cannot take are in
     /// [`ClusterState::excluded_nodes`] (the `Result` is kept for callers).

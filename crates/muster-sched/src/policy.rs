@@ -1,9 +1,11 @@
 //! Placement policies: how a node and its GPUs are chosen for one task.
 //!
 //! Every policy scores a feasible node with an integer level (higher is
-//! better); ties go to the node with the smallest name. This is what the
-//! published FGD simulator does, and it matters: coarse levels plus the
-//! name tie-break pack work onto the same nodes.
+//! better); ties go to the first node in the cluster's order: the smallest
+//! name, or another order through [`ClusterState::reordered`] (the
+//! published FGD simulator's is a random permutation drawn per run). It
+//! matters: coarse levels plus a fixed tie order pack work onto the same
+//! nodes, and which order changes the result by up to a point.
 //!
 //! muster's default, [`PlacementPolicy::FgdConsolidate`], makes that packing
 //! deliberate: among nodes at the same FGD level it takes one that already

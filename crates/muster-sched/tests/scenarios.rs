@@ -656,6 +656,68 @@ mod policies {
         }
     }
 
+    /// Nodes of equal score go to the first in the cluster's order: the
+    /// smallest name, or the order `reordered` gives (a seeded random one
+    /// in the published simulator's protocol); each node keeps its state.
+    #[test]
+    fn ties_go_to_the_first_node_in_the_cluster_order() {
+        use muster_sched::{
+            ClusterState, NodeInput, Placer, Scale, Scorer, TaskShape, TypicalWorkload, seeded_rank,
+        };
+        let nodes: Vec<NodeInput> = ["a", "b", "c"]
+            .iter()
+            .map(|name| MakeNode::new(name).gpus(8, "H100").build())
+            .collect();
+        let mut cluster = ClusterState::new(nodes).unwrap();
+        let shape = TaskShape {
+            gpus: muster_model::GpuRequest::Whole(1),
+            cpu_milli: 1000,
+            memory_mib: 1024,
+            models: muster_sched::ModelMask::ANY,
+            pool: None,
+            min_gpu_memory_mib: 0,
+        };
+        // "b" is half full: best-fit prefers it whatever the order.
+        cluster.free[1].gpu[..4].fill(0);
+        let first = |cluster: ClusterState, policy: PlacementPolicy| {
+            let workload = TypicalWorkload::from_tasks([shape].iter(), 0.95);
+            let scorer = Scorer::new(policy, workload, Scale::of(&cluster));
+            let mut placer = Placer::new(cluster.clone(), scorer);
+            let placement = placer
+                .place(&shape, &|_| false, &mut ChaCha8Rng::seed_from_u64(0))
+                .expect("placed");
+            cluster.nodes[placement.node as usize].name.0.clone()
+        };
+        // Random placement aside, every policy ties "a" and "c" (empty).
+        let reversed = cluster.reordered(|name| std::cmp::Reverse(name.clone()));
+        assert_eq!(
+            reversed
+                .nodes
+                .iter()
+                .map(|n| n.name.0.as_str())
+                .collect::<Vec<_>>(),
+            ["c", "b", "a"]
+        );
+        assert_eq!(reversed.free[1].gpu[..4], [0, 0, 0, 0], "b keeps its state");
+        assert_eq!(reversed.node_index(&NodeName::from("a")), Some(2));
+        assert_eq!(first(cluster.clone(), PlacementPolicy::BestFit), "b");
+        assert_eq!(first(reversed.clone(), PlacementPolicy::BestFit), "b");
+        cluster.free[1].gpu.fill(0);
+        let reversed = cluster.reordered(|name| std::cmp::Reverse(name.clone()));
+        for policy in [PlacementPolicy::Fgd, PlacementPolicy::BestFit] {
+            assert_eq!(first(cluster.clone(), policy), "a", "{policy}");
+            assert_eq!(first(reversed.clone(), policy), "c", "{policy}");
+        }
+        // A seeded order is the same for a seed and differs between seeds.
+        let order = |seed: u64| {
+            let mut names: Vec<&str> = vec!["n0", "n1", "n2", "n3", "n4", "n5", "n6", "n7"];
+            names.sort_by_key(|name| seeded_rank(seed, &NodeName::from(*name)));
+            names.join(",")
+        };
+        assert_eq!(order(3), order(3));
+        assert!((0..8).any(|seed| order(seed) != order(3)));
+    }
+
     #[test]
     fn policy_names_parse() {
         for policy in PlacementPolicy::ALL {

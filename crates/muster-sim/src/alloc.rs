@@ -111,10 +111,22 @@ pub struct AllocationCurve {
     pub dropped_tasks: usize,
 }
 
+/// Which node wins between nodes of equal score.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Ties {
+    /// A fixed random order of the nodes drawn per run (per seed), as the
+    /// published FGD simulator breaks ties (`traces/README.md`).
+    #[default]
+    Random,
+    /// The node with the smallest name.
+    Name,
+}
+
 /// A cluster and a pod list, ready to run Protocol A for any policy and seed.
 #[derive(Debug, Clone)]
 pub struct AllocationExperiment {
     cluster: ClusterState,
+    ties: Ties,
     shapes: Vec<TaskShape>,
     requests: Vec<u64>,
     workload: TypicalWorkload,
@@ -138,6 +150,7 @@ impl AllocationExperiment {
         let scale = Scale::of(&cluster);
         Ok(AllocationExperiment {
             cluster,
+            ties: Ties::default(),
             shapes,
             requests,
             workload,
@@ -147,6 +160,25 @@ impl AllocationExperiment {
 
     pub fn cluster(&self) -> &ClusterState {
         &self.cluster
+    }
+
+    /// How ties between nodes of equal score are broken (a random order per
+    /// seed by default, as in the published protocol).
+    pub fn with_ties(mut self, ties: Ties) -> Self {
+        self.ties = ties;
+        self
+    }
+
+    /// The cluster as run `seed` sees it: its nodes in that run's tie order.
+    pub fn cluster_for(&self, seed: u64) -> ClusterState {
+        match self.ties {
+            Ties::Name => self.cluster.clone(),
+            // A stream of its own: the arrival list and the `random`
+            // policy use the seed too.
+            Ties::Random => self
+                .cluster
+                .reordered(|name| muster_sched::seeded_rank(seed ^ 0x7469_6573, name)),
+        }
     }
 
     pub fn capacity_milli(&self) -> u64 {
@@ -185,7 +217,7 @@ impl AllocationExperiment {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         rng.set_stream(1);
         let scorer = Scorer::new(policy, self.workload.clone(), self.scale);
-        let mut placer = Placer::new(self.cluster.clone(), scorer);
+        let mut placer = Placer::new(self.cluster_for(seed), scorer);
         let mut allocated_milli = Vec::with_capacity(LOAD_POINTS);
         allocated_milli.push(0);
         let mut arrived = 0u64;

@@ -22,7 +22,7 @@ pub mod trace;
 
 pub use alloc::{
     AllocationCurve, AllocationError, AllocationExperiment, AllocationReport, LOAD_POINTS,
-    MAX_LOAD_PCT, NamedPolicy, PolicyResult, arrival_list, summarize,
+    MAX_LOAD_PCT, NamedPolicy, PolicyResult, Ties, arrival_list, summarize,
 };
 pub use faults::{FaultConfig, FaultFailure, FaultReport, run_faults};
 pub use jobs::{parse_openb_timed, parse_philly};

@@ -262,9 +262,23 @@ pub struct AllocArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub jobs: Option<u64>,
 
+    /// Which node wins between nodes of equal score: `random` (a fixed
+    /// random order per seed, as the published simulator) or `name` (the
+    /// smallest name).
+    #[arg(long, value_name = "ORDER", default_value = "random", value_parser = parse_ties)]
+    pub ties: muster_sim::Ties,
+
     /// Output folder for results.json and alloc.svg (created if missing).
     #[arg(long, value_name = "DIR", default_value = "out/alloc")]
     pub out: PathBuf,
+}
+
+fn parse_ties(text: &str) -> Result<muster_sim::Ties, String> {
+    match text {
+        "random" => Ok(muster_sim::Ties::Random),
+        "name" => Ok(muster_sim::Ties::Name),
+        _ => Err(format!("unknown tie order {text:?}; use random or name")),
+    }
 }
 
 /// The format of a time-replay trace.

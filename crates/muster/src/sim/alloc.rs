@@ -17,7 +17,8 @@ pub fn run(args: &AllocArgs) -> anyhow::Result<()> {
     let nodes = read_openb_nodes(&files.nodes)?;
     let tasks = read_openb_tasks(&files.tasks)?;
     let experiment = AllocationExperiment::new(nodes, &tasks)
-        .with_context(|| format!("cannot simulate {}", files.nodes.display()))?;
+        .with_context(|| format!("cannot simulate {}", files.nodes.display()))?
+        .with_ties(args.ties);
 
     // `default` is one of the others: each distinct policy runs once per seed.
     let seeds: Vec<u64> = (0..args.seeds).collect();
