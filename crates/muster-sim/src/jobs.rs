@@ -1,6 +1,7 @@
 //! Job lists for time replay: the Microsoft Philly derived job list
-//! (`timestamp,duration,num_gpus,gpu_time,cluster`) and the openb pod lists
-//! with their `creation_time` and `deletion_time` columns.
+//! (`timestamp,duration,num_gpus,gpu_time,cluster`), the openb pod lists
+//! with their `creation_time` and `deletion_time` columns, and a muster
+//! cluster's own history (`muster history export`).
 
 use crate::replay::ReplayJob;
 use crate::trace::{Row, Table, TraceError, parse_openb_tasks};
@@ -91,6 +92,82 @@ pub fn parse_philly(
     Ok(jobs)
 }
 
+/// The header `muster history export` writes and [`parse_muster_history`]
+/// reads.
+pub const MUSTER_HISTORY_HEADER: &str =
+    "id,submitted_ms,started_ms,finished_ms,nodes,gpus_per_node,queue,user,state";
+
+/// Parses a muster cluster's history (`muster history export`): each job
+/// that ran is a job of `nodes` tasks of `gpus_per_node` GPUs (a share of
+/// one below 1) in its queue, submitted at `submitted_ms` (counted from the
+/// first job's) and running for `finished_ms - started_ms`. Jobs take no CPU
+/// or memory in the replay.
+pub fn parse_muster_history(text: &str, file_name: &str) -> Result<Vec<ReplayJob>, TraceError> {
+    let table = Table::parse(text, file_name, MUSTER_HISTORY_HEADER)?;
+    let submitted = table.column("submitted_ms")?;
+    let started = table.column("started_ms")?;
+    let finished = table.column("finished_ms")?;
+    let nodes = table.column("nodes")?;
+    let gpus_per_node = table.column("gpus_per_node")?;
+    let queue = table.column("queue")?;
+    let mut rows = Vec::with_capacity(table.rows.len());
+    for (line, fields) in &table.rows {
+        let row = Row {
+            file: file_name,
+            line: *line,
+            fields,
+        };
+        let submit = row.integer(submitted, 0..=u64::MAX)?;
+        let start = row.integer(started, submit..=u64::MAX)?;
+        let end = row.integer(finished, start..=u64::MAX)?;
+        let tasks = row.integer(nodes, 1..=4096)? as u32;
+        let gpus = row
+            .text(gpus_per_node)
+            .parse::<f64>()
+            .ok()
+            .filter(|g| g.is_finite() && *g >= 0.0 && *g <= 64.0)
+            .and_then(|g| {
+                if g >= 1.0 || g == 0.0 {
+                    (g.fract() == 0.0).then_some(GpuRequest::Whole(g as u32))
+                } else {
+                    let milli = (g * 1000.0).round() as u32;
+                    (1..1000)
+                        .contains(&milli)
+                        .then_some(GpuRequest::Shared(muster_model::GpuMilli(milli)))
+                }
+            })
+            .ok_or_else(|| {
+                row.error(
+                    gpus_per_node,
+                    "GPUs per node: a whole number up to 64, or a share of one GPU below 1",
+                )
+            })?;
+        let queue_name = row.text(queue);
+        if queue_name.is_empty() {
+            return Err(row.error(queue, "a queue name"));
+        }
+        rows.push((submit, end - start, queue_name.to_string(), tasks, gpus));
+    }
+    // Replays go in submission order; times count from the first.
+    rows.sort_by_key(|row| row.0);
+    let first = rows.first().map_or(0, |row| row.0);
+    Ok(rows
+        .into_iter()
+        .enumerate()
+        .map(|(id, (submit, run_ms, queue, tasks, gpus))| ReplayJob {
+            id: id as u64,
+            submit_s: (submit - first) / 1000,
+            duration_s: run_ms.div_ceil(1000),
+            queue,
+            tasks,
+            gpus_per_task: gpus,
+            cpu: CpuMilli(0),
+            memory: MemoryMib(0),
+            gpu_models: Vec::new(),
+        })
+        .collect())
+}
+
 /// Parses an openb pod list with `creation_time` and `deletion_time`
 /// (seconds): each pod is a one-task job held for the difference, in the
 /// queue named by its `qos` column when present (else `default`).
@@ -134,6 +211,36 @@ pub fn parse_openb_timed(text: &str, file_name: &str) -> Result<Vec<ReplayJob>, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_muster_history_replays_in_submission_order() {
+        let text = format!(
+            "{MUSTER_HISTORY_HEADER}\n\
+             7,5000,9000,69000,2,8,team-a,alice,succeeded\n\
+             3,1000,1500,3100,1,0.25,team-b,bob,failed\n"
+        );
+        let jobs = parse_muster_history(&text, "jobs.csv").unwrap();
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[0].queue, "team-b");
+        assert_eq!((jobs[0].submit_s, jobs[0].duration_s), (0, 2));
+        assert_eq!(
+            jobs[0].gpus_per_task,
+            GpuRequest::Shared(muster_model::GpuMilli(250))
+        );
+        assert_eq!(
+            (jobs[1].submit_s, jobs[1].duration_s, jobs[1].tasks),
+            (4, 60, 2)
+        );
+        assert_eq!(jobs[1].gpus_per_task, GpuRequest::Whole(8));
+        let bad = format!("{MUSTER_HISTORY_HEADER}\n1,5,4,9,1,1.5,q,u,succeeded\n");
+        let error = parse_muster_history(&bad, "jobs.csv")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("jobs.csv") && error.contains("started_ms"),
+            "{error}"
+        );
+    }
 
     #[test]
     fn timestamps_are_utc_seconds() {

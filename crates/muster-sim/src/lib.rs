@@ -25,7 +25,7 @@ pub use alloc::{
     MAX_LOAD_PCT, NamedPolicy, PolicyResult, Ties, arrival_list, summarize,
 };
 pub use faults::{FaultConfig, FaultFailure, FaultReport, run_faults};
-pub use jobs::{parse_openb_timed, parse_philly};
+pub use jobs::{MUSTER_HISTORY_HEADER, parse_muster_history, parse_openb_timed, parse_philly};
 pub use mix::{MixChange, MixError, resample, write_openb_tasks};
 pub use replay::{
     QueueResult, ReplayConfig, ReplayJob, ReplayPolicy, ReplayResult, proportional_queues, replay,

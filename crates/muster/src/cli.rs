@@ -78,6 +78,10 @@ pub enum Command {
     Cost(crate::commands::CostArgs),
     /// The price of a GPU-hour per model (`muster prices set H100-80GB 2.50`).
     Prices(crate::commands::PricesArgs),
+    /// The cluster's finished jobs, for what-if replays: `muster history
+    /// export --since 30d > jobs.csv`, then `muster sim replay --trace
+    /// jobs.csv --format muster`.
+    History(crate::commands::HistoryArgs),
     /// Print shell completions.
     Completions {
         #[arg(value_enum)]
@@ -288,6 +292,8 @@ pub enum TraceFormat {
     Philly,
     /// Alibaba openb pod list with creation_time and deletion_time.
     Openb,
+    /// A muster cluster's own history (`muster history export`).
+    Muster,
 }
 
 impl TraceFormat {
@@ -295,6 +301,7 @@ impl TraceFormat {
         match self {
             TraceFormat::Philly => "philly",
             TraceFormat::Openb => "openb",
+            TraceFormat::Muster => "muster",
         }
     }
 }

@@ -37,9 +37,11 @@ macro_rules! outln {
 }
 
 mod cost;
+mod history;
 mod tenants;
 mod top;
 pub use cost::{CostArgs, PricesArgs, cost, prices};
+pub use history::{HistoryArgs, history};
 pub use tenants::{AuditArgs, LoginArgs, SecretsArgs, UsersArgs, audit, login, secrets, users};
 pub use top::{TopArgs, top};
 

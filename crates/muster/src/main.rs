@@ -51,6 +51,7 @@ fn main() -> ExitCode {
         cli::Command::Drain(args) => commands::node_action(args, "drain"),
         cli::Command::Queues(args) => commands::queues(args),
         cli::Command::Cost(args) => commands::cost(args),
+        cli::Command::History(args) => commands::history(args),
         cli::Command::Top(args) => commands::top(args),
         cli::Command::Users(args) => commands::users(args),
         cli::Command::Login(args) => commands::login(args),

@@ -1785,6 +1785,10 @@ fn tls_is_the_default_and_a_pinned_ca_is_what_clients_trust() {
     let (_server, data) = env.start_server();
     let address = env.url.trim_start_matches("http://").to_string();
     let url = format!("https://{address}");
+    // The join command is printed once the server listens.
+    common::wait_until("the join command", Duration::from_secs(30), || {
+        std::fs::read_to_string(env.path("server.log")).is_ok_and(|log| log.contains("--ca-sha256"))
+    });
     let log = std::fs::read_to_string(env.path("server.log")).expect("server log");
     let fingerprint = std::fs::read_to_string(data.join("tls/ca.sha256"))
         .expect("the CA's fingerprint")
@@ -1950,6 +1954,10 @@ fn muster_up_serves_https_and_the_cli_trusts_it_with_no_flags() {
             "1xH100-80GB",
         ],
     );
+    // The client config is written once the server listens.
+    common::wait_until("the client config", Duration::from_secs(30), || {
+        env.path("config/muster/config.json").exists()
+    });
     let config = std::fs::read_to_string(env.path("config/muster/config.json")).expect("config");
     assert!(
         config.contains("https://") && config.contains("ca.pem"),
@@ -2042,4 +2050,72 @@ fn an_operators_own_certificate_is_served_and_trusted_through_its_ca() {
         String::from_utf8_lossy(&half.stderr).contains("--tls-key"),
         "{half:?}"
     );
+}
+
+/// What-if on the cluster's own history: jobs run through a real `muster
+/// up`, `muster history export` writes them (oldest first, one row each),
+/// and `muster sim replay --format muster` replays them under two policies.
+#[test]
+fn a_clusters_history_is_exported_and_replayed() {
+    let env = Env::new();
+    let listen = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("up-data");
+    let _up = env.start(
+        "up",
+        &[
+            "up",
+            "--listen",
+            &listen,
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--simulate-gpus",
+            "2xH100-80GB",
+        ],
+    );
+    common::wait_until("the client config", Duration::from_secs(30), || {
+        env.path("config/muster/config.json").exists()
+    });
+    for (gpus, seconds) in [("1", "0.3"), ("2", "0.2"), ("0.5", "0.1")] {
+        let run = env.muster(&["run", "--gpus", gpus, "--", "sleep", seconds]);
+        assert!(run.status.success(), "{run:?}");
+    }
+    let export = env.muster(&["history", "export", "--since", "1h"]);
+    assert!(export.status.success(), "{export:?}");
+    let csv = stdout(&export);
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines[0], muster_sim::MUSTER_HISTORY_HEADER);
+    assert_eq!(lines.len(), 4, "a row per job that ran: {csv}");
+    assert!(
+        lines.iter().any(|line| line.contains(",1,0.5,default,")),
+        "{csv}"
+    );
+    std::fs::write(env.path("jobs.csv"), &csv).unwrap();
+    let cluster = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/clusters/small.yaml"
+    );
+    let out = env.path("replay");
+    let jobs = env.path("jobs.csv");
+    let replay = env.muster(&[
+        "sim",
+        "replay",
+        "--trace",
+        jobs.to_str().unwrap(),
+        "--format",
+        "muster",
+        "--cluster",
+        cluster,
+        "--policies",
+        "fifo,default",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(replay.status.success(), "{replay:?}");
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(results["format"], "muster");
+    assert_eq!(results["jobs"], 3);
+    for run in results["results"].as_array().unwrap() {
+        assert_eq!(run["completed"], 3, "{run}");
+    }
 }

@@ -153,6 +153,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
             parse_philly(&trace_text, &trace_name, cluster.max_gpus_per_node)?
         }
         TraceFormat::Openb => parse_openb_timed(&trace_text, &trace_name)?,
+        TraceFormat::Muster => muster_sim::parse_muster_history(&trace_text, &trace_name)?,
     };
     let mut seen = BTreeSet::new();
     let policies: Vec<ReplayPolicy> = args
