@@ -277,6 +277,15 @@ pub struct AllocArgs {
     pub out: PathBuf,
 }
 
+fn parse_scale(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(factor) if factor.is_finite() && factor > 0.0 && factor <= 100.0 => Ok(factor),
+        _ => Err(format!(
+            "{text:?} is not a scale factor; give a number above 0, at most 100 (e.g. 1.25)"
+        )),
+    }
+}
+
 fn parse_ties(text: &str) -> Result<muster_sim::Ties, String> {
     match text {
         "random" => Ok(muster_sim::Ties::Random),
@@ -333,6 +342,18 @@ pub struct ReplayArgs {
     /// instead of --cluster.
     #[arg(long, value_name = "FILE", conflicts_with = "cluster")]
     pub nodes_csv: Option<PathBuf>,
+
+    /// The cluster as a running server has it now (its nodes, GPUs, CPU,
+    /// memory, pools and racks), instead of --cluster: the URL of the
+    /// server; the token and CA come as for any command ($MUSTER_TOKEN,
+    /// $MUSTER_CA_SHA256, the client config).
+    #[arg(long, value_name = "URL", conflicts_with_all = ["cluster", "nodes_csv"])]
+    pub cluster_from: Option<String>,
+
+    /// Replay on a cluster with this many times the nodes (1.25: a quarter
+    /// more, copies of the nodes in order; 0.5: the first half).
+    #[arg(long, value_name = "FACTOR", default_value_t = 1.0, value_parser = parse_scale)]
+    pub scale_nodes: f64,
 
     /// Scheduling policies to compare, comma-separated: fifo, las,
     /// sjf-oracle (reads true durations: an oracle), default.

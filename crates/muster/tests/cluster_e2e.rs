@@ -2118,4 +2118,28 @@ fn a_clusters_history_is_exported_and_replayed() {
     for run in results["results"].as_array().unwrap() {
         assert_eq!(run["completed"], 3, "{run}");
     }
+    // On the cluster the server has today, and on twice its nodes.
+    let out = env.path("replay-here");
+    let replay = env.muster(&[
+        "sim",
+        "replay",
+        "--trace",
+        jobs.to_str().unwrap(),
+        "--format",
+        "muster",
+        "--cluster-from",
+        &env.url,
+        "--scale-nodes",
+        "2",
+        "--policies",
+        "default",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(replay.status.success(), "{replay:?}");
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(results["cluster"]["nodes"], 2, "{}", results["cluster"]);
+    assert_eq!(results["cluster"]["gpus"], 4, "{}", results["cluster"]);
+    assert_eq!(results["results"][0]["completed"], 3);
 }

@@ -10,6 +10,7 @@ use muster_sched::NodeInput;
 use muster_sim::{ReplayConfig, ReplayPolicy, ReplayResult, parse_openb_timed, parse_philly};
 use serde::Serialize;
 use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// What the replay ran on, as `results.json` records it.
@@ -246,10 +247,73 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The nodes of a running server, as it has them now.
+fn nodes_of_server(url: &str) -> anyhow::Result<Vec<NodeInput>> {
+    let connection = crate::commands::Connection {
+        server: Some(url.to_string()),
+        token: None,
+        ca_sha256: None,
+        json: false,
+    };
+    let client = connection.client()?;
+    let list = crate::commands::runtime()?
+        .block_on(client.nodes())
+        .map_err(|error| anyhow::anyhow!("cannot read the nodes of {url}: {error}"))?;
+    Ok(list
+        .nodes
+        .into_iter()
+        .map(|node| {
+            NodeInput::schedulable(muster_model::NodeSpec {
+                name: muster_model::NodeName::from(node.name.as_str()),
+                pool: muster_model::PoolName::from(node.pool.as_str()),
+                rack: muster_model::RackName::from(node.rack.as_str()),
+                gpus: node
+                    .gpus
+                    .iter()
+                    .map(|gpu| muster_model::GpuSpec {
+                        index: gpu.index,
+                        uuid: gpu.uuid.clone(),
+                        model: muster_model::GpuModel::new(&gpu.model),
+                        memory: muster_model::MemoryMib(gpu.memory_mib),
+                        nvlink_domain: gpu.nvlink_domain,
+                    })
+                    .collect(),
+                cpu: muster_model::CpuMilli(node.cpu_milli),
+                memory: muster_model::MemoryMib(node.memory_mib),
+            })
+        })
+        .collect())
+}
+
+/// `nodes` scaled by `factor`: copies of the nodes in order (named
+/// `NAME-xK`) to reach `round(n x factor)`, or the first ones.
+fn scale_nodes(nodes: Vec<NodeInput>, factor: f64) -> Vec<NodeInput> {
+    if nodes.is_empty() || (factor - 1.0).abs() < f64::EPSILON {
+        return nodes;
+    }
+    let target = ((nodes.len() as f64 * factor).round() as usize).max(1);
+    (0..target)
+        .map(|i| {
+            let mut node = nodes[i % nodes.len()].clone();
+            let copy = i / nodes.len();
+            if copy > 0 {
+                node.spec.name =
+                    muster_model::NodeName::from(format!("{}-x{copy}", node.spec.name.0).as_str());
+            }
+            node
+        })
+        .collect()
+}
+
 fn load_cluster(args: &ReplayArgs) -> anyhow::Result<(Vec<NodeInput>, ClusterSummary)> {
-    let (nodes, path, kind) = match &args.nodes_csv {
-        Some(path) => (read_openb_nodes(path)?, path, "openb node list"),
-        None => {
+    let server_path;
+    let (nodes, path, kind) = match (&args.cluster_from, &args.nodes_csv) {
+        (Some(url), _) => {
+            server_path = PathBuf::from(url.as_str());
+            (nodes_of_server(url)?, &server_path, "server")
+        }
+        (None, Some(path)) => (read_openb_nodes(path)?, path, "openb node list"),
+        (None, None) => {
             let path = &args.cluster;
             let text = read(path)?;
             let nodes = muster_api::parse_cluster_spec_yaml(&text).map_err(|errors| {
@@ -259,6 +323,7 @@ fn load_cluster(args: &ReplayArgs) -> anyhow::Result<(Vec<NodeInput>, ClusterSum
             (nodes, path, "cluster spec")
         }
     };
+    let nodes = scale_nodes(nodes, args.scale_nodes);
     let racks: BTreeSet<&str> = nodes.iter().map(|node| node.spec.rack.as_str()).collect();
     let summary = ClusterSummary {
         file: file_name(path),
@@ -407,6 +472,32 @@ fn describe_interval(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn node(name: &str) -> NodeInput {
+        NodeInput::schedulable(muster_model::NodeSpec {
+            name: muster_model::NodeName::from(name),
+            pool: muster_model::PoolName::from("default"),
+            rack: muster_model::RackName::from("r"),
+            gpus: Vec::new(),
+            cpu: muster_model::CpuMilli(1000),
+            memory: muster_model::MemoryMib(1024),
+        })
+    }
+
+    #[test]
+    fn scaling_copies_nodes_in_order_or_keeps_the_first() {
+        let names = |nodes: Vec<NodeInput>| -> Vec<String> {
+            nodes.into_iter().map(|n| n.spec.name.0).collect()
+        };
+        let nodes = vec![node("a"), node("b")];
+        assert_eq!(names(scale_nodes(nodes.clone(), 1.0)), ["a", "b"]);
+        assert_eq!(
+            names(scale_nodes(nodes.clone(), 2.5)),
+            ["a", "b", "a-x1", "b-x1", "a-x2"]
+        );
+        assert_eq!(names(scale_nodes(nodes.clone(), 0.5)), ["a"]);
+        assert_eq!(names(scale_nodes(nodes, 0.01)), ["a"], "at least one node");
+    }
 
     #[test]
     fn floats_are_rounded_to_three_decimals_in_field_order() {
