@@ -630,9 +630,106 @@ impl Checker {
     }
 }
 
+/// Reads a queue file for what-if replays (`muster sim replay --queues`): a
+/// map of queue names to `guaranteed_gpus` (GPUs, to thousandths),
+/// `weight` (1 to 10,000; 1 by default) and `borrow_limit_gpus` (absent:
+/// no limit), e.g. `team-a: {guaranteed_gpus: 16, weight: 2}`. Every
+/// problem is reported, one per line.
+pub fn parse_queue_file_yaml(text: &str) -> Result<Vec<model::QueueSpec>, String> {
+    if text.len() > MAX_CLUSTER_SPEC_BYTES {
+        return Err(format!(
+            "the queue file is too large: {} bytes; at most {MAX_CLUSTER_SPEC_BYTES}",
+            text.len()
+        ));
+    }
+    let value = crate::parse::yaml_value(text).map_err(|errors| errors.to_string())?;
+    let serde_json::Value::Object(map) = value else {
+        return Err(
+            "expected a map of queue names to {guaranteed_gpus, weight, borrow_limit_gpus}"
+                .to_string(),
+        );
+    };
+    let gpus = |queue: &str, field: &str, value: &serde_json::Value| -> Result<u32, String> {
+        value
+            .as_f64()
+            .filter(|gpus| gpus.is_finite() && (0.0..=1_000_000.0).contains(gpus))
+            .map(|gpus| (gpus * 1000.0).round() as u32)
+            .ok_or_else(|| format!("{queue}.{field}: expected GPUs from 0 to 1000000, got {value}"))
+    };
+    let mut queues = Vec::new();
+    let mut problems = Vec::new();
+    for (name, entry) in &map {
+        if !model::is_plain_name(name) || name.len() > crate::MAX_NAME_LENGTH {
+            problems.push(format!(
+                "{name:?}: a queue name is 1 to 63 letters, digits, '-', '_' or '.'"
+            ));
+            continue;
+        }
+        let mut queue = model::QueueSpec::best_effort(name.as_str());
+        let Some(fields) = entry.as_object() else {
+            problems.push(format!(
+                "{name}: expected {{guaranteed_gpus, weight, borrow_limit_gpus}}, got {entry}"
+            ));
+            continue;
+        };
+        for (field, value) in fields {
+            match field.as_str() {
+                "guaranteed_gpus" => match gpus(name, field, value) {
+                    Ok(milli) => queue.guaranteed = model::GpuMilli(milli),
+                    Err(problem) => problems.push(problem),
+                },
+                "borrow_limit_gpus" => match gpus(name, field, value) {
+                    Ok(milli) => queue.borrow_limit = Some(model::GpuMilli(milli)),
+                    Err(problem) => problems.push(problem),
+                },
+                "weight" => match value.as_u64().filter(|w| (1..=10_000).contains(w)) {
+                    Some(weight) => queue.weight = weight as u32,
+                    None => problems.push(format!(
+                        "{name}.weight: expected a whole number from 1 to 10000, got {value}"
+                    )),
+                },
+                other => problems.push(format!(
+                    "{name}.{other}: unknown field; accepted: guaranteed_gpus, weight, \
+                     borrow_limit_gpus"
+                )),
+            }
+        }
+        queues.push(queue);
+    }
+    if problems.is_empty() {
+        Ok(queues)
+    } else {
+        Err(problems.join("\n"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn queue_files_read_guarantees_weights_and_limits_and_name_every_problem() {
+        let queues = parse_queue_file_yaml(
+            "team-a: {guaranteed_gpus: 16, weight: 2, borrow_limit_gpus: 32.5}\nteam-b: {}\n",
+        )
+        .unwrap();
+        assert_eq!(queues.len(), 2);
+        assert_eq!(queues[0].name.0, "team-a");
+        assert_eq!(queues[0].guaranteed, model::GpuMilli(16_000));
+        assert_eq!(queues[0].weight, 2);
+        assert_eq!(queues[0].borrow_limit, Some(model::GpuMilli(32_500)));
+        assert_eq!(queues[1].guaranteed, model::GpuMilli(0));
+        let error = parse_queue_file_yaml("a: {weight: 0, gpus: 1}\n\"b c\": {}\n").unwrap_err();
+        let lines: Vec<&str> = error.lines().collect();
+        assert_eq!(lines.len(), 3, "{error}");
+        assert!(
+            error.contains("a.weight: expected a whole number"),
+            "{error}"
+        );
+        assert!(error.contains("a.gpus: unknown field"), "{error}");
+        assert!(error.contains("\"b c\": a queue name"), "{error}");
+        assert!(parse_queue_file_yaml("- a\n").is_err());
+    }
     use model::{CpuMilli, GpuModel, MemoryMib, NodeName, PoolName, RackName};
 
     const DOCS: &str = include_str!("../../../docs/cluster-spec.md");

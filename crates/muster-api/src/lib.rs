@@ -48,7 +48,7 @@ mod wire;
 #[cfg(test)]
 mod tests;
 
-pub use cluster::{ClusterSpec, NodeGroupSpec, parse_cluster_spec_yaml};
+pub use cluster::{ClusterSpec, NodeGroupSpec, parse_cluster_spec_yaml, parse_queue_file_yaml};
 pub use error::{SpecError, SpecErrors, TextLocation};
 pub use parse::{MAX_SPEC_BYTES, parse_job_spec_json, parse_job_spec_value, parse_job_spec_yaml};
 pub use quantity::{DURATION_PATTERN, parse_api_duration, parse_duration_text};

@@ -114,6 +114,10 @@ pub struct ReplayConfig {
     pub placement: PlacementPolicy,
     /// Points kept in the utilisation/queue timeline.
     pub timeline_points: usize,
+    /// The `default` policy's queues (guarantees, weights, borrow limits):
+    /// `None` for shares proportional to each queue's GPU-time in the
+    /// trace. A queue of the trace not named here gets no guarantee.
+    pub queues: Option<Vec<QueueSpec>>,
 }
 
 impl Default for ReplayConfig {
@@ -124,6 +128,7 @@ impl Default for ReplayConfig {
             usage_half_life_s: 7 * 24 * 3600,
             placement: PlacementPolicy::DEFAULT,
             timeline_points: 500,
+            queues: None,
         }
     }
 }
@@ -310,7 +315,21 @@ pub fn replay(
 ) -> Result<ReplayResult, muster_sched::ClusterError> {
     let capacity_milli: u64 = muster_sched::ClusterState::new(nodes.to_vec())?.gpu_capacity_milli();
     let queues = match policy {
-        ReplayPolicy::Default => proportional_queues(jobs, capacity_milli),
+        ReplayPolicy::Default => match &config.queues {
+            None => proportional_queues(jobs, capacity_milli),
+            Some(given) => {
+                let mut queues = given.clone();
+                let named: std::collections::BTreeSet<String> =
+                    given.iter().map(|queue| queue.name.0.clone()).collect();
+                let missing: std::collections::BTreeSet<&str> = jobs
+                    .iter()
+                    .map(|job| job.queue.as_str())
+                    .filter(|queue| !named.contains(*queue))
+                    .collect();
+                queues.extend(missing.into_iter().map(QueueSpec::best_effort));
+                queues
+            }
+        },
         _ => vec![QueueSpec::best_effort(POOLED)],
     };
     let scheduling = match policy {

@@ -350,6 +350,12 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "URL", conflicts_with_all = ["cluster", "nodes_csv"])]
     pub cluster_from: Option<String>,
 
+    /// The `default` policy's queues, a YAML map such as `team-a:
+    /// {guaranteed_gpus: 16, weight: 2, borrow_limit_gpus: 32}` (default:
+    /// guarantees proportional to each queue's GPU-time in the trace).
+    #[arg(long, value_name = "FILE")]
+    pub queues: Option<PathBuf>,
+
     /// Replay on a cluster with this many times the nodes (1.25: a quarter
     /// more, copies of the nodes in order; 0.5: the first half).
     #[arg(long, value_name = "FACTOR", default_value_t = 1.0, value_parser = parse_scale)]

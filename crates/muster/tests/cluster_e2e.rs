@@ -2118,6 +2118,55 @@ fn a_clusters_history_is_exported_and_replayed() {
     for run in results["results"].as_array().unwrap() {
         assert_eq!(run["completed"], 3, "{run}");
     }
+    // With other queues: the guarantee given, and a bad file named.
+    std::fs::write(
+        env.path("queues.yaml"),
+        "default: {guaranteed_gpus: 6, weight: 2}
+",
+    )
+    .unwrap();
+    std::fs::write(
+        env.path("bad.yaml"),
+        "default: {guaranteed: 6}
+",
+    )
+    .unwrap();
+    let with = |queues: &str, out: &str| {
+        let out = env.path(out);
+        let output = env.muster(&[
+            "sim",
+            "replay",
+            "--trace",
+            jobs.to_str().unwrap(),
+            "--format",
+            "muster",
+            "--cluster",
+            cluster,
+            "--policies",
+            "default",
+            "--queues",
+            env.path(queues).to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        (output, out)
+    };
+    let (output, out) = with("queues.yaml", "replay-queues");
+    assert!(output.status.success(), "{output:?}");
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(
+        results["results"][0]["per_queue"]["default"]["guaranteed_share"], 0.25,
+        "6 of small.yaml's 24 GPUs: {}",
+        results["results"][0]["per_queue"]
+    );
+    let (output, _) = with("bad.yaml", "replay-bad");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("default.guaranteed: unknown field") && stderr.contains("bad.yaml"),
+        "{stderr}"
+    );
     // On the cluster the server has today, and on twice its nodes.
     let out = env.path("replay-here");
     let replay = env.muster(&[

@@ -166,9 +166,21 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     if policies.is_empty() {
         bail!("no policy to replay; give --policies with some of fifo, las, sjf-oracle, default");
     }
+    let queues = match &args.queues {
+        None => None,
+        Some(path) => Some(muster_api::parse_queue_file_yaml(&read(path)?).map_err(
+            |problems| {
+                anyhow::anyhow!(
+                    "the queue file {} is not valid:\n{problems}",
+                    path.display()
+                )
+            },
+        )?),
+    };
     let config = ReplayConfig {
         checkpoint_interval_s: args.checkpoint_interval,
         placement: args.placement,
+        queues,
         ..ReplayConfig::default()
     };
     let threads = args
