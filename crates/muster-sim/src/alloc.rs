@@ -120,6 +120,14 @@ pub enum Ties {
     Random,
     /// The node with the smallest name.
     Name,
+    /// One pseudo-random order for every run (`seeded_rank` with seed 0):
+    /// what a server would use, fixed across its scheduling cycles.
+    Fixed,
+    /// The smallest node first (fewest GPUs, then CPUs, then memory; then
+    /// the per-run random order): large nodes stay free for large tasks.
+    SmallestFirst,
+    /// The largest node first (the opposite, for comparison).
+    LargestFirst,
 }
 
 /// A cluster and a pod list, ready to run Protocol A for any policy and seed.
@@ -178,6 +186,31 @@ impl AllocationExperiment {
             Ties::Random => self
                 .cluster
                 .reordered(|name| muster_sched::seeded_rank(seed ^ 0x7469_6573, name)),
+            Ties::Fixed => self
+                .cluster
+                .reordered(|name| muster_sched::seeded_rank(0, name)),
+            Ties::SmallestFirst | Ties::LargestFirst => {
+                let size = |name: &muster_model::NodeName| {
+                    let index = self.cluster.node_index(name).unwrap_or(0) as usize;
+                    let node = &self.cluster.nodes[index];
+                    (node.gpu_index.len(), node.cpu_milli, node.memory_mib)
+                };
+                // Largest first: the sizes negated.
+                let sign: i128 = if self.ties == Ties::LargestFirst {
+                    -1
+                } else {
+                    1
+                };
+                self.cluster.reordered(|name| {
+                    let (gpus, cpu, memory) = size(name);
+                    (
+                        sign * gpus as i128,
+                        sign * i128::from(cpu),
+                        sign * i128::from(memory),
+                        muster_sched::seeded_rank(seed ^ 0x7469_6573, name),
+                    )
+                })
+            }
         }
     }
 
@@ -380,6 +413,50 @@ mod tests {
         let text = format!("name,cpu_milli,memory_mib,num_gpu,gpu_milli\n{tasks}");
         let tasks = parse_openb_tasks(&text, "pods.csv").unwrap();
         AllocationExperiment::new(nodes, &tasks).unwrap()
+    }
+
+    #[test]
+    fn tie_orders_are_per_seed_fixed_or_by_size() {
+        let text = "sn,cpu_milli,memory_mib,gpu,model\n\
+                    a,16000,65536,8,T4\nb,8000,65536,2,T4\nc,32000,65536,4,T4\n\
+                    d,16000,65536,2,T4\ne,4000,65536,1,T4\nf,64000,65536,8,T4\n";
+        let nodes = parse_openb_nodes(text, "nodes.csv").unwrap();
+        let tasks = parse_openb_tasks(
+            "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np,1000,1024,1,1000\n",
+            "pods.csv",
+        )
+        .unwrap();
+        let experiment = AllocationExperiment::new(nodes, &tasks).unwrap();
+        let order = |ties: Ties, seed: u64| -> Vec<String> {
+            let cluster = experiment.clone().with_ties(ties).cluster_for(seed);
+            cluster.nodes.iter().map(|n| n.name.0.clone()).collect()
+        };
+        assert_eq!(order(Ties::Name, 3), ["a", "b", "c", "d", "e", "f"]);
+        assert_eq!(
+            order(Ties::Fixed, 1),
+            order(Ties::Fixed, 2),
+            "one order for every run"
+        );
+        assert!(
+            (0..6).any(|seed| order(Ties::Random, seed) != order(Ties::Random, 0)),
+            "an order per run"
+        );
+        assert_eq!(order(Ties::Random, 4), order(Ties::Random, 4));
+        let sizes = |names: Vec<String>| -> Vec<usize> {
+            let cluster = experiment.cluster();
+            names
+                .iter()
+                .map(|name| {
+                    let index = cluster.node_index(&muster_model::NodeName::from(name.as_str()));
+                    cluster.nodes[index.unwrap() as usize].gpu_index.len()
+                })
+                .collect()
+        };
+        assert_eq!(sizes(order(Ties::SmallestFirst, 0)), [1, 2, 2, 4, 8, 8]);
+        assert_eq!(sizes(order(Ties::LargestFirst, 0)), [8, 8, 4, 2, 2, 1]);
+        // Within a size, CPUs decide: b (8 CPUs) before d (16).
+        let smallest = order(Ties::SmallestFirst, 0);
+        assert_eq!(&smallest[1..3], ["b", "d"]);
     }
 
     fn total(requests: &[u64], list: &[usize]) -> u64 {

@@ -267,8 +267,10 @@ pub struct AllocArgs {
     pub jobs: Option<u64>,
 
     /// Which node wins between nodes of equal score: `random` (a fixed
-    /// random order per seed, as the published simulator) or `name` (the
-    /// smallest name).
+    /// random order per seed, as the published simulator), `name` (the
+    /// smallest name), `fixed` (one random order for every seed, as a
+    /// server would keep), `smallest-first` or `largest-first` (by GPUs,
+    /// CPUs, memory; then the random order).
     #[arg(long, value_name = "ORDER", default_value = "random", value_parser = parse_ties)]
     pub ties: muster_sim::Ties,
 
@@ -290,7 +292,13 @@ fn parse_ties(text: &str) -> Result<muster_sim::Ties, String> {
     match text {
         "random" => Ok(muster_sim::Ties::Random),
         "name" => Ok(muster_sim::Ties::Name),
-        _ => Err(format!("unknown tie order {text:?}; use random or name")),
+        "fixed" => Ok(muster_sim::Ties::Fixed),
+        "smallest-first" => Ok(muster_sim::Ties::SmallestFirst),
+        "largest-first" => Ok(muster_sim::Ties::LargestFirst),
+        _ => Err(format!(
+            "unknown tie order {text:?}; use random, name, fixed, smallest-first or \
+             largest-first"
+        )),
     }
 }
 
