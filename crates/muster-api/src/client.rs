@@ -104,6 +104,13 @@ fn transport_reason(error: &reqwest::Error) -> String {
         )
     } else if text.contains("InvalidContentType") || text.contains("corrupt message") {
         format!("{text} (is the server speaking plain HTTP? then use an http:// URL)")
+    } else if text.contains("invalid HTTP version")
+        && error.url().is_some_and(|url| url.scheme() == "http")
+    {
+        format!(
+            "{text} (the server answered in TLS: muster serves HTTPS by default, so use an \
+             https:// URL)"
+        )
     } else {
         text
     }

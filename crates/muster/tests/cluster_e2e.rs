@@ -1813,6 +1813,10 @@ fn tls_is_the_default_and_a_pinned_ca_is_what_clients_trust() {
     // Plain HTTP gets no answer from an HTTPS server.
     let plain = env.muster(&["ps", "--server", &env.url, "--token", admin]);
     assert_eq!(plain.status.code(), Some(5), "{plain:?}");
+    assert!(
+        String::from_utf8_lossy(&plain.stderr).contains("use an https:// URL"),
+        "{plain:?}"
+    );
     // Without a fingerprint (and no local CA to find) the system's roots do
     // not know the cluster CA; with a wrong one, the pin does not match.
     let unknown = env.muster(&["ps", "--server", &url, "--token", admin]);
