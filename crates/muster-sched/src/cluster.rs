@@ -4,8 +4,9 @@
 use muster_model::{GpuModel, GpuRequest, NodeName, NodeSpec, PoolName, RackName};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Index of a node in [`ClusterState`]. Nodes are ordered by name, so a
-/// smaller index is a smaller name (the tie-break every policy uses). A node
+/// Index of a node in [`ClusterState`]. Nodes are ordered by rack, then by
+/// a fixed pseudo-random order within the rack ([`seeded_rank`] with seed
+/// 0), so a smaller index wins a tie (the tie-break every policy uses). A node
 /// with GPUs of several models is several entries (sub-nodes, one per model,
 /// in the order of their first GPU): see [`ClusterState`].
 pub type NodeIndex = u32;
@@ -402,7 +403,8 @@ impl ClusterState {
         }
     }
 
-    /// Builds the cluster with every node empty. Nodes are sorted by name.
+    /// Builds the cluster with every node empty. Nodes are ordered by rack,
+    /// then pseudo-randomly within the rack (see [`NodeIndex`]).
     /// Never fails: nodes the engine cannot take are in
     /// [`ClusterState::excluded_nodes`] (the `Result` is kept for callers).
     pub fn new(inputs: Vec<NodeInput>) -> Result<Self, ClusterError> {
@@ -419,11 +421,19 @@ impl ClusterState {
     /// cannot take.
     pub fn build(inputs: &[NodeInput]) -> Self {
         let mut inputs: Vec<&NodeInput> = inputs.iter().collect();
-        // Snapshots usually come sorted already (the check is cheaper). The
-        // sort is stable: of two nodes with one name, the first listed stays.
-        if !inputs.is_sorted_by(|a, b| a.spec.name <= b.spec.name) {
-            inputs.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
-        }
+        // The order in which nodes of equal score are preferred: by rack
+        // (ties consolidate a rack at a time, keeping whole racks free for
+        // gangs), then a fixed pseudo-random order within the rack (unlike
+        // the name, unrelated to a node's shape or its neighbours); see
+        // docs/scheduling-results.md, "Which tie order, and why". The sort
+        // is stable: of two nodes with one name, the first listed stays.
+        inputs.sort_by_cached_key(|input| {
+            (
+                input.spec.rack.clone(),
+                seeded_rank(0, &input.spec.name),
+                input.spec.name.clone(),
+            )
+        });
         let mut cluster = ClusterState {
             nodes: Vec::with_capacity(inputs.len()),
             free: Vec::with_capacity(inputs.len()),
@@ -546,6 +556,8 @@ impl ClusterState {
             }
             real += 1;
         }
+        // Said in name order, whatever the tie order.
+        cluster.excluded_nodes.sort_by(|a, b| a.0.cmp(&b.0));
         cluster
     }
 

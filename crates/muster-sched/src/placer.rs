@@ -149,7 +149,7 @@ impl ShapeIndex {
 }
 
 /// The best node for `shape` by scoring every node: highest level, then
-/// smallest name. The reference the indexed search must agree with.
+/// first node in the cluster order. The reference the indexed search must agree with.
 pub fn best_node_by_scan(
     cluster: &ClusterState,
     scorer: &Scorer,

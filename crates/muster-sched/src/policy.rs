@@ -1,9 +1,10 @@
 //! Placement policies: how a node and its GPUs are chosen for one task.
 //!
 //! Every policy scores a feasible node with an integer level (higher is
-//! better); ties go to the first node in the cluster's order: the smallest
-//! name, or another order through [`ClusterState::reordered`] (the
-//! published FGD simulator's is a random permutation drawn per run). It
+//! better); ties go to the first node in the cluster's order: by rack, then
+//! a fixed pseudo-random order within the rack, or another order through
+//! [`ClusterState::reordered`] (the published FGD simulator's is a random
+//! permutation drawn per run). It
 //! matters: coarse levels plus a fixed tie order pack work onto the same
 //! nodes, and which order changes the result by up to a point.
 //!
@@ -25,7 +26,7 @@ pub enum PlacementPolicy {
     Fgd,
     /// FGD's levels, and within a level the node already in use: one with
     /// GPU work first, then one with only CPU work, then an empty one (then
-    /// the smallest name). Keeps whole nodes free for large tasks.
+    /// the first in the cluster order). Keeps whole nodes free for large tasks.
     FgdConsolidate,
     /// The node left with the least CPU and GPU after placement.
     BestFit,

@@ -180,7 +180,7 @@ impl AllocationExperiment {
     /// The cluster as run `seed` sees it: its nodes in that run's tie order.
     pub fn cluster_for(&self, seed: u64) -> ClusterState {
         match self.ties {
-            Ties::Name => self.cluster.clone(),
+            Ties::Name => self.cluster.reordered(|name| name.clone()),
             // A stream of its own: the arrival list and the `random`
             // policy use the seed too.
             Ties::Random => self
