@@ -1464,6 +1464,66 @@ fn prometheus_scrapes(env: &Env, token_file: &std::path::Path, busy: &str, idle:
     let _ = prometheus.wait();
 }
 
+/// A real Prometheus scrapes an HTTPS server as docs/observability.md says
+/// (`scheme: https`, the cluster CA as `tls_config.ca_file`, the metrics
+/// token): the scrape is up.
+fn prometheus_scrapes_https(env: &Env, address: &str, data: &std::path::Path) {
+    let binary = std::path::Path::new("/usr/bin/prometheus");
+    if !binary.exists() {
+        assert!(
+            std::env::var_os("MUSTER_REQUIRE_TOOLS").is_none(),
+            "/usr/bin/prometheus is missing (Debian: apt-get install prometheus)"
+        );
+        eprintln!("note: no /usr/bin/prometheus here; the HTTPS scrape check is skipped");
+        return;
+    }
+    let listen = format!("127.0.0.1:{}", common::free_port());
+    let config = env.path("prometheus-tls.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: \
+             muster\n    scheme: https\n    tls_config:\n      ca_file: {}\n    authorization:\n      \
+             credentials_file: {}\n    static_configs:\n      - targets: [\"{address}\"]\n",
+            data.join("tls/ca.pem").display(),
+            data.join("metrics.token").display(),
+        ),
+    )
+    .expect("the config written");
+    let log = std::fs::File::create(env.path("prometheus-tls.log")).expect("a log file");
+    let mut prometheus = std::process::Command::new(binary)
+        .arg(format!("--config.file={}", config.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            env.path("tsdb-tls").display()
+        ))
+        .arg(format!("--web.listen-address={listen}"))
+        .stdout(log.try_clone().expect("the log again"))
+        .stderr(log)
+        .spawn()
+        .expect("prometheus starts");
+    let base = format!("http://{listen}");
+    let up = || -> Option<f64> {
+        std::net::TcpStream::connect(&listen).ok()?;
+        let path = format!("/api/v1/query?query={}", encode_query("up{job=\"muster\"}"));
+        let (_, body) = http_get(&base, &path, "unused");
+        let start = body.find('{')?;
+        let end = body.rfind('}')? + 1;
+        let value: serde_json::Value = serde_json::from_str(&body[start..end]).ok()?;
+        value["data"]["result"][0]["value"][1]
+            .as_str()?
+            .parse()
+            .ok()
+    };
+    common::wait_until(
+        "Prometheus to scrape muster over HTTPS",
+        Duration::from_secs(60),
+        || up() == Some(1.0),
+    );
+    let _ = prometheus.kill();
+    let _ = prometheus.wait();
+}
+
 /// POST `body` to `path` with a token and an idempotency key; the status
 /// and the body.
 fn http_post_with_key(url: &str, path: &str, token: &str, key: &str, body: &str) -> (u16, String) {
@@ -1890,6 +1950,7 @@ fn tls_is_the_default_and_a_pinned_ca_is_what_clients_trust() {
             .as_array()
             .is_some_and(|nodes| nodes.iter().any(|n| n["state"] == "ready"))
     });
+    prometheus_scrapes_https(&env, &address, &data);
     let run = env.muster(&["run", "--gpus", "1", "--", "echo", "over-tls"]);
     assert!(run.status.success(), "{run:?}");
     assert!(stdout(&run).contains("over-tls"), "{run:?}");
