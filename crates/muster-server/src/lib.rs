@@ -147,6 +147,27 @@ impl ServerConfig {
     }
 }
 
+/// Serves the API on `listener` (TCP, or connections whose TLS handshake
+/// is done) until `stopped`. `tap_io` makes the peer's address each
+/// connection's info whatever the listener, for the audit log.
+async fn serve<L>(
+    listener: L,
+    router: axum::Router,
+    stopped: impl Future<Output = ()> + Send + 'static,
+) where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+{
+    use axum::serve::ListenerExt;
+    let serve = axum::serve(
+        listener.tap_io(|_| {}),
+        router.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(stopped);
+    if let Err(error) = serve.await {
+        tracing::error!(%error, "the API server failed");
+    }
+}
+
 /// Starts a server.
 #[derive(Debug)]
 pub struct Server;
@@ -296,34 +317,11 @@ impl Server {
         };
         let mut tasks = Vec::new();
         let http = match &tls {
-            None => tokio::spawn(async move {
-                let serve = axum::serve(
-                    listener,
-                    router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
-                )
-                .with_graceful_shutdown(stopped);
-                if let Err(error) = serve.await {
-                    tracing::error!(%error, "the HTTP server failed");
-                }
-            }),
+            None => tokio::spawn(serve(listener, router, stopped)),
             Some(tls) => {
-                use axum::serve::ListenerExt;
-                // `tap_io` makes the peer's address the connection's info, as
-                // for a plain TCP listener.
-                let listener = tls
-                    .listener(listener, shutdown_receiver.clone())?
-                    .tap_io(|_| {});
                 tasks.push(tokio::spawn(tls.clone().watch(shutdown_receiver.clone())));
-                tokio::spawn(async move {
-                    let serve = axum::serve(
-                        listener,
-                        router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
-                    )
-                    .with_graceful_shutdown(stopped);
-                    if let Err(error) = serve.await {
-                        tracing::error!(%error, "the HTTPS server failed");
-                    }
-                })
+                let listener = tls.listener(listener, shutdown_receiver.clone())?;
+                tokio::spawn(serve(listener, router, stopped))
             }
         };
         let policy = SchedulingPolicy {
@@ -348,10 +346,7 @@ impl Server {
             shutdown,
             ca_pem: tls.as_ref().and_then(|tls| tls.ca_pem.clone()),
             https: tls.is_some(),
-            tasks: {
-                tasks.extend([http, scheduler, ticker]);
-                tasks
-            },
+            tasks: tasks.into_iter().chain([http, scheduler, ticker]).collect(),
             writer_task,
             store,
             _lock: lock,

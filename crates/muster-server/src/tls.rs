@@ -46,7 +46,8 @@ const SERVER_VALIDITY: Duration = Duration::from_secs(365 * 24 * 3600);
 const CA_VALIDITY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 /// How often the certificate files are looked at.
 pub const RELOAD_EVERY: Duration = Duration::from_secs(2);
-/// Handshakes in progress at once, and how long one may take.
+/// Connections in a handshake or waiting for axum to take them, at once,
+/// and how long a handshake may take.
 const MAX_HANDSHAKES: usize = 1024;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -438,10 +439,13 @@ impl Tls {
                 tokio::spawn(async move {
                     let handshake =
                         tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await;
-                    drop(permit);
                     match handshake {
+                        // The permit is held until axum has the connection,
+                        // so handshakes done but not yet taken are bounded
+                        // too.
                         Ok(Ok(stream)) => {
                             let _ = sender.send((stream, peer)).await;
+                            drop(permit);
                         }
                         Ok(Err(error)) => {
                             tracing::debug!(%peer, %error, "TLS handshake failed")
