@@ -427,11 +427,12 @@ impl ClusterState {
         // the name, unrelated to a node's shape or its neighbours); see
         // docs/scheduling-results.md, "Which tie order, and why". The sort
         // is stable: of two nodes with one name, the first listed stays.
-        inputs.sort_by_cached_key(|input| {
+        // Each cycle builds the cluster: the keys borrow, one hash a node.
+        inputs.sort_by_cached_key(|&input| {
             (
-                input.spec.rack.clone(),
+                &input.spec.rack,
                 seeded_rank(0, &input.spec.name),
-                input.spec.name.clone(),
+                &input.spec.name,
             )
         });
         let mut cluster = ClusterState {

@@ -268,8 +268,8 @@ pub struct AllocArgs {
 
     /// Which node wins between nodes of equal score: `random` (a fixed
     /// random order per seed, as the published simulator), `name` (the
-    /// smallest name), `fixed` (one random order for every seed, as a
-    /// server would keep), `smallest-first` or `largest-first` (by GPUs,
+    /// smallest name), `fixed` (the server's own order, by rack and
+    /// then pseudo-random, the same for every seed), `smallest-first` or `largest-first` (by GPUs,
     /// CPUs, memory; then the random order).
     #[arg(long, value_name = "ORDER", default_value = "random", value_parser = parse_ties)]
     pub ties: muster_sim::Ties,
