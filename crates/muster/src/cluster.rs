@@ -598,9 +598,26 @@ pub fn up(args: UpArgs) -> Result<()> {
         },
     };
     let (cgroups, supervisor) = isolation(&args.isolation, &name, &data_dir.join("agent"))?;
+    let tls = args.tls.mode(args.listen);
+    // The CLI of this user finds the server and token with no flags. The
+    // config is written before the port opens (the server makes its token
+    // and CA before it listens), so a script that waits for the port and
+    // then runs `muster` finds everything; it is written again only when
+    // the address bound differs (port 0).
+    let config_file = config_path();
+    let token_file = data_dir.join("admin.token");
+    let ca_file = matches!(tls, muster_server::tls::TlsMode::Generated { .. })
+        .then(|| data_dir.join("tls/ca.pem"));
+    let scheme = match tls {
+        muster_server::tls::TlsMode::Off => "http",
+        _ => "https",
+    };
+    let planned = format!("{scheme}://{}", args.listen);
+    let previous = std::fs::read(&config_file).ok();
+    write_client_config(&config_file, &planned, &token_file, ca_file.as_deref())?;
     runtime()?.block_on(async {
-        let handle = muster_server::Server::start(muster_server::ServerConfig {
-            tls: args.tls.mode(args.listen),
+        let started = muster_server::Server::start(muster_server::ServerConfig {
+            tls,
             ..server_config(
                 args.listen,
                 data_dir.clone(),
@@ -613,30 +630,22 @@ pub fn up(args: UpArgs) -> Result<()> {
                 muster_control::StackPolicy::Report,
             )
         })
-        .await?;
+        .await;
+        let handle = match started {
+            Ok(handle) => handle,
+            Err(error) => {
+                // Another cluster's config stays as it was.
+                let _ = match &previous {
+                    Some(bytes) => std::fs::write(&config_file, bytes),
+                    None => std::fs::remove_file(&config_file),
+                };
+                return Err(error.into());
+            }
+        };
         let url = handle.url();
-        // The CLI of this user finds the server and token with no flags.
-        let config_file = config_path();
-        if let Some(parent) = config_file.parent() {
-            std::fs::create_dir_all(parent)
-                .with_context(|| format!("cannot create {}", parent.display()))?;
+        if url != planned {
+            write_client_config(&config_file, &url, &token_file, ca_file.as_deref())?;
         }
-        let token_file = data_dir.join("admin.token");
-        std::fs::write(
-            &config_file,
-            serde_json::to_string_pretty(&match handle.ca_pem() {
-                Some(_) => serde_json::json!({
-                    "server": url,
-                    "token_file": token_file,
-                    "ca_file": data_dir.join("tls/ca.pem"),
-                }),
-                None => serde_json::json!({
-                    "server": url,
-                    "token_file": token_file,
-                }),
-            })?,
-        )
-        .with_context(|| format!("cannot write {}", config_file.display()))?;
         let agent = AgentConfig {
             server: url.clone(),
             trust: handle.trust(),
@@ -692,6 +701,29 @@ pub fn up(args: UpArgs) -> Result<()> {
         handle.shutdown().await;
         Ok(())
     })
+}
+
+/// Writes the client config `muster up` leaves for its user (server, token
+/// file, CA file), whole or not at all: a CLI reading it at the same moment
+/// sees the old file or the new one.
+fn write_client_config(
+    file: &std::path::Path,
+    url: &str,
+    token_file: &std::path::Path,
+    ca_file: Option<&std::path::Path>,
+) -> Result<()> {
+    let mut config = serde_json::json!({ "server": url, "token_file": token_file });
+    if let Some(ca_file) = ca_file {
+        config["ca_file"] = serde_json::json!(ca_file);
+    }
+    if let Some(parent) = file.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    let partial = file.with_extension("json.partial");
+    std::fs::write(&partial, serde_json::to_string_pretty(&config)?)
+        .and_then(|()| std::fs::rename(&partial, file))
+        .with_context(|| format!("cannot write {}", file.display()))
 }
 
 #[cfg(test)]

@@ -2019,14 +2019,38 @@ fn muster_up_serves_https_and_the_cli_trusts_it_with_no_flags() {
             "1xH100-80GB",
         ],
     );
-    // The client config is written once the server listens.
-    common::wait_until("the client config", Duration::from_secs(30), || {
-        env.path("config/muster/config.json").exists()
-    });
-    let config = std::fs::read_to_string(env.path("config/muster/config.json")).expect("config");
+    // The client config, token and CA are all there before the port opens,
+    // so a script that waits for the port can use the CLI at once.
+    let config = std::fs::read_to_string(env.path("config/muster/config.json"))
+        .expect("the client config exists once the port is open");
     assert!(
         config.contains("https://") && config.contains("ca.pem"),
         "{config}"
+    );
+    assert!(data.join("admin.token").exists() && data.join("tls/ca.pem").exists());
+    // A second `muster up` on the same port fails and leaves the running
+    // cluster's config as it was.
+    let second = env
+        .command()
+        .args([
+            "up",
+            "--listen",
+            &listen,
+            "--data-dir",
+            env.path("other-data").to_str().unwrap(),
+            "--simulate-gpus",
+            "1xH100-80GB",
+        ])
+        .output()
+        .expect("muster runs");
+    assert!(
+        !second.status.success() && String::from_utf8_lossy(&second.stderr).contains("in use"),
+        "{second:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(env.path("config/muster/config.json")).expect("config"),
+        config,
+        "a failed start restores the config it found"
     );
     let run = env.muster(&["run", "--", "echo", "up-over-tls"]);
     assert!(run.status.success(), "{run:?}");
