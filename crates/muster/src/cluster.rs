@@ -639,7 +639,7 @@ pub fn up(args: UpArgs) -> Result<()> {
                     Some(bytes) => std::fs::write(&config_file, bytes),
                     None => std::fs::remove_file(&config_file),
                 };
-                return Err(error.into());
+                return Err(error);
             }
         };
         let url = handle.url();
