@@ -18,9 +18,13 @@ pub use cluster::{
 pub use placer::{FilterCounts, GangFailure, Placer, best_node_by_scan};
 pub use policy::{PlacementPolicy, Scale, Scorer, TypicalShape, TypicalWorkload, UnknownPolicy};
 pub mod fairshare;
+pub mod forecast;
+pub mod runtime;
 pub mod schedule;
 
 pub use fairshare::UsageLedger;
+pub use forecast::{ForecastLimits, StartForecast, forecast_starts};
+pub use runtime::RuntimeHistory;
 pub use schedule::{
     Allocation, Backfill, JobStart, Outcome, PendingJob, PendingReason, Preemption,
     PreemptionCause, Reservation, RunningJob, SchedulingPolicy, Snapshot, TaskRequest,

@@ -13,7 +13,7 @@
 //!   fair share by decayed usage, quota reclaim by preemption, EASY backfill
 //!   on runtime estimates learned from the team's finished jobs: a job that
 //!   has run for a while is expected to take the mean of the team's finished
-//!   jobs that ran longer than that (see `LearnedDurations`).
+//!   jobs that ran longer than that (see `muster_sched::RuntimeHistory`).
 //!
 //! A preempted job loses the work since its last checkpoint
 //! ([`ReplayConfig::checkpoint_interval_s`]) and waits again.
@@ -215,64 +215,6 @@ pub fn proportional_queues(jobs: &[ReplayJob], capacity_milli: u64) -> Vec<Queue
         .collect()
 }
 
-/// Durations of a queue's finished jobs, in log-spaced buckets (ratio 1.25,
-/// 1 s to about 113 days), for runtime estimates that never read a job's own
-/// duration. Kept as counts and sums from each bucket up: a bucket's own is
-/// the difference with the next.
-#[derive(Debug, Clone)]
-struct LearnedDurations {
-    count_from: [u64; DURATION_BUCKETS + 1],
-    sum_from: [f64; DURATION_BUCKETS + 1],
-}
-
-const DURATION_BUCKETS: usize = 72;
-
-impl Default for LearnedDurations {
-    fn default() -> Self {
-        LearnedDurations {
-            count_from: [0; DURATION_BUCKETS + 1],
-            sum_from: [0.0; DURATION_BUCKETS + 1],
-        }
-    }
-}
-
-impl LearnedDurations {
-    fn bucket(seconds: u64) -> usize {
-        let bucket = (seconds.max(1) as f64).ln() / 1.25f64.ln();
-        (bucket as usize).min(DURATION_BUCKETS - 1)
-    }
-
-    fn add(&mut self, seconds: u64) {
-        for from in 0..=Self::bucket(seconds) {
-            self.count_from[from] += 1;
-            self.sum_from[from] += seconds as f64;
-        }
-    }
-
-    /// The expected total duration of a job that has run `elapsed` seconds:
-    /// the mean of the finished durations longer than that (bucket by bucket;
-    /// at 0, the mean of all), at least `elapsed` + 60 s; twice `elapsed` if
-    /// none ran that long. `None` before any job of the queue finished.
-    fn expected_total(&self, elapsed: u64) -> Option<u64> {
-        if self.count_from[0] == 0 {
-            return None;
-        }
-        let mut from = Self::bucket(elapsed);
-        let own_count = self.count_from[from] - self.count_from[from + 1];
-        let own_sum = self.sum_from[from] - self.sum_from[from + 1];
-        if own_count > 0 && own_sum / own_count as f64 <= elapsed as f64 {
-            from += 1;
-        }
-        let count = self.count_from[from];
-        let mean = if count == 0 {
-            2 * elapsed
-        } else {
-            (self.sum_from[from] / count as f64) as u64
-        };
-        Some(mean.max(elapsed + 60))
-    }
-}
-
 fn percentile(sorted: &[f64], fraction: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -392,7 +334,8 @@ pub fn replay(
             *team_slots.entry(job.queue.as_str()).or_insert(next)
         })
         .collect();
-    let mut learned: Vec<LearnedDurations> = vec![LearnedDurations::default(); team_slots.len()];
+    let mut learned: Vec<muster_sched::RuntimeHistory> =
+        vec![muster_sched::RuntimeHistory::default(); team_slots.len()];
     let mut next_arrival = 0;
     let mut now: u64 = order.first().map_or(0, |&i| jobs[i].submit_s);
     let start_s = now;
@@ -704,22 +647,6 @@ pub fn replay(
 mod tests {
     use super::*;
 
-    #[test]
-    fn learned_durations_expect_the_mean_of_longer_jobs() {
-        let mut durations = LearnedDurations::default();
-        assert_eq!(durations.expected_total(0), None, "nothing learned yet");
-        for seconds in [60, 60, 60, 36_000] {
-            durations.add(seconds);
-        }
-        // A new job: the mean of all, 9,045 s.
-        assert_eq!(durations.expected_total(0), Some(9_045));
-        // One that ran 10 minutes outlived the short ones: expect the long one.
-        assert_eq!(durations.expected_total(600), Some(36_000));
-        // Past every job seen: twice its running time so far.
-        assert_eq!(durations.expected_total(50_000), Some(100_000));
-        // Never less than a minute ahead.
-        assert_eq!(durations.expected_total(35_990), Some(36_050));
-    }
     use muster_model::{GpuModel, GpuSpec, NodeName, NodeSpec, PoolName, RackName};
 
     fn node(gpus: u32) -> Vec<NodeInput> {
