@@ -118,6 +118,11 @@ pub struct ReplayConfig {
     /// `None` for shares proportional to each queue's GPU-time in the
     /// trace. A queue of the trace not named here gets no guarantee.
     pub queues: Option<Vec<QueueSpec>>,
+    /// Forecast every job's start when it arrives, with the server's
+    /// estimator ([`muster_sched::forecast_starts`]) and these limits, and
+    /// report how close the forecasts came ([`ForecastAccuracy`]). `None`:
+    /// no forecasts (they cost a plan per arrival).
+    pub forecast: Option<muster_sched::ForecastLimits>,
 }
 
 impl Default for ReplayConfig {
@@ -129,8 +134,33 @@ impl Default for ReplayConfig {
             placement: PlacementPolicy::DEFAULT,
             timeline_points: 500,
             queues: None,
+            forecast: None,
         }
     }
+}
+
+/// How close the start forecasts made when jobs arrived came to when they
+/// started (waits counted from submission).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ForecastAccuracy {
+    /// Jobs that started and waited over 10 minutes.
+    pub waited_over_10_min: usize,
+    /// Of those, the share whose wait was within 2x of the forecast wait
+    /// (half to twice).
+    pub within_2x: f64,
+    /// Of those, the share forecast too early (waited over twice as long).
+    pub too_early: f64,
+    /// Of those, the share forecast too late (waited under half as long).
+    pub too_late: f64,
+    /// Of those, the share with no forecast (unknown) or only "not before".
+    pub unknown: f64,
+    pub not_before: f64,
+    /// Median of actual wait / forecast wait over those with a forecast.
+    pub median_ratio: f64,
+    /// Every job that waited at all: the share within 2x.
+    pub all_waiting_within_2x: f64,
+    /// Forecasts made (one per job that did not start on arrival).
+    pub forecasts: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -168,6 +198,9 @@ pub struct ReplayResult {
     pub jct_cdf: Vec<(f64, f64)>,
     /// (seconds, busy GPUs, pending jobs), sampled.
     pub timeline: Vec<(f64, f64, usize)>,
+    /// With [`ReplayConfig::forecast`]: how good the start forecasts were.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forecast: Option<ForecastAccuracy>,
 }
 
 #[derive(Debug, Clone)]
@@ -336,6 +369,11 @@ pub fn replay(
         .collect();
     let mut learned: Vec<muster_sched::RuntimeHistory> =
         vec![muster_sched::RuntimeHistory::default(); team_slots.len()];
+    // Start forecasts made at arrival (kind, time): their own generator, so
+    // that forecasting changes none of the replay's decisions.
+    let mut forecast_rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_f0ca);
+    let mut forecasts: Vec<Option<muster_sched::StartForecast>> = vec![None; jobs.len()];
+    let mut arrived: std::collections::BTreeSet<JobId> = std::collections::BTreeSet::new();
     let mut next_arrival = 0;
     let mut now: u64 = order.first().map_or(0, |&i| jobs[i].submit_s);
     let start_s = now;
@@ -430,6 +468,9 @@ pub fn replay(
                 break;
             }
             pending_jobs.push(pending_job(index));
+            if config.forecast.is_some() {
+                arrived.insert(JobId(index as u64));
+            }
             next_arrival += 1;
         }
         if pending_jobs.is_empty() {
@@ -483,6 +524,48 @@ pub fn replay(
             };
         }
         let outcome = schedule(&snapshot, &pending_jobs, &scheduling, &mut rng)?;
+        if let Some(limits) = &config.forecast {
+            arrived.retain(|id| outcome.pending.contains_key(id));
+            if !arrived.is_empty() {
+                // Forecasts assume typical ends, not mean ones (see
+                // `muster_sched::runtime::FORECAST_QUANTILE`), as the server's.
+                let mut ahead = snapshot.clone();
+                for running_job in &mut ahead.running {
+                    let index = running_job.id.0 as usize;
+                    let Some(run) = running.get(&index) else {
+                        continue;
+                    };
+                    let done = jobs[index].duration_s - run.remaining_s;
+                    running_job.expected_end = learned[team_of[index]]
+                        .forecast_remaining_ms((done + t - run.started_s) * 1000)
+                        .map(|remaining| Time::from_secs(t).plus_millis(remaining));
+                }
+                let mut waiting = pending_jobs.clone();
+                for pending_job in &mut waiting {
+                    let index = pending_job.id.0 as usize;
+                    let done = jobs[index].duration_s - states[index].remaining_s;
+                    pending_job.estimated_runtime_ms =
+                        learned[team_of[index]].forecast_remaining_ms(done * 1000);
+                }
+                let made = muster_sched::forecast_starts(
+                    &ahead,
+                    &waiting,
+                    &scheduling,
+                    &outcome,
+                    Some(&arrived),
+                    limits,
+                    &mut forecast_rng,
+                )?;
+                for id in &arrived {
+                    forecasts[id.0 as usize] = Some(
+                        made.get(id)
+                            .copied()
+                            .unwrap_or(muster_sched::StartForecast::Unknown),
+                    );
+                }
+            }
+            arrived.clear();
+        }
 
         for preemption in &outcome.preemptions {
             let index = preemption.victim.0 as usize;
@@ -572,6 +655,9 @@ pub fn replay(
         .map(|&i| (states[i].first_start_s.unwrap_or(0) - jobs[i].submit_s) as f64)
         .collect();
     let makespan = (now - start_s) as f64;
+    let forecast = config
+        .forecast
+        .map(|_| forecast_accuracy(jobs, &states, &forecasts));
     let total_gpu_s: f64 = states.iter().map(|s| s.gpu_s_used).sum();
     let mut per_queue: BTreeMap<String, QueueResult> = BTreeMap::new();
     for &i in &finished {
@@ -640,7 +726,84 @@ pub fn replay(
         per_queue,
         jct_cdf,
         timeline,
+        forecast,
     })
+}
+
+/// Compares the forecasts made at arrival with the starts that followed.
+fn forecast_accuracy(
+    jobs: &[ReplayJob],
+    states: &[State],
+    forecasts: &[Option<muster_sched::StartForecast>],
+) -> ForecastAccuracy {
+    use muster_sched::StartForecast;
+    let mut long = 0usize;
+    let (mut within, mut early, mut late, mut unknown, mut not_before) = (0, 0, 0, 0, 0);
+    let mut ratios = Vec::new();
+    let (mut waiting, mut waiting_within) = (0usize, 0usize);
+    for (index, job) in jobs.iter().enumerate() {
+        let Some(started) = states[index].first_start_s else {
+            continue;
+        };
+        let waited = started.saturating_sub(job.submit_s) as f64;
+        if waited <= 0.0 {
+            continue;
+        }
+        let forecast = forecasts[index];
+        let forecast_wait = match forecast {
+            Some(StartForecast::At(at) | StartForecast::NotBefore(at)) => {
+                Some((at.0 / 1000).saturating_sub(job.submit_s) as f64)
+            }
+            _ => None,
+        };
+        let ratio = forecast_wait
+            .filter(|&w| w > 0.0)
+            .map(|forecast_wait| waited / forecast_wait);
+        let good = ratio.is_some_and(|r| (0.5..=2.0).contains(&r));
+        waiting += 1;
+        waiting_within += usize::from(good);
+        if waited <= 600.0 {
+            continue;
+        }
+        long += 1;
+        match forecast {
+            Some(StartForecast::NotBefore(_)) => not_before += 1,
+            Some(StartForecast::At(_)) => {}
+            _ => unknown += 1,
+        }
+        if let Some(ratio) = ratio {
+            ratios.push(ratio);
+            if ratio > 2.0 {
+                early += 1;
+            } else if ratio < 0.5 {
+                late += 1;
+            }
+        }
+        within += usize::from(good);
+    }
+    ratios.sort_by(f64::total_cmp);
+    let share = |n: usize| {
+        if long == 0 {
+            0.0
+        } else {
+            n as f64 / long as f64
+        }
+    };
+    ForecastAccuracy {
+        waited_over_10_min: long,
+        within_2x: share(within),
+        too_early: share(early),
+        too_late: share(late),
+        unknown: share(unknown),
+        not_before: share(not_before),
+        median_ratio: percentile(&ratios, 0.5),
+        all_waiting_within_2x: if waiting == 0 {
+            0.0
+        } else {
+            waiting_within as f64 / waiting as f64
+        },
+        forecasts: forecasts.iter().flatten().count(),
+    }
 }
 
 #[cfg(test)]
@@ -680,6 +843,53 @@ mod tests {
             memory: MemoryMib(0),
             gpu_models: Vec::new(),
         }
+    }
+
+    #[test]
+    fn forecasts_at_arrival_are_scored_against_the_starts_that_followed() {
+        // Two 1-GPU jobs of 1,000 s teach the queue; job 2 (2 GPUs, 2,000 s)
+        // runs from 1,500 s; job 3 (2 GPUs) arrives at 1,600 s. The forecast
+        // assumes job 2 ends as the typical job does, 1,000 s after its
+        // start, at 2,500 s: a forecast wait of 900 s. Job 2 really ends at
+        // 3,500 s: job 3 waits 1,900 s, 2.11 times the forecast (too early).
+        let mut jobs = vec![
+            job(0, 0, 1_000, 1),
+            job(1, 0, 1_000, 1),
+            job(2, 1_500, 2_000, 2),
+            job(3, 1_600, 1_000, 2),
+        ];
+        let config = ReplayConfig {
+            forecast: Some(muster_sched::ForecastLimits::default()),
+            ..ReplayConfig::default()
+        };
+        let with = replay(&node(2), &jobs, ReplayPolicy::Default, &config, 1).unwrap();
+        let accuracy = with.forecast.clone().expect("forecasts were asked for");
+        assert_eq!(accuracy.forecasts, 1);
+        assert_eq!(accuracy.waited_over_10_min, 1);
+        assert_eq!(accuracy.too_early, 1.0);
+        assert_eq!(accuracy.within_2x, 0.0);
+        assert!((accuracy.median_ratio - 1_900.0 / 900.0).abs() < 1e-9);
+        // Forecasting changes no decision.
+        let without = replay(
+            &node(2),
+            &jobs,
+            ReplayPolicy::Default,
+            &ReplayConfig::default(),
+            1,
+        )
+        .unwrap();
+        assert_eq!(without.forecast, None);
+        assert_eq!(
+            (with.mean_jct_s, with.p99_jct_s),
+            (without.mean_jct_s, without.p99_jct_s)
+        );
+        // Had job 2 taken 1,500 s, job 3 would have waited 1,400 s: within
+        // 2x of the same forecast.
+        jobs[2].duration_s = 1_500;
+        let closer = replay(&node(2), &jobs, ReplayPolicy::Default, &config, 1).unwrap();
+        let accuracy = closer.forecast.expect("forecasts");
+        assert_eq!(accuracy.within_2x, 1.0);
+        assert!((accuracy.median_ratio - 1_400.0 / 900.0).abs() < 1e-9);
     }
 
     #[test]

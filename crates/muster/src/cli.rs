@@ -369,6 +369,14 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "FACTOR", default_value_t = 1.0, value_parser = parse_scale)]
     pub scale_nodes: f64,
 
+    /// Forecast each job's start when it arrives, as the server does for
+    /// pending jobs (the scheduler's plan run ahead on learned runtime
+    /// estimates), and report how close the forecasts came: the share of
+    /// jobs that waited over 10 minutes whose wait was within 2x of the
+    /// forecast. Costs a plan per arrival.
+    #[arg(long)]
+    pub forecast: bool,
+
     /// Scheduling policies to compare, comma-separated: fifo, las,
     /// sjf-oracle (reads true durations: an oracle), default.
     #[arg(

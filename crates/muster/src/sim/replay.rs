@@ -181,6 +181,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         checkpoint_interval_s: args.checkpoint_interval,
         placement: args.placement,
         queues,
+        forecast: args.forecast.then(muster_sched::ForecastLimits::default),
         ..ReplayConfig::default()
     };
     let threads = args
@@ -462,6 +463,43 @@ fn table(report: &ReplayReport) -> String {
             }
             text.push('\n');
         }
+    }
+    let forecasts: Vec<_> = report
+        .results
+        .iter()
+        .filter_map(|result| result.forecast.as_ref().map(|f| (&result.policy, f)))
+        .collect();
+    if !forecasts.is_empty() {
+        text.push_str("\nstart forecasts made at submission, jobs that waited over 10 minutes:\n");
+        text.push_str(&format!(
+            "{:<12} {:>8} {:>10} {:>10} {:>9} {:>11} {:>8} {:>13} {:>14}\n",
+            "policy",
+            "jobs",
+            "within 2x",
+            "too early",
+            "too late",
+            "not before",
+            "unknown",
+            "median ratio",
+            "any wait: 2x"
+        ));
+        for (policy, forecast) in forecasts {
+            text.push_str(&format!(
+                "{:<12} {:>8} {:>9.1}% {:>9.1}% {:>8.1}% {:>10.1}% {:>7.1}% {:>13.2} {:>13.1}%\n",
+                policy,
+                forecast.waited_over_10_min,
+                100.0 * forecast.within_2x,
+                100.0 * forecast.too_early,
+                100.0 * forecast.too_late,
+                100.0 * forecast.not_before,
+                100.0 * forecast.unknown,
+                forecast.median_ratio,
+                100.0 * forecast.all_waiting_within_2x,
+            ));
+        }
+        text.push_str(
+            "(ratio: actual wait / forecast wait; too early: waited over twice the forecast)\n",
+        );
     }
     text
 }
