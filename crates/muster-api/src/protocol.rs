@@ -79,6 +79,33 @@ pub struct SubmitResponse {
     pub warnings: Vec<String>,
 }
 
+/// A pending job's forecast start: the scheduler's own plan (queue order,
+/// quotas, reservations, backfill) run ahead as running jobs end, on runtime
+/// estimates (the spec's `estimated_runtime`, else how long its queue's
+/// finished jobs typically ran, at most `max_runtime`). It does not know of
+/// jobs yet to be submitted, of preemptions, or of nodes joining or failing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct StartEstimate {
+    /// `at`: the plan starts it at `at_ms`; `not_before`: the plan ended
+    /// (it looks 64 steps or 30 days ahead, over the first 1,000 jobs in
+    /// line) before it started, so not before `at_ms`; `unknown`: it waits
+    /// on running jobs with no estimate, or no node could ever hold it.
+    pub kind: StartEstimateKind,
+    /// Milliseconds since the Unix epoch (absent for `unknown`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum StartEstimateKind {
+    At,
+    NotBefore,
+    Unknown,
+}
+
 /// Where a job sits in its array.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -176,6 +203,10 @@ pub struct JobView {
     pub pending_code: Option<String>,
     /// Its place in line among pending jobs (1 = next).
     pub queue_position: Option<u32>,
+    /// When it is expected to start (pending jobs only): the scheduler's
+    /// plan run ahead, refreshed every cycle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimated_start: Option<StartEstimate>,
     /// The array it is an element of.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub array: Option<ArrayView>,

@@ -160,6 +160,7 @@ impl ControlPlane {
                 control
                     .finished
                     .insert((job.finished.unwrap_or(Time(0)), id));
+                crate::state::learn_runtime(&mut control.runtimes, &job);
             }
             if matches!(
                 job.state,

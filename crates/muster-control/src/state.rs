@@ -489,6 +489,13 @@ pub struct ControlPlane {
     pub(crate) by_job: BTreeMap<JobId, Vec<AllocationId>>,
     /// Finished jobs by when they ended: the retirement order.
     pub(crate) finished: BTreeSet<(Time, JobId)>,
+    /// Run times of each queue's jobs that succeeded, failed or timed out
+    /// (fixed size per queue, fading; rebuilt at restart from the jobs
+    /// kept): estimates for jobs whose spec gives none.
+    pub(crate) runtimes: BTreeMap<QueueName, muster_sched::RuntimeHistory>,
+    /// The latest start forecast of each pending job ([`Self::set_forecasts`];
+    /// in memory only, replaced whole).
+    pub(crate) forecasts: BTreeMap<JobId, muster_sched::StartForecast>,
     /// The last cycle's reason for each pending job, as data: words are
     /// formatted only when it changes.
     pub(crate) last_reasons: BTreeMap<JobId, muster_sched::PendingReason>,
@@ -626,6 +633,38 @@ pub(crate) fn node_shape(spec: &muster_model::NodeSpec) -> NodeShape {
 
 /// Why `dependency` can never be met now that its job ended as `state`
 /// (`None`: it is met). For a submission naming a job that already ended.
+/// Which runtime estimate: the mean of similar finished jobs (backfill and
+/// reservations, where work must fit) or the typical one (start forecasts,
+/// where when jobs end matters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Estimate {
+    Mean,
+    Forecast,
+}
+
+/// Learns an ended job's last attempt's run time into its queue's history:
+/// jobs that succeeded, failed or ran out of time (a cancelled or
+/// idle-stopped job says how long someone let it run, not how long its work
+/// takes).
+pub(crate) fn learn_runtime(
+    runtimes: &mut BTreeMap<QueueName, muster_sched::RuntimeHistory>,
+    job: &Job,
+) {
+    if !matches!(
+        job.state,
+        JobState::Succeeded | JobState::Failed | JobState::TimedOut
+    ) {
+        return;
+    }
+    let (Some(started), Some(finished)) = (job.started, job.finished) else {
+        return;
+    };
+    runtimes
+        .entry(job.spec.queue.clone())
+        .or_default()
+        .add(finished.millis_since(started) / 1000);
+}
+
 pub fn never_met(dependency: &muster_model::Dependency, state: JobState) -> Option<String> {
     (!dependency.kind.met_by(state == JobState::Succeeded)).then(|| {
         format!(
@@ -709,6 +748,8 @@ impl ControlPlane {
             live_by_node: BTreeMap::new(),
             by_job: BTreeMap::new(),
             finished: BTreeSet::new(),
+            runtimes: BTreeMap::new(),
+            forecasts: BTreeMap::new(),
             last_reasons: BTreeMap::new(),
             usage: muster_sched::UsageLedger::new(USAGE_HALF_LIFE_MS, Time(0)),
             heartbeat_sequences: BTreeMap::new(),
@@ -2004,6 +2045,7 @@ impl ControlPlane {
             job.finished = Some(now);
             self.finished.insert((now, id));
             self.last_reasons.remove(&id);
+            learn_runtime(&mut self.runtimes, job);
             changed(outputs, Output::JobChanged(id));
             self.release_dependents(now, id, outputs);
             return;
@@ -2267,10 +2309,9 @@ impl ControlPlane {
                 expected_end: if stopping {
                     Some(now)
                 } else {
-                    job.spec
-                        .estimated_runtime
-                        .or(job.spec.max_runtime)
-                        .map(|d| job.started.unwrap_or(now).plus_millis(d.as_millis() as u64))
+                    let started = job.started.unwrap_or(now);
+                    self.estimated_remaining_ms(job, now.millis_since(started), Estimate::Mean)
+                        .map(|remaining| now.plus_millis(remaining))
                 },
                 preemptible: job.spec.preemptible && !stopping,
                 checkpoint_interval_ms: job.spec.checkpoint.interval.map(|d| d.as_millis() as u64),
@@ -2307,22 +2348,21 @@ impl ControlPlane {
                 _ => true,
             }
         };
-        pending.extend(self.jobs.values().filter(|job| held(job)).map(|job| {
-            PendingJob {
-                id: job.id,
-                queue: job.spec.queue.clone(),
-                priority: job.spec.priority_class.value,
-                submitted: job.submitted,
-                tasks: job.spec.nodes,
-                request: TaskRequest::of(&job.spec),
-                same_rack: job.spec.topology.map(|t| t.same_rack),
-                estimated_runtime_ms: job
-                    .spec
-                    .estimated_runtime
-                    .or(job.spec.max_runtime)
-                    .map(|d| d.as_millis() as u64),
-            }
-        }));
+        pending.extend(
+            self.jobs
+                .values()
+                .filter(|job| held(job))
+                .map(|job| PendingJob {
+                    id: job.id,
+                    queue: job.spec.queue.clone(),
+                    priority: job.spec.priority_class.value,
+                    submitted: job.submitted,
+                    tasks: job.spec.nodes,
+                    request: TaskRequest::of(&job.spec),
+                    same_rack: job.spec.topology.map(|t| t.same_rack),
+                    estimated_runtime_ms: self.estimated_remaining_ms(job, 0, Estimate::Mean),
+                }),
+        );
         let snapshot = Snapshot {
             now,
             nodes: self.node_inputs(),
@@ -2332,6 +2372,83 @@ impl ControlPlane {
             workload: None,
         };
         (snapshot, pending)
+    }
+
+    /// How much longer `job` is expected to run, having run `elapsed_ms` of
+    /// its current attempt: what its spec says (`estimated_runtime`), else
+    /// what its queue's finished jobs say (no more than its `max_runtime`),
+    /// else its `max_runtime`; `None` when none of them is known.
+    pub fn estimated_remaining_ms(
+        &self,
+        job: &Job,
+        elapsed_ms: u64,
+        estimate: Estimate,
+    ) -> Option<u64> {
+        let max = job.spec.max_runtime.map(|d| d.as_millis() as u64);
+        if let Some(given) = job.spec.estimated_runtime {
+            return Some((given.as_millis() as u64).saturating_sub(elapsed_ms));
+        }
+        let learned = self
+            .runtimes
+            .get(&job.spec.queue)
+            .and_then(|history| match estimate {
+                Estimate::Mean => history.expected_remaining_ms(elapsed_ms),
+                Estimate::Forecast => history.forecast_remaining_ms(elapsed_ms),
+            });
+        let left_by_max = max.map(|max| max.saturating_sub(elapsed_ms));
+        match (learned, left_by_max) {
+            (Some(learned), Some(left)) => Some(learned.min(left)),
+            (learned, left) => learned.or(left),
+        }
+    }
+
+    /// The scheduling input with start forecasts' estimates: running jobs
+    /// end, and pending ones run, as the typical job of their queue does
+    /// ([`muster_sched::runtime::FORECAST_QUANTILE`]), where the spec gives
+    /// no estimate.
+    pub fn forecast_input(
+        &self,
+        snapshot: Snapshot,
+        pending: Vec<PendingJob>,
+    ) -> (Snapshot, Vec<PendingJob>) {
+        let now = snapshot.now;
+        let mut ahead = snapshot;
+        for running in &mut ahead.running {
+            let Some(job) = self.jobs.get(&running.id) else {
+                continue;
+            };
+            if job.state == JobState::Stopping {
+                continue;
+            }
+            let elapsed = now.millis_since(job.started.unwrap_or(now));
+            running.expected_end = self
+                .estimated_remaining_ms(job, elapsed, Estimate::Forecast)
+                .map(|remaining| now.plus_millis(remaining));
+        }
+        let mut waiting = pending;
+        for pending in &mut waiting {
+            if let Some(job) = self.jobs.get(&pending.id) {
+                pending.estimated_runtime_ms =
+                    self.estimated_remaining_ms(job, 0, Estimate::Forecast);
+            }
+        }
+        (ahead, waiting)
+    }
+
+    /// Replaces the start forecasts (those of jobs no longer pending are
+    /// dropped).
+    pub fn set_forecasts(&mut self, forecasts: BTreeMap<JobId, muster_sched::StartForecast>) {
+        self.forecasts = forecasts;
+        let jobs = &self.jobs;
+        self.forecasts.retain(|id, _| {
+            jobs.get(id)
+                .is_some_and(|job| job.state == JobState::Pending)
+        });
+    }
+
+    /// A pending job's latest start forecast.
+    pub fn start_forecast(&self, id: JobId) -> Option<muster_sched::StartForecast> {
+        self.forecasts.get(&id).copied()
     }
 
     /// Free GPU thousandths per (node, GPU), CPU and memory per node, as the

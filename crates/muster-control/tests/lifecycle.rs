@@ -1705,3 +1705,104 @@ fn a_pool_may_require_versions_and_a_node_without_them_takes_no_work() {
     world.step(Input::SetPoolPolicy { pool, policy: None });
     assert_eq!(drift(&world, "b"), None);
 }
+
+/// Issue 14: a queue learns from its finished jobs how long they run; a job
+/// whose spec gives no estimate gets the mean of them for backfill and the
+/// typical one for its start forecast, never more than its `max_runtime`;
+/// a spec's estimate wins.
+#[test]
+fn a_queue_learns_its_run_times_and_forecasts_starts_from_them() {
+    use muster_sched::{ForecastLimits, StartForecast, forecast_starts};
+    let mut world = World::new(&["a"]);
+    for id in 1..=3 {
+        world.submit(id, 1, 1);
+    }
+    world.cycle();
+    let tasks = world.desired("a");
+    assert_eq!(tasks.len(), 3);
+    world.report("a", tasks.iter().map(running).collect());
+    // Jobs 1 and 2 run 100 s, job 3 runs 10,000 s.
+    world.advance(100_000);
+    world.report(
+        "a",
+        vec![
+            exited(&tasks[0], 0),
+            exited(&tasks[1], 0),
+            running(&tasks[2]),
+        ],
+    );
+    world.advance(9_900_000);
+    world.report("a", vec![exited(&tasks[2], 0)]);
+    assert_eq!(world.state(3), JobState::Succeeded);
+
+    // Job 6 (1 GPU) runs; job 4 (the whole node) waits for it; job 5 caps
+    // its run at 50 s; job 7 says it takes 20 s.
+    world.submit(6, 1, 1);
+    world.cycle();
+    let running_task = world.desired("a")[0].clone();
+    world.report("a", vec![running(&running_task)]);
+    world.submit(4, 1, 4);
+    let mut capped = JobSpec::simple("job", "default", GpuRequest::Whole(4), vec!["x".into()]);
+    capped.max_runtime = Some(std::time::Duration::from_secs(50));
+    let mut given = capped.clone();
+    given.max_runtime = None;
+    given.estimated_runtime = Some(std::time::Duration::from_secs(20));
+    for (id, spec) in [(5, capped), (7, given)] {
+        world.step(Input::Submit {
+            id: JobId(id),
+            spec,
+            user: "alice".into(),
+        });
+    }
+    let (snapshot, pending) = world.control.scheduling_input(world.now);
+    let estimate = |pending: &[muster_sched::PendingJob], id: u64| {
+        pending
+            .iter()
+            .find(|job| job.id == JobId(id))
+            .expect("pending")
+            .estimated_runtime_ms
+    };
+    // Backfill's: the mean (3,400 s), capped by max_runtime, or the spec's.
+    assert_eq!(estimate(&pending, 4), Some(3_400_000));
+    assert_eq!(estimate(&pending, 5), Some(50_000));
+    assert_eq!(estimate(&pending, 7), Some(20_000));
+    assert_eq!(
+        snapshot.running[0].expected_end,
+        Some(world.now.plus_millis(3_400_000))
+    );
+    // The forecast's: the typical run (100 s): job 6 should end in 100 s.
+    let (ahead, waiting) = world
+        .control
+        .forecast_input(snapshot.clone(), pending.clone());
+    assert_eq!(estimate(&waiting, 4), Some(100_000));
+    assert_eq!(
+        ahead.running[0].expected_end,
+        Some(world.now.plus_millis(100_000))
+    );
+    let policy = SchedulingPolicy::default();
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let outcome = schedule(&snapshot, &pending, &policy, &mut rng).expect("valid");
+    world.control.apply_outcome(world.now, &outcome);
+    let forecasts = forecast_starts(
+        &ahead,
+        &waiting,
+        &policy,
+        &outcome,
+        None,
+        &ForecastLimits::default(),
+        &mut rng,
+    )
+    .expect("valid");
+    world.control.set_forecasts(forecasts);
+    // Job 4 is first in line: it starts when job 6 ends.
+    assert_eq!(
+        world.control.start_forecast(JobId(4)),
+        Some(StartForecast::At(world.now.plus_millis(100_000)))
+    );
+    // Forecasts of jobs no longer pending go.
+    world.step(Input::Cancel { job: JobId(4) });
+    world
+        .control
+        .set_forecasts([(JobId(4), StartForecast::Unknown)].into_iter().collect());
+    assert_eq!(world.control.start_forecast(JobId(4)), None);
+}

@@ -680,6 +680,8 @@ pub(crate) struct FoundJob {
     allocations: BTreeMap<AllocationId, Allocation>,
     /// Why it waits, as a code (pending jobs of the hot state only).
     pending_code: Option<&'static str>,
+    /// Its start forecast (pending jobs of the hot state only).
+    forecast: Option<muster_sched::StartForecast>,
 }
 
 impl FoundJob {
@@ -688,6 +690,7 @@ impl FoundJob {
             &self.job,
             &|id| self.allocations.get(&id),
             self.pending_code,
+            self.forecast,
         )
     }
 
@@ -705,6 +708,7 @@ impl FoundJob {
             job,
             allocations,
             pending_code: None,
+            forecast: None,
         })
     }
 }
@@ -721,6 +725,7 @@ async fn find_job(shared: &Shared, id: JobId) -> Result<FoundJob, ApiError> {
                     .map(|a| (a.id, a.clone()))
                     .collect(),
                 pending_code: core.control().pending_code(id),
+                forecast: core.control().start_forecast(id),
             });
         }
     }
@@ -1163,6 +1168,7 @@ pub(crate) async fn list_jobs(
                     job,
                     &|id| control.allocation(id),
                     control.pending_code(job.id),
+                    control.start_forecast(job.id),
                 )
             })
             .collect()
@@ -1262,6 +1268,7 @@ async fn cancel_array(
                 job,
                 &|a| control.allocation(a),
                 control.pending_code(job.id),
+                control.start_forecast(job.id),
             )
         })
         .collect();

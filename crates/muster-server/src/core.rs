@@ -339,6 +339,8 @@ pub struct Shared {
     /// Bumped on every change of the control plane's state (the scheduling
     /// loop skips cycles while it stands still).
     pub state_version: std::sync::atomic::AtomicU64,
+    /// A start forecast is being computed (at most one at a time).
+    pub forecasting: std::sync::atomic::AtomicBool,
     pub admin_token: String,
     pub join_token: String,
     /// Reads `/metrics` only.
@@ -418,6 +420,7 @@ impl Shared {
             wake_scheduler: Notify::new(),
             changes: watch::channel(0).0,
             state_version: std::sync::atomic::AtomicU64::new(0),
+            forecasting: std::sync::atomic::AtomicBool::new(false),
             admin_token,
             join_token,
             metrics_token,
@@ -578,6 +581,17 @@ impl Shared {
     }
 
     /// Applies a scheduling cycle's outcome and queues what changed.
+    /// Replaces the pending jobs' start forecasts (in memory only).
+    pub fn apply_forecasts(
+        &self,
+        forecasts: std::collections::BTreeMap<muster_model::JobId, muster_sched::StartForecast>,
+    ) {
+        if self.read_only_reason().is_some() {
+            return;
+        }
+        self.lock().control.set_forecasts(forecasts);
+    }
+
     pub fn apply_outcome(&self, outcome: &muster_sched::Outcome) {
         let outputs = {
             let mut core = self.lock();

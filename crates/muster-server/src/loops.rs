@@ -70,15 +70,16 @@ pub async fn scheduling_loop(
         let cycle_policy = policy.clone();
         let joined = tokio::task::spawn_blocking(move || {
             let outcome = schedule(&snapshot, &pending, &cycle_policy, &mut rng);
-            (outcome, rng)
+            (outcome, rng, snapshot, pending)
         })
         .await;
         match joined {
-            Ok((outcome, returned)) => {
+            Ok((outcome, returned, snapshot, pending)) => {
                 rng = returned;
                 match outcome {
                     Ok(outcome) => {
                         shared.apply_outcome(&outcome);
+                        forecast(&shared, &policy, snapshot, pending, outcome.clone());
                         shared
                             .instruments
                             .cycle_seconds
@@ -97,6 +98,50 @@ pub async fn scheduling_loop(
         }
         next_cycle = cycle_started + cycle_started.elapsed() * 3 + MIN_CYCLE_GAP;
     }
+}
+
+/// Forecasts when each job the cycle left pending will start (the engine
+/// run ahead, [`muster_sched::forecast_starts`]) on a blocking thread of its
+/// own, so that the next cycle does not wait for it; skipped while the
+/// previous forecast still runs (on a large cluster forecasts then refresh
+/// as often as they can, not every cycle).
+fn forecast(
+    shared: &Arc<Shared>,
+    policy: &SchedulingPolicy,
+    snapshot: muster_sched::Snapshot,
+    pending: Vec<muster_sched::PendingJob>,
+    outcome: muster_sched::Outcome,
+) {
+    if outcome.pending.is_empty() || shared.forecasting.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    /// Clears the flag however the forecast ends (a panic included).
+    struct Done(Arc<Shared>);
+    impl Drop for Done {
+        fn drop(&mut self) {
+            self.0.forecasting.store(false, Ordering::SeqCst);
+        }
+    }
+    let done = Done(shared.clone());
+    let (ahead, waiting) = shared.read().control().forecast_input(snapshot, pending);
+    let policy = policy.clone();
+    tokio::task::spawn_blocking(move || {
+        // The plan's own generator: placement ties are broken by node order,
+        // so it matters only to the random placement policy.
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        match muster_sched::forecast_starts(
+            &ahead,
+            &waiting,
+            &policy,
+            &outcome,
+            None,
+            &muster_sched::ForecastLimits::default(),
+            &mut rng,
+        ) {
+            Ok(forecasts) => done.0.apply_forecasts(forecasts),
+            Err(error) => tracing::warn!(%error, "a start forecast failed"),
+        }
+    });
 }
 
 /// The longest a settled scheduler waits before a cycle with no change.

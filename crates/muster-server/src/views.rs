@@ -15,6 +15,7 @@ pub fn job_view<'a>(
     job: &Job,
     allocation: &dyn Fn(AllocationId) -> Option<&'a Allocation>,
     pending_code: Option<&str>,
+    forecast: Option<muster_sched::StartForecast>,
 ) -> JobView {
     let tasks = job
         .allocations
@@ -78,6 +79,9 @@ pub fn job_view<'a>(
             )
         },
         queue_position: job.queue_position,
+        estimated_start: forecast
+            .filter(|_| job.state == JobState::Pending)
+            .map(start_estimate),
         idle_for_s: None,
         warnings: Vec::new(),
         array: job.array.map(|array| muster_api::protocol::ArrayView {
@@ -97,6 +101,25 @@ pub fn job_view<'a>(
                 what: what.clone(),
             })
             .collect(),
+    }
+}
+
+fn start_estimate(forecast: muster_sched::StartForecast) -> muster_api::protocol::StartEstimate {
+    use muster_api::protocol::{StartEstimate, StartEstimateKind};
+    use muster_sched::StartForecast;
+    match forecast {
+        StartForecast::At(at) => StartEstimate {
+            kind: StartEstimateKind::At,
+            at_ms: Some(at.0),
+        },
+        StartForecast::NotBefore(at) => StartEstimate {
+            kind: StartEstimateKind::NotBefore,
+            at_ms: Some(at.0),
+        },
+        StartForecast::Unknown => StartEstimate {
+            kind: StartEstimateKind::Unknown,
+            at_ms: None,
+        },
     }
 }
 

@@ -5,7 +5,9 @@
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use muster_api::client::{Client, ClientError, JobFilter};
-use muster_api::protocol::{ErrorCode, JobView, NodeView, QueueUpdate};
+use muster_api::protocol::{
+    ErrorCode, JobView, NodeView, QueueUpdate, StartEstimate, StartEstimateKind,
+};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -49,7 +51,7 @@ pub use top::{TopArgs, top};
 #[derive(Debug, Clone, Args)]
 pub struct Connection {
     /// Server URL (default: $MUSTER_SERVER, the config file, or
-    /// http://127.0.0.1:7070).
+    /// https://127.0.0.1:7070).
     #[arg(long, global = true, value_name = "URL")]
     pub server: Option<String>,
     /// API token (default: $MUSTER_TOKEN, the config file, or the token
@@ -251,6 +253,67 @@ fn ago_text(span_ms: u64) -> String {
         60..=3599 => format!("{}m", seconds / 60),
         3600..=86_399 => format!("{}h", seconds / 3600),
         _ => format!("{}d", seconds / 86_400),
+    }
+}
+
+/// A span in its two largest units: `45s`, `12m 30s`, `3h 5m`, `2d 4h`.
+fn span_text(span_ms: u64) -> String {
+    let seconds = span_ms / 1000;
+    match seconds {
+        0..=59 => format!("{seconds}s"),
+        60..=3599 => format!("{}m {}s", seconds / 60, seconds % 60),
+        3600..=86_399 => format!("{}h {}m", seconds / 3600, seconds % 3600 / 60),
+        _ => format!("{}d {}h", seconds / 86_400, seconds % 86_400 / 3600),
+    }
+}
+
+/// A moment as `16:30 UTC` (today) or `2026-12-06 16:30 UTC`.
+fn clock_text(at_ms: u64, now_ms: u64) -> String {
+    let at = |ms: u64| time::OffsetDateTime::from_unix_timestamp((ms / 1000) as i64).ok();
+    match (at(at_ms), at(now_ms)) {
+        (Some(at), Some(now)) if at.date() == now.date() => {
+            format!("{:02}:{:02} UTC", at.hour(), at.minute())
+        }
+        (Some(at), _) => format!("{} {:02}:{:02} UTC", at.date(), at.hour(), at.minute()),
+        (None, _) => format!("{at_ms} ms after the epoch"),
+    }
+}
+
+/// A pending job's forecast start, in words: `in about 2h 10m (16:30
+/// UTC)`, `not before 3d 4h from now`, `unknown (...)`.
+fn start_words(estimate: &StartEstimate, now_ms: u64) -> String {
+    match (estimate.kind, estimate.at_ms) {
+        (StartEstimateKind::At, Some(at)) if at <= now_ms + 1000 => {
+            "at the next scheduling cycle".to_string()
+        }
+        (StartEstimateKind::At, Some(at)) => format!(
+            "in about {} ({})",
+            span_text(at - now_ms),
+            clock_text(at, now_ms)
+        ),
+        (StartEstimateKind::NotBefore, Some(at)) => format!(
+            "not before {} from now ({}; the plan looks no further)",
+            span_text(at.saturating_sub(now_ms)),
+            clock_text(at, now_ms)
+        ),
+        _ => "unknown: it waits on running jobs with no runtime estimate (give jobs \
+              `estimated_runtime` or `max_runtime`; estimates are also learned from each \
+              queue's finished jobs)"
+            .to_string(),
+    }
+}
+
+/// A pending job's forecast start for a table cell: `~2h`, `>3d`, `?`.
+fn start_cell(estimate: Option<&StartEstimate>, now_ms: u64) -> String {
+    match estimate.map(|e| (e.kind, e.at_ms)) {
+        Some((StartEstimateKind::At, Some(at))) => {
+            format!("~{}", ago_text(at.saturating_sub(now_ms)))
+        }
+        Some((StartEstimateKind::NotBefore, Some(at))) => {
+            format!(">{}", ago_text(at.saturating_sub(now_ms)))
+        }
+        Some(_) => "?".to_string(),
+        None => String::new(),
     }
 }
 
@@ -700,10 +763,30 @@ async fn report_pending(client: &Client, id: u64, json: bool) {
     // A job that starts at once says nothing.
     tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     let mut said: Option<String> = None;
+    let mut said_start: Option<StartEstimate> = None;
     loop {
         if let Ok(job) = client.job(id).await {
             if job.state != "pending" {
                 std::future::pending::<()>().await;
+            }
+            if let Some(estimate) = job.estimated_start
+                && start_changed(said_start.as_ref(), &estimate, now_ms())
+            {
+                if json {
+                    print_json_line(&serde_json::json!({
+                        "event": "estimated_start",
+                        "job": id,
+                        "estimated_start": estimate,
+                    }));
+                } else if estimate.kind == StartEstimateKind::Unknown {
+                    eprintln!("job {id} start time {}", start_words(&estimate, now_ms()));
+                } else {
+                    eprintln!(
+                        "job {id} expected to start {}",
+                        start_words(&estimate, now_ms())
+                    );
+                }
+                said_start = Some(estimate);
             }
             if let Some(reason) = job.pending_reason
                 && said.as_ref() != Some(&reason)
@@ -722,6 +805,24 @@ async fn report_pending(client: &Client, id: u64, json: bool) {
             }
         }
         tokio::time::sleep(EVERY).await;
+    }
+}
+
+/// Whether a new forecast is worth saying: the first, another kind, or a
+/// start moved by over a quarter of the wait (at least a minute).
+fn start_changed(said: Option<&StartEstimate>, new: &StartEstimate, now_ms: u64) -> bool {
+    let Some(said) = said else {
+        return true;
+    };
+    if said.kind != new.kind {
+        return true;
+    }
+    match (said.at_ms, new.at_ms) {
+        (Some(old), Some(at)) => {
+            let wait = at.saturating_sub(now_ms);
+            old.abs_diff(at) > (wait / 4).max(60_000)
+        }
+        _ => false,
     }
 }
 
@@ -1190,6 +1291,11 @@ pub struct PsArgs {
     /// is read from the server a page at a time).
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
+    /// More columns: priority class, place in line, and when a pending job
+    /// is expected to start (`~2h`; `>3d`: not within the scheduler's plan;
+    /// `?`: unknown; `muster describe` says more).
+    #[arg(long, short = 'w')]
+    pub wide: bool,
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -1257,6 +1363,7 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
         }
     }
     let mut rows = Vec::new();
+    let now = now_ms();
     for job in &jobs {
         let grouped = job
             .array
@@ -1302,7 +1409,7 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
                 None => nodes,
             }
         };
-        rows.push(vec![
+        let mut row = vec![
             label,
             job.name.clone(),
             job.user.clone(),
@@ -1311,23 +1418,23 @@ pub fn ps(args: PsArgs) -> Result<u8, Failure> {
             job.nodes.to_string(),
             gpus_text(job.gpus_per_node),
             ago(job.submitted_ms),
-            place,
-        ]);
+        ];
+        if args.wide {
+            row.push(job.priority_class.clone());
+            row.push(job.queue_position.map_or(String::new(), |p| p.to_string()));
+            row.push(start_cell(job.estimated_start.as_ref(), now));
+        }
+        row.push(place);
+        rows.push(row);
     }
-    table(
-        &[
-            "ID",
-            "NAME",
-            "USER",
-            "QUEUE",
-            "STATE",
-            "NODES",
-            "GPUS",
-            "AGE",
-            "WHERE / WHY",
-        ],
-        rows,
-    );
+    let mut header = vec![
+        "ID", "NAME", "USER", "QUEUE", "STATE", "NODES", "GPUS", "AGE",
+    ];
+    if args.wide {
+        header.extend(["PRIORITY", "IN LINE", "STARTS"]);
+    }
+    header.push("WHERE / WHY");
+    table(&header, rows);
     Ok(0)
 }
 
@@ -1427,6 +1534,13 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
     }
     if let Some(position) = job.queue_position {
         outln!("  in line:   {position} (1 = next)");
+    }
+    if let Some(estimate) = &job.estimated_start {
+        outln!(
+            "  starts:    {}; the scheduler's plan as running jobs end, not counting jobs \
+             submitted later",
+            start_words(estimate, now_ms())
+        );
     }
     if !job.tasks.is_empty() {
         outln!("  placement:");

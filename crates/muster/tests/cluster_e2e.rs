@@ -2281,3 +2281,74 @@ fn a_clusters_history_is_exported_and_replayed() {
     assert_eq!(results["cluster"]["gpus"], 4, "{}", results["cluster"]);
     assert_eq!(results["results"][0]["completed"], 3);
 }
+
+/// Issue 14: a pending job says when it should start: the scheduler's plan
+/// run ahead (here: the job holding the only GPU says it takes 2 hours), in
+/// the API, `describe`, `ps --wide` and `muster run` while it waits.
+#[test]
+fn a_pending_job_says_when_it_should_start() {
+    let env = Env::new();
+    let listen = env.url.trim_start_matches("http://").to_string();
+    let data = env.path("up-data");
+    let _up = env.start(
+        "up",
+        &[
+            "up",
+            "--listen",
+            &listen,
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--simulate-gpus",
+            "1xH100-80GB",
+        ],
+    );
+    let spec = env.path("long.yaml");
+    std::fs::write(
+        &spec,
+        "name: long\ngpus: 1\nestimated_runtime: 2h\ncommand: [sleep, '1000']\n",
+    )
+    .unwrap();
+    let holder = stdout(&env.muster(&["submit", spec.to_str().unwrap()]))
+        .trim()
+        .to_string();
+    let holder_view = || json(&env.muster(&["describe", &holder, "--json"]));
+    common::wait_until("the long job to run", Duration::from_secs(30), || {
+        holder_view()["state"] == "running"
+    });
+    let started_ms = holder_view()["started_ms"].as_u64().expect("started");
+    let output = env.muster(&["run", "--detach", "--gpus", "1", "--", "true"]);
+    let waiting = stdout(&output).trim().to_string();
+    let view = || json(&env.muster(&["describe", &waiting, "--json"]));
+    common::wait_until("a start forecast", Duration::from_secs(30), || {
+        view()["estimated_start"]["kind"] == "at"
+    });
+    let at = view()["estimated_start"]["at_ms"].as_u64().expect("a time");
+    let expected = started_ms + 2 * 3_600_000;
+    assert!(
+        at.abs_diff(expected) < 60_000,
+        "forecast {at}, the long job's estimated end {expected}"
+    );
+    let text = stdout(&env.muster(&["describe", &waiting]));
+    assert!(text.contains("starts:    in about 1h 5"), "{text}");
+    let table = stdout(&env.muster(&["ps", "--wide"]));
+    assert!(table.contains("STARTS") && table.contains("~1h"), "{table}");
+    assert!(!stdout(&env.muster(&["ps"])).contains("STARTS"));
+    // `muster run` says it while it waits (first in line once the other
+    // waiting job is cancelled).
+    assert!(env.muster(&["cancel", &waiting]).status.success());
+    let mut run = env.spawn("waiter", &["run", "--gpus", "1", "--", "true"]);
+    common::wait_until("run to say when", Duration::from_secs(30), || {
+        std::fs::read_to_string(env.path("waiter.log"))
+            .unwrap_or_default()
+            .contains("expected to start in about 1h 5")
+    });
+    // Once the long job is cancelled the waiting one runs and `run` ends;
+    // a job that is not pending has no forecast.
+    assert!(env.muster(&["cancel", &holder]).status.success());
+    common::wait_until(
+        "run to end",
+        Duration::from_secs(30),
+        || matches!(run.child.try_wait(), Ok(Some(status)) if status.success()),
+    );
+    assert!(view().get("estimated_start").is_none(), "{}", view());
+}
