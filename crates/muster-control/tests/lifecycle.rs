@@ -1799,6 +1799,15 @@ fn a_queue_learns_its_run_times_and_forecasts_starts_from_them() {
         world.control.start_forecast(JobId(4)),
         Some(StartForecast::At(world.now.plus_millis(100_000)))
     );
+    // A restarted control plane learns the same from the jobs it keeps.
+    let restored = muster_control::ControlPlane::restore(
+        ControlConfig::default(),
+        world.control.records(),
+        world.now,
+    )
+    .expect("restores");
+    let (_, again) = restored.scheduling_input(world.now);
+    assert_eq!(estimate(&again, 4), Some(3_400_000));
     // Forecasts of jobs no longer pending go.
     world.step(Input::Cancel { job: JobId(4) });
     world
