@@ -309,12 +309,31 @@ impl TypicalWorkload {
         cpu: u64,
         memory: u64,
     ) -> f64 {
+        self.fragmentation_fitting(profile, node, cpu, memory, self.cpu_fitting(cpu))
+    }
+
+    /// How many typical shapes ask at most `cpu` (what
+    /// [`TypicalWorkload::fragmentation_fitting`] takes, so that scoring
+    /// several GPUs of one node for one task searches once).
+    pub fn cpu_fitting(&self, cpu: u64) -> usize {
+        self.sorted_cpu.partition_point(|&c| c <= cpu)
+    }
+
+    /// [`TypicalWorkload::fragmentation_with`], `fitting` being
+    /// [`TypicalWorkload::cpu_fitting`] of `cpu`.
+    pub fn fragmentation_fitting(
+        &self,
+        profile: &GpuProfile,
+        node: &NodeStatic,
+        cpu: u64,
+        memory: u64,
+        fitting: usize,
+    ) -> f64 {
         if profile.idle == 0 {
             return 0.0;
         }
         let idle = profile.idle;
         if self.memory_free && profile.model == node.model {
-            let fitting = self.sorted_cpu.partition_point(|&c| c <= cpu);
             return idle as f64 * self.total_weight - profile.saved[fitting];
         }
         let columns = &self.columns;
@@ -693,6 +712,7 @@ impl Scorer {
         match shape.gpus {
             GpuRequest::Shared(share) => {
                 let need = share.0 as u16;
+                let fitting = self.workload.cpu_fitting(cpu_after);
                 let mut best: Option<(u32, usize)> = None;
                 for (index, &slot) in free.gpu.iter().enumerate() {
                     // GPUs with equal free capacity score the same:
@@ -702,9 +722,13 @@ impl Scorer {
                     }
                     let profile =
                         cache.get_or_compute(&self.workload, &free.gpu, info, need, 1 << index);
-                    let frag =
-                        self.workload
-                            .fragmentation_with(profile, info, cpu_after, memory_after);
+                    let frag = self.workload.fragmentation_fitting(
+                        profile,
+                        info,
+                        cpu_after,
+                        memory_after,
+                        fitting,
+                    );
                     // Integer levels, as for nodes: ties go to the
                     // lowest-numbered GPU.
                     let level = sigmoid_level(before - frag);
