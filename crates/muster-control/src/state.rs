@@ -399,6 +399,11 @@ pub struct ControlConfig {
     pub retention_ms: u64,
     /// What a node whose software stack differs from its pool's gets.
     pub stack_policy: StackPolicy,
+    /// Least-attained-service levels within a priority class: the
+    /// engine's priority of a job is
+    /// [`muster_sched::ServiceLevels::priority`] of its class and the GPU
+    /// time its attempts have had.
+    pub service_levels: muster_sched::ServiceLevels,
 }
 
 /// What happens to a node whose software stack (driver, CUDA, VBIOS,
@@ -457,6 +462,7 @@ impl Default for ControlConfig {
             master_port_base: 29_500,
             retention_ms: DEFAULT_RETENTION_MS,
             stack_policy: StackPolicy::Report,
+            service_levels: muster_sched::ServiceLevels::default(),
         }
     }
 }
@@ -496,6 +502,9 @@ pub struct ControlPlane {
     /// The latest start forecast of each pending job ([`Self::set_forecasts`];
     /// in memory only, replaced whole).
     pub(crate) forecasts: BTreeMap<JobId, muster_sched::StartForecast>,
+    /// GPU-seconds of the ended attempts of jobs not yet ended (in memory
+    /// only: a restarted server counts from the attempt running then).
+    pub(crate) attained: BTreeMap<JobId, f64>,
     /// The last cycle's reason for each pending job, as data: words are
     /// formatted only when it changes.
     pub(crate) last_reasons: BTreeMap<JobId, muster_sched::PendingReason>,
@@ -750,6 +759,7 @@ impl ControlPlane {
             finished: BTreeSet::new(),
             runtimes: BTreeMap::new(),
             forecasts: BTreeMap::new(),
+            attained: BTreeMap::new(),
             last_reasons: BTreeMap::new(),
             usage: muster_sched::UsageLedger::new(USAGE_HALF_LIFE_MS, Time(0)),
             heartbeat_sequences: BTreeMap::new(),
@@ -1368,6 +1378,7 @@ impl ControlPlane {
         let after: Vec<JobId> = job.spec.after.iter().map(|d| d.job).collect();
         self.finished.insert((now, id));
         self.last_reasons.remove(&id);
+        self.attained.remove(&id);
         for dependency in after {
             self.waiting.remove(&(dependency, id));
         }
@@ -1880,6 +1891,7 @@ impl ControlPlane {
             }
             self.last_reasons.remove(&id);
             self.memory_limited.remove(&id);
+            self.attained.remove(&id);
             outputs.push(Output::JobRetired(id));
         }
     }
@@ -2029,6 +2041,13 @@ impl ControlPlane {
                 (JobState::Succeeded, "succeeded".to_string())
             }
         };
+        // The attempt's GPU time counts towards the job's service level.
+        if let Some(started) = job.started {
+            let gpu =
+                f64::from(job.spec.gpus_per_node.total().0) / 1000.0 * f64::from(job.spec.nodes);
+            *self.attained.entry(id).or_default() +=
+                gpu * now.millis_since(started) as f64 / 1000.0;
+        }
         job.state = state;
         job.stop_cause = None;
         job.history.push((now, note));
@@ -2045,6 +2064,7 @@ impl ControlPlane {
             job.finished = Some(now);
             self.finished.insert((now, id));
             self.last_reasons.remove(&id);
+            self.attained.remove(&id);
             learn_runtime(&mut self.runtimes, job);
             changed(outputs, Output::JobChanged(id));
             self.release_dependents(now, id, outputs);
@@ -2303,7 +2323,7 @@ impl ControlPlane {
             running.push(RunningJob {
                 id: job.id,
                 queue: job.spec.queue.clone(),
-                priority: job.spec.priority_class.value,
+                priority: self.engine_priority(job, now),
                 started: job.started.unwrap_or(job.submitted),
                 tasks,
                 expected_end: if stopping {
@@ -2355,7 +2375,7 @@ impl ControlPlane {
                 .map(|job| PendingJob {
                     id: job.id,
                     queue: job.spec.queue.clone(),
-                    priority: job.spec.priority_class.value,
+                    priority: self.engine_priority(job, now),
                     submitted: job.submitted,
                     tasks: job.spec.nodes,
                     request: TaskRequest::of(&job.spec),
@@ -2372,6 +2392,31 @@ impl ControlPlane {
             workload: None,
         };
         (snapshot, pending)
+    }
+
+    /// GPU-seconds `job` has had: its ended attempts' and, while it runs,
+    /// the current one's.
+    pub fn attained_gpu_s(&self, job: &Job, now: Time) -> f64 {
+        let ended = self.attained.get(&job.id).copied().unwrap_or(0.0);
+        let running = match (job.state, job.started) {
+            (JobState::Running | JobState::Stopping, Some(started)) => {
+                f64::from(job.spec.gpus_per_node.total().0) / 1000.0
+                    * f64::from(job.spec.nodes)
+                    * now.millis_since(started) as f64
+                    / 1000.0
+            }
+            _ => 0.0,
+        };
+        ended + running
+    }
+
+    /// The engine's priority of `job`: its class, less a level for each
+    /// threshold of GPU time it has passed
+    /// ([`ControlConfig::service_levels`]).
+    pub fn engine_priority(&self, job: &Job, now: Time) -> i32 {
+        self.config
+            .service_levels
+            .priority(job.spec.priority_class.value, self.attained_gpu_s(job, now))
     }
 
     /// How much longer `job` is expected to run, having run `elapsed_ms` of

@@ -1815,3 +1815,92 @@ fn a_queue_learns_its_run_times_and_forecasts_starts_from_them() {
         .set_forecasts([(JobId(4), StartForecast::Unknown)].into_iter().collect());
     assert_eq!(world.control.start_forecast(JobId(4)), None);
 }
+
+/// Issue 14: least attained service within a class. A job that has had
+/// more GPU time than a threshold (default 1 GPU-hour) falls a level below
+/// fresh jobs of its class, and keeps what it had through a re-queue; a
+/// higher class still goes first.
+#[test]
+fn a_job_that_had_more_gpu_time_falls_below_fresh_jobs_of_its_class() {
+    let mut world = World::new(&["a", "b"]);
+    world.submit(1, 1, 4);
+    world.cycle();
+    let node = if world.desired("a").is_empty() {
+        "b"
+    } else {
+        "a"
+    };
+    let other = if node == "a" { "b" } else { "a" };
+    let task = world.desired(node)[0].clone();
+    world.report(node, vec![running(&task)]);
+    let priority = |world: &World, id: u64| {
+        let (snapshot, pending) = world.control.scheduling_input(world.now);
+        snapshot
+            .running
+            .iter()
+            .find(|job| job.id == JobId(id))
+            .map(|job| job.priority)
+            .or_else(|| {
+                pending
+                    .iter()
+                    .find(|job| job.id == JobId(id))
+                    .map(|job| job.priority)
+            })
+            .expect("scheduled")
+    };
+    // Fresh: class normal (100) x 10.
+    assert_eq!(priority(&world, 1), 1_000);
+    // 4 GPUs for 15 minutes: 1 GPU-hour, the first threshold.
+    world.advance(15 * 60_000);
+    world.report(node, vec![running(&task)]);
+    world.report(other, vec![]);
+    assert_eq!(priority(&world, 1), 900);
+    // Its node is lost: re-queued, it keeps the GPU time it had.
+    world.advance(11_000);
+    world.report(other, vec![]);
+    world.step(Input::Tick);
+    assert_eq!(world.state(1), JobState::Pending);
+    assert_eq!(priority(&world, 1), 900);
+    // A fresh job of its class goes first; a "low" one does not.
+    world.submit(2, 1, 4);
+    assert_eq!(priority(&world, 2), 1_000);
+    let mut low = JobSpec::simple("job", "default", GpuRequest::Whole(4), vec!["x".into()]);
+    low.priority_class = muster_model::PriorityClass::new("low", 0);
+    world.step(Input::Submit {
+        id: JobId(3),
+        spec: low,
+        user: "alice".into(),
+    });
+    assert_eq!(priority(&world, 3), 0);
+    let outcome = world.outcome();
+    assert_eq!(outcome.order, [JobId(2), JobId(1), JobId(3)]);
+    // The GPU time of ended attempts is kept in memory only: a restarted
+    // control plane counts from the attempt running then.
+    let restored =
+        ControlPlane::restore(ControlConfig::default(), world.control.records(), world.now)
+            .expect("restores");
+    let (_, pending) = restored.scheduling_input(world.now);
+    let job1 = pending
+        .iter()
+        .find(|job| job.id == JobId(1))
+        .expect("pending");
+    assert_eq!(job1.priority, 1_000);
+    // Turned off, a job keeps its class's priority however long it runs.
+    let mut flat = World::new(&[]);
+    flat.control = ControlPlane::new(ControlConfig {
+        service_levels: muster_sched::ServiceLevels::none(),
+        ..ControlConfig::default()
+    });
+    flat.step(Input::Register {
+        spec: MakeNode::new("a").gpus(4, "H100-80GB").build().spec,
+        address: "10.0.0.1".into(),
+        software: Software::default(),
+    });
+    flat.submit(1, 1, 4);
+    flat.cycle();
+    let task = flat.desired("a")[0].clone();
+    flat.report("a", vec![running(&task)]);
+    flat.advance(3_600_000);
+    flat.report("a", vec![running(&task)]);
+    assert_eq!(priority(&flat, 1), 1_000);
+}

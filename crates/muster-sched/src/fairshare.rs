@@ -47,6 +47,64 @@ impl UsageLedger {
     }
 }
 
+/// Least attained service within a priority class (as Tiresias): a job
+/// falls a level each time the GPU time it has had (all attempts) passes a
+/// threshold, so short jobs go before long ones without anyone knowing how
+/// long a job will run. The server and the replay's `default` policy both
+/// build the engine's priority with [`ServiceLevels::priority`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceLevels {
+    /// GPU-seconds at which a job falls to the next level, ascending.
+    pub thresholds_gpu_s: Vec<u64>,
+}
+
+impl Default for ServiceLevels {
+    /// 1, 10 and 100 GPU-hours (Tiresias's discretised levels).
+    fn default() -> Self {
+        ServiceLevels {
+            thresholds_gpu_s: vec![3_600, 36_000, 360_000],
+        }
+    }
+}
+
+impl ServiceLevels {
+    /// Engine units per class unit: a class's value counts ten times, so
+    /// that the levels within a class (at most [`Self::MAX_LEVELS`] x
+    /// [`Self::LEVEL_STEP`]) never reach the next built-in class (100
+    /// apart).
+    pub const CLASS_SCALE: i32 = 10;
+    /// Engine units a level costs: with the default aging (one unit a
+    /// minute waited) a job waiting 100 minutes climbs back one level.
+    pub const LEVEL_STEP: i32 = 100;
+    /// Levels that count (thresholds past the ninth are ignored).
+    pub const MAX_LEVELS: usize = 9;
+
+    /// No levels: every job of a class is equal (priority = class x
+    /// [`Self::CLASS_SCALE`]).
+    pub fn none() -> Self {
+        ServiceLevels {
+            thresholds_gpu_s: Vec::new(),
+        }
+    }
+
+    /// How many thresholds `attained_gpu_s` has passed.
+    pub fn level(&self, attained_gpu_s: f64) -> u32 {
+        self.thresholds_gpu_s
+            .iter()
+            .take(Self::MAX_LEVELS)
+            .filter(|&&threshold| attained_gpu_s >= threshold as f64)
+            .count() as u32
+    }
+
+    /// The engine's priority for a job of class value `class` that has had
+    /// `attained_gpu_s` GPU-seconds.
+    pub fn priority(&self, class: i32, attained_gpu_s: f64) -> i32 {
+        class
+            .saturating_mul(Self::CLASS_SCALE)
+            .saturating_sub(Self::LEVEL_STEP * self.level(attained_gpu_s) as i32)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -67,5 +125,22 @@ mod tests {
         let allocated = BTreeMap::from([(queue.clone(), 2000)]);
         ledger.advance(Time(10_000), &allocated);
         assert!((ledger.usage(&queue) - 20.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn jobs_fall_a_level_per_threshold_and_never_below_the_next_class() {
+        let levels = ServiceLevels::default();
+        assert_eq!(levels.level(0.0), 0);
+        assert_eq!(levels.level(3_599.0), 0);
+        assert_eq!(levels.level(3_600.0), 1);
+        assert_eq!(levels.level(1e9), 3);
+        assert_eq!(levels.priority(100, 0.0), 1_000);
+        assert_eq!(levels.priority(100, 40_000.0), 800);
+        // The longest-served "high" job still goes before a fresh "normal" one.
+        assert!(levels.priority(200, 1e9) > levels.priority(100, 0.0));
+        assert_eq!(ServiceLevels::none().priority(100, 1e9), 1_000);
+        // Odd classes do not overflow.
+        assert_eq!(levels.priority(i32::MIN, 1e9), i32::MIN);
+        assert_eq!(levels.priority(i32::MAX, 0.0), i32::MAX);
     }
 }

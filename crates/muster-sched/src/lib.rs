@@ -22,7 +22,7 @@ pub mod forecast;
 pub mod runtime;
 pub mod schedule;
 
-pub use fairshare::UsageLedger;
+pub use fairshare::{ServiceLevels, UsageLedger};
 pub use forecast::{ForecastLimits, StartForecast, forecast_starts};
 pub use runtime::RuntimeHistory;
 pub use schedule::{

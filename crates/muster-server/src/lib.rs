@@ -91,6 +91,8 @@ pub struct ServerConfig {
     pub idle_after_ms: u64,
     /// What a node whose software stack differs from its pool's gets.
     pub stack_policy: muster_control::StackPolicy,
+    /// Least-attained-service levels within a priority class.
+    pub service_levels: muster_sched::ServiceLevels,
     /// How long GPU accounting minutes (per task and minute, behind `muster
     /// cost`, budgets and per-job usage) are kept.
     pub usage_retention_ms: u64,
@@ -138,6 +140,7 @@ impl ServerConfig {
             store_max_mib: None,
             idle_after_ms: DEFAULT_IDLE_AFTER_MS,
             stack_policy: muster_control::StackPolicy::Report,
+            service_levels: muster_sched::ServiceLevels::default(),
             usage_retention_ms: accounting::DEFAULT_USAGE_RETENTION_MS,
             prices_file: None,
             audit_retention_ms: 400 * 86_400_000,
@@ -266,6 +269,7 @@ impl Server {
             lease_ms: config.lease_ms,
             retention_ms: config.retention_ms,
             stack_policy: config.stack_policy,
+            service_levels: config.service_levels.clone(),
             ..ControlConfig::default()
         };
         let core = Core::restore(control_config, loaded, now())

@@ -123,7 +123,14 @@ pub struct ReplayConfig {
     /// report how close the forecasts came ([`ForecastAccuracy`]). `None`:
     /// no forecasts (they cost a plan per arrival).
     pub forecast: Option<muster_sched::ForecastLimits>,
+    /// The `default` policy's least-attained-service levels within a
+    /// priority class (every replayed job is of class `normal`), as the
+    /// server's (`ControlConfig::service_levels`).
+    pub service_levels: muster_sched::ServiceLevels,
 }
+
+/// The value of the `normal` priority class, every replayed job's.
+const NORMAL_CLASS: i32 = 100;
 
 impl Default for ReplayConfig {
     fn default() -> Self {
@@ -135,6 +142,7 @@ impl Default for ReplayConfig {
             timeline_points: 500,
             queues: None,
             forecast: None,
+            service_levels: muster_sched::ServiceLevels::default(),
         }
     }
 }
@@ -500,6 +508,9 @@ pub fn replay(
             };
             running_job.priority = match policy {
                 ReplayPolicy::Las => las_priority(states[index].attained_gpu_s),
+                ReplayPolicy::Default => config
+                    .service_levels
+                    .priority(NORMAL_CLASS, states[index].attained_gpu_s),
                 _ => 100,
             };
             running_job.expected_end = estimate.map(|e| Time::from_secs(run.started_s + e));
@@ -509,6 +520,9 @@ pub fn replay(
             let job = &jobs[index];
             pending_job.priority = match policy {
                 ReplayPolicy::Las => las_priority(states[index].attained_gpu_s),
+                ReplayPolicy::Default => config
+                    .service_levels
+                    .priority(NORMAL_CLASS, states[index].attained_gpu_s),
                 ReplayPolicy::SjfOracle => -(job.duration_s.min(i32::MAX as u64) as i32),
                 _ => 100,
             };

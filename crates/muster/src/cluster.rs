@@ -53,6 +53,13 @@ pub struct ServerArgs {
     /// pools of 3 nodes or more).
     #[arg(long, value_name = "POLICY", default_value = "report", value_parser = parse_stack_policy)]
     pub stack_policy: muster_control::StackPolicy,
+    /// GPU-hours (all attempts) at which a job falls a level below the
+    /// fresh jobs of its priority class, ascending and comma-separated, or
+    /// `none`: short jobs go first without anyone saying how long a job
+    /// runs (least attained service, as Tiresias). A level is worth 100
+    /// minutes of waiting; classes always come first.
+    #[arg(long, value_name = "LIST", default_value = "1,10,100", value_parser = parse_service_levels)]
+    pub service_levels: muster_sched::ServiceLevels,
     /// How long GPU accounting (per task and minute: `muster cost`, budgets,
     /// per-job usage) is kept.
     #[arg(long, value_name = "DURATION", default_value = "35d", value_parser = parse_duration_ms)]
@@ -76,6 +83,35 @@ pub struct RateLimitArg(pub Option<muster_server::RateLimit>);
 
 fn parse_rate_limit(text: &str) -> Result<RateLimitArg, String> {
     muster_server::RateLimit::parse(text).map(RateLimitArg)
+}
+
+fn parse_service_levels(text: &str) -> Result<muster_sched::ServiceLevels, String> {
+    if text.trim() == "none" {
+        return Ok(muster_sched::ServiceLevels::none());
+    }
+    let mut thresholds_gpu_s = Vec::new();
+    for part in text.split(',') {
+        let hours: f64 = part.trim().parse().map_err(|_| {
+            format!("{part:?} is not a number of GPU-hours; give e.g. 1,10,100 or none")
+        })?;
+        if !(hours > 0.0 && hours.is_finite()) {
+            return Err(format!("{part:?}: GPU-hours must be above 0"));
+        }
+        let seconds = (hours * 3600.0).round() as u64;
+        if thresholds_gpu_s.last().is_some_and(|&last| last >= seconds) {
+            return Err(format!(
+                "{text:?}: levels must be given in ascending order, e.g. 1,10,100"
+            ));
+        }
+        thresholds_gpu_s.push(seconds);
+    }
+    if thresholds_gpu_s.len() > muster_sched::ServiceLevels::MAX_LEVELS {
+        return Err(format!(
+            "at most {} levels",
+            muster_sched::ServiceLevels::MAX_LEVELS
+        ));
+    }
+    Ok(muster_sched::ServiceLevels { thresholds_gpu_s })
 }
 
 fn parse_stack_policy(text: &str) -> Result<muster_control::StackPolicy, String> {
@@ -438,6 +474,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
             audit_retention_ms: args.audit_retention,
             rate_limit: args.rate_limit.0,
             tls: args.tls.mode(args.listen),
+            service_levels: args.service_levels.clone(),
             ..server_config(
                 args.listen,
                 data_dir.clone(),
@@ -728,6 +765,24 @@ fn write_client_config(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn service_levels_read_in_gpu_hours_ascending_or_none() {
+        let levels = super::parse_service_levels("1,10,100").unwrap();
+        assert_eq!(levels, muster_sched::ServiceLevels::default());
+        assert_eq!(
+            super::parse_service_levels("none").unwrap(),
+            muster_sched::ServiceLevels::none()
+        );
+        assert_eq!(
+            super::parse_service_levels("0.5").unwrap().thresholds_gpu_s,
+            [1_800]
+        );
+        for bad in ["10,1", "x", "0", "-1", "1,,2", "1,2,3,4,5,6,7,8,9,10"] {
+            let error = super::parse_service_levels(bad).expect_err(bad);
+            assert!(!error.is_empty());
+        }
+    }
+
     #[test]
     fn sizes_read_with_binary_units() {
         assert_eq!(super::parse_size("1GiB"), Ok(1 << 30));
