@@ -208,6 +208,77 @@ fn main() {
         // One case asked for (e.g. to profile it): nothing else.
         return;
     }
+
+    // Start forecasts after a cycle of the default policy (what the server
+    // runs after every cycle, on a thread of its own): the largest cluster,
+    // jobs with estimates of 10 minutes to 10 hours, so the plan runs its
+    // full 64 steps over the first 1,000 jobs in line.
+    let nodes = *sizes.iter().max().unwrap_or(&1_000);
+    let mut rng = ChaCha8Rng::seed_from_u64(42);
+    let snapshot = Snapshot {
+        nodes: cluster(nodes, &mut rng),
+        ..Snapshot::default()
+    };
+    let mut jobs = pending(tasks, &shapes, &mut rng);
+    for job in &mut jobs {
+        job.estimated_runtime_ms = Some(rng.random_range(600..36_000) * 1000);
+    }
+    let policy = SchedulingPolicy {
+        preemption: false,
+        ..SchedulingPolicy::default()
+    };
+    let outcome = schedule(&snapshot, &jobs, &policy, &mut ChaCha8Rng::seed_from_u64(0))
+        .expect("generated cluster is valid");
+    // The cluster as the cycle left it: its starts run until their estimates.
+    let mut after = snapshot.clone();
+    let by_id: std::collections::BTreeMap<_, _> = jobs.iter().map(|j| (j.id, j)).collect();
+    for start in &outcome.started {
+        let job = by_id[&start.job];
+        after.running.push(muster_sched::RunningJob {
+            id: job.id,
+            queue: job.queue.clone(),
+            priority: job.priority,
+            started: Time(0),
+            tasks: start.tasks.clone(),
+            expected_end: job.estimated_runtime_ms.map(Time),
+            preemptible: false,
+            checkpoint_interval_ms: None,
+        });
+    }
+    let waiting: Vec<PendingJob> = jobs
+        .iter()
+        .filter(|job| outcome.pending.contains_key(&job.id))
+        .cloned()
+        .collect();
+    let next =
+        schedule(&after, &waiting, &policy, &mut ChaCha8Rng::seed_from_u64(0)).expect("valid");
+    let mut times = Vec::new();
+    let mut forecast = 0;
+    for run in 0..runs {
+        let started = Instant::now();
+        let made = muster_sched::forecast_starts(
+            &after,
+            &waiting,
+            &policy,
+            &next,
+            None,
+            &muster_sched::ForecastLimits::default(),
+            &mut ChaCha8Rng::seed_from_u64(run as u64),
+        )
+        .expect("valid");
+        times.push(started.elapsed().as_secs_f64());
+        forecast = made
+            .values()
+            .filter(|f| matches!(f, muster_sched::StartForecast::At(_)))
+            .count();
+    }
+    println!();
+    println!(
+        "start forecast after a cycle: {nodes} nodes, {} running, {} pending: {forecast} jobs given a start in {:.3} s (median of {runs})",
+        after.running.len(),
+        waiting.len(),
+        median(times)
+    );
     // Indexed against straightforward: same decisions, and how much faster.
     let nodes = if quick { 200 } else { 1_000 };
     let count = if quick { 2_000 } else { 10_000 };
