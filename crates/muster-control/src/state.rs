@@ -2323,7 +2323,11 @@ impl ControlPlane {
             running.push(RunningJob {
                 id: job.id,
                 queue: job.spec.queue.clone(),
-                priority: self.engine_priority(job, now),
+                priority: self.config.service_levels.running_priority(
+                    job.spec.priority_class.value,
+                    self.attained_gpu_s(job, now),
+                    job.spec.checkpoint.interval.is_some(),
+                ),
                 started: job.started.unwrap_or(job.submitted),
                 tasks,
                 expected_end: if stopping {
@@ -2410,9 +2414,10 @@ impl ControlPlane {
         ended + running
     }
 
-    /// The engine's priority of `job`: its class, less a level for each
-    /// threshold of GPU time it has passed
-    /// ([`ControlConfig::service_levels`]).
+    /// The engine's priority of pending `job`: its class, less a level for
+    /// each threshold of GPU time it has passed
+    /// ([`ControlConfig::service_levels`]; a running job's is
+    /// [`muster_sched::ServiceLevels::running_priority`]).
     pub fn engine_priority(&self, job: &Job, now: Time) -> i32 {
         self.config
             .service_levels

@@ -1823,7 +1823,14 @@ fn a_queue_learns_its_run_times_and_forecasts_starts_from_them() {
 #[test]
 fn a_job_that_had_more_gpu_time_falls_below_fresh_jobs_of_its_class() {
     let mut world = World::new(&["a", "b"]);
-    world.submit(1, 1, 4);
+    // It checkpoints every 10 minutes, so it may be preempted for a level.
+    let mut spec = JobSpec::simple("job", "default", GpuRequest::Whole(4), vec!["x".into()]);
+    spec.checkpoint.interval = Some(std::time::Duration::from_secs(600));
+    world.step(Input::Submit {
+        id: JobId(1),
+        spec,
+        user: "alice".into(),
+    });
     world.cycle();
     let node = if world.desired("a").is_empty() {
         "b"
@@ -1885,6 +1892,20 @@ fn a_job_that_had_more_gpu_time_falls_below_fresh_jobs_of_its_class() {
         .find(|job| job.id == JobId(1))
         .expect("pending");
     assert_eq!(job1.priority, 1_000);
+    // A running job that does not checkpoint is never stopped for a level:
+    // it keeps its class's priority while it runs (pending, it would not).
+    let mut plain = World::new(&["a"]);
+    plain.submit(1, 1, 4);
+    plain.cycle();
+    let task = plain.desired("a")[0].clone();
+    plain.report("a", vec![running(&task)]);
+    plain.advance(2 * 3_600_000);
+    plain.report("a", vec![running(&task)]);
+    assert_eq!(
+        plain.control.attained_gpu_s(plain.job(1), plain.now),
+        8.0 * 3_600.0
+    );
+    assert_eq!(priority(&plain, 1), 1_000);
     // Turned off, a job keeps its class's priority however long it runs.
     let mut flat = World::new(&[]);
     flat.control = ControlPlane::new(ControlConfig {

@@ -96,12 +96,25 @@ impl ServiceLevels {
             .count() as u32
     }
 
-    /// The engine's priority for a job of class value `class` that has had
-    /// `attained_gpu_s` GPU-seconds.
+    /// The engine's priority for a pending job of class value `class` that
+    /// has had `attained_gpu_s` GPU-seconds.
     pub fn priority(&self, class: i32, attained_gpu_s: f64) -> i32 {
         class
             .saturating_mul(Self::CLASS_SCALE)
             .saturating_sub(Self::LEVEL_STEP * self.level(attained_gpu_s) as i32)
+    }
+
+    /// The engine's priority for a running job: as a pending one's if it
+    /// checkpoints, so that a fresh job of its class may preempt it once it
+    /// has had its share (it loses at most a checkpoint interval of work);
+    /// its class's alone if it does not, so that a job that would lose all
+    /// its work is never stopped for a level (only for a higher class).
+    pub fn running_priority(&self, class: i32, attained_gpu_s: f64, checkpoints: bool) -> i32 {
+        if checkpoints {
+            self.priority(class, attained_gpu_s)
+        } else {
+            self.priority(class, 0.0)
+        }
     }
 }
 
@@ -139,6 +152,9 @@ mod tests {
         // The longest-served "high" job still goes before a fresh "normal" one.
         assert!(levels.priority(200, 1e9) > levels.priority(100, 0.0));
         assert_eq!(ServiceLevels::none().priority(100, 1e9), 1_000);
+        // A running job that does not checkpoint keeps its class's priority.
+        assert_eq!(levels.running_priority(100, 40_000.0, true), 800);
+        assert_eq!(levels.running_priority(100, 40_000.0, false), 1_000);
         // Odd classes do not overflow.
         assert_eq!(levels.priority(i32::MIN, 1e9), i32::MIN);
         assert_eq!(levels.priority(i32::MAX, 0.0), i32::MAX);

@@ -508,9 +508,11 @@ pub fn replay(
             };
             running_job.priority = match policy {
                 ReplayPolicy::Las => las_priority(states[index].attained_gpu_s),
-                ReplayPolicy::Default => config
-                    .service_levels
-                    .priority(NORMAL_CLASS, states[index].attained_gpu_s),
+                ReplayPolicy::Default => config.service_levels.running_priority(
+                    NORMAL_CLASS,
+                    states[index].attained_gpu_s,
+                    config.checkpoint_interval_s > 0,
+                ),
                 _ => 100,
             };
             running_job.expected_end = estimate.map(|e| Time::from_secs(run.started_s + e));
