@@ -289,7 +289,6 @@ impl TypicalWorkload {
         // What the shapes that fit save, cumulated in CPU order.
         profile.model = node.model;
         profile.saved.clear();
-        profile.saved.push(0.0);
         let mut saved = 0.0;
         for &j in &self.by_cpu {
             if node.accepts(self.columns.models[j]) {
@@ -334,7 +333,7 @@ impl TypicalWorkload {
         }
         let idle = profile.idle;
         if self.memory_free && profile.model == node.model {
-            return idle as f64 * self.total_weight - profile.saved[fitting];
+            return idle as f64 * self.total_weight - profile.saved.get(fitting);
         }
         let columns = &self.columns;
         let mut total = 0.0;
@@ -358,9 +357,63 @@ pub struct GpuProfile {
     idle: u64,
     fragment: Vec<u64>,
     model: u32,
-    /// `saved[k]`: the weighted fragment the first `k` shapes by CPU avoid
+    /// `saved.get(k)`: the weighted fragment the first `k` shapes by CPU avoid
     /// (those of the profile's model), against counting all idle capacity.
-    saved: Vec<f64>,
+    saved: Saved,
+}
+
+/// [`GpuProfile`]'s cumulated savings: `get(0)` is 0, `get(k)` what the
+/// first `k` typical shapes by CPU save. Held inside the profile for up to
+/// [`Saved::INLINE`] shapes, so that reading one costs no pointer chase
+/// (scoring is bound by memory latency: a profile is rarely in the cache
+/// when a node is re-scored).
+#[derive(Debug, Clone, PartialEq)]
+struct Saved {
+    inline: [f64; Saved::INLINE],
+    len: usize,
+    /// Past [`Saved::INLINE`] shapes.
+    heap: Vec<f64>,
+}
+
+impl Default for Saved {
+    fn default() -> Self {
+        Saved {
+            inline: [0.0; Saved::INLINE],
+            len: 0,
+            heap: Vec::new(),
+        }
+    }
+}
+
+impl Saved {
+    const INLINE: usize = 48;
+
+    fn clear(&mut self) {
+        self.len = 0;
+        self.heap.clear();
+    }
+
+    /// Appends what the next shape saves (the first, 0 at index 0, is
+    /// implied).
+    fn push(&mut self, value: f64) {
+        if self.len + 1 < Self::INLINE && self.heap.is_empty() {
+            self.inline[self.len + 1] = value;
+        } else {
+            if self.heap.is_empty() {
+                self.heap.extend_from_slice(&self.inline[..=self.len]);
+            }
+            self.heap.push(value);
+        }
+        self.len += 1;
+    }
+
+    fn get(&self, k: usize) -> f64 {
+        if self.heap.is_empty() {
+            self.inline[k]
+        } else {
+            self.heap[k]
+        }
+    }
 }
 
 /// GPU profiles by what they depend on: the GPU model and the free capacity
