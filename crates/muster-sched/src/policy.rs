@@ -611,9 +611,9 @@ pub fn pick_whole_gpus(node: &NodeStatic, free: &[u16], count: u32) -> Option<Gp
     Some(pick)
 }
 
-fn sigmoid_level(drop: f64) -> u32 {
-    let value = 100.0 / (1.0 + (-drop / 1000.0).exp());
-    value.clamp(0.0, 100.0) as u32
+fn sigmoid_level(drop: f64, levels: f64) -> u32 {
+    let value = levels / (1.0 + (-drop / 1000.0).exp());
+    value.clamp(0.0, levels) as u32
 }
 
 impl Scorer {
@@ -744,6 +744,22 @@ impl Scorer {
         }
     }
 
+    /// How many levels FGD's score has for a task asking `gpus`: 100 (the
+    /// published FGD, `fgd`), or, for `fgd-consolidate`, as fine as what
+    /// the task asks: 100 for a share of a GPU (its drops in fragmentation
+    /// are fractions of a GPU), 50 for whole GPUs, 25 for CPU only. Coarser
+    /// levels leave nodes whose fragmentation barely differs level, so the
+    /// consolidation tiers and the cluster's order decide between them and
+    /// work packs onto fewer nodes; measured on the eight openb traces in
+    /// docs/scheduling-results.md ("Score resolution").
+    fn fgd_levels(&self, gpus: GpuRequest) -> f64 {
+        match (self.policy, gpus) {
+            (PlacementPolicy::FgdConsolidate, GpuRequest::Whole(0)) => 25.0,
+            (PlacementPolicy::FgdConsolidate, GpuRequest::Whole(_)) => 50.0,
+            _ => 100.0,
+        }
+    }
+
     /// FGD's score: the sigmoid level of the drop in fragmentation; a shared
     /// task takes the GPU that scores best (lowest index on ties), whole GPUs
     /// come from [`pick_whole_gpus`].
@@ -757,6 +773,7 @@ impl Scorer {
     ) -> Evaluation {
         let cpu_after = free.cpu_milli - shape.cpu_milli;
         let memory_after = free.memory_mib - shape.memory_mib;
+        let levels = self.fgd_levels(shape.gpus);
         let mut local = ProfileCache::default();
         let cache = match cache {
             Some(cache) => cache,
@@ -784,12 +801,12 @@ impl Scorer {
                     );
                     // Integer levels, as for nodes: ties go to the
                     // lowest-numbered GPU.
-                    let level = sigmoid_level(before - frag);
+                    let level = sigmoid_level(before - frag, levels);
                     if best.is_none_or(|(l, _)| level > l) {
                         best = Some((level, index));
                     }
                 }
-                let (level, index) = best.unwrap_or((sigmoid_level(0.0), 0));
+                let (level, index) = best.unwrap_or((sigmoid_level(0.0, levels), 0));
                 Evaluation {
                     level,
                     pick: 1 << index,
@@ -802,7 +819,7 @@ impl Scorer {
                     self.workload
                         .fragmentation_with(profile, info, cpu_after, memory_after);
                 Evaluation {
-                    level: sigmoid_level(before - after),
+                    level: sigmoid_level(before - after, levels),
                     pick,
                 }
             }
