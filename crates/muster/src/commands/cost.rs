@@ -99,7 +99,7 @@ pub fn cost(args: CostArgs) -> Result<u8, Failure> {
 /// A CSV field (RFC 4180): quoted when it holds a comma, quote or line
 /// break; a leading `=`, `+`, `-` or `@` is prefixed with `'` so that a
 /// spreadsheet does not run it as a formula.
-fn csv_field(text: &str) -> String {
+pub(crate) fn csv_field(text: &str) -> String {
     let text = if text.starts_with(['=', '+', '-', '@']) {
         format!("'{text}")
     } else {

@@ -2,6 +2,7 @@
 //! `muster sim replay --format muster` replays (what-if on one's own
 //! history).
 
+use super::cost::csv_field;
 use super::{Connection, Failure, runtime};
 use anyhow::Context;
 use clap::{Args, Subcommand};
@@ -29,15 +30,6 @@ pub enum HistoryCommand {
     },
 }
 
-/// A CSV field: quoted when it holds a comma, a quote or a line break.
-fn field(text: &str) -> String {
-    if text.contains([',', '"', '\n', '\r']) {
-        format!("\"{}\"", text.replace('"', "\"\""))
-    } else {
-        text.to_string()
-    }
-}
-
 pub fn history(args: HistoryArgs) -> Result<u8, Failure> {
     match args.command {
         HistoryCommand::Export { since, connection } => {
@@ -49,10 +41,7 @@ pub fn history(args: HistoryArgs) -> Result<u8, Failure> {
             let (jobs, _) = runtime()?
                 .block_on(client.all_jobs(&filter, None))
                 .map_err(anyhow::Error::from)?;
-            let now_ms = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64);
-            let from = now_ms.saturating_sub(since.saturating_mul(1000));
+            let from = super::now_ms().saturating_sub(since.saturating_mul(1000));
             let mut rows: Vec<_> = jobs
                 .iter()
                 .filter_map(|job| {
@@ -63,7 +52,6 @@ pub fn history(args: HistoryArgs) -> Result<u8, Failure> {
                 })
                 .collect();
             rows.sort_by_key(|(job, _, _)| (job.submitted_ms, job.id));
-            let mut out = std::io::stdout().lock();
             let mut text = format!("{}\n", muster_sim::MUSTER_HISTORY_HEADER);
             for (job, started, finished) in &rows {
                 text.push_str(&format!(
@@ -74,11 +62,13 @@ pub fn history(args: HistoryArgs) -> Result<u8, Failure> {
                     finished,
                     job.nodes.max(1),
                     job.gpus_per_node,
-                    field(&job.queue),
-                    field(&job.user),
+                    csv_field(&job.queue),
+                    csv_field(&job.user),
                     job.state
                 ));
             }
+            // Not `write_bytes`: an export cut short (a full disk) must fail.
+            let mut out = std::io::stdout().lock();
             out.write_all(text.as_bytes())
                 .and_then(|()| out.flush())
                 .context("cannot write the job list")?;
