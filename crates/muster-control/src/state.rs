@@ -497,7 +497,8 @@ pub struct ControlPlane {
     pub(crate) finished: BTreeSet<(Time, JobId)>,
     /// Run times of each queue's jobs that succeeded, failed or timed out
     /// (fixed size per queue, fading; rebuilt at restart from the jobs
-    /// kept): estimates for jobs whose spec gives none.
+    /// kept): estimates for jobs whose spec gives none. At most
+    /// [`MAX_RUNTIME_HISTORIES`] queues (any name may be submitted to).
     pub(crate) runtimes: BTreeMap<QueueName, muster_sched::RuntimeHistory>,
     /// The latest start forecast of each pending job ([`Self::set_forecasts`];
     /// in memory only, replaced whole).
@@ -668,10 +669,30 @@ pub(crate) fn learn_runtime(
     let (Some(started), Some(finished)) = (job.started, job.finished) else {
         return;
     };
+    if !runtimes.contains_key(&job.spec.queue) && runtimes.len() >= MAX_RUNTIME_HISTORIES {
+        // The queue that has taught the least makes room.
+        let least = runtimes
+            .iter()
+            .min_by(|a, b| a.1.jobs().total_cmp(&b.1.jobs()))
+            .map(|(queue, _)| queue.clone());
+        if let Some(least) = least {
+            runtimes.remove(&least);
+        }
+    }
     runtimes
         .entry(job.spec.queue.clone())
         .or_default()
         .add(finished.millis_since(started) / 1000);
+}
+
+/// Queues whose run times are learned at once (each about 1.2 KB): queues
+/// need not be configured, so a client submitting to ever new names must
+/// not grow the state without end.
+pub const MAX_RUNTIME_HISTORIES: usize = 4_096;
+
+/// GPUs `job` holds while it runs (all its nodes), in GPUs.
+fn job_gpus(job: &Job) -> f64 {
+    f64::from(job.spec.gpus_per_node.total().0) / 1000.0 * f64::from(job.spec.nodes)
 }
 
 pub fn never_met(dependency: &muster_model::Dependency, state: JobState) -> Option<String> {
@@ -2043,10 +2064,8 @@ impl ControlPlane {
         };
         // The attempt's GPU time counts towards the job's service level.
         if let Some(started) = job.started {
-            let gpu =
-                f64::from(job.spec.gpus_per_node.total().0) / 1000.0 * f64::from(job.spec.nodes);
             *self.attained.entry(id).or_default() +=
-                gpu * now.millis_since(started) as f64 / 1000.0;
+                job_gpus(job) * now.millis_since(started) as f64 / 1000.0;
         }
         job.state = state;
         job.stop_cause = None;
@@ -2404,10 +2423,7 @@ impl ControlPlane {
         let ended = self.attained.get(&job.id).copied().unwrap_or(0.0);
         let running = match (job.state, job.started) {
             (JobState::Running | JobState::Stopping, Some(started)) => {
-                f64::from(job.spec.gpus_per_node.total().0) / 1000.0
-                    * f64::from(job.spec.nodes)
-                    * now.millis_since(started) as f64
-                    / 1000.0
+                job_gpus(job) * now.millis_since(started) as f64 / 1000.0
             }
             _ => 0.0,
         };
@@ -3020,5 +3036,59 @@ impl ControlPlane {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ended(queue: &str, seconds: u64) -> Job {
+        Job {
+            id: JobId(1),
+            spec: JobSpec::simple(
+                "job",
+                queue,
+                muster_model::GpuRequest::Whole(1),
+                vec!["x".into()],
+            ),
+            user: "alice".into(),
+            submitted: Time(0),
+            state: JobState::Succeeded,
+            stop_cause: None,
+            attempts: 1,
+            exit_code: Some(0),
+            first_failure: None,
+            started: Some(Time(0)),
+            finished: Some(Time::from_secs(seconds)),
+            allocations: Vec::new(),
+            history: Vec::new(),
+            pending_reason: None,
+            queue_position: None,
+            array: None,
+        }
+    }
+
+    /// Any queue name may be submitted to: the run-time histories stay
+    /// bounded, and the queue that taught the least makes room.
+    #[test]
+    fn run_time_histories_are_bounded_by_queue_count() {
+        let mut runtimes = BTreeMap::new();
+        for _ in 0..3 {
+            learn_runtime(&mut runtimes, &ended("busy", 100));
+        }
+        for n in 0..MAX_RUNTIME_HISTORIES + 10 {
+            learn_runtime(&mut runtimes, &ended(&format!("q{n}"), 100));
+        }
+        assert_eq!(runtimes.len(), MAX_RUNTIME_HISTORIES);
+        assert!(runtimes.contains_key(&QueueName::from("busy")));
+        assert!(runtimes.contains_key(&QueueName::from(
+            format!("q{}", MAX_RUNTIME_HISTORIES + 9).as_str()
+        )));
+        // A cancelled job teaches nothing.
+        let mut cancelled = ended("other", 5);
+        cancelled.state = JobState::Cancelled;
+        learn_runtime(&mut runtimes, &cancelled);
+        assert!(!runtimes.contains_key(&QueueName::from("other")));
     }
 }
