@@ -1385,128 +1385,57 @@ fn encode_query(text: &str) -> String {
         .collect()
 }
 
-/// The real Prometheus (Debian's package) scrapes the server with the
-/// metrics token, and PromQL finds the running job's utilisation, the idle
-/// job and the GPUs by state. Without it installed the check is skipped,
-/// unless MUSTER_REQUIRE_TOOLS is set (as `.ci/run` does, having installed
-/// it).
-fn prometheus_scrapes(env: &Env, token_file: &std::path::Path, busy: &str, idle: &str) {
-    let binary = std::path::Path::new("/usr/bin/prometheus");
-    if !binary.exists() {
-        assert!(
-            std::env::var_os("MUSTER_REQUIRE_TOOLS").is_none(),
-            "/usr/bin/prometheus is missing (Debian: apt-get install prometheus)"
-        );
-        eprintln!("note: no /usr/bin/prometheus here; the real-Prometheus check is skipped");
-        return;
-    }
-    let listen = format!("127.0.0.1:{}", common::free_port());
-    let config = env.path("prometheus.yml");
-    std::fs::write(
-        &config,
-        format!(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: \
-             muster\n    authorization:\n      credentials_file: {}\n    static_configs:\n      - \
-             targets: [\"{}\"]\n",
-            token_file.display(),
-            env.url.trim_start_matches("http://")
-        ),
-    )
-    .expect("the config written");
-    let log = std::fs::File::create(env.path("prometheus.log")).expect("a log file");
-    let mut prometheus = std::process::Command::new(binary)
-        .arg(format!("--config.file={}", config.display()))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            env.path("tsdb").display()
-        ))
-        .arg(format!("--web.listen-address={listen}"))
-        .stdout(log.try_clone().expect("the log again"))
-        .stderr(log)
-        .spawn()
-        .expect("prometheus starts");
-    let base = format!("http://{listen}");
-    let query = |promql: &str| -> serde_json::Value {
-        let path = format!("/api/v1/query?query={}", encode_query(promql));
-        match std::net::TcpStream::connect(&listen) {
-            Ok(_) => {
-                let (_, body) = http_get(&base, &path, "unused");
-                // The body may be chunked: take the JSON object in it.
-                let start = body.find('{').unwrap_or(0);
-                let end = body.rfind('}').map_or(body.len(), |end| end + 1);
-                serde_json::from_str(&body[start..end]).unwrap_or(serde_json::Value::Null)
-            }
-            Err(_) => serde_json::Value::Null,
-        }
-    };
-    let value_of = |result: &serde_json::Value| -> Option<f64> {
-        result["data"]["result"][0]["value"][1]
-            .as_str()
-            .and_then(|v| v.parse().ok())
-    };
-    let busy_query = format!("DCGM_FI_DEV_GPU_UTIL{{job_id=\"{busy}\"}}");
-    common::wait_until(
-        "Prometheus to scrape muster",
-        Duration::from_secs(60),
-        || value_of(&query(&busy_query)) == Some(90.0),
-    );
-    let idle_query = format!("muster_job_idle_seconds{{job_id=\"{idle}\"}}");
-    common::wait_until(
-        "the idle job in Prometheus",
-        Duration::from_secs(30),
-        || value_of(&query(&idle_query)).is_some(),
-    );
-    let allocated = query("sum(muster_gpus{state=\"allocated\"})");
-    assert_eq!(value_of(&allocated), Some(2.0), "{allocated}");
-    let up = query("up{job=\"muster\"}");
-    assert_eq!(value_of(&up), Some(1.0), "{up}");
-    let _ = prometheus.kill();
-    let _ = prometheus.wait();
+/// A real Prometheus scraping muster with `scrape` (the `scrape_configs`
+/// entry's lines after `job_name`), killed when dropped (a failed wait
+/// leaves no process behind). `None` when it is not installed, which
+/// `.ci/run` (MUSTER_REQUIRE_TOOLS) does not allow.
+struct Prometheus {
+    child: std::process::Child,
+    listen: String,
 }
 
-/// A real Prometheus scrapes an HTTPS server as docs/observability.md says
-/// (`scheme: https`, the cluster CA as `tls_config.ca_file`, the metrics
-/// token): the scrape is up.
-fn prometheus_scrapes_https(env: &Env, address: &str, data: &std::path::Path) {
-    let binary = std::path::Path::new("/usr/bin/prometheus");
-    if !binary.exists() {
-        assert!(
-            std::env::var_os("MUSTER_REQUIRE_TOOLS").is_none(),
-            "/usr/bin/prometheus is missing (Debian: apt-get install prometheus)"
-        );
-        eprintln!("note: no /usr/bin/prometheus here; the HTTPS scrape check is skipped");
-        return;
+impl Prometheus {
+    fn start(env: &Env, name: &str, scrape: &str) -> Option<Prometheus> {
+        let binary = std::path::Path::new("/usr/bin/prometheus");
+        if !binary.exists() {
+            assert!(
+                std::env::var_os("MUSTER_REQUIRE_TOOLS").is_none(),
+                "/usr/bin/prometheus is missing (Debian: apt-get install prometheus)"
+            );
+            eprintln!("note: no /usr/bin/prometheus here; the real-Prometheus check is skipped");
+            return None;
+        }
+        let listen = format!("127.0.0.1:{}", common::free_port());
+        let config = env.path(&format!("{name}.yml"));
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - \
+                 job_name: muster\n{scrape}"
+            ),
+        )
+        .expect("the config written");
+        let log = std::fs::File::create(env.path(&format!("{name}.log"))).expect("a log file");
+        let child = std::process::Command::new(binary)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                env.path(&format!("{name}-tsdb")).display()
+            ))
+            .arg(format!("--web.listen-address={listen}"))
+            .stdout(log.try_clone().expect("the log again"))
+            .stderr(log)
+            .spawn()
+            .expect("prometheus starts");
+        Some(Prometheus { child, listen })
     }
-    let listen = format!("127.0.0.1:{}", common::free_port());
-    let config = env.path("prometheus-tls.yml");
-    std::fs::write(
-        &config,
-        format!(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: \
-             muster\n    scheme: https\n    tls_config:\n      ca_file: {}\n    authorization:\n      \
-             credentials_file: {}\n    static_configs:\n      - targets: [\"{address}\"]\n",
-            data.join("tls/ca.pem").display(),
-            data.join("metrics.token").display(),
-        ),
-    )
-    .expect("the config written");
-    let log = std::fs::File::create(env.path("prometheus-tls.log")).expect("a log file");
-    let mut prometheus = std::process::Command::new(binary)
-        .arg(format!("--config.file={}", config.display()))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            env.path("tsdb-tls").display()
-        ))
-        .arg(format!("--web.listen-address={listen}"))
-        .stdout(log.try_clone().expect("the log again"))
-        .stderr(log)
-        .spawn()
-        .expect("prometheus starts");
-    let base = format!("http://{listen}");
-    let up = || -> Option<f64> {
-        std::net::TcpStream::connect(&listen).ok()?;
-        let path = format!("/api/v1/query?query={}", encode_query("up{job=\"muster\"}"));
-        let (_, body) = http_get(&base, &path, "unused");
+
+    /// The first value of `promql` now, if Prometheus answers with one.
+    fn value(&self, promql: &str) -> Option<f64> {
+        std::net::TcpStream::connect(&self.listen).ok()?;
+        let path = format!("/api/v1/query?query={}", encode_query(promql));
+        let (_, body) = http_get(&format!("http://{}", self.listen), &path, "unused");
+        // The body may be chunked: take the JSON object in it.
         let start = body.find('{')?;
         let end = body.rfind('}')? + 1;
         let value: serde_json::Value = serde_json::from_str(&body[start..end]).ok()?;
@@ -1514,14 +1443,74 @@ fn prometheus_scrapes_https(env: &Env, address: &str, data: &std::path::Path) {
             .as_str()?
             .parse()
             .ok()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The real Prometheus (Debian's package) scrapes the server with the
+/// metrics token, and PromQL finds the running job's utilisation, the idle
+/// job and the GPUs by state. Without it installed the check is skipped,
+/// unless MUSTER_REQUIRE_TOOLS is set (as `.ci/run` does, having installed
+/// it).
+fn prometheus_scrapes(env: &Env, token_file: &std::path::Path, busy: &str, idle: &str) {
+    let Some(prometheus) = Prometheus::start(
+        env,
+        "prometheus",
+        &format!(
+            "    authorization:\n      credentials_file: {}\n    static_configs:\n      - \
+             targets: [\"{}\"]\n",
+            token_file.display(),
+            env.url.trim_start_matches("http://")
+        ),
+    ) else {
+        return;
+    };
+    let busy_query = format!("DCGM_FI_DEV_GPU_UTIL{{job_id=\"{busy}\"}}");
+    common::wait_until(
+        "Prometheus to scrape muster",
+        Duration::from_secs(60),
+        || prometheus.value(&busy_query) == Some(90.0),
+    );
+    let idle_query = format!("muster_job_idle_seconds{{job_id=\"{idle}\"}}");
+    common::wait_until(
+        "the idle job in Prometheus",
+        Duration::from_secs(30),
+        || prometheus.value(&idle_query).is_some(),
+    );
+    assert_eq!(
+        prometheus.value("sum(muster_gpus{state=\"allocated\"})"),
+        Some(2.0)
+    );
+    assert_eq!(prometheus.value("up{job=\"muster\"}"), Some(1.0));
+}
+
+/// A real Prometheus scrapes an HTTPS server as docs/observability.md says
+/// (`scheme: https`, the cluster CA as `tls_config.ca_file`, the metrics
+/// token): the scrape is up.
+fn prometheus_scrapes_https(env: &Env, address: &str, data: &std::path::Path) {
+    let Some(prometheus) = Prometheus::start(
+        env,
+        "prometheus-tls",
+        &format!(
+            "    scheme: https\n    tls_config:\n      ca_file: {}\n    authorization:\n      \
+             credentials_file: {}\n    static_configs:\n      - targets: [\"{address}\"]\n",
+            data.join("tls/ca.pem").display(),
+            data.join("metrics.token").display(),
+        ),
+    ) else {
+        return;
     };
     common::wait_until(
         "Prometheus to scrape muster over HTTPS",
         Duration::from_secs(60),
-        || up() == Some(1.0),
+        || prometheus.value("up{job=\"muster\"}") == Some(1.0),
     );
-    let _ = prometheus.kill();
-    let _ = prometheus.wait();
 }
 
 /// POST `body` to `path` with a token and an idempotency key; the status
