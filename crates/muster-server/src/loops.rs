@@ -123,9 +123,11 @@ fn forecast(
         }
     }
     let done = Done(shared.clone());
-    let (ahead, waiting) = shared.read().control().forecast_input(snapshot, pending);
     let policy = policy.clone();
     tokio::task::spawn_blocking(move || {
+        // Estimates for every running and pending job: off the async
+        // threads, like the plan.
+        let (ahead, waiting) = done.0.read().control().forecast_input(snapshot, pending);
         // The plan's own generator: placement ties are broken by node order,
         // so it matters only to the random placement policy.
         let mut rng = ChaCha8Rng::seed_from_u64(0);
