@@ -331,7 +331,7 @@ pub struct Shared {
     core: RwLock<Core>,
     pub writer: Writer,
     /// Retired jobs are read from here.
-    pub store: crate::store::SqliteStore,
+    pub store: crate::store::SqlStore,
     /// Wakes the scheduling loop (a submission, an exit, a registration).
     pub wake_scheduler: Notify,
     /// Bumped on every job change and log append (wakes log followers).
@@ -402,7 +402,7 @@ impl Shared {
         settings: Settings,
         core: Core,
         writer: Writer,
-        store: crate::store::SqliteStore,
+        store: crate::store::SqlStore,
         admin_token: String,
         join_token: String,
         metrics_token: String,

@@ -48,7 +48,7 @@ mod views;
 mod writer;
 
 use crate::core::{Core, Settings, Shared, now};
-use crate::store::{SqliteStore, Store};
+use crate::store::{SqlStore, Store};
 use anyhow::Context;
 use muster_control::ControlConfig;
 use muster_sched::{PlacementPolicy, SchedulingPolicy};
@@ -86,6 +86,12 @@ pub struct ServerConfig {
     /// The most the store may grow to, in MiB (`None`: no limit); past
     /// it the server turns read-only.
     pub store_max_mib: Option<u64>,
+    /// Where the store is (`None`: SQLite, `muster.db` in the data
+    /// directory).
+    pub store: Option<store::StoreLocation>,
+    /// A store to copy into `store` before starting (which must then be
+    /// empty): moving a cluster from SQLite to PostgreSQL.
+    pub migrate_from: Option<store::StoreLocation>,
     /// A running job whose GPUs all stay below 5% utilisation this long is
     /// shown idle (`ps`, `describe`, `/metrics`).
     pub idle_after_ms: u64,
@@ -138,6 +144,8 @@ impl ServerConfig {
             max_log_bytes: DEFAULT_MAX_LOG_BYTES,
             retention_ms: muster_control::DEFAULT_RETENTION_MS,
             store_max_mib: None,
+            store: None,
+            migrate_from: None,
             idle_after_ms: DEFAULT_IDLE_AFTER_MS,
             stack_policy: muster_control::StackPolicy::Report,
             service_levels: muster_sched::ServiceLevels::default(),
@@ -192,7 +200,7 @@ pub struct ServerHandle {
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     writer_task: JoinHandle<()>,
-    store: SqliteStore,
+    store: SqlStore,
     /// Held while the server runs (an exclusive lock on `server.lock`).
     _lock: std::fs::File,
 }
@@ -237,13 +245,46 @@ impl Server {
         let (metrics_token, _) = auth::load_or_create(&data_dir.join("metrics.token"))?;
         let tls = tls::Tls::start(&config.tls, &data_dir)?.map(Arc::new);
 
-        let store = SqliteStore::open_with(
-            &data_dir,
-            store::StoreOptions {
-                max_mib: config.store_max_mib,
-            },
-        )
-        .await?;
+        let location = config
+            .store
+            .clone()
+            .unwrap_or_else(|| store::StoreLocation::in_data_dir(&data_dir));
+        let store_options = store::StoreOptions {
+            max_mib: config.store_max_mib,
+        };
+        let store = SqlStore::open_at(&location, store_options).await?;
+        if let Some(source) = &config.migrate_from {
+            if *source == location {
+                anyhow::bail!(
+                    "--migrate-from names the store itself ({}); name the old store",
+                    location.describe()
+                );
+            }
+            if let store::StoreLocation::Sqlite(path) = source
+                && !path.exists()
+            {
+                anyhow::bail!(
+                    "--migrate-from: {} does not exist; give the old server's muster.db",
+                    path.display()
+                );
+            }
+            let old = SqlStore::open_at(source, store::StoreOptions::default()).await?;
+            let counts = store.copy_from(&old).await.with_context(|| {
+                format!(
+                    "cannot copy {} into {}",
+                    source.describe(),
+                    location.describe()
+                )
+            })?;
+            old.close().await;
+            tracing::info!(
+                from = %source.describe(),
+                to = %location.describe(),
+                rows = ?counts,
+                "store copied"
+            );
+        }
+        tracing::info!(store = %store.location(), backend = store.backend().name(), "store open");
         if let Some(path) = &config.prices_file {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read the price list {}", path.display()))?;
@@ -362,6 +403,11 @@ impl ServerHandle {
     /// The address it listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where the store is (a PostgreSQL URL without its password).
+    pub fn store_location(&self) -> &str {
+        self.store.location()
     }
 
     /// The admin token (users and admins).

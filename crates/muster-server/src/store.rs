@@ -1,18 +1,23 @@
 //! The store: where the control plane's state survives restarts.
 //!
-//! One small trait ([`Store`]) with one implementation here: embedded SQLite
-//! through `sqlx` (WAL journal, `synchronous=FULL`, so a committed write
-//! survives a crash of the process or the machine). Records are JSON (see
-//! [`crate::records`]); a [`Batch`] is written in one transaction, and the
-//! writer task ([`crate::writer`]) folds every batch queued meanwhile into
-//! one commit.
+//! One small trait ([`Store`]) and one implementation, [`SqlStore`], on
+//! either of two databases through `sqlx`'s `Any` driver: embedded SQLite
+//! (the default: one file in the data directory, WAL journal,
+//! `synchronous=FULL`, so a committed write survives a crash of the process
+//! or the machine) or PostgreSQL (`--store postgres://...`, for a store that
+//! outlives the server's machine). Both run the same statements, written in
+//! the SQL they share (`$N` parameters, `ON CONFLICT` upserts); the few
+//! words they spell differently are in [`Backend`], and the schema's
+//! migrations for both are listed together in [`MIGRATIONS`]. Records are
+//! JSON (see [`crate::records`]); a [`Batch`] is written in one transaction,
+//! and the writer task ([`crate::writer`]) folds every batch queued
+//! meanwhile into one commit.
 
 use crate::records::{AllocationRecord, JobRecord, NodeRecord, PoolRecord, QueueRecord};
 use muster_control::accounting::{CostBy, UsageMinute, UsageTotals};
-use sqlx::Row;
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
+use sqlx::AnyPool;
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
+use sqlx::{AssertSqlSafe, ConnectOptions, Row};
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -20,8 +25,12 @@ use std::time::Duration;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
-    #[error("cannot open the store at {path}: {reason}; check that the data directory is writable")]
-    Open { path: PathBuf, reason: String },
+    #[error("cannot open the store at {location}: {reason}; {hint}")]
+    Open {
+        location: String,
+        reason: String,
+        hint: &'static str,
+    },
     #[error("the store failed: {0}")]
     Database(String),
     #[error("a record in the store is damaged: {0}")]
@@ -196,122 +205,343 @@ pub trait Store: Send + Sync + 'static {
 /// A retired job as stored: its record and its allocations' records.
 pub type StoredJob = (JobRecord, Vec<AllocationRecord>);
 
-/// The embedded SQLite store: one file, `muster.db`, in the data directory.
-#[derive(Debug, Clone)]
-pub struct SqliteStore {
-    pool: SqlitePool,
+/// Which database a [`SqlStore`] is on, and the words the two spell
+/// differently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
 }
 
-const SCHEMA: &str = include_str!("../migrations/sqlite/0001_init.sql");
-/// Schema version 2 (`PRAGMA user_version`).
-const SCHEMA_2: &str = include_str!("../migrations/sqlite/0002_bounded.sql");
-/// Schema version 3: GPU accounting and prices.
-const SCHEMA_3: &str = include_str!("../migrations/sqlite/0003_usage.sql");
-/// Schema version 4: pool policies.
-const SCHEMA_4: &str = include_str!("../migrations/sqlite/0004_pools.sql");
-/// Schema version 5: users, the audit log, idempotency keys.
-const SCHEMA_5: &str = include_str!("../migrations/sqlite/0005_tenants.sql");
+impl Backend {
+    /// The larger of two numbers (a scalar function).
+    fn greatest(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "max",
+            Backend::Postgres => "greatest",
+        }
+    }
+
+    /// The column that orders rows as they were inserted, where the table
+    /// has no key of its own.
+    fn insertion_order(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "rowid",
+            Backend::Postgres => "id",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "SQLite",
+            Backend::Postgres => "PostgreSQL",
+        }
+    }
+}
+
+/// Where the store is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    /// An SQLite database file (the default: `muster.db` in the data
+    /// directory).
+    Sqlite(PathBuf),
+    /// A PostgreSQL database, by URL
+    /// (`postgres://USER:PASSWORD@HOST:PORT/DATABASE?sslmode=...`).
+    Postgres(String),
+}
+
+impl StoreLocation {
+    /// The default store: `muster.db` in the data directory.
+    pub fn in_data_dir(data_dir: &Path) -> Self {
+        StoreLocation::Sqlite(data_dir.join("muster.db"))
+    }
+
+    /// Reads `--store`: `sqlite:PATH` or a `postgres://` (or
+    /// `postgresql://`) URL.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if text.starts_with("postgres://") || text.starts_with("postgresql://") {
+            return Ok(StoreLocation::Postgres(text.to_string()));
+        }
+        if let Some(path) = text.strip_prefix("sqlite:") {
+            let path = path.strip_prefix("//").unwrap_or(path);
+            if path.is_empty() {
+                return Err(
+                    "`sqlite:` needs a file path, e.g. sqlite:/var/lib/muster/muster.db".into(),
+                );
+            }
+            return Ok(StoreLocation::Sqlite(PathBuf::from(path)));
+        }
+        Err(format!(
+            "`{text}` is not a store: give sqlite:PATH (a file) or a PostgreSQL URL \
+             postgres://USER:PASSWORD@HOST:PORT/DATABASE"
+        ))
+    }
+
+    pub fn backend(&self) -> Backend {
+        match self {
+            StoreLocation::Sqlite(_) => Backend::Sqlite,
+            StoreLocation::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    /// For messages and logs: a PostgreSQL URL without its password.
+    pub fn describe(&self) -> String {
+        match self {
+            StoreLocation::Sqlite(path) => format!("sqlite:{}", path.display()),
+            StoreLocation::Postgres(url) => redact_password(url),
+        }
+    }
+}
+
+/// `postgres://user:secret@host/db` → `postgres://user:***@host/db`.
+fn redact_password(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_string();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_string();
+    };
+    match rest[..at].find(':') {
+        Some(colon) => format!(
+            "{}{}:***{}",
+            &url[..scheme_end],
+            &rest[..colon],
+            &rest[at..]
+        ),
+        None => url.to_string(),
+    }
+}
+
+/// One step of the schema, for each database: applied in order to a store
+/// whose version is below it, in one transaction with the new version.
+pub struct Migration {
+    pub version: i64,
+    pub sqlite: &'static str,
+    pub postgres: &'static str,
+}
+
+/// Every schema version, for both databases. SQLite keeps its version in
+/// `PRAGMA user_version` (version 1 left it at 0; its statements are
+/// idempotent), PostgreSQL in the table `schema_version`.
+pub const MIGRATIONS: [Migration; 5] = [
+    Migration {
+        version: 1,
+        sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
+        postgres: include_str!("../migrations/postgres/0001_init.sql"),
+    },
+    Migration {
+        version: 2,
+        sqlite: include_str!("../migrations/sqlite/0002_bounded.sql"),
+        postgres: include_str!("../migrations/postgres/0002_bounded.sql"),
+    },
+    Migration {
+        version: 3,
+        sqlite: include_str!("../migrations/sqlite/0003_usage.sql"),
+        postgres: include_str!("../migrations/postgres/0003_usage.sql"),
+    },
+    Migration {
+        version: 4,
+        sqlite: include_str!("../migrations/sqlite/0004_pools.sql"),
+        postgres: include_str!("../migrations/postgres/0004_pools.sql"),
+    },
+    Migration {
+        version: 5,
+        sqlite: include_str!("../migrations/sqlite/0005_tenants.sql"),
+        postgres: include_str!("../migrations/postgres/0005_tenants.sql"),
+    },
+];
+
+/// Any PostgreSQL advisory-lock key will do, as long as every server uses
+/// the same one: servers starting together migrate one at a time.
+const MIGRATION_LOCK: i64 = 0x6d75_7374_6572; // "muster"
 
 /// How the store is opened.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StoreOptions {
-    /// The most the database may grow to, in MiB (`None`: no limit). Past
-    /// it, commits fail and the server turns read-only.
+    /// The most an SQLite database may grow to, in MiB (`None`: no limit).
+    /// Past it, commits fail and the server turns read-only. (A PostgreSQL
+    /// database is bounded by its server's own settings.)
     pub max_mib: Option<u64>,
 }
 
-impl SqliteStore {
-    pub async fn open(data_dir: &Path) -> Result<SqliteStore, StoreError> {
-        SqliteStore::open_with(data_dir, StoreOptions::default()).await
+/// The store, on SQLite or PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct SqlStore {
+    pool: AnyPool,
+    backend: Backend,
+    location: String,
+}
+
+impl SqlStore {
+    /// The SQLite store in `data_dir` (`muster.db`).
+    pub async fn open(data_dir: &Path) -> Result<SqlStore, StoreError> {
+        SqlStore::open_at(
+            &StoreLocation::in_data_dir(data_dir),
+            StoreOptions::default(),
+        )
+        .await
     }
 
-    pub async fn open_with(
-        data_dir: &Path,
+    /// Opens the store at `location`, creating its schema or bringing it up
+    /// to date.
+    pub async fn open_at(
+        location: &StoreLocation,
         store_options: StoreOptions,
-    ) -> Result<SqliteStore, StoreError> {
-        let path = data_dir.join("muster.db");
-        let open_error = |error: sqlx::Error| StoreError::Open {
-            path: path.clone(),
-            reason: error.to_string(),
+    ) -> Result<SqlStore, StoreError> {
+        sqlx::any::install_default_drivers();
+        let described = location.describe();
+        let hint = match location {
+            StoreLocation::Sqlite(_) => "check that the data directory is writable",
+            StoreLocation::Postgres(_) => {
+                "check that PostgreSQL is running there, that the database exists and that the \
+                 user may create tables in it"
+            }
         };
-        create_private_file(&path).map_err(|error| StoreError::Open {
-            path: path.clone(),
-            reason: error.to_string(),
-        })?;
-        let options = SqliteConnectOptions::new()
-            .filename(&path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full)
-            .busy_timeout(Duration::from_secs(10))
-            .foreign_keys(false);
-        let options = match store_options.max_mib {
-            // Pages are 4 KiB.
-            Some(mib) => options.pragma("max_page_count", (mib.max(1) * 256).to_string()),
-            None => options,
+        let open_error = |reason: String| StoreError::Open {
+            location: described.clone(),
+            reason,
+            hint,
         };
-        let pool = SqlitePoolOptions::new()
-            .max_connections(2)
-            .connect_with(options)
+        let pool = match location {
+            StoreLocation::Sqlite(path) => {
+                create_private_file(path).map_err(|error| open_error(error.to_string()))?;
+                let url = sqlx::sqlite::SqliteConnectOptions::new()
+                    .filename(path)
+                    .create_if_missing(true)
+                    .to_url_lossy();
+                let options = AnyConnectOptions::from_url(&url)
+                    .map_err(|error| open_error(error.to_string()))?;
+                // Pages are 4 KiB.
+                let page_limit = store_options
+                    .max_mib
+                    .map(|mib| format!("PRAGMA max_page_count = {};", mib.max(1) * 256))
+                    .unwrap_or_default();
+                let pragmas = format!(
+                    "PRAGMA busy_timeout = 10000; PRAGMA journal_mode = WAL; \
+                     PRAGMA synchronous = FULL; PRAGMA foreign_keys = OFF; {page_limit}"
+                );
+                AnyPoolOptions::new()
+                    .max_connections(2)
+                    .after_connect(move |connection, _| {
+                        let pragmas = pragmas.clone();
+                        Box::pin(async move {
+                            sqlx::raw_sql(AssertSqlSafe(pragmas))
+                                .execute(connection)
+                                .await
+                                .map(|_| ())
+                        })
+                    })
+                    .connect_with(options)
+                    .await
+                    .map_err(|error| open_error(error.to_string()))?
+            }
+            StoreLocation::Postgres(url) => {
+                let options = url
+                    .parse::<AnyConnectOptions>()
+                    .map_err(|error| open_error(error.to_string()))?;
+                AnyPoolOptions::new()
+                    .max_connections(8)
+                    .acquire_timeout(Duration::from_secs(10))
+                    .connect_with(options)
+                    .await
+                    .map_err(|error| open_error(error.to_string()))?
+            }
+        };
+        let store = SqlStore {
+            pool,
+            backend: location.backend(),
+            location: described.clone(),
+        };
+        store
+            .migrate()
             .await
-            .map_err(open_error)?;
-        sqlx::raw_sql(SCHEMA)
-            .execute(&pool)
-            .await
-            .map_err(open_error)?;
-        let version: i64 = sqlx::query_scalar("PRAGMA user_version")
-            .fetch_one(&pool)
-            .await
-            .map_err(open_error)?;
-        if version < 2 {
-            let mut tx = pool.begin().await.map_err(open_error)?;
-            sqlx::raw_sql(SCHEMA_2)
+            .map_err(|error| open_error(error.to_string()))?;
+        Ok(store)
+    }
+
+    /// Applies the migrations the store has not had.
+    async fn migrate(&self) -> Result<(), sqlx::Error> {
+        match self.backend {
+            Backend::Sqlite => {
+                // The write lock first (IMMEDIATE), then the version: two
+                // stores opened at once migrate one after the other.
+                let mut connection = self.pool.acquire().await?;
+                sqlx::raw_sql("BEGIN IMMEDIATE")
+                    .execute(&mut *connection)
+                    .await?;
+                let migrated = async {
+                    let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+                        .fetch_one(&mut *connection)
+                        .await?;
+                    for migration in MIGRATIONS.iter().filter(|m| m.version > version) {
+                        sqlx::raw_sql(migration.sqlite)
+                            .execute(&mut *connection)
+                            .await?;
+                        sqlx::raw_sql(AssertSqlSafe(format!(
+                            "PRAGMA user_version = {}",
+                            migration.version
+                        )))
+                        .execute(&mut *connection)
+                        .await?;
+                    }
+                    Ok::<(), sqlx::Error>(())
+                }
+                .await;
+                let end = if migrated.is_ok() {
+                    "COMMIT"
+                } else {
+                    "ROLLBACK"
+                };
+                sqlx::raw_sql(end).execute(&mut *connection).await?;
+                migrated?;
+            }
+            Backend::Postgres => {
+                let mut tx = self.pool.begin().await?;
+                // One server at a time; the others find the work done.
+                sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                    .bind(MIGRATION_LOCK)
+                    .execute(&mut *tx)
+                    .await?;
+                sqlx::raw_sql(
+                    "CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)",
+                )
                 .execute(&mut *tx)
-                .await
-                .map_err(open_error)?;
-            sqlx::raw_sql("PRAGMA user_version = 2")
-                .execute(&mut *tx)
-                .await
-                .map_err(open_error)?;
-            tx.commit().await.map_err(open_error)?;
+                .await?;
+                let version: Option<i64> =
+                    sqlx::query_scalar("SELECT max(version) FROM schema_version")
+                        .fetch_one(&mut *tx)
+                        .await?;
+                let version = version.unwrap_or(0);
+                for migration in MIGRATIONS.iter().filter(|m| m.version > version) {
+                    sqlx::raw_sql(migration.postgres).execute(&mut *tx).await?;
+                }
+                if let Some(latest) = MIGRATIONS.last()
+                    && latest.version > version
+                {
+                    sqlx::query("DELETE FROM schema_version")
+                        .execute(&mut *tx)
+                        .await?;
+                    sqlx::query("INSERT INTO schema_version (version) VALUES ($1)")
+                        .bind(latest.version)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                tx.commit().await?;
+            }
         }
-        if version < 3 {
-            let mut tx = pool.begin().await.map_err(open_error)?;
-            sqlx::raw_sql(SCHEMA_3)
-                .execute(&mut *tx)
-                .await
-                .map_err(open_error)?;
-            sqlx::raw_sql("PRAGMA user_version = 3")
-                .execute(&mut *tx)
-                .await
-                .map_err(open_error)?;
-            tx.commit().await.map_err(open_error)?;
-        }
-        if version < 4 {
-            let mut tx = pool.begin().await.map_err(open_error)?;
-            sqlx::raw_sql(SCHEMA_4)
-                .execute(&mut *tx)
-                .await
-                .map_err(open_error)?;
-            sqlx::raw_sql("PRAGMA user_version = 4")
-                .execute(&mut *tx)
-                .await
-                .map_err(open_error)?;
-            tx.commit().await.map_err(open_error)?;
-        }
-        if version < 5 {
-            let mut tx = pool.begin().await.map_err(open_error)?;
-            sqlx::raw_sql(SCHEMA_5)
-                .execute(&mut *tx)
-                .await
-                .map_err(open_error)?;
-            sqlx::raw_sql("PRAGMA user_version = 5")
-                .execute(&mut *tx)
-                .await
-                .map_err(open_error)?;
-            tx.commit().await.map_err(open_error)?;
-        }
-        Ok(SqliteStore { pool })
+        Ok(())
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Where the store is, for messages (no password).
+    pub fn location(&self) -> &str {
+        &self.location
     }
 
     pub async fn close(&self) {
@@ -340,96 +570,210 @@ fn parse<T: serde::de::DeserializeOwned>(what: &str, text: &str) -> Result<T, St
     serde_json::from_str(text).map_err(|error| StoreError::Record(format!("{what}: {error}")))
 }
 
-impl Store for SqliteStore {
-    async fn load(&self) -> Result<Loaded, StoreError> {
-        let mut loaded = Loaded::default();
-        for row in sqlx::query("SELECT id, record FROM jobs WHERE retired = 0 ORDER BY id")
+/// A value bound to a statement built at run time.
+#[derive(Debug, Clone)]
+enum Value {
+    Int(i64),
+    Text(String),
+    Real(f64),
+}
+
+/// A statement with numbered parameters (`$1`, `$2`, ...: both databases
+/// read them) and their values, built piece by piece.
+#[derive(Debug, Default)]
+struct Statement {
+    sql: String,
+    values: Vec<Value>,
+}
+
+impl Statement {
+    fn new(sql: &str) -> Self {
+        Statement {
+            sql: sql.to_string(),
+            values: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, sql: &str) -> &mut Self {
+        self.sql.push_str(sql);
+        self
+    }
+
+    /// Appends a parameter for `value`.
+    fn bind(&mut self, value: Value) -> &mut Self {
+        self.values.push(value);
+        self.sql.push('$');
+        self.sql.push_str(&self.values.len().to_string());
+        self
+    }
+
+    /// Appends `(v1, v2, ...)`.
+    fn bind_list(&mut self, values: impl IntoIterator<Item = Value>) -> &mut Self {
+        self.sql.push('(');
+        for (i, value) in values.into_iter().enumerate() {
+            if i > 0 {
+                self.sql.push_str(", ");
+            }
+            self.bind(value);
+        }
+        self.sql.push(')');
+        self
+    }
+
+    fn query(&self) -> sqlx::query::Query<'_, sqlx::Any, <sqlx::Any as sqlx::Database>::Arguments> {
+        let mut query = sqlx::query(AssertSqlSafe(self.sql.as_str()));
+        for value in &self.values {
+            query = match value {
+                Value::Int(number) => query.bind(*number),
+                Value::Text(text) => query.bind(text.as_str()),
+                Value::Real(real) => query.bind(*real),
+            };
+        }
+        query
+    }
+
+    async fn execute(&self, executor: &mut sqlx::AnyConnection) -> Result<(), StoreError> {
+        self.query()
+            .execute(executor)
+            .await
+            .map(|_| ())
+            .map_err(database)
+    }
+
+    async fn fetch_all(&self, pool: &AnyPool) -> Result<Vec<AnyRow>, StoreError> {
+        self.query().fetch_all(pool).await.map_err(database)
+    }
+}
+
+/// Inserts `rows` (each the values of `columns`) into `table`, many rows a
+/// statement, with `tail` (e.g. an `ON CONFLICT` clause) after each.
+async fn insert_rows(
+    executor: &mut sqlx::AnyConnection,
+    table_and_columns: &str,
+    tail: &str,
+    rows: Vec<Vec<Value>>,
+) -> Result<(), StoreError> {
+    let mut rows = rows.into_iter().peekable();
+    while rows.peek().is_some() {
+        let mut statement = Statement::new("INSERT INTO ");
+        statement.push(table_and_columns).push(" VALUES ");
+        for (i, row) in rows.by_ref().take(ROWS_PER_STATEMENT).enumerate() {
+            if i > 0 {
+                statement.push(", ");
+            }
+            statement.bind_list(row);
+        }
+        statement.push(" ").push(tail);
+        statement.execute(executor).await?;
+    }
+    Ok(())
+}
+
+fn text(value: &str) -> Value {
+    Value::Text(value.to_string())
+}
+
+fn int(value: u64) -> Value {
+    Value::Int(to_i64(value))
+}
+
+fn number(row: &AnyRow, name: &str) -> Result<u64, StoreError> {
+    let value: i64 = row.try_get(name).map_err(database)?;
+    Ok(u64::try_from(value).unwrap_or(0))
+}
+
+fn string(row: &AnyRow, name: &str) -> Result<String, StoreError> {
+    row.try_get(name).map_err(database)
+}
+
+impl SqlStore {
+    /// `(key, record)` of every row of `sql`'s result, parsed.
+    async fn records<T: serde::de::DeserializeOwned>(
+        &self,
+        sql: &'static str,
+        what: &str,
+    ) -> Result<Vec<T>, StoreError> {
+        let mut records = Vec::new();
+        for row in sqlx::query(sql)
             .fetch_all(&self.pool)
             .await
             .map_err(database)?
         {
-            let id: i64 = row.try_get("id").map_err(database)?;
-            let record: String = row.try_get("record").map_err(database)?;
-            loaded.jobs.push(parse(&format!("job {id}"), &record)?);
+            let key: String = match row.try_get::<i64, _>(0) {
+                Ok(id) => id.to_string(),
+                Err(_) => string(&row, "key")?,
+            };
+            let record = string(&row, "record")?;
+            records.push(parse(&format!("{what} {key}"), &record)?);
         }
-        for row in sqlx::query(
-            "SELECT a.id, a.record FROM allocations a JOIN jobs j ON j.id = a.job \
-             WHERE j.retired = 0 ORDER BY a.id",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .map_err(database)?
-        {
-            let id: i64 = row.try_get("id").map_err(database)?;
-            let record: String = row.try_get("record").map_err(database)?;
-            loaded
-                .allocations
-                .push(parse(&format!("allocation {id}"), &record)?);
-        }
+        Ok(records)
+    }
+}
+
+impl Store for SqlStore {
+    async fn load(&self) -> Result<Loaded, StoreError> {
+        let mut loaded = Loaded {
+            jobs: self
+                .records(
+                    "SELECT id, record FROM jobs WHERE retired = 0 ORDER BY id",
+                    "job",
+                )
+                .await?,
+            allocations: self
+                .records(
+                    "SELECT a.id, a.record FROM allocations a JOIN jobs j ON j.id = a.job \
+                     WHERE j.retired = 0 ORDER BY a.id",
+                    "allocation",
+                )
+                .await?,
+            queues: self
+                .records(
+                    "SELECT name AS key, record FROM queues ORDER BY name",
+                    "queue",
+                )
+                .await?,
+            pools: self
+                .records(
+                    "SELECT name AS key, record FROM pools ORDER BY name",
+                    "pool",
+                )
+                .await?,
+            users: self
+                .records(
+                    "SELECT name AS key, record FROM users ORDER BY name",
+                    "user",
+                )
+                .await?,
+            secrets: self
+                .records(
+                    "SELECT name AS key, record FROM secrets ORDER BY name, queue",
+                    "secret",
+                )
+                .await?,
+            ..Loaded::default()
+        };
         for row in sqlx::query("SELECT name, record, token FROM nodes ORDER BY name")
             .fetch_all(&self.pool)
             .await
             .map_err(database)?
         {
-            let name: String = row.try_get("name").map_err(database)?;
-            let record: String = row.try_get("record").map_err(database)?;
-            let token: String = row.try_get("token").map_err(database)?;
-            loaded
-                .nodes
-                .push((parse(&format!("node {name}"), &record)?, token));
+            let name = string(&row, "name")?;
+            let record = string(&row, "record")?;
+            loaded.nodes.push((
+                parse(&format!("node {name}"), &record)?,
+                string(&row, "token")?,
+            ));
         }
-        for row in sqlx::query("SELECT name, record FROM queues ORDER BY name")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(database)?
-        {
-            let name: String = row.try_get("name").map_err(database)?;
-            let record: String = row.try_get("record").map_err(database)?;
-            loaded
-                .queues
-                .push(parse(&format!("queue {name}"), &record)?);
-        }
-        for row in sqlx::query("SELECT name, record FROM pools ORDER BY name")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(database)?
-        {
-            let name: String = row.try_get("name").map_err(database)?;
-            let record: String = row.try_get("record").map_err(database)?;
-            loaded.pools.push(parse(&format!("pool {name}"), &record)?);
-        }
-        for row in sqlx::query("SELECT name, record FROM users ORDER BY name")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(database)?
-        {
-            let name: String = row.try_get("name").map_err(database)?;
-            let record: String = row.try_get("record").map_err(database)?;
-            loaded.users.push(parse(&format!("user {name}"), &record)?);
-        }
-        for row in sqlx::query("SELECT name, queue, record FROM secrets")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(database)?
-        {
-            let name: String = row.try_get("name").map_err(database)?;
-            let record: String = row.try_get("record").map_err(database)?;
-            loaded
-                .secrets
-                .push(parse(&format!("secret {name}"), &record)?);
-        }
-        for row in sqlx::query("SELECT user, key, job, at FROM idempotency ORDER BY rowid")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(database)?
-        {
-            let job: i64 = row.try_get("job").map_err(database)?;
-            let at: i64 = row.try_get("at").map_err(database)?;
+        let keys = Statement::new(&format!(
+            "SELECT \"user\", key, job, at FROM idempotency ORDER BY {}",
+            self.backend.insertion_order()
+        ));
+        for row in keys.fetch_all(&self.pool).await? {
             loaded.idempotency.push((
-                row.try_get("user").map_err(database)?,
-                row.try_get("key").map_err(database)?,
-                u64::try_from(job).unwrap_or(0),
-                u64::try_from(at).unwrap_or(0),
+                string(&row, "user")?,
+                string(&row, "key")?,
+                number(&row, "job")?,
+                number(&row, "at")?,
             ));
         }
         for row in sqlx::query("SELECT key, value FROM meta")
@@ -437,10 +781,8 @@ impl Store for SqliteStore {
             .await
             .map_err(database)?
         {
-            let key: String = row.try_get("key").map_err(database)?;
-            let value: i64 = row.try_get("value").map_err(database)?;
-            let value = u64::try_from(value).unwrap_or(0);
-            match key.as_str() {
+            let value = number(&row, "value")?;
+            match string(&row, "key")?.as_str() {
                 "next_job" => loaded.counters.next_job = value,
                 "next_allocation" => loaded.counters.next_allocation = value,
                 "next_generation" => loaded.counters.next_generation = value,
@@ -456,245 +798,237 @@ impl Store for SqliteStore {
             return Ok(());
         }
         let mut tx = self.pool.begin().await.map_err(database)?;
-        for (id, row) in &batch.jobs {
-            sqlx::query(
-                "INSERT INTO jobs (id, record, state, user, queue) VALUES (?1, ?2, ?3, ?4, ?5) \
-                 ON CONFLICT (id) DO UPDATE SET record = excluded.record, \
-                 state = excluded.state, user = excluded.user, queue = excluded.queue",
-            )
-            .bind(to_i64(*id))
-            .bind(&row.record)
-            .bind(&row.state)
-            .bind(&row.user)
-            .bind(&row.queue)
-            .execute(&mut *tx)
-            .await
-            .map_err(database)?;
-        }
-        for id in &batch.retired {
-            sqlx::query("UPDATE jobs SET retired = 1 WHERE id = ?1")
-                .bind(to_i64(*id))
-                .execute(&mut *tx)
-                .await
-                .map_err(database)?;
+        insert_rows(
+            &mut tx,
+            "jobs (id, record, state, \"user\", queue)",
+            "ON CONFLICT (id) DO UPDATE SET record = excluded.record, \
+             state = excluded.state, \"user\" = excluded.\"user\", queue = excluded.queue",
+            batch
+                .jobs
+                .iter()
+                .map(|(id, row)| {
+                    vec![
+                        int(*id),
+                        text(&row.record),
+                        text(&row.state),
+                        text(&row.user),
+                        text(&row.queue),
+                    ]
+                })
+                .collect(),
+        )
+        .await?;
+        let retired: Vec<u64> = batch.retired.iter().copied().collect();
+        for chunk in retired.chunks(ROWS_PER_STATEMENT) {
+            let mut statement = Statement::new("UPDATE jobs SET retired = 1 WHERE id IN ");
+            statement.bind_list(chunk.iter().map(|id| int(*id)));
+            statement.execute(&mut tx).await?;
         }
         for name in &batch.removed_nodes {
-            sqlx::query("DELETE FROM nodes WHERE name = ?1")
-                .bind(name)
+            sqlx::query("DELETE FROM nodes WHERE name = $1")
+                .bind(name.as_str())
                 .execute(&mut *tx)
                 .await
                 .map_err(database)?;
         }
-        for (id, (job, record)) in &batch.allocations {
-            sqlx::query(
-                "INSERT INTO allocations (id, job, record) VALUES (?1, ?2, ?3) \
-                 ON CONFLICT (id) DO UPDATE SET job = excluded.job, record = excluded.record",
-            )
-            .bind(to_i64(*id))
-            .bind(to_i64(*job))
-            .bind(record)
-            .execute(&mut *tx)
-            .await
-            .map_err(database)?;
-        }
-        for (name, (record, token)) in &batch.nodes {
-            sqlx::query(
-                "INSERT INTO nodes (name, record, token) VALUES (?1, ?2, ?3) \
-                 ON CONFLICT (name) DO UPDATE SET record = excluded.record, token = excluded.token",
-            )
-            .bind(name)
-            .bind(record)
-            .bind(token)
-            .execute(&mut *tx)
-            .await
-            .map_err(database)?;
-        }
-        for (name, record) in &batch.queues {
-            sqlx::query(
-                "INSERT INTO queues (name, record) VALUES (?1, ?2) \
-                 ON CONFLICT (name) DO UPDATE SET record = excluded.record",
-            )
-            .bind(name)
-            .bind(record)
-            .execute(&mut *tx)
-            .await
-            .map_err(database)?;
-        }
+        insert_rows(
+            &mut tx,
+            "allocations (id, job, record)",
+            "ON CONFLICT (id) DO UPDATE SET job = excluded.job, record = excluded.record",
+            batch
+                .allocations
+                .iter()
+                .map(|(id, (job, record))| vec![int(*id), int(*job), text(record)])
+                .collect(),
+        )
+        .await?;
+        insert_rows(
+            &mut tx,
+            "nodes (name, record, token)",
+            "ON CONFLICT (name) DO UPDATE SET record = excluded.record, token = excluded.token",
+            batch
+                .nodes
+                .iter()
+                .map(|(name, (record, token))| vec![text(name), text(record), text(token)])
+                .collect(),
+        )
+        .await?;
+        insert_rows(
+            &mut tx,
+            "queues (name, record)",
+            "ON CONFLICT (name) DO UPDATE SET record = excluded.record",
+            batch
+                .queues
+                .iter()
+                .map(|(name, record)| vec![text(name), text(record)])
+                .collect(),
+        )
+        .await?;
         if let Some(counters) = batch.counters {
-            for (key, value) in [
-                ("next_job", counters.next_job),
-                ("next_allocation", counters.next_allocation),
-                ("next_generation", counters.next_generation),
-                ("next_epoch", counters.next_epoch),
-            ] {
-                sqlx::query(
-                    "INSERT INTO meta (key, value) VALUES (?1, ?2) \
-                     ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                )
-                .bind(key)
-                .bind(to_i64(value))
+            insert_rows(
+                &mut tx,
+                "meta (key, value)",
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                [
+                    ("next_job", counters.next_job),
+                    ("next_allocation", counters.next_allocation),
+                    ("next_generation", counters.next_generation),
+                    ("next_epoch", counters.next_epoch),
+                ]
+                .into_iter()
+                .map(|(key, value)| vec![text(key), int(value)])
+                .collect(),
+            )
+            .await?;
+        }
+        // One statement a minute: a batch may hold a minute twice (both
+        // add up), which one multi-row upsert may not.
+        let greatest = self.backend.greatest();
+        let add_usage = format!(
+            "INSERT INTO usage_minutes (allocation, minute, job, rank, node, pool, gpu_model, \
+             queue, \"user\", allocated_gpu_ms, measured_gpu_ms, used_gpu_ms, idle_gpu_ms, \
+             samples, utilization_sum, peak_utilization, peak_memory_mib) VALUES \
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
+             ON CONFLICT (allocation, minute) DO UPDATE SET \
+             allocated_gpu_ms = usage_minutes.allocated_gpu_ms + excluded.allocated_gpu_ms, \
+             measured_gpu_ms = usage_minutes.measured_gpu_ms + excluded.measured_gpu_ms, \
+             used_gpu_ms = usage_minutes.used_gpu_ms + excluded.used_gpu_ms, \
+             idle_gpu_ms = usage_minutes.idle_gpu_ms + excluded.idle_gpu_ms, \
+             samples = usage_minutes.samples + excluded.samples, \
+             utilization_sum = usage_minutes.utilization_sum + excluded.utilization_sum, \
+             peak_utilization = {greatest}(usage_minutes.peak_utilization, \
+             excluded.peak_utilization), \
+             peak_memory_mib = {greatest}(usage_minutes.peak_memory_mib, \
+             excluded.peak_memory_mib)"
+        );
+        for minute in &batch.usage {
+            sqlx::query(AssertSqlSafe(add_usage.as_str()))
+                .bind(to_i64(minute.allocation))
+                .bind(to_i64(minute.minute_ms))
+                .bind(to_i64(minute.job))
+                .bind(i64::from(minute.rank))
+                .bind(minute.node.as_str())
+                .bind(minute.pool.as_str())
+                .bind(minute.gpu_model.as_str())
+                .bind(minute.queue.as_str())
+                .bind(minute.user.as_str())
+                .bind(to_i64(minute.allocated_gpu_ms))
+                .bind(to_i64(minute.measured_gpu_ms))
+                .bind(to_i64(minute.used_gpu_ms))
+                .bind(to_i64(minute.idle_gpu_ms))
+                .bind(i64::from(minute.samples))
+                .bind(to_i64(minute.utilization_sum))
+                .bind(i64::from(minute.peak_utilization))
+                .bind(to_i64(minute.peak_memory_mib))
                 .execute(&mut *tx)
                 .await
                 .map_err(database)?;
-            }
-        }
-        for minute in &batch.usage {
-            sqlx::query(
-                "INSERT INTO usage_minutes (allocation, minute, job, rank, node, pool, gpu_model, \
-                 queue, user, allocated_gpu_ms, measured_gpu_ms, used_gpu_ms, idle_gpu_ms, \
-                 samples, utilization_sum, peak_utilization, peak_memory_mib) VALUES \
-                 (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17) \
-                 ON CONFLICT (allocation, minute) DO UPDATE SET \
-                 allocated_gpu_ms = allocated_gpu_ms + excluded.allocated_gpu_ms, \
-                 measured_gpu_ms = measured_gpu_ms + excluded.measured_gpu_ms, \
-                 used_gpu_ms = used_gpu_ms + excluded.used_gpu_ms, \
-                 idle_gpu_ms = idle_gpu_ms + excluded.idle_gpu_ms, \
-                 samples = samples + excluded.samples, \
-                 utilization_sum = utilization_sum + excluded.utilization_sum, \
-                 peak_utilization = max(peak_utilization, excluded.peak_utilization), \
-                 peak_memory_mib = max(peak_memory_mib, excluded.peak_memory_mib)",
-            )
-            .bind(to_i64(minute.allocation))
-            .bind(to_i64(minute.minute_ms))
-            .bind(to_i64(minute.job))
-            .bind(i64::from(minute.rank))
-            .bind(&minute.node)
-            .bind(&minute.pool)
-            .bind(&minute.gpu_model)
-            .bind(&minute.queue)
-            .bind(&minute.user)
-            .bind(to_i64(minute.allocated_gpu_ms))
-            .bind(to_i64(minute.measured_gpu_ms))
-            .bind(to_i64(minute.used_gpu_ms))
-            .bind(to_i64(minute.idle_gpu_ms))
-            .bind(i64::from(minute.samples))
-            .bind(to_i64(minute.utilization_sum))
-            .bind(i64::from(minute.peak_utilization))
-            .bind(to_i64(minute.peak_memory_mib))
-            .execute(&mut *tx)
-            .await
-            .map_err(database)?;
         }
         for (model, price) in &batch.prices {
             match price {
                 Some(price) => sqlx::query(
-                    "INSERT INTO prices (model, per_gpu_hour) VALUES (?1, ?2) \
+                    "INSERT INTO prices (model, per_gpu_hour) VALUES ($1, $2) \
                      ON CONFLICT (model) DO UPDATE SET per_gpu_hour = excluded.per_gpu_hour",
                 )
-                .bind(model)
-                .bind(price),
-                None => sqlx::query("DELETE FROM prices WHERE model = ?1").bind(model),
+                .bind(model.as_str())
+                .bind(*price),
+                None => sqlx::query("DELETE FROM prices WHERE model = $1").bind(model.as_str()),
             }
             .execute(&mut *tx)
             .await
             .map_err(database)?;
         }
-        for (name, record) in &batch.pools {
-            match record {
-                Some(record) => sqlx::query(
-                    "INSERT INTO pools (name, record) VALUES (?1, ?2) \
-                     ON CONFLICT (name) DO UPDATE SET record = excluded.record",
-                )
-                .bind(name)
-                .bind(record),
-                None => sqlx::query("DELETE FROM pools WHERE name = ?1").bind(name),
+        for (table, records) in [("pools", &batch.pools), ("users", &batch.users)] {
+            for (name, record) in records {
+                let sql = match record {
+                    Some(_) => format!(
+                        "INSERT INTO {table} (name, record) VALUES ($1, $2) \
+                         ON CONFLICT (name) DO UPDATE SET record = excluded.record"
+                    ),
+                    None => format!("DELETE FROM {table} WHERE name = $1"),
+                };
+                let mut query = sqlx::query(AssertSqlSafe(sql)).bind(name.as_str());
+                if let Some(record) = record {
+                    query = query.bind(record.as_str());
+                }
+                query.execute(&mut *tx).await.map_err(database)?;
             }
-            .execute(&mut *tx)
-            .await
-            .map_err(database)?;
-        }
-        for (name, record) in &batch.users {
-            match record {
-                Some(record) => sqlx::query(
-                    "INSERT INTO users (name, record) VALUES (?1, ?2) \
-                     ON CONFLICT (name) DO UPDATE SET record = excluded.record",
-                )
-                .bind(name)
-                .bind(record),
-                None => sqlx::query("DELETE FROM users WHERE name = ?1").bind(name),
-            }
-            .execute(&mut *tx)
-            .await
-            .map_err(database)?;
         }
         for ((name, queue), record) in &batch.secrets {
             match record {
                 Some(record) => sqlx::query(
-                    "INSERT INTO secrets (name, queue, record) VALUES (?1, ?2, ?3) \
+                    "INSERT INTO secrets (name, queue, record) VALUES ($1, $2, $3) \
                      ON CONFLICT (name, queue) DO UPDATE SET record = excluded.record",
                 )
-                .bind(name)
-                .bind(queue)
-                .bind(record),
-                None => sqlx::query("DELETE FROM secrets WHERE name = ?1 AND queue = ?2")
-                    .bind(name)
-                    .bind(queue),
+                .bind(name.as_str())
+                .bind(queue.as_str())
+                .bind(record.as_str()),
+                None => sqlx::query("DELETE FROM secrets WHERE name = $1 AND queue = $2")
+                    .bind(name.as_str())
+                    .bind(queue.as_str()),
             }
             .execute(&mut *tx)
             .await
             .map_err(database)?;
         }
-        // Many rows a statement: each statement costs a round trip to
-        // SQLite's thread, more than the row itself.
-        for chunk in batch.audit.chunks(ROWS_PER_STATEMENT) {
-            let mut insert: sqlx::QueryBuilder<sqlx::Sqlite> = sqlx::QueryBuilder::new(
-                "INSERT INTO audit (at, who, action, object, origin, status, allowed) ",
-            );
-            insert.push_values(chunk, |mut row, entry| {
-                row.push_bind(to_i64(entry.at_ms))
-                    .push_bind(&entry.who)
-                    .push_bind(&entry.action)
-                    .push_bind(&entry.object)
-                    .push_bind(&entry.origin)
-                    .push_bind(i64::from(entry.status))
-                    .push_bind(entry.allowed);
-            });
-            insert.build().execute(&mut *tx).await.map_err(database)?;
-        }
-        let keys: Vec<_> = batch.idempotency.iter().collect();
-        for chunk in keys.chunks(ROWS_PER_STATEMENT) {
-            let mut insert: sqlx::QueryBuilder<sqlx::Sqlite> =
-                sqlx::QueryBuilder::new("INSERT INTO idempotency (user, key, job, at) ");
-            insert.push_values(chunk, |mut row, ((user, key), (job, at))| {
-                row.push_bind(user)
-                    .push_bind(key)
-                    .push_bind(to_i64(*job))
-                    .push_bind(to_i64(*at));
-            });
-            insert.build().execute(&mut *tx).await.map_err(database)?;
-        }
-        if let Some(before) = batch.prune_audit_before {
-            sqlx::query("DELETE FROM audit WHERE at < ?1")
+        insert_rows(
+            &mut tx,
+            "audit (at, who, action, object, origin, status, allowed)",
+            "",
+            batch
+                .audit
+                .iter()
+                .map(|entry| {
+                    vec![
+                        int(entry.at_ms),
+                        text(&entry.who),
+                        text(&entry.action),
+                        text(&entry.object),
+                        text(&entry.origin),
+                        Value::Int(i64::from(entry.status)),
+                        Value::Int(i64::from(entry.allowed)),
+                    ]
+                })
+                .collect(),
+        )
+        .await?;
+        insert_rows(
+            &mut tx,
+            "idempotency (\"user\", key, job, at)",
+            "",
+            batch
+                .idempotency
+                .iter()
+                .map(|((user, key), (job, at))| vec![text(user), text(key), int(*job), int(*at)])
+                .collect(),
+        )
+        .await?;
+        for (table, column, before) in [
+            ("audit", "at", batch.prune_audit_before),
+            ("idempotency", "at", batch.prune_idempotency_before),
+            ("usage_minutes", "minute", batch.prune_usage_before),
+        ] {
+            if let Some(before) = before {
+                sqlx::query(AssertSqlSafe(format!(
+                    "DELETE FROM {table} WHERE {column} < $1"
+                )))
                 .bind(to_i64(before))
                 .execute(&mut *tx)
                 .await
                 .map_err(database)?;
-        }
-        if let Some(before) = batch.prune_idempotency_before {
-            sqlx::query("DELETE FROM idempotency WHERE at < ?1")
-                .bind(to_i64(before))
-                .execute(&mut *tx)
-                .await
-                .map_err(database)?;
-        }
-        if let Some(before) = batch.prune_usage_before {
-            sqlx::query("DELETE FROM usage_minutes WHERE minute < ?1")
-                .bind(to_i64(before))
-                .execute(&mut *tx)
-                .await
-                .map_err(database)?;
+            }
         }
         tx.commit().await.map_err(database)
     }
 }
 
-impl SqliteStore {
+impl SqlStore {
     /// A job as stored (the caller asks for one that left the server's
     /// memory).
     pub async fn retired_job(&self, id: u64) -> Result<Option<StoredJob>, StoreError> {
         // Not necessarily marked retired yet: the caller found it missing
         // from memory, so this is its last record.
-        let Some(row) = sqlx::query("SELECT record FROM jobs WHERE id = ?1")
+        let Some(row) = sqlx::query("SELECT record FROM jobs WHERE id = $1")
             .bind(to_i64(id))
             .fetch_optional(&self.pool)
             .await
@@ -702,7 +1036,7 @@ impl SqliteStore {
         else {
             return Ok(None);
         };
-        let record: String = row.try_get("record").map_err(database)?;
+        let record = string(&row, "record")?;
         let job: JobRecord = parse(&format!("job {id}"), &record)?;
         let allocations = self.allocations_of(&[id]).await?;
         Ok(Some((
@@ -720,38 +1054,32 @@ impl SqliteStore {
         after: Option<u64>,
         limit: u32,
     ) -> Result<Vec<StoredJob>, StoreError> {
-        let mut query: sqlx::QueryBuilder<sqlx::Sqlite> =
-            sqlx::QueryBuilder::new("SELECT id, record FROM jobs WHERE retired = 1 AND id < ");
-        query.push_bind(before.map_or(i64::MAX, to_i64));
+        let mut query = Statement::new("SELECT id, record FROM jobs WHERE retired = 1 AND id < ");
+        query.bind(Value::Int(before.map_or(i64::MAX, to_i64)));
         query.push(" AND id > ");
-        query.push_bind(after.map_or(-1, to_i64));
+        query.bind(Value::Int(after.map_or(-1, to_i64)));
         if let Some(states) = &filter.states {
-            query.push(" AND state IN (");
-            let mut list = query.separated(", ");
-            for state in states {
-                list.push_bind(state.clone());
+            if states.is_empty() {
+                return Ok(Vec::new());
             }
-            query.push(")");
+            query.push(" AND state IN ");
+            query.bind_list(states.iter().map(|state| text(state)));
         }
         if let Some(user) = &filter.user {
-            query.push(" AND user = ");
-            query.push_bind(user.clone());
+            query.push(" AND \"user\" = ");
+            query.bind(text(user));
         }
         if let Some(queue) = &filter.queue {
             query.push(" AND queue = ");
-            query.push_bind(queue.clone());
+            query.bind(text(queue));
         }
         query.push(" ORDER BY id DESC LIMIT ");
-        query.push_bind(i64::from(limit));
-        let rows = query
-            .build()
-            .fetch_all(&self.pool)
-            .await
-            .map_err(database)?;
+        query.bind(Value::Int(i64::from(limit)));
+        let rows = query.fetch_all(&self.pool).await?;
         let mut jobs = Vec::with_capacity(rows.len());
         for row in rows {
-            let id: i64 = row.try_get("id").map_err(database)?;
-            let record: String = row.try_get("record").map_err(database)?;
+            let id = number(&row, "id")?;
+            let record = string(&row, "record")?;
             let job: JobRecord = parse(&format!("job {id}"), &record)?;
             jobs.push(job);
         }
@@ -772,34 +1100,22 @@ impl SqliteStore {
         jobs: &[u64],
     ) -> Result<BTreeMap<u64, Vec<AllocationRecord>>, StoreError> {
         let mut found: BTreeMap<u64, Vec<AllocationRecord>> = BTreeMap::new();
-        for chunk in jobs.chunks(500) {
-            let mut query: sqlx::QueryBuilder<sqlx::Sqlite> =
-                sqlx::QueryBuilder::new("SELECT id, job, record FROM allocations WHERE job IN (");
-            let mut list = query.separated(", ");
-            for id in chunk {
-                list.push_bind(to_i64(*id));
-            }
-            query.push(") ORDER BY id");
-            for row in query
-                .build()
-                .fetch_all(&self.pool)
-                .await
-                .map_err(database)?
-            {
-                let id: i64 = row.try_get("id").map_err(database)?;
-                let job: i64 = row.try_get("job").map_err(database)?;
-                let record: String = row.try_get("record").map_err(database)?;
+        for chunk in jobs.chunks(ROWS_PER_STATEMENT) {
+            let mut query = Statement::new("SELECT id, job, record FROM allocations WHERE job IN ");
+            query.bind_list(chunk.iter().map(|id| int(*id)));
+            query.push(" ORDER BY id");
+            for row in query.fetch_all(&self.pool).await? {
+                let id = number(&row, "id")?;
+                let record = string(&row, "record")?;
                 found
-                    .entry(u64::try_from(job).unwrap_or(0))
+                    .entry(number(&row, "job")?)
                     .or_default()
                     .push(parse(&format!("allocation {id}"), &record)?);
             }
         }
         Ok(found)
     }
-}
 
-impl SqliteStore {
     /// The price list: per GPU model, per GPU-hour.
     pub async fn prices(&self) -> Result<BTreeMap<String, f64>, StoreError> {
         let rows = sqlx::query("SELECT model, per_gpu_hour FROM prices")
@@ -809,7 +1125,7 @@ impl SqliteStore {
         let mut prices = BTreeMap::new();
         for row in rows {
             prices.insert(
-                row.try_get("model").map_err(database)?,
+                string(&row, "model")?,
                 row.try_get("per_gpu_hour").map_err(database)?,
             );
         }
@@ -823,21 +1139,24 @@ impl SqliteStore {
         by: CostBy,
         since_ms: u64,
     ) -> Result<Vec<UsageTotals>, StoreError> {
+        // Sums are cast back to whole numbers: PostgreSQL widens a sum of
+        // BIGINTs to NUMERIC.
         macro_rules! totals_by {
             ($column:literal) => {
                 concat!(
                     "SELECT ",
                     $column,
-                    " AS key, gpu_model, sum(allocated_gpu_ms) AS allocated, \
-                     sum(measured_gpu_ms) AS measured, sum(used_gpu_ms) AS used, \
-                     sum(idle_gpu_ms) AS idle FROM usage_minutes WHERE minute >= ?1 \
-                     GROUP BY key, gpu_model"
+                    " AS key, gpu_model, CAST(sum(allocated_gpu_ms) AS BIGINT) AS allocated, \
+                     CAST(sum(measured_gpu_ms) AS BIGINT) AS measured, \
+                     CAST(sum(used_gpu_ms) AS BIGINT) AS used, \
+                     CAST(sum(idle_gpu_ms) AS BIGINT) AS idle FROM usage_minutes \
+                     WHERE minute >= $1 GROUP BY 1, gpu_model"
                 )
             };
         }
         let sql = match by {
             CostBy::Queue => totals_by!("queue"),
-            CostBy::User => totals_by!("user"),
+            CostBy::User => totals_by!("\"user\""),
             CostBy::Job => totals_by!("CAST(job AS TEXT)"),
             CostBy::Pool => totals_by!("pool"),
         };
@@ -848,17 +1167,13 @@ impl SqliteStore {
             .map_err(database)?;
         let mut totals = Vec::with_capacity(rows.len());
         for row in rows {
-            let number = |name: &str| -> Result<u64, StoreError> {
-                let value: i64 = row.try_get(name).map_err(database)?;
-                Ok(u64::try_from(value).unwrap_or(0))
-            };
             totals.push(UsageTotals {
-                key: row.try_get("key").map_err(database)?,
-                gpu_model: row.try_get("gpu_model").map_err(database)?,
-                allocated_gpu_ms: number("allocated")?,
-                measured_gpu_ms: number("measured")?,
-                used_gpu_ms: number("used")?,
-                idle_gpu_ms: number("idle")?,
+                key: string(&row, "key")?,
+                gpu_model: string(&row, "gpu_model")?,
+                allocated_gpu_ms: number(&row, "allocated")?,
+                measured_gpu_ms: number(&row, "measured")?,
+                used_gpu_ms: number(&row, "used")?,
+                idle_gpu_ms: number(&row, "idle")?,
             });
         }
         Ok(totals)
@@ -868,8 +1183,9 @@ impl SqliteStore {
     /// (minute, allocated, used), oldest first.
     pub async fn cluster_minutes(&self, since_ms: u64) -> Result<Vec<(u64, u64, u64)>, StoreError> {
         let rows = sqlx::query(
-            "SELECT minute, sum(allocated_gpu_ms) AS allocated, sum(used_gpu_ms) AS used \
-             FROM usage_minutes WHERE minute >= ?1 GROUP BY minute ORDER BY minute",
+            "SELECT minute, CAST(sum(allocated_gpu_ms) AS BIGINT) AS allocated, \
+             CAST(sum(used_gpu_ms) AS BIGINT) AS used \
+             FROM usage_minutes WHERE minute >= $1 GROUP BY minute ORDER BY minute",
         )
         .bind(to_i64(since_ms))
         .fetch_all(&self.pool)
@@ -877,11 +1193,11 @@ impl SqliteStore {
         .map_err(database)?;
         let mut minutes = Vec::with_capacity(rows.len());
         for row in rows {
-            let number = |name: &str| -> Result<u64, StoreError> {
-                let value: i64 = row.try_get(name).map_err(database)?;
-                Ok(u64::try_from(value).unwrap_or(0))
-            };
-            minutes.push((number("minute")?, number("allocated")?, number("used")?));
+            minutes.push((
+                number(&row, "minute")?,
+                number(&row, "allocated")?,
+                number(&row, "used")?,
+            ));
         }
         Ok(minutes)
     }
@@ -894,33 +1210,27 @@ impl SqliteStore {
         who: Option<&str>,
         limit: u32,
     ) -> Result<Vec<AuditEntry>, StoreError> {
-        let mut query: sqlx::QueryBuilder<sqlx::Sqlite> = sqlx::QueryBuilder::new(
+        let mut query = Statement::new(
             "SELECT at, who, action, object, origin, status, allowed FROM audit WHERE at >= ",
         );
-        query.push_bind(to_i64(since_ms));
+        query.bind(int(since_ms));
         if let Some(who) = who {
             query.push(" AND who = ");
-            query.push_bind(who.to_string());
+            query.bind(text(who));
         }
         query.push(" ORDER BY id DESC LIMIT ");
-        query.push_bind(i64::from(limit));
-        let rows = query
-            .build()
-            .fetch_all(&self.pool)
-            .await
-            .map_err(database)?;
+        query.bind(Value::Int(i64::from(limit)));
+        let rows = query.fetch_all(&self.pool).await?;
         let mut entries = Vec::with_capacity(rows.len());
         for row in rows {
-            let at: i64 = row.try_get("at").map_err(database)?;
-            let status: i64 = row.try_get("status").map_err(database)?;
             entries.push(AuditEntry {
-                at_ms: u64::try_from(at).unwrap_or(0),
-                who: row.try_get("who").map_err(database)?,
-                action: row.try_get("action").map_err(database)?,
-                object: row.try_get("object").map_err(database)?,
-                origin: row.try_get("origin").map_err(database)?,
-                status: u16::try_from(status).unwrap_or(0),
-                allowed: row.try_get("allowed").map_err(database)?,
+                at_ms: number(&row, "at")?,
+                who: string(&row, "who")?,
+                action: string(&row, "action")?,
+                object: string(&row, "object")?,
+                origin: string(&row, "origin")?,
+                status: u16::try_from(number(&row, "status")?).unwrap_or(0),
+                allowed: number(&row, "allowed")? != 0,
             });
         }
         Ok(entries)
@@ -929,8 +1239,9 @@ impl SqliteStore {
     /// A job's accounting minutes, oldest first (the latest `limit`).
     pub async fn job_usage(&self, job: u64, limit: u32) -> Result<Vec<UsageMinute>, StoreError> {
         let rows = sqlx::query(
-            "SELECT * FROM (SELECT * FROM usage_minutes WHERE job = ?1 \
-             ORDER BY minute DESC, allocation DESC LIMIT ?2) ORDER BY minute, allocation",
+            "SELECT * FROM (SELECT * FROM usage_minutes WHERE job = $1 \
+             ORDER BY minute DESC, allocation DESC LIMIT $2) AS latest \
+             ORDER BY minute, allocation",
         )
         .bind(to_i64(job))
         .bind(i64::from(limit))
@@ -939,191 +1250,208 @@ impl SqliteStore {
         .map_err(database)?;
         let mut minutes = Vec::with_capacity(rows.len());
         for row in rows {
-            let number = |name: &str| -> Result<u64, StoreError> {
-                let value: i64 = row.try_get(name).map_err(database)?;
-                Ok(u64::try_from(value).unwrap_or(0))
-            };
             minutes.push(UsageMinute {
-                minute_ms: number("minute")?,
-                allocation: number("allocation")?,
-                job: number("job")?,
-                rank: u32::try_from(number("rank")?).unwrap_or(u32::MAX),
-                node: row.try_get("node").map_err(database)?,
-                pool: row.try_get("pool").map_err(database)?,
-                gpu_model: row.try_get("gpu_model").map_err(database)?,
-                queue: row.try_get("queue").map_err(database)?,
-                user: row.try_get("user").map_err(database)?,
-                allocated_gpu_ms: number("allocated_gpu_ms")?,
-                measured_gpu_ms: number("measured_gpu_ms")?,
-                used_gpu_ms: number("used_gpu_ms")?,
-                idle_gpu_ms: number("idle_gpu_ms")?,
-                samples: u32::try_from(number("samples")?).unwrap_or(u32::MAX),
-                utilization_sum: number("utilization_sum")?,
-                peak_utilization: u32::try_from(number("peak_utilization")?).unwrap_or(100),
-                peak_memory_mib: number("peak_memory_mib")?,
+                minute_ms: number(&row, "minute")?,
+                allocation: number(&row, "allocation")?,
+                job: number(&row, "job")?,
+                rank: u32::try_from(number(&row, "rank")?).unwrap_or(u32::MAX),
+                node: string(&row, "node")?,
+                pool: string(&row, "pool")?,
+                gpu_model: string(&row, "gpu_model")?,
+                queue: string(&row, "queue")?,
+                user: string(&row, "user")?,
+                allocated_gpu_ms: number(&row, "allocated_gpu_ms")?,
+                measured_gpu_ms: number(&row, "measured_gpu_ms")?,
+                used_gpu_ms: number(&row, "used_gpu_ms")?,
+                idle_gpu_ms: number(&row, "idle_gpu_ms")?,
+                samples: u32::try_from(number(&row, "samples")?).unwrap_or(u32::MAX),
+                utilization_sum: number(&row, "utilization_sum")?,
+                peak_utilization: u32::try_from(number(&row, "peak_utilization")?).unwrap_or(100),
+                peak_memory_mib: number(&row, "peak_memory_mib")?,
             });
         }
         Ok(minutes)
     }
 }
 
-/// Rows in one multi-row INSERT (SQLite takes at most 32,766 bound values
-/// a statement).
+/// A column's kind, for copying rows between stores.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Int,
+    Text,
+    Real,
+}
+
+/// Every table a store holds, with its columns (the ones written; an
+/// `id` the database hands out is left to it) and the order to read them
+/// in (insertion order where it matters: the audit log and idempotency
+/// keys, whose latest row wins).
+/// A table: its name, its columns and their kinds, and the order to read
+/// it in (empty: the order rows were inserted in).
+type Table = (&'static str, &'static [(&'static str, Kind)], &'static str);
+
+const TABLES: [Table; 12] = {
+    use Kind::{Int, Real, Text};
+    [
+        ("meta", &[("key", Text), ("value", Int)], "key"),
+        (
+            "jobs",
+            &[
+                ("id", Int),
+                ("record", Text),
+                ("state", Text),
+                ("\"user\"", Text),
+                ("queue", Text),
+                ("retired", Int),
+            ],
+            "id",
+        ),
+        (
+            "allocations",
+            &[("id", Int), ("job", Int), ("record", Text)],
+            "id",
+        ),
+        (
+            "nodes",
+            &[("name", Text), ("record", Text), ("token", Text)],
+            "name",
+        ),
+        ("queues", &[("name", Text), ("record", Text)], "name"),
+        (
+            "usage_minutes",
+            &[
+                ("allocation", Int),
+                ("minute", Int),
+                ("job", Int),
+                ("rank", Int),
+                ("node", Text),
+                ("pool", Text),
+                ("gpu_model", Text),
+                ("queue", Text),
+                ("\"user\"", Text),
+                ("allocated_gpu_ms", Int),
+                ("measured_gpu_ms", Int),
+                ("used_gpu_ms", Int),
+                ("idle_gpu_ms", Int),
+                ("samples", Int),
+                ("utilization_sum", Int),
+                ("peak_utilization", Int),
+                ("peak_memory_mib", Int),
+            ],
+            "allocation, minute",
+        ),
+        (
+            "prices",
+            &[("model", Text), ("per_gpu_hour", Real)],
+            "model",
+        ),
+        ("pools", &[("name", Text), ("record", Text)], "name"),
+        ("users", &[("name", Text), ("record", Text)], "name"),
+        (
+            "audit",
+            &[
+                ("at", Int),
+                ("who", Text),
+                ("action", Text),
+                ("object", Text),
+                ("origin", Text),
+                ("status", Int),
+                ("allowed", Int),
+            ],
+            "id",
+        ),
+        (
+            "idempotency",
+            &[("\"user\"", Text), ("key", Text), ("job", Int), ("at", Int)],
+            "", // insertion order, the backend's own
+        ),
+        (
+            "secrets",
+            &[("name", Text), ("queue", Text), ("record", Text)],
+            "name, queue",
+        ),
+    ]
+};
+
+/// Rows copied per table by [`SqlStore::copy_from`].
+pub type CopyCounts = Vec<(&'static str, u64)>;
+
+impl SqlStore {
+    /// Whether the store holds nothing yet (no counters, jobs or nodes).
+    pub async fn is_empty(&self) -> Result<bool, StoreError> {
+        for table in ["meta", "jobs", "nodes"] {
+            let rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT CAST(count(*) AS BIGINT) FROM {table}"
+            )))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(database)?;
+            if rows > 0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Copies every row of `source` into this store, which must be empty,
+    /// in one transaction: all of it lands or none. Rows are streamed, a
+    /// few hundred at a time, so a large store needs little memory.
+    pub async fn copy_from(&self, source: &SqlStore) -> Result<CopyCounts, StoreError> {
+        use futures_util::TryStreamExt;
+        if !self.is_empty().await? {
+            return Err(StoreError::Database(format!(
+                "{} already holds a cluster's state; copy into an empty database (and drop --migrate-from once a copy has been made)",
+                self.location
+            )));
+        }
+        let mut tx = self.pool.begin().await.map_err(database)?;
+        let mut counts = Vec::new();
+        for (table, columns, order) in TABLES {
+            let names: Vec<&str> = columns.iter().map(|(name, _)| *name).collect();
+            let order = if order.is_empty() {
+                source.backend.insertion_order()
+            } else {
+                order
+            };
+            let select = format!("SELECT {} FROM {table} ORDER BY {order}", names.join(", "));
+            let target = format!("{table} ({})", names.join(", "));
+            let mut rows = sqlx::query(AssertSqlSafe(select)).fetch(&source.pool);
+            let mut pending: Vec<Vec<Value>> = Vec::new();
+            let mut copied = 0u64;
+            loop {
+                let row = rows.try_next().await.map_err(database)?;
+                if let Some(row) = &row {
+                    let mut values = Vec::with_capacity(columns.len());
+                    for (index, (_, kind)) in columns.iter().enumerate() {
+                        values.push(match kind {
+                            Kind::Int => Value::Int(row.try_get(index).map_err(database)?),
+                            Kind::Text => Value::Text(row.try_get(index).map_err(database)?),
+                            Kind::Real => Value::Real(row.try_get(index).map_err(database)?),
+                        });
+                    }
+                    pending.push(values);
+                }
+                if pending.len() >= ROWS_PER_STATEMENT || (row.is_none() && !pending.is_empty()) {
+                    copied += pending.len() as u64;
+                    insert_rows(&mut tx, &target, "", std::mem::take(&mut pending)).await?;
+                }
+                if row.is_none() {
+                    break;
+                }
+            }
+            counts.push((table, copied));
+        }
+        tx.commit().await.map_err(database)?;
+        Ok(counts)
+    }
+}
+
+/// Rows in one multi-row statement (SQLite takes at most 32,766 bound
+/// values a statement, PostgreSQL 65,535).
 const ROWS_PER_STATEMENT: usize = 500;
 
 fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_written_batch_loads_back_after_reopening() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path()).await.unwrap();
-        let mut batch = Batch::default();
-        batch.queues.insert(
-            "team-a".into(),
-            serde_json::to_string(&QueueRecord {
-                name: "team-a".into(),
-                guaranteed_milli: 8000,
-                borrow_limit_milli: None,
-                weight: 2,
-                idle_timeout_s: Some(1800),
-                idle_after_s: Some(600),
-                idle_below_pct: Some(10),
-                budget_monthly_cents: Some(500_000),
-                budget_hard: true,
-                members_see_jobs: true,
-            })
-            .unwrap(),
-        );
-        batch.counters = Some(Counters {
-            next_job: 5,
-            next_allocation: 3,
-            next_generation: 4,
-            next_epoch: 6,
-        });
-        store.write(&batch).await.unwrap();
-        store.close().await;
-        let store = SqliteStore::open(dir.path()).await.unwrap();
-        let loaded = store.load().await.unwrap();
-        assert_eq!(loaded.queues.len(), 1);
-        assert_eq!(loaded.queues[0].weight, 2);
-        assert_eq!(loaded.counters.next_job, 5);
-        assert_eq!(loaded.counters.next_generation, 4);
-        assert_eq!(loaded.counters.next_epoch, 6);
-        assert_eq!(loaded.queues[0].budget_monthly_cents, Some(500_000));
-        assert!(loaded.queues[0].budget_hard);
-    }
-
-    /// A hand-computed month: team-a held 2 H100s for 90 minutes (one hour
-    /// busy at 80%, half an hour idle), team-b one L4 for an hour without
-    /// telemetry; H100s cost 2.50 an hour, L4s have no price.
-    #[tokio::test]
-    async fn usage_minutes_sum_to_the_hand_computed_cost() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path()).await.unwrap();
-        let minute = muster_control::accounting::MINUTE_MS;
-        let base = 1_000 * minute;
-        let mut batch = Batch::default();
-        for m in 0..90 {
-            let idle = m >= 60;
-            batch.usage.push(UsageMinute {
-                minute_ms: base + m * minute,
-                allocation: 1,
-                job: 7,
-                rank: 0,
-                node: "gpu-1".into(),
-                pool: "default".into(),
-                gpu_model: "H100-80GB".into(),
-                queue: "team-a".into(),
-                user: "alice".into(),
-                allocated_gpu_ms: 2 * minute,
-                measured_gpu_ms: 2 * minute,
-                used_gpu_ms: if idle { 0 } else { 2 * minute * 80 / 100 },
-                idle_gpu_ms: if idle { 2 * minute } else { 0 },
-                samples: 6,
-                utilization_sum: if idle { 0 } else { 480 },
-                peak_utilization: if idle { 0 } else { 80 },
-                peak_memory_mib: 1_000,
-            });
-        }
-        for m in 0..60 {
-            batch.usage.push(UsageMinute {
-                minute_ms: base + m * minute,
-                allocation: 2,
-                job: 8,
-                node: "gpu-2".into(),
-                pool: "inference".into(),
-                gpu_model: "L4".into(),
-                queue: "team-b".into(),
-                user: "bob".into(),
-                allocated_gpu_ms: minute,
-                ..UsageMinute::default()
-            });
-        }
-        // A minute written twice (a flush after a restart) adds up.
-        let mut again = batch.usage[0].clone();
-        again.allocated_gpu_ms = 0;
-        again.measured_gpu_ms = 0;
-        again.used_gpu_ms = 0;
-        again.samples = 1;
-        batch.usage.push(again);
-        batch.prices.insert("H100-80GB".into(), Some(2.5));
-        batch.prices.insert("A100".into(), Some(1.0));
-        store.write(&batch).await.unwrap();
-        let mut batch = Batch::default();
-        batch.prices.insert("A100".into(), None);
-        store.write(&batch).await.unwrap();
-        let prices = store.prices().await.unwrap();
-        assert_eq!(prices, BTreeMap::from([("H100-80GB".to_string(), 2.5)]));
-        let totals = store.usage_totals(CostBy::Queue, base).await.unwrap();
-        let report = muster_control::accounting::cost_report(&totals, &prices);
-        assert_eq!(report.len(), 2);
-        let a = &report[0];
-        assert_eq!(a.key, "team-a");
-        assert!((a.allocated_gpu_hours - 3.0).abs() < 1e-9, "{a:?}");
-        assert!((a.used_gpu_hours - 1.6).abs() < 1e-9, "{a:?}");
-        assert!((a.idle_gpu_hours - 1.0).abs() < 1e-9, "{a:?}");
-        assert!((a.cost - 7.5).abs() < 1e-9, "{a:?}");
-        assert!((a.waste - 2.5).abs() < 1e-9, "{a:?}");
-        let b = &report[1];
-        assert_eq!(b.key, "team-b");
-        assert_eq!(b.cost, 0.0);
-        assert!((b.unpriced_gpu_hours - 1.0).abs() < 1e-9);
-        assert!((b.unmeasured_gpu_hours - 1.0).abs() < 1e-9);
-        // Grouped by job and by pool; and a window that starts later.
-        let by_job = store.usage_totals(CostBy::Job, base).await.unwrap();
-        assert!(by_job.iter().any(|t| t.key == "7"));
-        let by_pool = store.usage_totals(CostBy::Pool, base).await.unwrap();
-        assert!(by_pool.iter().any(|t| t.key == "inference"));
-        let late = store
-            .usage_totals(CostBy::Queue, base + 60 * minute)
-            .await
-            .unwrap();
-        assert_eq!(late.len(), 1, "team-b's minutes all lie before");
-        assert_eq!(late[0].idle_gpu_ms, 60 * minute);
-        // A job's minutes read back, the duplicate folded in.
-        let minutes = store.job_usage(7, 10_000).await.unwrap();
-        assert_eq!(minutes.len(), 90);
-        assert_eq!(minutes[0].samples, 7);
-        assert_eq!(
-            store.job_usage(7, 5).await.unwrap()[0].minute_ms,
-            base + 85 * minute
-        );
-        // The cluster per minute: both jobs' first minute.
-        let cluster = store.cluster_minutes(base).await.unwrap();
-        assert_eq!(cluster.len(), 90);
-        assert_eq!(cluster[0], (base, 3 * minute, 2 * minute * 80 / 100));
-        // Pruning drops what lies before the retention.
-        let batch = Batch {
-            prune_usage_before: Some(base + 30 * minute),
-            ..Batch::default()
-        };
-        store.write(&batch).await.unwrap();
-        assert_eq!(store.job_usage(7, 10_000).await.unwrap().len(), 60);
-    }
-}
+mod tests;

@@ -151,6 +151,12 @@ pub struct SubmitBench {
     /// measure what TLS costs).
     #[arg(long, conflicts_with = "server")]
     pub plain_http: bool,
+    /// The in-process server's store: `sqlite` (a temporary muster.db, the
+    /// default), `sqlite:PATH`, or a PostgreSQL URL. Give it several times
+    /// to measure each in turn in one run, e.g. `--store sqlite --store
+    /// postgres://muster@127.0.0.1/bench`.
+    #[arg(long, value_name = "STORE", conflicts_with = "server")]
+    pub store: Vec<String>,
 }
 
 /// How the simulated agents heartbeat.
@@ -626,6 +632,38 @@ fn temp_dir() -> Result<tempfile::TempDir> {
 // muster bench submit
 
 async fn submit(args: SubmitBench) -> Result<()> {
+    if args.store.len() <= 1 {
+        submit_to(&args, args.store.first().map(String::as_str)).await?;
+        return Ok(());
+    }
+    let mut results = Vec::new();
+    for store in &args.store {
+        results.push((store.clone(), submit_to(&args, Some(store)).await?));
+    }
+    println!("side by side ({} clients):", args.clients);
+    println!(
+        "  {:<40} {:>14} {:>10} {:>10}",
+        "store", "submissions/s", "p50 ms", "p99 ms"
+    );
+    for (store, (rate, p50, p99)) in results {
+        let shown = muster_server::store::StoreLocation::parse(&store)
+            .map(|location| location.describe())
+            .unwrap_or(store);
+        println!("  {shown:<40} {rate:>14.0} {p50:>10.2} {p99:>10.2}");
+    }
+    Ok(())
+}
+
+/// One run of `muster bench submit`; returns (submissions/s, p50 ms,
+/// p99 ms).
+async fn submit_to(args: &SubmitBench, store: Option<&str>) -> Result<(f64, f64, f64)> {
+    let store = match store {
+        None | Some("sqlite") => None,
+        Some(text) => Some(
+            muster_server::store::StoreLocation::parse(text)
+                .map_err(|error| anyhow!("--store: {error}"))?,
+        ),
+    };
     let mut in_process = None;
     let mut _dir = None;
     let (url, token, trust) = match (&args.server, &args.token) {
@@ -634,6 +672,7 @@ async fn submit(args: SubmitBench) -> Result<()> {
         (None, _) => {
             let dir = temp_dir()?;
             let config = muster_server::ServerConfig {
+                store,
                 listen: SocketAddr::from(([127, 0, 0, 1], 0)),
                 // A benchmark measures what the server takes, not the limit.
                 rate_limit: None,
@@ -651,9 +690,10 @@ async fn submit(args: SubmitBench) -> Result<()> {
                 .context("cannot start the in-process server")?;
             let url = handle.url();
             eprintln!(
-                "started an in-process server at {url} (data in {}; it shares this process's \
-                 CPU with the clients)",
-                handle.data_dir().display()
+                "started an in-process server at {url} (data in {}, store {}; it shares this \
+                 process's CPU with the clients)",
+                handle.data_dir().display(),
+                handle.store_location()
             );
             let token = handle.admin_token().to_string();
             let trust = handle.trust();
@@ -726,12 +766,20 @@ async fn submit(args: SubmitBench) -> Result<()> {
     let elapsed = started.elapsed().as_secs_f64();
     let acknowledged = latencies.0.len();
     let errors = errors.load(Ordering::Relaxed);
-    println!("muster bench submit: {} clients, {url}", args.clients);
+    let store_shown = in_process
+        .as_ref()
+        .map(|handle| format!(", store {}", handle.store_location()))
+        .unwrap_or_default();
+    println!(
+        "muster bench submit: {} clients, {url}{store_shown}",
+        args.clients
+    );
     println!(
         "  acknowledged (HTTP 201, durable): {acknowledged} in {elapsed:.2} s = {:.0} submissions/s",
         acknowledged as f64 / elapsed
     );
     println!("  latency: {}", latencies.summary());
+    let (p50, p99) = (latencies.percentile_ms(50.0), latencies.percentile_ms(99.0));
     println!("  errors: {errors}");
     if let Ok(first) = first_error.lock()
         && let Some(first) = first.as_ref()
@@ -747,7 +795,7 @@ async fn submit(args: SubmitBench) -> Result<()> {
              `muster-bench-unplaced`"
         );
     }
-    Ok(())
+    Ok((acknowledged as f64 / elapsed, p50, p99))
 }
 
 // ---------------------------------------------------------------------------
@@ -1957,7 +2005,7 @@ fn metrics(args: MetricsBench) -> Result<()> {
 /// every running task, and writing a minute's rows to a real store.
 fn accounting(control: &muster_control::ControlPlane) -> Result<()> {
     use muster_control::accounting::{Ledger, MINUTE_MS};
-    use muster_server::store::{Batch, SqliteStore, Store};
+    use muster_server::store::{Batch, SqlStore, Store};
     let start = 1_000_000 * MINUTE_MS;
     let mut ledger = Ledger::default();
     ledger.accrue(control, start);
@@ -1982,7 +2030,7 @@ fn accounting(control: &muster_control::ControlPlane) -> Result<()> {
             .build()
             .context("a runtime")?;
         rt.block_on(async {
-            let store = SqliteStore::open(&path).await?;
+            let store = SqlStore::open(&path).await?;
             let mut writes = Vec::new();
             for minute in minutes {
                 let batch = Batch {

@@ -37,6 +37,18 @@ pub struct ServerArgs {
     /// read from the store when asked for (`muster ps --all`, describe).
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = parse_duration_ms)]
     pub retention: u64,
+    /// Where the cluster's state lives: a PostgreSQL database
+    /// (`postgres://USER:PASSWORD@HOST:PORT/DATABASE`, `?sslmode=require`
+    /// for TLS), or `sqlite:PATH`. Default: SQLite, muster.db in the data
+    /// directory. Read from $MUSTER_STORE too, which keeps a password out
+    /// of the process list.
+    #[arg(long, env = "MUSTER_STORE", value_name = "URL", value_parser = parse_store, hide_env_values = true)]
+    pub store: Option<muster_server::store::StoreLocation>,
+    /// Copies an existing store (e.g. `sqlite:/var/lib/muster/muster.db`)
+    /// into --store before starting, in one transaction; --store must be
+    /// empty. Drop the flag once the copy is made.
+    #[arg(long, value_name = "STORE", value_parser = parse_store, requires = "store")]
+    pub migrate_from: Option<muster_server::store::StoreLocation>,
     /// The most the store (muster.db) may grow to, e.g. 20GiB; past it the
     /// server turns read-only (writes answer 503, /healthz says why)
     /// instead of losing what it acknowledged. Default: no limit.
@@ -83,6 +95,10 @@ pub struct RateLimitArg(pub Option<muster_server::RateLimit>);
 
 fn parse_rate_limit(text: &str) -> Result<RateLimitArg, String> {
     muster_server::RateLimit::parse(text).map(RateLimitArg)
+}
+
+fn parse_store(text: &str) -> Result<muster_server::store::StoreLocation, String> {
+    muster_server::store::StoreLocation::parse(text)
 }
 
 fn parse_service_levels(text: &str) -> Result<muster_sched::ServiceLevels, String> {
@@ -475,6 +491,8 @@ pub fn server(args: ServerArgs) -> Result<()> {
             rate_limit: args.rate_limit.0,
             tls: args.tls.mode(args.listen),
             service_levels: args.service_levels.clone(),
+            store: args.store.clone(),
+            migrate_from: args.migrate_from.clone(),
             ..server_config(
                 args.listen,
                 data_dir.clone(),
@@ -489,6 +507,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
         })
         .await?;
         eprintln!("muster server listening on {}", handle.url());
+        eprintln!("store: {}", handle.store_location());
         eprintln!(
             "admin token: {} (owner-only); join token for agents: {}",
             data_dir.join("admin.token").display(),

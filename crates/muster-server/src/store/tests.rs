@@ -1,0 +1,1056 @@
+//! The store's conformance suite: every test runs against every backend,
+//! SQLite in a temporary directory and PostgreSQL in a database of its own.
+//!
+//! PostgreSQL is the real server: `MUSTER_TEST_POSTGRES` names one to use
+//! (a URL whose user may create databases; `.ci/run` starts one), or else
+//! each test process starts a private one from the machine's PostgreSQL
+//! binaries (`initdb`, `pg_ctl`), and stops it at the end. Without either,
+//! the tests run on SQLite alone and say so loudly, unless
+//! `MUSTER_REQUIRE_TOOLS` is set (as in CI), where that is a failure.
+
+use super::*;
+use crate::records::{AllocationRecord, JobRecord, PoolRecord, QueueRecord};
+use std::process::Command;
+
+/// A PostgreSQL server started for this test process (stopped on drop).
+struct PrivatePostgres {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    port: u16,
+    as_postgres: bool,
+}
+
+impl PrivatePostgres {
+    fn bin_dir() -> Option<PathBuf> {
+        let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+            .map(|entries| {
+                entries
+                    .filter_map(|entry| entry.ok().map(|e| e.path().join("bin")))
+                    .collect()
+            })
+            .unwrap_or_default();
+        candidates.sort();
+        candidates
+            .into_iter()
+            .rev()
+            .find(|bin| bin.join("initdb").exists() && bin.join("pg_ctl").exists())
+    }
+
+    fn start() -> Option<PrivatePostgres> {
+        let bin = Self::bin_dir()?;
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        // PostgreSQL refuses to run as root: then it runs as `postgres`.
+        let as_postgres = nix_is_root();
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).expect("the data directory");
+        if as_postgres {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+                .expect("chmod");
+            let status = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(&data)
+                .status()
+                .expect("chown runs");
+            assert!(
+                status.success(),
+                "cannot give the data directory to postgres"
+            );
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        let server = PrivatePostgres {
+            dir,
+            bin,
+            port,
+            as_postgres,
+        };
+        let initdb = server
+            .command("initdb")
+            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
+            .arg(&data)
+            .output()
+            .expect("initdb runs");
+        assert!(
+            initdb.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&initdb.stderr)
+        );
+        let options = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1",
+            data.display()
+        );
+        let started = server
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(&data)
+            .args(["-w", "-t", "30", "-o", &options, "-l"])
+            .arg(data.join("log"))
+            .arg("start")
+            .output()
+            .expect("pg_ctl runs");
+        assert!(
+            started.status.success(),
+            "PostgreSQL did not start: {}",
+            String::from_utf8_lossy(&started.stderr)
+        );
+        Some(server)
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let path = self.bin.join(program);
+        if self.as_postgres {
+            let mut command = Command::new("runuser");
+            command.args(["-u", "postgres", "--"]).arg(path);
+            command
+        } else {
+            Command::new(path)
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let _ = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.path().join("data"))
+            .args(["-m", "immediate", "-w", "stop"])
+            .output();
+    }
+}
+
+fn nix_is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|output| String::from_utf8_lossy(&output.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// The backends a test runs on.
+struct TestStores {
+    /// A PostgreSQL server's URL (its user may create databases).
+    postgres: Option<String>,
+    _private: Option<PrivatePostgres>,
+}
+
+impl TestStores {
+    async fn new() -> TestStores {
+        if let Ok(url) = std::env::var("MUSTER_TEST_POSTGRES") {
+            return TestStores {
+                postgres: Some(url),
+                _private: None,
+            };
+        }
+        let private = PrivatePostgres::start();
+        if private.is_none() {
+            assert!(
+                std::env::var_os("MUSTER_REQUIRE_TOOLS").is_none(),
+                "PostgreSQL is needed (set MUSTER_TEST_POSTGRES, or install Debian's postgresql)"
+            );
+            eprintln!(
+                "\n*** NO POSTGRESQL: the store's tests ran on SQLite only (set \
+                 MUSTER_TEST_POSTGRES or install Debian's postgresql) ***\n"
+            );
+        }
+        TestStores {
+            postgres: private.as_ref().map(PrivatePostgres::url),
+            _private: private,
+        }
+    }
+
+    /// A fresh, empty store on each backend.
+    async fn targets(&self) -> Vec<Target> {
+        let mut targets = vec![Target::sqlite()];
+        if let Some(admin) = &self.postgres {
+            targets.push(Target::postgres(admin).await);
+        }
+        targets
+    }
+}
+
+/// One fresh store: a temporary directory, or a database of its own.
+struct Target {
+    location: StoreLocation,
+    _dir: Option<tempfile::TempDir>,
+    /// (the server's admin URL, the database's name), to drop it after.
+    database: Option<(String, String)>,
+}
+
+static DATABASES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+impl Target {
+    fn sqlite() -> Target {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        Target {
+            location: StoreLocation::in_data_dir(dir.path()),
+            _dir: Some(dir),
+            database: None,
+        }
+    }
+
+    async fn postgres(admin: &str) -> Target {
+        let name = format!(
+            "muster_test_{}_{}",
+            std::process::id(),
+            DATABASES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        admin_statement(admin, &format!("DROP DATABASE IF EXISTS {name}")).await;
+        admin_statement(admin, &format!("CREATE DATABASE {name}")).await;
+        let (base, _) = admin.rsplit_once('/').expect("a URL with a database");
+        Target {
+            location: StoreLocation::Postgres(format!("{base}/{name}")),
+            _dir: None,
+            database: Some((admin.to_string(), name)),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        self.location.backend().name()
+    }
+
+    async fn open(&self) -> SqlStore {
+        SqlStore::open_at(&self.location, StoreOptions::default())
+            .await
+            .unwrap_or_else(|error| panic!("{}: {error}", self.name()))
+    }
+
+    /// Closes the store and drops its database.
+    async fn done(self, store: SqlStore) {
+        store.close().await;
+        if let Some((admin, name)) = &self.database {
+            admin_statement(
+                admin,
+                &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+            )
+            .await;
+        }
+    }
+}
+
+async fn admin_statement(admin: &str, sql: &str) {
+    sqlx::any::install_default_drivers();
+    let pool = AnyPoolOptions::new()
+        .max_connections(1)
+        .connect(admin)
+        .await
+        .unwrap_or_else(|error| panic!("cannot reach PostgreSQL at {admin}: {error}"));
+    sqlx::raw_sql(AssertSqlSafe(sql.to_string()))
+        .execute(&pool)
+        .await
+        .unwrap_or_else(|error| panic!("{sql}: {error}"));
+    pool.close().await;
+}
+
+fn job_row(id: u64, state: &str, user: &str, queue: &str) -> JobRow {
+    let record = JobRecord {
+        id,
+        spec: muster_api::JobSpec {
+            name: format!("job-{id}"),
+            queue: Some(queue.to_string()),
+            ..muster_api::JobSpec::default()
+        },
+        user: user.to_string(),
+        submitted_ms: 1_000 + id,
+        state: state.to_string(),
+        stop_cause: None,
+        attempts: 1,
+        exit_code: (state == "succeeded").then_some(0),
+        first_failure: None,
+        started_ms: Some(2_000 + id),
+        finished_ms: None,
+        allocations: vec![id * 10],
+        history: vec![(1_000 + id, "pending".to_string())],
+        pending_reason: None,
+        queue_position: None,
+        array: None,
+    };
+    JobRow {
+        record: serde_json::to_string(&record).expect("JSON"),
+        state: state.to_string(),
+        user: user.to_string(),
+        queue: queue.to_string(),
+    }
+}
+
+fn allocation(id: u64, job: u64, node: &str) -> (u64, String) {
+    let record = AllocationRecord {
+        id,
+        job,
+        rank: 0,
+        node: node.to_string(),
+        gpus: vec![(0, 1000), (1, 500)],
+        cpu_milli: 4_000,
+        memory_mib: 8_192,
+        generation: 3,
+        state: "running".to_string(),
+        exit_code: None,
+        env: BTreeMap::from([("MUSTER_JOB_ID".to_string(), job.to_string())]),
+        assigned_ms: 5_000,
+    };
+    (job, serde_json::to_string(&record).expect("JSON"))
+}
+
+fn node(name: &str) -> String {
+    serde_json::to_string(&serde_json::json!({
+        "name": name, "pool": "default", "rack": "r1",
+        "gpus": [{"index": 0, "uuid": "GPU-1", "model": "H100", "memory_mib": 81920, "nvlink_domain": 0}],
+        "cpu_milli": 64000, "memory_mib": 262144, "address": "10.0.0.1:7071", "epoch": 2,
+        "state": "ready", "cordoned": false, "draining": false, "last_heartbeat_ms": 9000,
+        "backend": "simulated", "driver": "550.54", "cuda": "12.4"
+    }))
+    .expect("JSON")
+}
+
+fn queue(name: &str, weight: u32) -> String {
+    serde_json::to_string(&QueueRecord {
+        name: name.to_string(),
+        guaranteed_milli: 8000,
+        borrow_limit_milli: None,
+        weight,
+        idle_timeout_s: Some(1800),
+        idle_after_s: Some(600),
+        idle_below_pct: Some(10),
+        budget_monthly_cents: Some(500_000),
+        budget_hard: true,
+        members_see_jobs: true,
+    })
+    .expect("JSON")
+}
+
+fn audit_entry(at_ms: u64, who: &str, status: u16) -> AuditEntry {
+    AuditEntry {
+        at_ms,
+        who: who.to_string(),
+        action: "POST /v1/jobs".to_string(),
+        object: "/v1/jobs".to_string(),
+        origin: "127.0.0.1:5000".to_string(),
+        status,
+        allowed: status != 403,
+    }
+}
+
+/// A batch touching every table.
+fn everything() -> Batch {
+    let mut batch = Batch::default();
+    for id in 1..=4 {
+        batch
+            .jobs
+            .insert(id, job_row(id, "running", "alice", "team-a"));
+        batch
+            .allocations
+            .insert(id * 10, allocation(id * 10, id, "gpu-1"));
+    }
+    batch
+        .nodes
+        .insert("gpu-1".into(), (node("gpu-1"), "token-1".into()));
+    batch
+        .nodes
+        .insert("gpu-2".into(), (node("gpu-2"), "token-2".into()));
+    batch.queues.insert("team-a".into(), queue("team-a", 2));
+    batch.counters = Some(Counters {
+        next_job: 5,
+        next_allocation: 41,
+        next_generation: 4,
+        next_epoch: 6,
+    });
+    batch.prices.insert("H100".into(), Some(2.5));
+    batch.pools.insert(
+        "inference".into(),
+        Some(
+            serde_json::to_string(&PoolRecord {
+                name: "inference".into(),
+                stack_policy: "majority".into(),
+                required: BTreeMap::from([("driver".to_string(), "550.54".to_string())]),
+            })
+            .expect("JSON"),
+        ),
+    );
+    batch.users.insert(
+        "alice".into(),
+        Some(
+            serde_json::to_string(&crate::users::UserRecord {
+                name: "alice".into(),
+                role: crate::users::Role::User,
+                queues: vec!["team-a".into()],
+                token_sha256: "ab".repeat(32),
+                created_ms: 7,
+            })
+            .expect("JSON"),
+        ),
+    );
+    batch.secrets.insert(
+        ("hf-token".into(), "team-a".into()),
+        Some(
+            serde_json::to_string(&crate::secrets::SecretRecord {
+                name: "hf-token".into(),
+                queue: "team-a".into(),
+                sealed: "c2VhbGVk".into(),
+                updated_ms: 8,
+            })
+            .expect("JSON"),
+        ),
+    );
+    batch.audit.push(audit_entry(100, "alice", 201));
+    batch.audit.push(audit_entry(200, "bob", 403));
+    batch
+        .idempotency
+        .insert(("alice".into(), "key-1".into()), (1, 100));
+    batch.usage.push(UsageMinute {
+        minute_ms: 60_000,
+        allocation: 10,
+        job: 1,
+        node: "gpu-1".into(),
+        pool: "default".into(),
+        gpu_model: "H100".into(),
+        queue: "team-a".into(),
+        user: "alice".into(),
+        allocated_gpu_ms: 60_000,
+        ..UsageMinute::default()
+    });
+    batch
+}
+
+#[tokio::test]
+async fn every_record_round_trips_and_later_writes_win() {
+    let stores = TestStores::new().await;
+    for target in stores.targets().await {
+        let backend = target.name();
+        let store = target.open().await;
+        assert!(store.is_empty().await.unwrap(), "{backend}");
+        store.write(&everything()).await.unwrap();
+        assert!(!store.is_empty().await.unwrap(), "{backend}");
+        // Later: a job changes state, one retires, a node leaves, a queue
+        // changes, a price, a pool, a user and a secret are removed, a key
+        // is used again (the latest row wins).
+        let mut later = Batch::default();
+        later
+            .jobs
+            .insert(2, job_row(2, "succeeded", "alice", "team-a"));
+        later.retired.insert(3);
+        later.removed_nodes.insert("gpu-2".into());
+        later.queues.insert("team-a".into(), queue("team-a", 5));
+        later.prices.insert("H100".into(), None);
+        later.prices.insert("L4".into(), Some(0.75));
+        later.pools.insert("inference".into(), None);
+        later.users.insert("alice".into(), None);
+        later
+            .secrets
+            .insert(("hf-token".into(), "team-a".into()), None);
+        later
+            .idempotency
+            .insert(("alice".into(), "key-1".into()), (4, 300));
+        store.write(&later).await.unwrap();
+        store.close().await;
+
+        let store = target.open().await;
+        let loaded = store.load().await.unwrap();
+        let ids: Vec<u64> = loaded.jobs.iter().map(|job| job.id).collect();
+        assert_eq!(
+            ids,
+            vec![1, 2, 4],
+            "{backend}: the retired job is not loaded"
+        );
+        assert_eq!(loaded.jobs[1].state, "succeeded", "{backend}");
+        assert_eq!(loaded.jobs[0].spec.queue.as_deref(), Some("team-a"));
+        let allocations: Vec<u64> = loaded.allocations.iter().map(|a| a.id).collect();
+        assert_eq!(allocations, vec![10, 20, 40], "{backend}");
+        assert_eq!(loaded.allocations[0].gpus, vec![(0, 1000), (1, 500)]);
+        assert_eq!(loaded.nodes.len(), 1, "{backend}");
+        assert_eq!(loaded.nodes[0].0.name, "gpu-1");
+        assert_eq!(loaded.nodes[0].1, "token-1");
+        assert_eq!(loaded.queues.len(), 1);
+        assert_eq!(
+            loaded.queues[0].weight, 5,
+            "{backend}: the later record wins"
+        );
+        assert_eq!(loaded.queues[0].budget_monthly_cents, Some(500_000));
+        assert!(loaded.pools.is_empty() && loaded.users.is_empty() && loaded.secrets.is_empty());
+        assert_eq!(
+            loaded.idempotency,
+            vec![
+                ("alice".to_string(), "key-1".to_string(), 1, 100),
+                ("alice".to_string(), "key-1".to_string(), 4, 300)
+            ],
+            "{backend}: keys in the order written"
+        );
+        assert_eq!(
+            loaded.counters,
+            Counters {
+                next_job: 5,
+                next_allocation: 41,
+                next_generation: 4,
+                next_epoch: 6
+            }
+        );
+        assert_eq!(
+            store.prices().await.unwrap(),
+            BTreeMap::from([("L4".to_string(), 0.75)]),
+            "{backend}"
+        );
+        let (job, allocations) = store.retired_job(3).await.unwrap().expect("job 3");
+        assert_eq!((job.id, allocations.len()), (3, 1), "{backend}");
+        assert!(store.retired_job(99).await.unwrap().is_none());
+        target.done(store).await;
+    }
+}
+
+#[tokio::test]
+async fn retired_jobs_are_found_by_state_user_queue_and_page() {
+    let stores = TestStores::new().await;
+    for target in stores.targets().await {
+        let backend = target.name();
+        let store = target.open().await;
+        let mut batch = Batch::default();
+        for id in 1..=30u64 {
+            let state = if id % 3 == 0 { "failed" } else { "succeeded" };
+            let user = if id % 2 == 0 { "alice" } else { "bob" };
+            let queue = if id <= 15 { "team-a" } else { "team-b" };
+            batch.jobs.insert(id, job_row(id, state, user, queue));
+            batch
+                .allocations
+                .insert(id * 10, allocation(id * 10, id, "gpu-1"));
+            if id <= 28 {
+                batch.retired.insert(id);
+            }
+        }
+        store.write(&batch).await.unwrap();
+        let ids =
+            |jobs: Vec<StoredJob>| jobs.into_iter().map(|(job, _)| job.id).collect::<Vec<_>>();
+        let all = JobFilter::default();
+        assert_eq!(
+            ids(store.retired_jobs(&all, None, None, 5).await.unwrap()),
+            vec![28, 27, 26, 25, 24],
+            "{backend}: newest first; 29 and 30 are not retired"
+        );
+        assert_eq!(
+            ids(store.retired_jobs(&all, Some(24), None, 3).await.unwrap()),
+            vec![23, 22, 21],
+            "{backend}: the next page"
+        );
+        assert_eq!(
+            ids(store.retired_jobs(&all, None, Some(26), 10).await.unwrap()),
+            vec![28, 27],
+            "{backend}: newer than"
+        );
+        let failed_alice_b = JobFilter {
+            states: Some(vec!["failed".into()]),
+            user: Some("alice".into()),
+            queue: Some("team-b".into()),
+        };
+        assert_eq!(
+            ids(store
+                .retired_jobs(&failed_alice_b, None, None, 10)
+                .await
+                .unwrap()),
+            vec![24, 18],
+            "{backend}"
+        );
+        let either = JobFilter {
+            states: Some(vec!["failed".into(), "succeeded".into()]),
+            ..JobFilter::default()
+        };
+        assert_eq!(
+            store
+                .retired_jobs(&either, None, None, 100)
+                .await
+                .unwrap()
+                .len(),
+            28
+        );
+        let none = JobFilter {
+            states: Some(Vec::new()),
+            ..JobFilter::default()
+        };
+        assert!(
+            store
+                .retired_jobs(&none, None, None, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        let listed = store.retired_jobs(&all, None, None, 1).await.unwrap();
+        assert_eq!(listed[0].1.len(), 1, "{backend}: with its allocations");
+        assert_eq!(listed[0].1[0].id, 280);
+        target.done(store).await;
+    }
+}
+
+#[tokio::test]
+async fn the_audit_log_reads_newest_first_by_user_and_is_pruned() {
+    let stores = TestStores::new().await;
+    for target in stores.targets().await {
+        let backend = target.name();
+        let store = target.open().await;
+        let mut batch = Batch::default();
+        for i in 0..10u64 {
+            let who = if i % 2 == 0 { "alice" } else { "bob" };
+            batch
+                .audit
+                .push(audit_entry(1_000 + i, who, if i == 3 { 403 } else { 201 }));
+        }
+        store.write(&batch).await.unwrap();
+        let entries = store.audit(0, None, 3).await.unwrap();
+        let times: Vec<u64> = entries.iter().map(|e| e.at_ms).collect();
+        assert_eq!(times, vec![1_009, 1_008, 1_007], "{backend}");
+        let bob = store.audit(1_002, Some("bob"), 100).await.unwrap();
+        let times: Vec<u64> = bob.iter().map(|e| e.at_ms).collect();
+        assert_eq!(times, vec![1_009, 1_007, 1_005, 1_003], "{backend}");
+        let refused = bob.iter().find(|e| e.at_ms == 1_003).expect("entry");
+        assert!(
+            !refused.allowed && refused.status == 403,
+            "{backend}: {refused:?}"
+        );
+        assert!(bob[0].allowed);
+        assert_eq!(bob[0], audit_entry(1_009, "bob", 201));
+        store
+            .write(&Batch {
+                prune_audit_before: Some(1_005),
+                prune_idempotency_before: Some(1),
+                ..Batch::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            store.audit(0, None, 100).await.unwrap().len(),
+            5,
+            "{backend}"
+        );
+        target.done(store).await;
+    }
+}
+
+/// More rows than one statement takes (the store splits them).
+#[tokio::test]
+async fn a_large_batch_is_written_whole() {
+    let stores = TestStores::new().await;
+    for target in stores.targets().await {
+        let backend = target.name();
+        let store = target.open().await;
+        let count = 2 * ROWS_PER_STATEMENT as u64 + 34;
+        let mut batch = Batch::default();
+        for id in 1..=count {
+            batch
+                .jobs
+                .insert(id, job_row(id, "succeeded", "alice", "team-a"));
+            batch
+                .allocations
+                .insert(id * 10, allocation(id * 10, id, "gpu-1"));
+            batch.audit.push(audit_entry(id, "alice", 201));
+            batch
+                .idempotency
+                .insert(("alice".into(), format!("key-{id}")), (id, id));
+        }
+        store.write(&batch).await.unwrap();
+        let retire = Batch {
+            retired: (1..=count - 10).collect(),
+            ..Batch::default()
+        };
+        store.write(&retire).await.unwrap();
+        let loaded = store.load().await.unwrap();
+        assert_eq!(loaded.jobs.len(), 10, "{backend}");
+        assert_eq!(loaded.allocations.len(), 10, "{backend}");
+        assert_eq!(loaded.idempotency.len() as u64, count, "{backend}");
+        assert_eq!(
+            store.audit(0, None, u32::MAX).await.unwrap().len() as u64,
+            count
+        );
+        let retired = store
+            .retired_jobs(&JobFilter::default(), None, None, u32::MAX)
+            .await
+            .unwrap();
+        assert_eq!(retired.len() as u64, count - 10, "{backend}");
+        assert!(
+            retired
+                .iter()
+                .all(|(_, allocations)| allocations.len() == 1)
+        );
+        target.done(store).await;
+    }
+}
+
+/// `--migrate-from`: a store's whole content lands in another (SQLite into
+/// PostgreSQL where there is one; SQLite into SQLite always), and a store
+/// that already holds a cluster is not written over.
+#[tokio::test]
+async fn a_store_copies_into_an_empty_one_whole() {
+    let stores = TestStores::new().await;
+    let source_target = Target::sqlite();
+    let source = source_target.open().await;
+    source.write(&everything()).await.unwrap();
+    let mut more = Batch::default();
+    more.retired.insert(2);
+    more.jobs.insert(2, job_row(2, "failed", "alice", "team-a"));
+    source.write(&more).await.unwrap();
+    usage_on(&source).await;
+    let before = source.load().await.unwrap();
+    for target in stores.targets().await {
+        let backend = target.name();
+        let store = target.open().await;
+        let counts = store.copy_from(&source).await.unwrap();
+        let rows = |table: &str| {
+            counts
+                .iter()
+                .find(|(name, _)| *name == table)
+                .map(|(_, rows)| *rows)
+        };
+        assert_eq!(rows("jobs"), Some(4), "{backend}: {counts:?}");
+        // 90 minutes of job 7 and 60 of job 8, less the 60 pruned.
+        assert_eq!(rows("usage_minutes"), Some(90), "{backend}: {counts:?}");
+        let after = store.load().await.unwrap();
+        assert_eq!(
+            format!("{:?}", after.jobs),
+            format!("{:?}", before.jobs),
+            "{backend}"
+        );
+        assert_eq!(
+            format!("{:?}", after.allocations),
+            format!("{:?}", before.allocations)
+        );
+        assert_eq!(format!("{:?}", after.nodes), format!("{:?}", before.nodes));
+        assert_eq!(
+            format!("{:?}", after.queues),
+            format!("{:?}", before.queues)
+        );
+        assert_eq!(format!("{:?}", after.pools), format!("{:?}", before.pools));
+        assert_eq!(format!("{:?}", after.users), format!("{:?}", before.users));
+        assert_eq!(
+            format!("{:?}", after.secrets),
+            format!("{:?}", before.secrets)
+        );
+        assert_eq!(after.idempotency, before.idempotency);
+        assert_eq!(after.counters, before.counters);
+        assert_eq!(
+            store.prices().await.unwrap(),
+            source.prices().await.unwrap()
+        );
+        assert_eq!(
+            store.audit(0, None, 100).await.unwrap(),
+            source.audit(0, None, 100).await.unwrap(),
+            "{backend}"
+        );
+        assert_eq!(
+            format!("{:?}", store.job_usage(7, 1_000).await.unwrap()),
+            format!("{:?}", source.job_usage(7, 1_000).await.unwrap()),
+            "{backend}"
+        );
+        let retired = store
+            .retired_jobs(&JobFilter::default(), None, None, 10)
+            .await
+            .unwrap();
+        assert_eq!(retired.len(), 1, "{backend}");
+        assert_eq!(retired[0].0.state, "failed");
+        // The target now holds a cluster: a second copy is refused, and
+        // nothing in it changes.
+        let error = store.copy_from(&source).await.unwrap_err().to_string();
+        assert!(error.contains("already holds"), "{backend}: {error}");
+        assert_eq!(store.load().await.unwrap().jobs.len(), 3);
+        target.done(store).await;
+    }
+    source_target.done(source).await;
+}
+
+/// Servers starting together on one database migrate it once.
+#[tokio::test]
+async fn stores_opened_together_share_one_schema() {
+    let stores = TestStores::new().await;
+    for target in stores.targets().await {
+        let backend = target.name();
+        let opened = futures_util::future::join_all(
+            (0..4).map(|_| SqlStore::open_at(&target.location, StoreOptions::default())),
+        )
+        .await;
+        let opened: Vec<SqlStore> = opened
+            .into_iter()
+            .map(|store| store.unwrap_or_else(|error| panic!("{backend}: {error}")))
+            .collect();
+        opened[0].write(&everything()).await.unwrap();
+        assert_eq!(opened[3].load().await.unwrap().jobs.len(), 4, "{backend}");
+        for store in &opened[1..] {
+            store.close().await;
+        }
+        let store = opened.into_iter().next().expect("a store");
+        target.done(store).await;
+    }
+}
+
+#[test]
+fn a_store_is_named_by_a_path_or_a_url() {
+    assert_eq!(
+        StoreLocation::parse("sqlite:/var/lib/muster/muster.db"),
+        Ok(StoreLocation::Sqlite("/var/lib/muster/muster.db".into()))
+    );
+    assert_eq!(
+        StoreLocation::parse("sqlite:///tmp/m.db"),
+        Ok(StoreLocation::Sqlite("/tmp/m.db".into()))
+    );
+    let url = "postgres://muster:s3cret@db.internal:5432/muster?sslmode=require";
+    let location = StoreLocation::parse(url).unwrap();
+    assert_eq!(location, StoreLocation::Postgres(url.into()));
+    assert_eq!(
+        location.describe(),
+        "postgres://muster:***@db.internal:5432/muster?sslmode=require"
+    );
+    assert_eq!(
+        StoreLocation::Postgres("postgresql://muster@db/m".into()).describe(),
+        "postgresql://muster@db/m"
+    );
+    let error = StoreLocation::parse("mysql://x").unwrap_err();
+    assert!(
+        error.contains("sqlite:PATH") && error.contains("postgres://"),
+        "{error}"
+    );
+    assert!(StoreLocation::parse("sqlite:").is_err());
+}
+
+/// A PostgreSQL server that is not there: a clear error, no panic.
+#[tokio::test]
+async fn an_unreachable_postgres_is_a_clear_error() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port();
+    let location = StoreLocation::Postgres(format!("postgres://muster:pw@127.0.0.1:{port}/muster"));
+    let error = SqlStore::open_at(&location, StoreOptions::default())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("cannot open the store at postgres://muster:***@127.0.0.1"),
+        "{error}"
+    );
+    assert!(
+        error.contains("check that PostgreSQL is running"),
+        "{error}"
+    );
+    assert!(
+        !error.contains("pw@"),
+        "the password stays out of messages: {error}"
+    );
+}
+
+/// A hand-computed month: team-a held 2 H100s for 90 minutes (one hour
+/// busy at 80%, half an hour idle), team-b one L4 for an hour without
+/// telemetry; H100s cost 2.50 an hour, L4s have no price.
+#[tokio::test]
+async fn usage_minutes_sum_to_the_hand_computed_cost() {
+    let stores = TestStores::new().await;
+    for target in stores.targets().await {
+        let store = target.open().await;
+        usage_on(&store).await;
+        target.done(store).await;
+    }
+}
+
+async fn usage_on(store: &SqlStore) {
+    let minute = muster_control::accounting::MINUTE_MS;
+    let base = 1_000 * minute;
+    let mut batch = Batch::default();
+    for m in 0..90 {
+        let idle = m >= 60;
+        batch.usage.push(UsageMinute {
+            minute_ms: base + m * minute,
+            allocation: 1,
+            job: 7,
+            rank: 0,
+            node: "gpu-1".into(),
+            pool: "default".into(),
+            gpu_model: "H100-80GB".into(),
+            queue: "team-a".into(),
+            user: "alice".into(),
+            allocated_gpu_ms: 2 * minute,
+            measured_gpu_ms: 2 * minute,
+            used_gpu_ms: if idle { 0 } else { 2 * minute * 80 / 100 },
+            idle_gpu_ms: if idle { 2 * minute } else { 0 },
+            samples: 6,
+            utilization_sum: if idle { 0 } else { 480 },
+            peak_utilization: if idle { 0 } else { 80 },
+            peak_memory_mib: 1_000,
+        });
+    }
+    for m in 0..60 {
+        batch.usage.push(UsageMinute {
+            minute_ms: base + m * minute,
+            allocation: 2,
+            job: 8,
+            node: "gpu-2".into(),
+            pool: "inference".into(),
+            gpu_model: "L4".into(),
+            queue: "team-b".into(),
+            user: "bob".into(),
+            allocated_gpu_ms: minute,
+            ..UsageMinute::default()
+        });
+    }
+    // A minute written twice (a flush after a restart) adds up.
+    let mut again = batch.usage[0].clone();
+    again.allocated_gpu_ms = 0;
+    again.measured_gpu_ms = 0;
+    again.used_gpu_ms = 0;
+    again.samples = 1;
+    batch.usage.push(again);
+    batch.prices.insert("H100-80GB".into(), Some(2.5));
+    batch.prices.insert("A100".into(), Some(1.0));
+    store.write(&batch).await.unwrap();
+    let mut batch = Batch::default();
+    batch.prices.insert("A100".into(), None);
+    store.write(&batch).await.unwrap();
+    let prices = store.prices().await.unwrap();
+    assert_eq!(prices.get("H100-80GB"), Some(&2.5));
+    assert!(!prices.contains_key("A100"), "a removed price is gone");
+    let totals = store.usage_totals(CostBy::Queue, base).await.unwrap();
+    let report = muster_control::accounting::cost_report(&totals, &prices);
+    assert_eq!(report.len(), 2);
+    let a = &report[0];
+    assert_eq!(a.key, "team-a");
+    assert!((a.allocated_gpu_hours - 3.0).abs() < 1e-9, "{a:?}");
+    assert!((a.used_gpu_hours - 1.6).abs() < 1e-9, "{a:?}");
+    assert!((a.idle_gpu_hours - 1.0).abs() < 1e-9, "{a:?}");
+    assert!((a.cost - 7.5).abs() < 1e-9, "{a:?}");
+    assert!((a.waste - 2.5).abs() < 1e-9, "{a:?}");
+    let b = &report[1];
+    assert_eq!(b.key, "team-b");
+    assert_eq!(b.cost, 0.0);
+    assert!((b.unpriced_gpu_hours - 1.0).abs() < 1e-9);
+    assert!((b.unmeasured_gpu_hours - 1.0).abs() < 1e-9);
+    // Grouped by job and by pool; and a window that starts later.
+    let by_job = store.usage_totals(CostBy::Job, base).await.unwrap();
+    assert!(by_job.iter().any(|t| t.key == "7"));
+    let by_pool = store.usage_totals(CostBy::Pool, base).await.unwrap();
+    assert!(by_pool.iter().any(|t| t.key == "inference"));
+    let late = store
+        .usage_totals(CostBy::Queue, base + 60 * minute)
+        .await
+        .unwrap();
+    assert_eq!(late.len(), 1, "team-b's minutes all lie before");
+    assert_eq!(late[0].idle_gpu_ms, 60 * minute);
+    // A job's minutes read back, the duplicate folded in.
+    let minutes = store.job_usage(7, 10_000).await.unwrap();
+    assert_eq!(minutes.len(), 90);
+    assert_eq!(minutes[0].samples, 7);
+    assert_eq!(
+        store.job_usage(7, 5).await.unwrap()[0].minute_ms,
+        base + 85 * minute
+    );
+    // The cluster per minute: both jobs' first minute.
+    let cluster = store.cluster_minutes(base).await.unwrap();
+    assert_eq!(cluster.len(), 90);
+    assert_eq!(cluster[0], (base, 3 * minute, 2 * minute * 80 / 100));
+    // Pruning drops what lies before the retention.
+    let batch = Batch {
+        prune_usage_before: Some(base + 30 * minute),
+        ..Batch::default()
+    };
+    store.write(&batch).await.unwrap();
+    assert_eq!(store.job_usage(7, 10_000).await.unwrap().len(), 60);
+}
+
+/// The server on PostgreSQL, through its API: a cluster moved over from
+/// SQLite with `migrate_from` keeps its jobs and its id counter, keeps what
+/// it accepts across a restart, and a second copy onto it is refused.
+#[tokio::test]
+async fn a_server_moves_from_sqlite_to_postgres_and_keeps_its_jobs() {
+    let stores = TestStores::new().await;
+    let Some(target) = stores
+        .targets()
+        .await
+        .into_iter()
+        .find(|target| target.location.backend() == Backend::Postgres)
+    else {
+        return; // said loudly above; CI requires PostgreSQL
+    };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    let config = |dir: &Path| {
+        let mut config = crate::ServerConfig::new(dir.to_path_buf());
+        config.listen = "127.0.0.1:0".parse().expect("an address");
+        config
+    };
+    let submit = |server: &crate::ServerHandle, name: &str| {
+        let request = http
+            .post(format!("http://{}/v1/jobs", server.addr()))
+            .bearer_auth(server.admin_token())
+            .json(&serde_json::json!({"spec": {"name": name, "command": ["true"], "gpus": 1}}));
+        async move {
+            let response = request.send().await.expect("submitted");
+            assert_eq!(response.status(), reqwest::StatusCode::CREATED);
+            let body: serde_json::Value = response.json().await.expect("JSON");
+            body["id"].as_u64().expect("an id")
+        }
+    };
+    let names = |server: &crate::ServerHandle| {
+        let request = http
+            .get(format!("http://{}/v1/jobs", server.addr()))
+            .bearer_auth(server.admin_token());
+        async move {
+            let body: serde_json::Value = request
+                .send()
+                .await
+                .expect("listed")
+                .json()
+                .await
+                .expect("JSON");
+            let mut names: Vec<String> = body["jobs"]
+                .as_array()
+                .expect("jobs")
+                .iter()
+                .map(|job| job["name"].as_str().expect("a name").to_string())
+                .collect();
+            names.sort();
+            names
+        }
+    };
+    // A cluster on SQLite takes two jobs.
+    let old_dir = tempfile::tempdir().expect("a directory");
+    let old = crate::Server::start(config(old_dir.path()))
+        .await
+        .expect("starts on SQLite");
+    assert_eq!(submit(&old, "first").await, 1);
+    assert_eq!(submit(&old, "second").await, 2);
+    old.shutdown().await;
+    // Moved to PostgreSQL: both jobs, and the next id follows on.
+    let new_dir = tempfile::tempdir().expect("a directory");
+    let moved = crate::ServerConfig {
+        store: Some(target.location.clone()),
+        migrate_from: Some(StoreLocation::in_data_dir(old_dir.path())),
+        ..config(new_dir.path())
+    };
+    let server = crate::Server::start(moved.clone())
+        .await
+        .expect("starts on PostgreSQL");
+    assert!(server.store_location().starts_with("postgres://"));
+    assert_eq!(names(&server).await, vec!["first", "second"]);
+    assert_eq!(submit(&server, "third").await, 3);
+    server.shutdown().await;
+    // A restart on PostgreSQL alone finds all three.
+    let again = crate::ServerConfig {
+        migrate_from: None,
+        ..moved.clone()
+    };
+    let server = crate::Server::start(again).await.expect("restarts");
+    assert_eq!(names(&server).await, vec!["first", "second", "third"]);
+    server.shutdown().await;
+    // Copying again would write over a live cluster: refused, nothing lost.
+    let error = match crate::Server::start(moved.clone()).await {
+        Ok(_) => panic!("a second copy onto a live cluster must be refused"),
+        Err(error) => format!("{error:#}"),
+    };
+    assert!(error.contains("already holds"), "{error:#}");
+    let server = crate::Server::start(crate::ServerConfig {
+        migrate_from: None,
+        ..moved
+    })
+    .await
+    .expect("restarts");
+    assert_eq!(names(&server).await.len(), 3);
+    let store = server.store.clone();
+    server.shutdown().await;
+    target.done(store).await;
+}
