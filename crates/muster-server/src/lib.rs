@@ -33,6 +33,8 @@ mod auth;
 mod core;
 mod dashboard;
 mod error;
+mod forward;
+pub mod ha;
 mod history;
 mod idempotency;
 mod logstore;
@@ -92,6 +94,10 @@ pub struct ServerConfig {
     /// A store to copy into `store` before starting (which must then be
     /// empty): moving a cluster from SQLite to PostgreSQL.
     pub migrate_from: Option<store::StoreLocation>,
+    /// The leader's term, when this server leads several on one PostgreSQL
+    /// store (see [`ha`]): every write carries it, and fails once another
+    /// server holds a later one.
+    pub fence_term: Option<i64>,
     /// A running job whose GPUs all stay below 5% utilisation this long is
     /// shown idle (`ps`, `describe`, `/metrics`).
     pub idle_after_ms: u64,
@@ -146,6 +152,7 @@ impl ServerConfig {
             store_max_mib: None,
             store: None,
             migrate_from: None,
+            fence_term: None,
             idle_after_ms: DEFAULT_IDLE_AFTER_MS,
             stack_policy: muster_control::StackPolicy::Report,
             service_levels: muster_sched::ServiceLevels::default(),
@@ -201,6 +208,8 @@ pub struct ServerHandle {
     tasks: Vec<JoinHandle<()>>,
     writer_task: JoinHandle<()>,
     store: SqlStore,
+    /// Weak: the writer ends once the last strong handle is gone.
+    shared: std::sync::Weak<Shared>,
     /// Held while the server runs (an exclusive lock on `server.lock`).
     _lock: std::fs::File,
 }
@@ -253,6 +262,10 @@ impl Server {
             max_mib: config.store_max_mib,
         };
         let store = SqlStore::open_at(&location, store_options).await?;
+        let store = match config.fence_term {
+            Some(term) => store.fenced(term),
+            None => store,
+        };
         if let Some(source) = &config.migrate_from {
             if *source == location {
                 anyhow::bail!(
@@ -379,6 +392,7 @@ impl Server {
             Duration::from_millis(config.schedule_interval_ms),
             shutdown_receiver.clone(),
         ));
+        let weak_shared = Arc::downgrade(&shared);
         let ticker = tokio::spawn(loops::lease_ticker(shared, shutdown_receiver));
         tracing::info!(%addr, data_dir = %data_dir.display(), "muster server started");
         Ok(ServerHandle {
@@ -394,6 +408,7 @@ impl Server {
             tasks: tasks.into_iter().chain([http, scheduler, ticker]).collect(),
             writer_task,
             store,
+            shared: weak_shared,
             _lock: lock,
         })
     }
@@ -403,6 +418,14 @@ impl ServerHandle {
     /// The address it listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Why the server turned read-only (a commit failed: a full disk, or
+    /// another server took the lead), if it did.
+    pub fn read_only_reason(&self) -> Option<String> {
+        self.shared
+            .upgrade()
+            .and_then(|shared| shared.read_only_reason())
     }
 
     /// Where the store is (a PostgreSQL URL without its password).

@@ -37,6 +37,11 @@ pub enum StoreError {
     Record(String),
     #[error("the store's writer has stopped (the server is shutting down)")]
     Closed,
+    #[error(
+        "this server is no longer the leader: it wrote in term {mine}, and the store is in term \
+         {current} (another server took over); nothing was written"
+    )]
+    Deposed { mine: i64, current: i64 },
 }
 
 fn database(error: sqlx::Error) -> StoreError {
@@ -326,7 +331,7 @@ pub struct Migration {
 /// Every schema version, for both databases. SQLite keeps its version in
 /// `PRAGMA user_version` (version 1 left it at 0; its statements are
 /// idempotent), PostgreSQL in the table `schema_version`.
-pub const MIGRATIONS: [Migration; 5] = [
+pub const MIGRATIONS: [Migration; 6] = [
     Migration {
         version: 1,
         sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
@@ -352,6 +357,11 @@ pub const MIGRATIONS: [Migration; 5] = [
         sqlite: include_str!("../migrations/sqlite/0005_tenants.sql"),
         postgres: include_str!("../migrations/postgres/0005_tenants.sql"),
     },
+    Migration {
+        version: 6,
+        sqlite: include_str!("../migrations/sqlite/0006_leader.sql"),
+        postgres: include_str!("../migrations/postgres/0006_leader.sql"),
+    },
 ];
 
 /// Any PostgreSQL advisory-lock key will do, as long as every server uses
@@ -373,6 +383,8 @@ pub struct SqlStore {
     pool: AnyPool,
     backend: Backend,
     location: String,
+    /// The leader's term every write carries (see [`SqlStore::fenced`]).
+    term: Option<i64>,
 }
 
 impl SqlStore {
@@ -454,6 +466,7 @@ impl SqlStore {
             pool,
             backend: location.backend(),
             location: described.clone(),
+            term: None,
         };
         store
             .migrate()
@@ -798,6 +811,22 @@ impl Store for SqlStore {
             return Ok(());
         }
         let mut tx = self.pool.begin().await.map_err(database)?;
+        if let Some(mine) = self.term {
+            // Shared with other writes, exclusive of a takeover: a server
+            // taking the lease waits for this commit, and this write sees
+            // a takeover that committed first.
+            let current: Option<i64> =
+                sqlx::query_scalar("SELECT term FROM leader WHERE id = 1 FOR SHARE")
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(database)?;
+            if current != Some(mine) {
+                return Err(StoreError::Deposed {
+                    mine,
+                    current: current.unwrap_or(0),
+                });
+            }
+        }
         insert_rows(
             &mut tx,
             "jobs (id, record, state, \"user\", queue)",
@@ -1271,6 +1300,99 @@ impl SqlStore {
             });
         }
         Ok(minutes)
+    }
+}
+
+/// Who leads, as the store's `leader` row says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Leadership {
+    /// The caller holds the lease, in this term.
+    Leader { term: i64 },
+    /// Another server does (its advertised URL and term), or nobody yet.
+    Follower { leader: Option<(String, i64)> },
+}
+
+impl SqlStore {
+    /// The same store, every write of which carries `term`: a write after
+    /// another server took the lease (a later term) fails with
+    /// [`StoreError::Deposed`] and changes nothing.
+    pub fn fenced(mut self, term: i64) -> SqlStore {
+        self.term = Some(term);
+        self
+    }
+
+    /// Takes or renews the leader's lease (PostgreSQL only): `id` names
+    /// this server's process, `mine` is the term it leads in (`None`: not
+    /// leading). The lease is taken when it has ended (on the database's
+    /// clock), with the next term; renewed when `id` still holds `mine`.
+    pub async fn lead(
+        &self,
+        id: &str,
+        address: &str,
+        mine: Option<i64>,
+        lease: Duration,
+    ) -> Result<Leadership, StoreError> {
+        if self.backend != Backend::Postgres {
+            return Err(StoreError::Database(
+                "only a PostgreSQL store elects a leader; an SQLite file is one server's".into(),
+            ));
+        }
+        let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+        let mut tx = self.pool.begin().await.map_err(database)?;
+        sqlx::query(
+            "INSERT INTO leader (id, term, holder, address, expires_ms) \
+             VALUES (1, 0, '', '', 0) ON CONFLICT (id) DO NOTHING",
+        )
+        .execute(&mut *tx)
+        .await
+        .map_err(database)?;
+        let row = sqlx::query(
+            "SELECT term, holder, address, expires_ms, \
+             CAST(extract(epoch FROM clock_timestamp()) * 1000 AS BIGINT) AS now_ms \
+             FROM leader WHERE id = 1 FOR UPDATE",
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(database)?;
+        let term: i64 = row.try_get("term").map_err(database)?;
+        let holder = string(&row, "holder")?;
+        let current = string(&row, "address")?;
+        let expires_ms: i64 = row.try_get("expires_ms").map_err(database)?;
+        let now_ms: i64 = row.try_get("now_ms").map_err(database)?;
+        let renewing = holder == id && mine == Some(term);
+        let answer = if renewing || expires_ms <= now_ms {
+            let next = if renewing { term } else { term + 1 };
+            sqlx::query(
+                "UPDATE leader SET term = $1, holder = $2, address = $3, expires_ms = $4 \
+                 WHERE id = 1",
+            )
+            .bind(next)
+            .bind(id)
+            .bind(address)
+            .bind(now_ms.saturating_add(lease_ms))
+            .execute(&mut *tx)
+            .await
+            .map_err(database)?;
+            Leadership::Leader { term: next }
+        } else {
+            Leadership::Follower {
+                leader: (!holder.is_empty()).then_some((current, term)),
+            }
+        };
+        tx.commit().await.map_err(database)?;
+        Ok(answer)
+    }
+
+    /// Gives the lease up at once (a leader stopping cleanly), so a
+    /// follower need not wait for it to end.
+    pub async fn resign(&self, id: &str, term: i64) -> Result<(), StoreError> {
+        sqlx::query("UPDATE leader SET expires_ms = 0 WHERE id = 1 AND holder = $1 AND term = $2")
+            .bind(id)
+            .bind(term)
+            .execute(&self.pool)
+            .await
+            .map(|_| ())
+            .map_err(database)
     }
 }
 

@@ -1054,3 +1054,143 @@ async fn a_server_moves_from_sqlite_to_postgres_and_keeps_its_jobs() {
     server.shutdown().await;
     target.done(store).await;
 }
+
+/// The election and its fencing, on two handles of one PostgreSQL
+/// database (two servers): one leads at a time, a lease that is not renewed
+/// passes to the other with the next term, and the deposed leader's writes
+/// are refused whole, even one that was under way.
+#[tokio::test]
+async fn one_server_leads_and_a_deposed_leaders_writes_are_refused() {
+    let stores = TestStores::new().await;
+    let Some(target) = stores
+        .targets()
+        .await
+        .into_iter()
+        .find(|target| target.location.backend() == Backend::Postgres)
+    else {
+        return; // said loudly above; CI requires PostgreSQL
+    };
+    let lease = Duration::from_millis(600);
+    let a = target.open().await;
+    let b = target.open().await;
+    assert_eq!(
+        a.lead("a", "https://a:7070", None, lease).await.unwrap(),
+        Leadership::Leader { term: 1 }
+    );
+    assert_eq!(
+        b.lead("b", "https://b:7070", None, lease).await.unwrap(),
+        Leadership::Follower {
+            leader: Some(("https://a:7070".to_string(), 1))
+        }
+    );
+    // Renewed in time, the lease stays with a, in the same term.
+    tokio::time::sleep(lease / 2).await;
+    assert_eq!(
+        a.lead("a", "https://a:7070", Some(1), lease).await.unwrap(),
+        Leadership::Leader { term: 1 }
+    );
+    tokio::time::sleep(lease / 2).await;
+    assert!(matches!(
+        b.lead("b", "https://b:7070", None, lease).await.unwrap(),
+        Leadership::Follower { .. }
+    ));
+    let a = a.fenced(1);
+    let mut batch = Batch::default();
+    batch
+        .jobs
+        .insert(1, job_row(1, "pending", "alice", "team-a"));
+    a.write(&batch).await.expect("the leader writes");
+    // a stops renewing (paused, partitioned): b takes term 2 once the
+    // lease has ended, and a's next write changes nothing.
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    assert_eq!(
+        b.lead("b", "https://b:7070", None, lease).await.unwrap(),
+        Leadership::Leader { term: 2 }
+    );
+    let b = b.fenced(2);
+    let mut late = Batch::default();
+    late.jobs
+        .insert(1, job_row(1, "succeeded", "alice", "team-a"));
+    late.jobs
+        .insert(2, job_row(2, "pending", "alice", "team-a"));
+    let error = a.write(&late).await.unwrap_err();
+    assert!(
+        matches!(
+            error,
+            StoreError::Deposed {
+                mine: 1,
+                current: 2
+            }
+        ),
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains("no longer the leader"),
+        "{error}"
+    );
+    let loaded = b.load().await.unwrap();
+    assert_eq!(loaded.jobs.len(), 1, "the deposed write left nothing");
+    assert_eq!(loaded.jobs[0].state, "pending");
+    // a, waking up, learns who leads; it cannot renew its old term.
+    assert_eq!(
+        a.lead("a", "https://a:7070", Some(1), lease).await.unwrap(),
+        Leadership::Follower {
+            leader: Some(("https://b:7070".to_string(), 2))
+        }
+    );
+    b.write(&late).await.expect("the new leader writes");
+    // A leader that stops cleanly hands over at once.
+    b.resign("b", 2).await.unwrap();
+    assert_eq!(
+        a.lead("a", "https://a:7070", None, lease).await.unwrap(),
+        Leadership::Leader { term: 3 }
+    );
+    // A write under way when a takeover comes: the takeover waits for its
+    // commit, so it lands whole in the old term, and the next is refused.
+    let c = target.open().await.fenced(3);
+    let mut big = Batch::default();
+    for id in 10..1_010 {
+        big.jobs.insert(id, job_row(id, "pending", "bob", "team-b"));
+    }
+    let (written, taken) = tokio::join!(c.write(&big), async {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        // Ends the lease (as time would) and takes the next term.
+        sqlx::query("UPDATE leader SET expires_ms = 0 WHERE id = 1")
+            .execute(&b.pool)
+            .await
+            .unwrap();
+        b.lead("b", "https://b:7070", None, lease).await
+    });
+    assert_eq!(taken.unwrap(), Leadership::Leader { term: 4 });
+    let jobs = b.load().await.unwrap().jobs.len();
+    match written {
+        Ok(()) => assert_eq!(jobs, 1_002, "the write landed whole"),
+        Err(StoreError::Deposed { .. }) => assert_eq!(jobs, 2, "the write left nothing"),
+        Err(error) => panic!("{error}"),
+    }
+    assert!(matches!(
+        c.write(&big).await,
+        Err(StoreError::Deposed {
+            mine: 3,
+            current: 4
+        })
+    ));
+    a.close().await;
+    c.close().await;
+    target.done(b).await;
+}
+
+#[tokio::test]
+async fn an_sqlite_store_has_no_election() {
+    let target = Target::sqlite();
+    let store = target.open().await;
+    let error = store
+        .lead("a", "https://a:7070", None, Duration::from_secs(4))
+        .await
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("only a PostgreSQL store"),
+        "{error}"
+    );
+    target.done(store).await;
+}

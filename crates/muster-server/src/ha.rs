@@ -1,0 +1,214 @@
+//! High availability: several `muster server` processes on one PostgreSQL
+//! store, one of them the leader.
+//!
+//! Leadership is a row in the store (`leader`: term, holder, address and
+//! when the lease ends, on the database's clock, so the servers' clocks do
+//! not matter). A server takes the lease when it has ended, with the next
+//! term; the leader renews it every [`HaConfig::renew_every`]. Every write
+//! of the leader's store carries its term ([`SqlStore::fenced`]): the
+//! transaction first reads the row `FOR SHARE` and gives up unless the term
+//! is still its own, and a takeover, which updates the row, waits for the
+//! writes in flight. So once a follower holds the next term, nothing the
+//! deposed leader writes lands, however late it wakes up: its writer fails
+//! closed (the server turns read-only) and this loop steps it down.
+//!
+//! A follower keeps no state: it forwards every request, reads and writes
+//! alike, to the leader's advertised URL (answering 503 with Retry-After
+//! while there is none), so agents and users may name any server. When it
+//! takes the lease it stops forwarding and starts as a server, loading the
+//! state from the store as a restarted server does (nodes get a fresh
+//! lease, so running tasks keep running).
+
+use crate::store::{Leadership, SqlStore, StoreLocation, StoreOptions};
+use crate::{Server, ServerConfig, ServerHandle};
+use anyhow::Context;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// How a server takes part in the election.
+#[derive(Debug, Clone)]
+pub struct HaConfig {
+    /// This process's name in the `leader` row (unique per start: a
+    /// restarted server never takes itself for the leader it was).
+    pub id: String,
+    /// The URL other servers forward to while this one leads.
+    pub advertise: String,
+    /// How long a lease lasts unless renewed.
+    pub lease: Duration,
+}
+
+impl HaConfig {
+    pub const DEFAULT_LEASE: Duration = Duration::from_secs(4);
+
+    /// A fresh id: the host, the process and a random part.
+    pub fn new_id() -> String {
+        let mut random = [0u8; 4];
+        let _ = getrandom::fill(&mut random);
+        format!(
+            "{}-{}-{:08x}",
+            host_name(),
+            std::process::id(),
+            u32::from_be_bytes(random)
+        )
+    }
+
+    /// How often the leader renews, and followers look: a quarter of the
+    /// lease.
+    pub fn renew_every(&self) -> Duration {
+        (self.lease / 4).max(Duration::from_millis(100))
+    }
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_string())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// What the loop reports, for the CLI and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    Starting,
+    Follower { leader: Option<String> },
+    Leader { term: i64 },
+}
+
+/// Runs the server under the election until `stop` is set: follower
+/// (forwarding) or leader (serving), as the lease says.
+pub async fn run(
+    config: ServerConfig,
+    ha: HaConfig,
+    mut stop: watch::Receiver<bool>,
+    role: watch::Sender<Role>,
+) -> anyhow::Result<()> {
+    let location = config
+        .store
+        .clone()
+        .context("high availability needs a PostgreSQL store (--store postgres://...)")?;
+    if !matches!(location, StoreLocation::Postgres(_)) {
+        anyhow::bail!(
+            "high availability needs a PostgreSQL store (--store postgres://...); an SQLite \
+             file is one server's"
+        );
+    }
+    let election = SqlStore::open_at(&location, StoreOptions::default()).await?;
+    let mut forwarder: Option<crate::forward::Forwarder> = None;
+    let leader_url = Arc::new(std::sync::RwLock::new(None::<String>));
+    loop {
+        if *stop.borrow() {
+            break;
+        }
+        match election.lead(&ha.id, &ha.advertise, None, ha.lease).await {
+            Ok(Leadership::Leader { term }) => {
+                if let Some(forwarder) = forwarder.take() {
+                    forwarder.stop().await;
+                }
+                tracing::info!(term, id = %ha.id, "leading");
+                let mut leading = config.clone();
+                leading.fence_term = Some(term);
+                let handle = match Server::start(leading).await {
+                    Ok(handle) => handle,
+                    Err(error) => {
+                        tracing::error!("cannot start as the leader: {error:#}");
+                        election.resign(&ha.id, term).await.ok();
+                        tokio::time::sleep(ha.renew_every()).await;
+                        continue;
+                    }
+                };
+                let _ = role.send(Role::Leader { term });
+                let lost = lead(&election, &ha, term, &handle, &mut stop).await;
+                handle.shutdown().await;
+                match lost {
+                    None => {
+                        election.resign(&ha.id, term).await.ok();
+                        break;
+                    }
+                    Some(reason) => tracing::warn!(term, "no longer the leader: {reason}"),
+                }
+            }
+            Ok(Leadership::Follower { leader }) => {
+                let url = leader.map(|(url, _)| url);
+                if let Ok(mut current) = leader_url.write() {
+                    *current = url.clone();
+                }
+                if forwarder.is_none() {
+                    match crate::forward::Forwarder::start(&config, leader_url.clone()).await {
+                        Ok(started) => forwarder = Some(started),
+                        // The address may still be held by the server this
+                        // process just stopped: try again next round.
+                        Err(error) => tracing::warn!("cannot forward yet: {error:#}"),
+                    }
+                }
+                let _ = role.send(Role::Follower { leader: url });
+                tokio::select! {
+                    _ = tokio::time::sleep(ha.renew_every()) => {}
+                    _ = stop.changed() => {}
+                }
+            }
+            Err(error) => {
+                tracing::warn!("cannot reach the store for the election: {error}");
+                tokio::select! {
+                    _ = tokio::time::sleep(ha.renew_every()) => {}
+                    _ = stop.changed() => {}
+                }
+            }
+        }
+    }
+    if let Some(forwarder) = forwarder.take() {
+        forwarder.stop().await;
+    }
+    election.close().await;
+    Ok(())
+}
+
+/// Renews the lease while leading; returns why it stopped (`None`: asked
+/// to stop).
+async fn lead(
+    election: &SqlStore,
+    ha: &HaConfig,
+    term: i64,
+    handle: &ServerHandle,
+    stop: &mut watch::Receiver<bool>,
+) -> Option<String> {
+    let mut renewed = Instant::now();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(ha.renew_every()) => {}
+            _ = stop.changed() => {}
+        }
+        if *stop.borrow() {
+            return None;
+        }
+        if let Some(reason) = handle.read_only_reason() {
+            return Some(format!("the store refused a write: {reason}"));
+        }
+        let attempt = Instant::now();
+        match election
+            .lead(&ha.id, &ha.advertise, Some(term), ha.lease)
+            .await
+        {
+            Ok(Leadership::Leader { term: now }) if now == term => renewed = attempt,
+            Ok(Leadership::Leader { term: now }) => {
+                return Some(format!("the lease moved to term {now}"));
+            }
+            Ok(Leadership::Follower { leader }) => {
+                return Some(format!(
+                    "another server leads ({})",
+                    leader.map_or("unknown".to_string(), |(url, term)| format!(
+                        "{url}, term {term}"
+                    ))
+                ));
+            }
+            Err(error) => {
+                // Not renewed in a whole lease: another server may hold it.
+                if renewed.elapsed() >= ha.lease {
+                    return Some(format!("the lease could not be renewed in time: {error}"));
+                }
+                tracing::warn!("cannot renew the lease yet: {error}");
+            }
+        }
+    }
+}
