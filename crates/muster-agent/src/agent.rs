@@ -478,7 +478,10 @@ impl Shell {
                     self.in_flight = Some(Box::pin(async move {
                         let result = tokio::time::timeout(limit, joiner.register(&request))
                             .await
-                            .unwrap_or_else(|_| Err(no_answer(joiner.base())));
+                            .unwrap_or_else(|_| {
+                                joiner.skip_server();
+                                Err(no_answer(joiner.base()))
+                            });
                         Answer::Register { sequence, result }
                     }));
                 }
@@ -523,7 +526,10 @@ impl Shell {
                     self.in_flight = Some(Box::pin(async move {
                         let result = tokio::time::timeout(limit, client.heartbeat(&name, &request))
                             .await
-                            .unwrap_or_else(|_| Err(no_answer(client.base())));
+                            .unwrap_or_else(|_| {
+                                client.skip_server();
+                                Err(no_answer(client.base()))
+                            });
                         Answer::Heartbeat { sequence, result }
                     }));
                 }

@@ -5,6 +5,8 @@
 use crate::protocol::*;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -50,11 +52,68 @@ pub struct JobFilter {
 
 #[derive(Debug, Clone)]
 pub struct Client {
-    base: String,
+    servers: Arc<Servers>,
     token: String,
     user: Option<String>,
     http: reqwest::Client,
 }
+
+/// The servers a client may talk to (several servers on one PostgreSQL
+/// store, any of which answers: see docs/ha.md), and the one it uses now.
+/// Shared by a client's clones: one that finds a server gone moves them
+/// all on.
+#[derive(Debug)]
+struct Servers {
+    /// As given: URLs separated by commas.
+    given: String,
+    urls: Vec<String>,
+    current: AtomicUsize,
+}
+
+impl Servers {
+    fn parse(given: &str) -> Arc<Servers> {
+        let mut urls: Vec<String> = given
+            .split(',')
+            .map(|url| url.trim().trim_end_matches('/').to_string())
+            .filter(|url| !url.is_empty())
+            .collect();
+        if urls.is_empty() {
+            urls.push(given.trim().trim_end_matches('/').to_string());
+        }
+        Arc::new(Servers {
+            given: urls.join(","),
+            urls,
+            current: AtomicUsize::new(0),
+        })
+    }
+
+    fn current(&self) -> (usize, &str) {
+        let index = self.current.load(Ordering::Relaxed) % self.urls.len();
+        (index, &self.urls[index])
+    }
+
+    /// `index` did not answer: the next server is tried from now on
+    /// (unless another request moved on already).
+    fn failed(&self, index: usize) {
+        let next = (index + 1) % self.urls.len();
+        let _ = self
+            .current
+            .compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+/// Points `url` at `server` (scheme, host and port), keeping its path.
+fn rebase(url: &mut reqwest::Url, server: &str) {
+    if let Ok(base) = reqwest::Url::parse(server) {
+        let _ = url.set_scheme(base.scheme());
+        let _ = url.set_host(base.host_str());
+        let _ = url.set_port(base.port());
+    }
+}
+
+/// The message a follower answers with (503) while no server leads or the
+/// leader does not answer: a submission waits and tries again.
+pub const FOLLOWER_UNAVAILABLE: &str = "this server is a follower";
 
 /// How long a submission is retried while the server cannot be reached.
 const SUBMIT_RETRY_FOR: Duration = Duration::from_secs(60);
@@ -124,7 +183,7 @@ impl Client {
     /// certificate the system trusts (see [`Client::with_trust`]).
     pub fn new(base: &str, token: &str) -> Self {
         Client {
-            base: base.trim_end_matches('/').to_string(),
+            servers: Servers::parse(base),
             token: token.to_string(),
             user: None,
             http: reqwest::Client::builder()
@@ -149,7 +208,7 @@ impl Client {
             .build()
             .map_err(|error| format!("cannot set up the HTTP client: {}", chain(&error)))?;
         Ok(Client {
-            base: base.trim_end_matches('/').to_string(),
+            servers: Servers::parse(base),
             token: token.to_string(),
             user: None,
             http,
@@ -159,7 +218,7 @@ impl Client {
     /// The same server and trust with another token (sharing connections).
     pub fn with_token(&self, token: &str) -> Client {
         Client {
-            base: self.base.clone(),
+            servers: self.servers.clone(),
             token: token.to_string(),
             user: None,
             http: self.http.clone(),
@@ -172,8 +231,21 @@ impl Client {
         self
     }
 
+    /// The servers as given (several separated by commas).
     pub fn base(&self) -> &str {
-        &self.base
+        &self.servers.given
+    }
+
+    /// The server requests go to now.
+    pub fn current(&self) -> &str {
+        self.servers.current().1
+    }
+
+    /// The current server did not answer in time: the next one given is
+    /// used from now on (no change with one server).
+    pub fn skip_server(&self) {
+        let (index, _) = self.servers.current();
+        self.servers.failed(index);
     }
 
     async fn send<T: DeserializeOwned>(
@@ -185,14 +257,43 @@ impl Client {
             Some(user) => request.header(USER_HEADER, user),
             None => request,
         };
-        let response = request
+        let transport = |error: reqwest::Error| ClientError::Transport {
+            url: url.to_string(),
+            reason: transport_reason(&error),
+        };
+        let request = request
             .bearer_auth(&self.token)
-            .send()
-            .await
-            .map_err(|error| ClientError::Transport {
-                url: url.to_string(),
-                reason: transport_reason(&error),
-            })?;
+            .build()
+            .map_err(transport)?;
+        let count = self.servers.urls.len();
+        let mut tried = 0;
+        let response = loop {
+            let (index, server) = self.servers.current();
+            let Some(mut attempt) = request.try_clone() else {
+                break self.http.execute(request).await;
+            };
+            if count > 1 {
+                rebase(attempt.url_mut(), server);
+            }
+            match self.http.execute(attempt).await {
+                // Never sent: the next server may take it now.
+                Err(error) if count > 1 && error.is_connect() => {
+                    self.servers.failed(index);
+                    tried += 1;
+                    if tried >= count {
+                        break Err(error);
+                    }
+                }
+                // Perhaps taken, perhaps not: the caller decides whether
+                // to send it again; later requests go to the next server.
+                Err(error) if count > 1 && error.is_timeout() => {
+                    self.servers.failed(index);
+                    break Err(error);
+                }
+                other => break other,
+            }
+        }
+        .map_err(transport)?;
         let status = response.status().as_u16();
         let bytes = response
             .bytes()
@@ -218,7 +319,7 @@ impl Client {
     }
 
     async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
-        let url = format!("{}{path}", self.base);
+        let url = format!("{}{path}", self.current());
         self.send(self.http.get(&url), &url).await
     }
 
@@ -228,7 +329,7 @@ impl Client {
         body: &B,
         timeout: Option<Duration>,
     ) -> Result<T, ClientError> {
-        let url = format!("{}{path}", self.base);
+        let url = format!("{}{path}", self.current());
         let mut request = self.http.post(&url).json(body);
         if let Some(timeout) = timeout {
             request = request.timeout(timeout);
@@ -265,7 +366,7 @@ impl Client {
             allow_pending,
         };
         let key = idempotency_key();
-        let url = format!("{}/v1/jobs", self.base);
+        let url = format!("{}/v1/jobs", self.current());
         let deadline = std::time::Instant::now() + SUBMIT_RETRY_FOR;
         let mut wait = Duration::from_millis(250);
         loop {
@@ -280,6 +381,15 @@ impl Client {
                 .await;
             match attempt {
                 Err(ClientError::Transport { .. }) if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(5));
+                }
+                // A follower with no leader to forward to (an election
+                // under way): ask again.
+                Err(ClientError::Api { status: 503, body })
+                    if body.message.starts_with(FOLLOWER_UNAVAILABLE)
+                        && std::time::Instant::now() < deadline =>
+                {
                     tokio::time::sleep(wait).await;
                     wait = (wait * 2).min(Duration::from_secs(5));
                 }
@@ -351,7 +461,7 @@ impl Client {
     }
 
     pub async fn remove_node(&self, name: &str, force: bool) -> Result<NodeRemoved, ClientError> {
-        let url = format!("{}/v1/nodes/{}?force={force}", self.base, encode(name));
+        let url = format!("{}/v1/nodes/{}?force={force}", self.current(), encode(name));
         self.send(self.http.delete(&url), &url).await
     }
 
@@ -429,7 +539,7 @@ impl Client {
         });
         let url = format!(
             "{}/v1/jobs/{id}/logs?rank={rank}&offset={offset}{limit}{allocation}{attempt}&follow={follow}",
-            self.base
+            self.current()
         );
         self.send(self.http.get(&url).timeout(Duration::from_secs(60)), &url)
             .await
@@ -482,7 +592,7 @@ impl Client {
         model: &str,
         per_gpu_hour: f64,
     ) -> Result<PriceList, ClientError> {
-        let url = format!("{}/v1/prices/{}", self.base, encode(model));
+        let url = format!("{}/v1/prices/{}", self.current(), encode(model));
         self.send(
             self.http.put(&url).json(&PriceUpdate { per_gpu_hour }),
             &url,
@@ -491,7 +601,7 @@ impl Client {
     }
 
     pub async fn remove_price(&self, model: &str) -> Result<PriceList, ClientError> {
-        let url = format!("{}/v1/prices/{}", self.base, encode(model));
+        let url = format!("{}/v1/prices/{}", self.current(), encode(model));
         self.send(self.http.delete(&url), &url).await
     }
 
@@ -501,13 +611,13 @@ impl Client {
         pool: &str,
         update: &PoolPolicyUpdate,
     ) -> Result<PoolList, ClientError> {
-        let url = format!("{}/v1/pools/{}/policy", self.base, encode(pool));
+        let url = format!("{}/v1/pools/{}/policy", self.current(), encode(pool));
         self.send(self.http.put(&url).json(update), &url).await
     }
 
     /// Removes a pool's own stack policy.
     pub async fn remove_pool_policy(&self, pool: &str) -> Result<PoolList, ClientError> {
-        let url = format!("{}/v1/pools/{}/policy", self.base, encode(pool));
+        let url = format!("{}/v1/pools/{}/policy", self.current(), encode(pool));
         self.send(self.http.delete(&url), &url).await
     }
 
@@ -518,7 +628,7 @@ impl Client {
         value: &str,
         queue: Option<&str>,
     ) -> Result<SecretView, ClientError> {
-        let url = format!("{}/v1/secrets/{}", self.base, encode(name));
+        let url = format!("{}/v1/secrets/{}", self.current(), encode(name));
         let body = SecretSet {
             value: value.to_string(),
             queue: queue.map(str::to_string),
@@ -535,7 +645,7 @@ impl Client {
         name: &str,
         queue: Option<&str>,
     ) -> Result<SecretView, ClientError> {
-        let mut url = format!("{}/v1/secrets/{}", self.base, encode(name));
+        let mut url = format!("{}/v1/secrets/{}", self.current(), encode(name));
         if let Some(queue) = queue {
             url.push_str(&format!("?queue={}", encode(queue)));
         }
@@ -555,7 +665,7 @@ impl Client {
     }
 
     pub async fn remove_user(&self, name: &str) -> Result<UserView, ClientError> {
-        let url = format!("{}/v1/users/{}", self.base, encode(name));
+        let url = format!("{}/v1/users/{}", self.current(), encode(name));
         self.send(self.http.delete(&url), &url).await
     }
 
@@ -595,7 +705,7 @@ impl Client {
         name: &str,
         update: &QueueUpdate,
     ) -> Result<QueueView, ClientError> {
-        let url = format!("{}/v1/queues/{}", self.base, encode(name));
+        let url = format!("{}/v1/queues/{}", self.current(), encode(name));
         self.send(self.http.put(&url).json(update), &url).await
     }
 

@@ -44,6 +44,11 @@ use std::collections::BTreeMap;
 /// How long a request may wait for its answer when no lease is left to
 /// bound it (before the first registration, or after the lease ran out).
 pub const REQUEST_LIMIT_MS: u64 = 5_000;
+
+/// How much longer than its long poll a heartbeat's answer may take before
+/// it is given up (and sent again, to the next server when there are
+/// several).
+pub const ANSWER_MARGIN_MS: u64 = 3_000;
 /// The pause after a heartbeat failed on the network before the next one.
 pub const HEARTBEAT_RETRY_MS: u64 = 250;
 /// The first pause after a failed registration; it doubles each time.
@@ -801,18 +806,20 @@ impl<L: Clone> AgentCore<L> {
             return;
         }
         // The server renews the lease when the request arrives: the lease
-        // counts from when it was sent, and an answer is given up once the
+        // counts from when it was sent. An answer is given up once the
         // lease could have run out (a black-holed connection must not delay
-        // fencing). The long poll ends well within that.
-        let limit = if remaining == 0 {
-            REQUEST_LIMIT_MS
-        } else {
-            remaining
-        };
+        // fencing), or once the long poll plus [`ANSWER_MARGIN_MS`] has
+        // passed: a server that stopped answering (paused, or a leader
+        // deposed) is left in time to try another before the fence.
         let wait_ms = if news {
             0
         } else {
             self.heartbeat_ms.min(remaining / 3)
+        };
+        let limit = if remaining == 0 {
+            REQUEST_LIMIT_MS
+        } else {
+            remaining.min(wait_ms + ANSWER_MARGIN_MS)
         };
         let observed: Vec<ObservedTask> = self
             .tasks

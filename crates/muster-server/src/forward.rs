@@ -8,6 +8,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
+use muster_api::client::FOLLOWER_UNAVAILABLE;
 use muster_api::protocol::ErrorCode;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -67,11 +68,10 @@ fn unavailable(message: String) -> Response {
 async fn forward(State(state): State<Arc<Forwarding>>, request: Request) -> Response {
     let leader = state.leader.read().ok().and_then(|leader| leader.clone());
     let Some(leader) = leader else {
-        return unavailable(
-            "this server is a follower and no server leads yet (an election is under way); \
-             try again in a moment"
-                .to_string(),
-        );
+        return unavailable(format!(
+            "{FOLLOWER_UNAVAILABLE} and no server leads yet (an election is under way); try \
+             again in a moment"
+        ));
     };
     let path = request
         .uri()
@@ -104,8 +104,8 @@ async fn forward(State(state): State<Arc<Forwarding>>, request: Request) -> Resp
         Ok(answer) => answer,
         Err(error) => {
             return unavailable(format!(
-                "this server is a follower and the leader at {leader} does not answer \
-                 ({error}); try again in a moment"
+                "{FOLLOWER_UNAVAILABLE} and the leader at {leader} does not answer ({error}); \
+                 try again in a moment"
             ));
         }
     };

@@ -79,7 +79,7 @@ pub enum Role {
 /// Runs the server under the election until `stop` is set: follower
 /// (forwarding) or leader (serving), as the lease says.
 pub async fn run(
-    config: ServerConfig,
+    mut config: ServerConfig,
     ha: HaConfig,
     mut stop: watch::Receiver<bool>,
     role: watch::Sender<Role>,
@@ -118,6 +118,8 @@ pub async fn run(
                         continue;
                     }
                 };
+                // A store copied once (--migrate-from) is not copied again.
+                config.migrate_from = None;
                 let _ = role.send(Role::Leader { term });
                 let lost = lead(&election, &ha, term, &handle, &mut stop).await;
                 handle.shutdown().await;

@@ -6,6 +6,8 @@
 //! [`Outcome`] against the snapshot it came from (no GPU share over-committed,
 //! no node capacity exceeded, gangs all-or-nothing, constraints honoured).
 
+pub mod postgres;
+
 use muster_model::{
     CpuMilli, GpuMilli, GpuModel, GpuRequest, GpuSpec, JobId, MemoryMib, NodeName, NodeSpec,
     PoolName, QueueName, RackName, Time, TopologyStrength,

@@ -44,6 +44,18 @@ pub struct ServerArgs {
     /// of the process list.
     #[arg(long, env = "MUSTER_STORE", value_name = "URL", value_parser = parse_store, hide_env_values = true)]
     pub store: Option<muster_server::store::StoreLocation>,
+    /// With a PostgreSQL store: the URL other servers forward requests to
+    /// while this one leads (default: this host's name, or the address
+    /// listened on, and the port). Every server on one PostgreSQL database
+    /// takes part in electing one leader; see docs/ha.md.
+    #[arg(long, value_name = "URL")]
+    pub advertise: Option<String>,
+    /// With a PostgreSQL store: how long the leader's lease lasts unless
+    /// renewed (a quarter of it is the renewal and polling period). A
+    /// leader that dies is replaced within about this long; keep it well
+    /// under --lease, so that nodes keep their tasks through a failover.
+    #[arg(long, value_name = "DURATION", default_value = "4s", value_parser = parse_duration_ms)]
+    pub leader_lease: u64,
     /// Copies an existing store (e.g. `sqlite:/var/lib/muster/muster.db`)
     /// into --store before starting, in one transaction; --store must be
     /// empty. Drop the flag once the copy is made.
@@ -214,7 +226,9 @@ fn certificate_names(listen: SocketAddr, extra: &[String]) -> Vec<String> {
 
 #[derive(Debug, Args)]
 pub struct AgentArgs {
-    /// The server's URL (https://HOST:7070).
+    /// The server's URL (https://HOST:7070), or several, separated by
+    /// commas (servers sharing a PostgreSQL store: the agent moves to the
+    /// next when one does not answer).
     #[arg(long, env = "MUSTER_SERVER")]
     pub server: String,
     /// The cluster CA's fingerprint (sha256:...), which `muster server`
@@ -482,9 +496,9 @@ fn server_config(
 
 pub fn server(args: ServerArgs) -> Result<()> {
     init_logging();
-    let data_dir = args.data_dir.unwrap_or_else(default_data_dir);
+    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
     runtime()?.block_on(async {
-        let handle = muster_server::Server::start(muster_server::ServerConfig {
+        let config = muster_server::ServerConfig {
             usage_retention_ms: args.usage_retention,
             prices_file: args.prices.clone(),
             audit_retention_ms: args.audit_retention,
@@ -504,8 +518,14 @@ pub fn server(args: ServerArgs) -> Result<()> {
                 args.idle_after,
                 args.stack_policy,
             )
-        })
-        .await?;
+        };
+        if matches!(
+            args.store,
+            Some(muster_server::store::StoreLocation::Postgres(_))
+        ) {
+            return highly_available(&args, config).await;
+        }
+        let handle = muster_server::Server::start(config).await?;
         eprintln!("muster server listening on {}", handle.url());
         eprintln!("store: {}", handle.store_location());
         eprintln!(
@@ -553,6 +573,68 @@ pub fn server(args: ServerArgs) -> Result<()> {
         handle.shutdown().await;
         Ok(())
     })
+}
+
+/// `muster server` on PostgreSQL: one of several servers, leader or
+/// follower as the election says (muster_server::ha), until stopped.
+async fn highly_available(args: &ServerArgs, config: muster_server::ServerConfig) -> Result<()> {
+    use muster_server::ha::{HaConfig, Role};
+    let scheme = if args.tls.insecure_http {
+        "http"
+    } else {
+        "https"
+    };
+    let advertise = match &args.advertise {
+        Some(url) => url.trim_end_matches('/').to_string(),
+        None if args.listen.ip().is_unspecified() => {
+            format!("{scheme}://{}:{}", host_name(), args.listen.port())
+        }
+        None => format!("{scheme}://{}", args.listen),
+    };
+    if args.listen.port() == 0 {
+        bail!("with a PostgreSQL store, --listen needs a fixed port (other servers forward to it)");
+    }
+    let ha = HaConfig {
+        id: HaConfig::new_id(),
+        advertise: advertise.clone(),
+        lease: Duration::from_millis(args.leader_lease.max(500)),
+    };
+    eprintln!(
+        "muster server {} on {}: one of the servers sharing it; listening on {}, advertised \
+         as {advertise}",
+        ha.id,
+        config
+            .store
+            .as_ref()
+            .map(|store| store.describe())
+            .unwrap_or_default(),
+        args.listen
+    );
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let (role, mut roles) = tokio::sync::watch::channel(Role::Starting);
+    let mut election = tokio::spawn(muster_server::ha::run(config, ha, stopped, role));
+    let reporter = tokio::spawn(async move {
+        while roles.changed().await.is_ok() {
+            let now = roles.borrow_and_update().clone();
+            match now {
+                Role::Starting => {}
+                Role::Leader { term } => eprintln!("leading (term {term})"),
+                Role::Follower { leader: Some(url) } => {
+                    eprintln!("following the leader at {url} (requests are forwarded to it)")
+                }
+                Role::Follower { leader: None } => eprintln!("following; no leader yet"),
+            }
+        }
+    });
+    let outcome = tokio::select! {
+        _ = shutdown_signal() => {
+            let _ = stop.send(true);
+            (&mut election).await
+        }
+        ended = &mut election => ended,
+    };
+    reporter.abort();
+    outcome.context("the election task failed")?
 }
 
 fn backend(simulate: Option<&str>, name: &str) -> Result<(Arc<dyn GpuBackend>, Option<String>)> {

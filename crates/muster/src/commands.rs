@@ -51,7 +51,8 @@ pub use top::{TopArgs, top};
 #[derive(Debug, Clone, Args)]
 pub struct Connection {
     /// Server URL (default: $MUSTER_SERVER, the config file, or
-    /// https://127.0.0.1:7070).
+    /// https://127.0.0.1:7070); several separated by commas for servers
+    /// sharing a PostgreSQL store (the next is tried when one is gone).
     #[arg(long, global = true, value_name = "URL")]
     pub server: Option<String>,
     /// API token (default: $MUSTER_TOKEN, the config file, or the token

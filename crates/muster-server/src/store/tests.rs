@@ -1,214 +1,56 @@
 //! The store's conformance suite: every test runs against every backend,
 //! SQLite in a temporary directory and PostgreSQL in a database of its own.
 //!
-//! PostgreSQL is the real server: `MUSTER_TEST_POSTGRES` names one to use
-//! (a URL whose user may create databases; `.ci/run` starts one), or else
-//! each test process starts a private one from the machine's PostgreSQL
-//! binaries (`initdb`, `pg_ctl`), and stops it at the end. Without either,
-//! the tests run on SQLite alone and say so loudly, unless
-//! `MUSTER_REQUIRE_TOOLS` is set (as in CI), where that is a failure.
+//! PostgreSQL is the real server (`muster_testkit::postgres`:
+//! `MUSTER_TEST_POSTGRES`, which `.ci/run` sets, or a private server the
+//! test process starts); without one the tests run on SQLite alone and say
+//! so loudly, unless `MUSTER_REQUIRE_TOOLS` is set (as in CI).
 
 use super::*;
 use crate::records::{AllocationRecord, JobRecord, PoolRecord, QueueRecord};
-use std::process::Command;
-
-/// A PostgreSQL server started for this test process (stopped on drop).
-struct PrivatePostgres {
-    dir: tempfile::TempDir,
-    bin: PathBuf,
-    port: u16,
-    as_postgres: bool,
-}
-
-impl PrivatePostgres {
-    fn bin_dir() -> Option<PathBuf> {
-        let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-            .map(|entries| {
-                entries
-                    .filter_map(|entry| entry.ok().map(|e| e.path().join("bin")))
-                    .collect()
-            })
-            .unwrap_or_default();
-        candidates.sort();
-        candidates
-            .into_iter()
-            .rev()
-            .find(|bin| bin.join("initdb").exists() && bin.join("pg_ctl").exists())
-    }
-
-    fn start() -> Option<PrivatePostgres> {
-        let bin = Self::bin_dir()?;
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        // PostgreSQL refuses to run as root: then it runs as `postgres`.
-        let as_postgres = nix_is_root();
-        let data = dir.path().join("data");
-        std::fs::create_dir(&data).expect("the data directory");
-        if as_postgres {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
-                .expect("chmod");
-            let status = Command::new("chown")
-                .args(["-R", "postgres:postgres"])
-                .arg(&data)
-                .status()
-                .expect("chown runs");
-            assert!(
-                status.success(),
-                "cannot give the data directory to postgres"
-            );
-        }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
-        let server = PrivatePostgres {
-            dir,
-            bin,
-            port,
-            as_postgres,
-        };
-        let initdb = server
-            .command("initdb")
-            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
-            .arg(&data)
-            .output()
-            .expect("initdb runs");
-        assert!(
-            initdb.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&initdb.stderr)
-        );
-        let options = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1",
-            data.display()
-        );
-        let started = server
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(&data)
-            .args(["-w", "-t", "30", "-o", &options, "-l"])
-            .arg(data.join("log"))
-            .arg("start")
-            .output()
-            .expect("pg_ctl runs");
-        assert!(
-            started.status.success(),
-            "PostgreSQL did not start: {}",
-            String::from_utf8_lossy(&started.stderr)
-        );
-        Some(server)
-    }
-
-    fn command(&self, program: &str) -> Command {
-        let path = self.bin.join(program);
-        if self.as_postgres {
-            let mut command = Command::new("runuser");
-            command.args(["-u", "postgres", "--"]).arg(path);
-            command
-        } else {
-            Command::new(path)
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-}
-
-impl Drop for PrivatePostgres {
-    fn drop(&mut self) {
-        let _ = self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(self.dir.path().join("data"))
-            .args(["-m", "immediate", "-w", "stop"])
-            .output();
-    }
-}
-
-fn nix_is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|output| String::from_utf8_lossy(&output.stdout).trim() == "0")
-        .unwrap_or(false)
-}
 
 /// The backends a test runs on.
 struct TestStores {
-    /// A PostgreSQL server's URL (its user may create databases).
-    postgres: Option<String>,
-    _private: Option<PrivatePostgres>,
+    postgres: Option<muster_testkit::postgres::TestPostgres>,
 }
 
 impl TestStores {
     async fn new() -> TestStores {
-        if let Ok(url) = std::env::var("MUSTER_TEST_POSTGRES") {
-            return TestStores {
-                postgres: Some(url),
-                _private: None,
-            };
-        }
-        let private = PrivatePostgres::start();
-        if private.is_none() {
-            assert!(
-                std::env::var_os("MUSTER_REQUIRE_TOOLS").is_none(),
-                "PostgreSQL is needed (set MUSTER_TEST_POSTGRES, or install Debian's postgresql)"
-            );
-            eprintln!(
-                "\n*** NO POSTGRESQL: the store's tests ran on SQLite only (set \
-                 MUSTER_TEST_POSTGRES or install Debian's postgresql) ***\n"
-            );
-        }
         TestStores {
-            postgres: private.as_ref().map(PrivatePostgres::url),
-            _private: private,
+            postgres: muster_testkit::postgres::TestPostgres::get(),
         }
     }
 
     /// A fresh, empty store on each backend.
-    async fn targets(&self) -> Vec<Target> {
+    async fn targets(&self) -> Vec<Target<'_>> {
         let mut targets = vec![Target::sqlite()];
-        if let Some(admin) = &self.postgres {
-            targets.push(Target::postgres(admin).await);
+        if let Some(postgres) = &self.postgres {
+            let (url, name) = postgres.create_database("muster_test");
+            targets.push(Target {
+                location: StoreLocation::Postgres(url),
+                _dir: None,
+                database: Some((postgres, name)),
+            });
         }
         targets
     }
 }
 
 /// One fresh store: a temporary directory, or a database of its own.
-struct Target {
+struct Target<'a> {
     location: StoreLocation,
     _dir: Option<tempfile::TempDir>,
-    /// (the server's admin URL, the database's name), to drop it after.
-    database: Option<(String, String)>,
+    /// The server and the database's name, to drop it after.
+    database: Option<(&'a muster_testkit::postgres::TestPostgres, String)>,
 }
 
-static DATABASES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-
-impl Target {
-    fn sqlite() -> Target {
+impl Target<'_> {
+    fn sqlite() -> Target<'static> {
         let dir = tempfile::tempdir().expect("a temporary directory");
         Target {
             location: StoreLocation::in_data_dir(dir.path()),
             _dir: Some(dir),
             database: None,
-        }
-    }
-
-    async fn postgres(admin: &str) -> Target {
-        let name = format!(
-            "muster_test_{}_{}",
-            std::process::id(),
-            DATABASES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        );
-        admin_statement(admin, &format!("DROP DATABASE IF EXISTS {name}")).await;
-        admin_statement(admin, &format!("CREATE DATABASE {name}")).await;
-        let (base, _) = admin.rsplit_once('/').expect("a URL with a database");
-        Target {
-            location: StoreLocation::Postgres(format!("{base}/{name}")),
-            _dir: None,
-            database: Some((admin.to_string(), name)),
         }
     }
 
@@ -225,28 +67,10 @@ impl Target {
     /// Closes the store and drops its database.
     async fn done(self, store: SqlStore) {
         store.close().await;
-        if let Some((admin, name)) = &self.database {
-            admin_statement(
-                admin,
-                &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
-            )
-            .await;
+        if let Some((postgres, name)) = &self.database {
+            postgres.drop_database(name);
         }
     }
-}
-
-async fn admin_statement(admin: &str, sql: &str) {
-    sqlx::any::install_default_drivers();
-    let pool = AnyPoolOptions::new()
-        .max_connections(1)
-        .connect(admin)
-        .await
-        .unwrap_or_else(|error| panic!("cannot reach PostgreSQL at {admin}: {error}"));
-    sqlx::raw_sql(AssertSqlSafe(sql.to_string()))
-        .execute(&pool)
-        .await
-        .unwrap_or_else(|error| panic!("{sql}: {error}"));
-    pool.close().await;
 }
 
 fn job_row(id: u64, state: &str, user: &str, queue: &str) -> JobRow {
