@@ -232,14 +232,16 @@ impl TestPostgres {
     }
 
     /// What `sql` answers on the database at `url`, as text (fields
-    /// separated by `|`, rows by newlines).
-    pub fn query(&self, url: &str, sql: &str) -> String {
-        let output = self.psql(url).arg(sql).output().expect("psql runs");
-        assert!(
-            output.status.success(),
-            "{sql}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).trim().to_string()
+    /// separated by `|`, rows by newlines), or psql's error.
+    pub fn query(&self, url: &str, sql: &str) -> Result<String, String> {
+        let output = self
+            .psql(url)
+            .arg(sql)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !output.status.success() {
+            return Err(String::from_utf8_lossy(&output.stderr).into_owned());
+        }
+        Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
     }
 }
