@@ -406,6 +406,27 @@ impl Client {
         }
     }
 
+    /// One submission attempt, not retried (for measuring; users want
+    /// [`Client::submit`]).
+    pub async fn submit_once(&self, spec: serde_json::Value) -> Result<u64, ClientError> {
+        let request = SubmitRequest {
+            spec,
+            allow_pending: false,
+        };
+        let url = format!("{}/v1/jobs", self.current());
+        let answer: SubmitResponse = self
+            .send(
+                self.http
+                    .post(&url)
+                    .header("idempotency-key", idempotency_key())
+                    .timeout(Duration::from_secs(5))
+                    .json(&request),
+                &url,
+            )
+            .await?;
+        Ok(answer.id)
+    }
+
     pub async fn jobs(&self, filter: &JobFilter) -> Result<JobList, ClientError> {
         let mut query = Vec::new();
         let limit = filter.limit.map(|limit| limit.to_string());

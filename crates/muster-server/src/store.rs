@@ -1383,6 +1383,25 @@ impl SqlStore {
         Ok(answer)
     }
 
+    /// The leader's advertised URL and term, as the store has them (`None`:
+    /// no server has led yet, or the store is SQLite).
+    pub async fn leader(&self) -> Result<Option<(String, i64)>, StoreError> {
+        if self.backend != Backend::Postgres {
+            return Ok(None);
+        }
+        let row = sqlx::query("SELECT address, term FROM leader WHERE id = 1 AND holder <> ''")
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(database)?;
+        match row {
+            Some(row) => Ok(Some((
+                string(&row, "address")?,
+                row.try_get("term").map_err(database)?,
+            ))),
+            None => Ok(None),
+        }
+    }
+
     /// Gives the lease up at once (a leader stopping cleanly), so a
     /// follower need not wait for it to end.
     pub async fn resign(&self, id: &str, term: i64) -> Result<(), StoreError> {

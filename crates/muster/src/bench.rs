@@ -52,6 +52,25 @@ pub enum BenchCommand {
     /// Rendering `GET /metrics`: N nodes of 8 GPUs with telemetry, M
     /// running one-GPU jobs (in process, the server's own renderer).
     Metrics(MetricsBench),
+    /// Failover: two server processes on one PostgreSQL database; the
+    /// leader is killed (SIGKILL), and the time from its death to the first
+    /// submission the new leader accepts is measured, round after round.
+    Failover(FailoverBench),
+}
+
+#[derive(Debug, Args)]
+pub struct FailoverBench {
+    /// The PostgreSQL database the two servers share (an empty one, e.g.
+    /// made with `createdb`; the bench leaves its jobs there).
+    #[arg(long, value_name = "URL")]
+    pub store: String,
+    /// Leader deaths to measure (the killed server comes back as a
+    /// follower before the next).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub rounds: u64,
+    /// The servers' --leader-lease.
+    #[arg(long, default_value = "4s")]
+    pub leader_lease: String,
 }
 
 #[derive(Debug, Args)]
@@ -245,6 +264,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::History(args) => history(args).await,
             BenchCommand::Cycle(args) => cycle(args),
             BenchCommand::Metrics(args) => metrics(args),
+            BenchCommand::Failover(args) => failover(args).await,
         }
     })
 }
@@ -626,6 +646,164 @@ fn temp_dir() -> Result<tempfile::TempDir> {
         .prefix("muster-bench-")
         .tempdir()
         .context("cannot create a temporary directory")
+}
+
+// ---------------------------------------------------------------------------
+// muster bench failover
+
+async fn failover(args: FailoverBench) -> Result<()> {
+    let location = muster_server::store::StoreLocation::parse(&args.store)
+        .map_err(|error| anyhow!("--store: {error}"))?;
+    if location.backend() != muster_server::store::Backend::Postgres {
+        bail!("--store must be a PostgreSQL database (postgres://...)");
+    }
+    let store = muster_server::store::SqlStore::open_at(&location, Default::default()).await?;
+    let dir = temp_dir()?;
+    let names = ["a", "b"];
+    let ports = [free_port()?, free_port()?];
+    let urls = ports.map(|port| format!("https://127.0.0.1:{port}"));
+    let start = |index: usize, generation: u64| -> Result<ChildProcess> {
+        let data = dir.path().join(names[index]);
+        let log = dir
+            .path()
+            .join(format!("{}-{generation}.log", names[index]));
+        let args: Vec<String> = [
+            "server",
+            "--listen",
+            &format!("127.0.0.1:{}", ports[index]),
+            "--data-dir",
+            &data.display().to_string(),
+            "--store",
+            &args.store,
+            "--advertise",
+            &urls[index],
+            "--leader-lease",
+            &args.leader_lease,
+            "--rate-limit",
+            "off",
+        ]
+        .iter()
+        .map(|arg| arg.to_string())
+        .collect();
+        ChildProcess::spawn("server", &args, &log)
+    };
+    let mut servers: [Option<ChildProcess>; 2] = [Some(start(0, 0)?), None];
+    let identity = dir.path().join("a");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !(identity.join("admin.token").exists() && identity.join("tls/ca.pem").exists()) {
+        if Instant::now() > deadline {
+            bail!(
+                "the first server did not start; see {}",
+                dir.path().display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // What every server of the cluster shares (docs/ha.md).
+    let other = dir.path().join("b");
+    std::fs::create_dir_all(other.join("tls"))?;
+    for name in ["admin.token", "join.token", "metrics.token", "secrets.key"] {
+        std::fs::copy(identity.join(name), other.join(name))?;
+    }
+    for entry in std::fs::read_dir(identity.join("tls"))? {
+        let entry = entry?;
+        std::fs::copy(entry.path(), other.join("tls").join(entry.file_name()))?;
+    }
+    servers[1] = Some(start(1, 0)?);
+    let token = std::fs::read_to_string(identity.join("admin.token"))?
+        .trim()
+        .to_string();
+    let trust = Trust {
+        ca_pem: Some(std::fs::read(identity.join("tls/ca.pem"))?),
+        ca_sha256: None,
+    };
+    let client = connect(&urls.join(","), &token, &trust)?;
+    let spec = serde_json::json!({
+        "name": "failover",
+        "command": ["true"],
+        "queue": "bench",
+        "pool": "muster-bench-unplaced",
+    });
+    let answers = |url: &str| {
+        let client = connect(url, &token, &trust);
+        async move {
+            match client {
+                Ok(client) => client.queues().await.is_ok(),
+                Err(_) => false,
+            }
+        }
+    };
+    for url in &urls {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !answers(url).await {
+            if Instant::now() > deadline {
+                bail!(
+                    "{url} does not answer; see the logs in {}",
+                    dir.path().display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    println!(
+        "muster bench failover: 2 servers on {}, --leader-lease {}",
+        location.describe(),
+        args.leader_lease
+    );
+    let mut times = Vec::new();
+    for round in 0..args.rounds {
+        let Some((leader, term)) = store.leader().await? else {
+            bail!("no server leads");
+        };
+        let index = urls
+            .iter()
+            .position(|url| *url == leader)
+            .ok_or_else(|| anyhow!("the leader {leader} is neither server"))?;
+        client.submit(spec.clone()).await?;
+        if let Some(mut server) = servers[index].take() {
+            let _ = server.child.kill();
+            let _ = server.child.wait();
+        }
+        let killed = Instant::now();
+        loop {
+            if client.submit_once(spec.clone()).await.is_ok() {
+                break;
+            }
+            if killed.elapsed() > Duration::from_secs(60) {
+                bail!("no server accepted a submission within 60 s of the leader's death");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let took = killed.elapsed();
+        let now_leads = store.leader().await?.map(|(_, term)| term).unwrap_or(0);
+        println!(
+            "  round {}: {} (term {term}) killed; a submission accepted {:.2} s later (term \
+             {now_leads})",
+            round + 1,
+            names[index],
+            took.as_secs_f64()
+        );
+        times.push(took.as_secs_f64());
+        servers[index] = Some(start(index, round + 1)?);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !answers(&urls[index]).await {
+            if Instant::now() > deadline {
+                bail!("{} did not come back", urls[index]);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "  leader death to the first accepted submission: median {:.2} s, min {:.2} s, max \
+         {:.2} s ({} rounds)",
+        times[times.len() / 2],
+        times[0],
+        times[times.len() - 1],
+        times.len()
+    );
+    store.close().await;
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------
