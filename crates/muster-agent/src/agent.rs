@@ -168,6 +168,7 @@ pub async fn run(
 ) -> Result<(), String> {
     tokio::pin!(shutdown);
     let base = Client::with_trust(&config.server, "", &config.trust)?;
+    let inventory = config.backend.inventory().map_err(|e| e.to_string())?;
     let runtime = Arc::new(ProcessRuntime::new(RuntimeConfig {
         state_dir: config.state_dir.clone(),
         supervisor: config.supervisor.clone(),
@@ -175,8 +176,9 @@ pub async fn run(
         task_user: config.task_user.clone(),
         allow_root: config.allow_root_tasks,
         task_pids_max: config.task_pids_max,
+        // Simulated GPUs have no devices to pass to a container.
+        container_gpus: inventory.backend != "simulated",
     }));
-    let inventory = config.backend.inventory().map_err(|e| e.to_string())?;
     let gpus: Vec<GpuView> = inventory
         .gpus
         .iter()
@@ -555,6 +557,7 @@ impl Shell {
                         grace_period: Duration::from_millis(spec.grace_period_ms),
                         user: spec.user.clone(),
                         memory_limit_mib: spec.memory_mib,
+                        image: spec.image.clone(),
                     };
                     let env = launch.env.clone();
                     let indices = launch.gpu_indices.clone();

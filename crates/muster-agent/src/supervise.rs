@@ -179,7 +179,7 @@ fn supervise(state_dir: &Path, key: &str) -> Result<(), String> {
         })
         .map_err(|why| format!("cannot create the task's cgroup: {why}"))?;
 
-    let started = start(&task, &cgroup, user.as_ref());
+    let started = start(&task, &cgroup, user.as_ref(), state_dir, key);
     let (child, user_name, uid) = match started {
         Ok(started) => started,
         Err(message) => {
@@ -239,9 +239,42 @@ fn start(
     task: &TaskRecord,
     cgroup: &TaskCgroup,
     user: Option<&TaskUser>,
+    state_dir: &Path,
+    key: &str,
 ) -> Result<(u32, String, u32), String> {
-    let Some((program, arguments)) = task.command.split_first() else {
+    if task.command.is_empty() {
         return Err("the command is empty".to_string());
+    }
+    // A container task: the helper that runs the container is the task's
+    // process (see crate::container); it keeps the supervisor's user, to
+    // reach the Docker engine, and the container runs as the task's user.
+    let helper = match &task.container {
+        Some(_) => Some(
+            std::env::current_exe()
+                .map_err(|e| format!("cannot find this program's own path: {e}"))?,
+        ),
+        None => None,
+    };
+    let container_user = match user {
+        Some(user) => format!("{}:{}", user.uid, user.gid),
+        None => format!(
+            "{}:{}",
+            Uid::effective().as_raw(),
+            Gid::effective().as_raw()
+        ),
+    };
+    let (program, arguments): (&str, Vec<String>) = match &helper {
+        Some(helper) => (
+            helper.to_str().ok_or("this program's path is not UTF-8")?,
+            vec![
+                "container-task".to_string(),
+                "run".to_string(),
+                state_dir.display().to_string(),
+                key.to_string(),
+                container_user,
+            ],
+        ),
+        None => (task.command[0].as_str(), task.command[1..].to_vec()),
     };
     let log = open_log(&task.log_path)
         .map_err(|e| format!("cannot open the log {}: {e}", task.log_path.display()))?;
@@ -279,7 +312,7 @@ fn start(
             (name, uid.as_raw())
         }
     };
-    let switch = match user {
+    let switch = match user.filter(|_| helper.is_none()) {
         Some(user) => {
             let name = std::ffi::CString::new(user.name.clone())
                 .map_err(|_| format!("the user name `{}` holds a NUL byte", user.name))?;
@@ -289,16 +322,27 @@ fn start(
         }
         None => None,
     };
+    if helper.is_some() {
+        // The helper's own environment: where the engine is, nothing of
+        // the task's (that goes to the container).
+        env = std::collections::BTreeMap::from([(
+            "PATH".to_string(),
+            "/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+        )]);
+        if let Ok(host) = std::env::var("DOCKER_HOST") {
+            env.insert("DOCKER_HOST".to_string(), host);
+        }
+    }
     let mut command = std::process::Command::new(program);
     command
-        .args(arguments)
+        .args(&arguments)
         .env_clear()
         .envs(&env)
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log_too)
         .process_group(0);
-    if let Some(dir) = &task.working_dir {
+    if let Some(dir) = task.working_dir.as_ref().filter(|_| helper.is_none()) {
         command.current_dir(dir);
     }
     // SAFETY (the crate's one allowed unsafe block): the closure runs in the forked child before exec; it only makes
@@ -433,6 +477,49 @@ fn kill_everything(cgroup: &TaskCgroup, pgid: Pid, reaper: &mut Reaper) {
     }
 }
 
+/// A container task's container goes with its helper: removed by force
+/// through `PROGRAM container-task kill` (waited for, at most
+/// [`CONTAINER_KILL_WAIT`]).
+fn kill_container(task: &TaskRecord, tasks_dir: &Path, key: &str) {
+    if task.container.is_none() {
+        return;
+    }
+    let Ok(program) = std::env::current_exe() else {
+        return;
+    };
+    let state_dir = tasks_dir.parent().unwrap_or(tasks_dir);
+    let Ok(mut child) = std::process::Command::new(program)
+        .arg("container-task")
+        .arg("kill")
+        .arg(state_dir)
+        .arg(key)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+    else {
+        return;
+    };
+    let until = Instant::now() + CONTAINER_KILL_WAIT;
+    let child_pid = Pid::from_raw(child.id() as i32);
+    loop {
+        match waitpid(child_pid, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) if Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Ok(WaitStatus::StillAlive) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return;
+            }
+            _ => return,
+        }
+    }
+}
+
+/// How long removing a container may take.
+const CONTAINER_KILL_WAIT: Duration = Duration::from_secs(20);
+
 /// Reaps the supervisor's children (the task's leader, and every orphan of
 /// the task, since the supervisor is their subreaper), keeping the leader's
 /// status.
@@ -499,6 +586,7 @@ fn watch(
         if fenced && !stopping.as_ref().is_some_and(|s| s.killed) {
             reason.get_or_insert(EndReason::Fenced);
             kill_everything(cgroup, pid, &mut reaper);
+            kill_container(task, tasks_dir, key);
             stopping = Some(Stopping {
                 kill_at: Instant::now(),
                 killed: true,
@@ -525,6 +613,7 @@ fn watch(
         {
             killed_after_grace = true;
             kill_everything(cgroup, pid, &mut reaper);
+            kill_container(task, tasks_dir, key);
             stop.killed = true;
         }
         // Sleep until something can have changed: a signal (a child ended,
@@ -553,6 +642,7 @@ fn watch(
     };
     // Whatever the task left behind goes with it.
     kill_everything(cgroup, pid, &mut reaper);
+    kill_container(task, tasks_dir, key);
     let until = Instant::now() + KILL_WAIT;
     while Instant::now() < until {
         reaper.reap();

@@ -34,6 +34,7 @@ fn launch(allocation: &str, script: &str) -> TaskLaunch {
         grace_period: Duration::from_secs(1),
         user: None,
         memory_limit_mib: None,
+        image: None,
     }
 }
 

@@ -482,6 +482,10 @@ pub struct DesiredAllocation {
     /// The task's memory limit, in MiB (the job's memory per node).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mib: Option<u64>,
+    /// The container image to run the task in (through the node's Docker
+    /// engine); absent: on the node itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

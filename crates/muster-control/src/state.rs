@@ -248,6 +248,8 @@ pub struct DesiredTask {
     pub user: String,
     /// The job's memory per node, the task's memory limit (0: none asked).
     pub memory_mib: u64,
+    /// The container image the task runs in (`None`: on the node itself).
+    pub image: Option<String>,
 }
 
 /// What an agent reports about one allocation.
@@ -2819,6 +2821,7 @@ impl ControlPlane {
                     stop: a.state == AllocationState::Stopping,
                     user: job.user.clone(),
                     memory_mib: job.spec.memory_per_node.0,
+                    image: job.spec.image.clone(),
                 })
             })
             .collect()

@@ -240,5 +240,6 @@ pub fn desired_view(task: DesiredTask) -> DesiredAllocation {
         stop: task.stop,
         user: Some(task.user),
         memory_mib: (task.memory_mib > 0).then_some(task.memory_mib),
+        image: task.image,
     }
 }

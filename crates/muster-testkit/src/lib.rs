@@ -6,6 +6,7 @@
 //! [`Outcome`] against the snapshot it came from (no GPU share over-committed,
 //! no node capacity exceeded, gangs all-or-nothing, constraints honoured).
 
+pub mod docker;
 pub mod postgres;
 
 use muster_model::{

@@ -25,10 +25,20 @@ fn main() -> ExitCode {
     // agent by absolute path for each task. Dispatched before the CLI is
     // built: it is started once per task and must be small and quick.
     let mut args = std::env::args();
-    if args.nth(1).as_deref() == Some("supervise") {
-        let rest: Vec<String> = args.collect();
-        let code = muster_agent::supervise::main(&rest);
-        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    match args.nth(1).as_deref() {
+        Some("supervise") => {
+            let rest: Vec<String> = args.collect();
+            let code = muster_agent::supervise::main(&rest);
+            return ExitCode::from(u8::try_from(code).unwrap_or(1));
+        }
+        // `muster container-task ...`: a container task's helper, started
+        // by its supervisor (see muster_agent::container).
+        Some("container-task") => {
+            let rest: Vec<String> = args.collect();
+            let code = muster_agent::container::main(&rest);
+            return ExitCode::from(u8::try_from(code).unwrap_or(1));
+        }
+        _ => {}
     }
     let cli = cli::Cli::parse();
     let status: Result<u8, commands::Failure> = match cli.command {

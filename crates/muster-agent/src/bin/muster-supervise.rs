@@ -3,6 +3,9 @@
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("container-task") {
+        std::process::exit(muster_agent::container::main(&args[1..]));
+    }
     let args = match args.split_first() {
         Some((first, rest)) if first == "supervise" => rest.to_vec(),
         _ => args,

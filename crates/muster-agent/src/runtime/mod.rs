@@ -91,6 +91,9 @@ pub struct RuntimeConfig {
     /// The most processes and threads one task may have at once, where the
     /// node has a pids controller (`None`: no limit).
     pub task_pids_max: Option<u64>,
+    /// A container task's GPUs go through the NVIDIA container runtime
+    /// (real GPUs); off with simulated ones.
+    pub container_gpus: bool,
 }
 
 /// [`RuntimeConfig::task_pids_max`] unless the operator says otherwise:
@@ -108,6 +111,7 @@ impl RuntimeConfig {
             task_user: "nobody".to_string(),
             allow_root: false,
             task_pids_max: Some(DEFAULT_TASK_PIDS_MAX),
+            container_gpus: false,
         }
     }
 }
@@ -135,7 +139,13 @@ pub struct TaskLaunch {
     /// The task's memory limit (the job's memory per node), where the node's
     /// cgroups can hold one.
     pub memory_limit_mib: Option<u64>,
+    /// The container image to run in (`None`: on the node itself).
+    pub image: Option<String>,
 }
+
+/// A container's `/dev/shm` when the task has no memory limit: 8 GiB (a
+/// tmpfs takes memory only as it is written).
+pub const DEFAULT_SHM_BYTES: u64 = 8 << 30;
 
 /// A task ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -416,7 +426,11 @@ impl ProcessRuntime {
         if launch.command.is_empty() {
             return Err(RuntimeError::EmptyCommand { allocation });
         }
-        if let Some(path) = &launch.working_dir {
+        if let Some(path) = launch
+            .working_dir
+            .as_ref()
+            .filter(|_| launch.image.is_none())
+        {
             let is_dir = tokio::fs::metadata(path)
                 .await
                 .is_ok_and(|metadata| metadata.is_dir());
@@ -446,7 +460,15 @@ impl ProcessRuntime {
             started_at_ms: started_at.0,
             boot_id: record::boot_id(),
             command: launch.command.clone(),
-            env: task_environment(&launch, |name| std::env::var(name).ok()),
+            env: match &launch.image {
+                None => task_environment(&launch, |name| std::env::var(name).ok()),
+                // Nothing of the node's: the image's own PATH and HOME.
+                Some(_) => {
+                    let mut env = task_environment(&launch, |_| None);
+                    env.remove("PATH");
+                    env
+                }
+            },
             working_dir: launch.working_dir.clone(),
             gpu_indices: launch.gpu_indices.clone(),
             gpu_uuids: launch.gpu_uuids.clone(),
@@ -462,6 +484,18 @@ impl ProcessRuntime {
                 fallback: self.config.task_user.clone(),
                 allow_root: self.config.allow_root,
             },
+            container: launch.image.as_ref().map(|image| record::ContainerPlan {
+                image: image.clone(),
+                network: "host".to_string(),
+                shm_size_bytes: launch
+                    .memory_limit_mib
+                    .map_or(DEFAULT_SHM_BYTES, |mib| (mib << 20) / 2),
+                gpu_devices: if self.config.container_gpus {
+                    launch.gpu_uuids.clone()
+                } else {
+                    Vec::new()
+                },
+            }),
         };
         let record_path = self.file(&allocation, "json");
         record::write_json(&record_path, &record).map_err(state_error(&record_path))?;
@@ -985,6 +1019,7 @@ mod tests {
             grace_period: Duration::from_secs(1),
             user: None,
             memory_limit_mib: None,
+            image: None,
         }
     }
 

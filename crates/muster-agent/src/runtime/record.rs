@@ -49,6 +49,25 @@ pub struct TaskRecord {
     #[serde(default)]
     pub pids_max: Option<u64>,
     pub user: UserPlan,
+    /// Run in a container (through the node's Docker engine) instead of on
+    /// the node itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<ContainerPlan>,
+}
+
+/// How a task runs in a container (see `crate::container`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerPlan {
+    pub image: String,
+    /// The container's network: `host` (the default: NCCL and a gang's
+    /// rendezvous need the node's interfaces), `bridge` or `none`.
+    pub network: String,
+    /// The size of `/dev/shm` (DataLoader workers and NCCL share memory
+    /// through it; Docker's default is 64 MiB).
+    pub shm_size_bytes: u64,
+    /// GPUs passed through the NVIDIA container runtime (their UUIDs); empty
+    /// with simulated GPUs, which have no devices.
+    pub gpu_devices: Vec<String>,
 }
 
 /// Whom the task runs as (decided by the supervisor, which runs as root

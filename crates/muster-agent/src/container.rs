@@ -1,0 +1,357 @@
+//! A task in a container, through the node's Docker Engine API (bollard;
+//! never the `docker` program).
+//!
+//! The supervisor runs a container task like any other (its cgroup, its
+//! process group, its log, its stop signal, its fence), except that the
+//! process it starts is this helper, `PROGRAM container-task run STATE_DIR
+//! KEY UID:GID`, by the absolute path of the running binary. The helper
+//! creates the container `muster-KEY` from the task's record (the image,
+//! the command, the task's environment, its working directory inside the
+//! image, its user, its memory and process limits, `/dev/shm`, the network,
+//! and its GPUs through the NVIDIA runtime's device request on real nodes),
+//! starts it, copies its output into the task's log, passes on every signal
+//! the supervisor sends (the job's stop signal), and exits with the
+//! container's exit code once it has ended and been removed.
+//!
+//! When the supervisor kills the task (the grace period is over, or the
+//! node's lease ran out) it kills the helper with everything else in the
+//! task's cgroup, then runs `PROGRAM container-task kill STATE_DIR KEY`,
+//! which removes the container by force: a container never outlives its
+//! task's supervisor's decision, whether or not the agent is alive.
+//!
+//! An image that is not on the node is pulled (progress lines in the task's
+//! log); one that cannot be pulled ends the task with exit code 125 and the
+//! engine's reason in the log, which `muster logs` shows.
+
+use crate::runtime::record::{self, TaskRecord};
+use bollard::Docker;
+use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig};
+use bollard::query_parameters::{
+    CreateContainerOptions, CreateImageOptions, KillContainerOptions, LogsOptions,
+    RemoveContainerOptions,
+};
+use futures_util::StreamExt;
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+/// Exit code of a task whose container could not be made or started (as
+/// `docker run` uses).
+pub const CANNOT_RUN: i32 = 125;
+
+/// The container of the task `key`.
+pub fn container_name(key: &str) -> String {
+    format!("muster-{key}")
+}
+
+/// `container-task run STATE_DIR KEY UID:GID` or `container-task kill
+/// STATE_DIR KEY`; returns the process's exit code.
+pub fn main(args: &[String]) -> i32 {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("muster: cannot start the container helper: {error}");
+            return CANNOT_RUN;
+        }
+    };
+    match args {
+        [verb, state_dir, key, user] if verb == "run" => {
+            runtime.block_on(run(Path::new(state_dir), key, user))
+        }
+        [verb, _state_dir, key] if verb == "kill" => runtime.block_on(kill(key)),
+        _ => {
+            eprintln!(
+                "usage: muster container-task run STATE_DIR KEY UID:GID | kill STATE_DIR KEY \
+                 (started by a task's supervisor, not by hand)"
+            );
+            2
+        }
+    }
+}
+
+/// The node's Docker engine, at `DOCKER_HOST` or its default socket, at an
+/// API version both sides speak.
+pub async fn connect() -> Result<Docker, String> {
+    let docker = Docker::connect_with_local_defaults()
+        .map_err(|error| format!("cannot reach the Docker engine: {error}"))?;
+    docker.negotiate_version().await.map_err(|error| {
+        format!(
+            "cannot reach the Docker engine ({error}); is dockerd running, and may the agent's \
+             user use its socket?"
+        )
+    })
+}
+
+/// Says why in the task's log (the helper's stdout and stderr are the
+/// log), and gives the exit code.
+fn cannot_run(message: String) -> i32 {
+    let mut stderr = std::io::stderr();
+    let _ = writeln!(stderr, "muster: {message}");
+    let _ = stderr.flush();
+    CANNOT_RUN
+}
+
+async fn remove(docker: &Docker, name: &str) {
+    let _ = docker
+        .remove_container(
+            name,
+            Some(RemoveContainerOptions {
+                force: true,
+                ..Default::default()
+            }),
+        )
+        .await;
+}
+
+async fn run(state_dir: &Path, key: &str, user: &str) -> i32 {
+    let record_path = record::path(&state_dir.join("tasks"), key, "json");
+    let task: TaskRecord = match record::read_task(&record_path) {
+        Ok(task) => task,
+        Err(why) => return cannot_run(format!("cannot read {}: {why}", record_path.display())),
+    };
+    let Some(plan) = task.container.clone() else {
+        return cannot_run(format!("{key} is not a container task"));
+    };
+    let docker = match connect().await {
+        Ok(docker) => docker,
+        Err(message) => return cannot_run(message),
+    };
+    let name = container_name(key);
+    // Keys carry the attempt's generation, so none should be there; one
+    // left by a crash of an earlier helper is not this task's to keep.
+    remove(&docker, &name).await;
+    if docker.inspect_image(&plan.image).await.is_err()
+        && let Err(message) = pull(&docker, &plan.image).await
+    {
+        return cannot_run(message);
+    }
+    let mut env = task.env.clone();
+    if !plan.gpu_devices.is_empty() {
+        // The NVIDIA runtime shows the container only its GPUs, numbered
+        // from 0.
+        let visible = (0..plan.gpu_devices.len())
+            .map(|index| index.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        env.insert("CUDA_VISIBLE_DEVICES".into(), visible);
+        env.insert("NVIDIA_VISIBLE_DEVICES".into(), plan.gpu_devices.join(","));
+    }
+    let body = ContainerCreateBody {
+        image: Some(plan.image.clone()),
+        cmd: Some(task.command.clone()),
+        env: Some(env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
+        working_dir: task
+            .working_dir
+            .as_ref()
+            .map(|dir| dir.display().to_string()),
+        user: Some(user.to_string()),
+        labels: Some(HashMap::from([(
+            "muster.task".to_string(),
+            key.to_string(),
+        )])),
+        stop_signal: Some(format!("SIG{}", task.stop_signal)),
+        host_config: Some(HostConfig {
+            network_mode: Some(plan.network.clone()),
+            shm_size: i64::try_from(plan.shm_size_bytes).ok(),
+            memory: task
+                .memory_limit_bytes
+                .and_then(|bytes| i64::try_from(bytes).ok()),
+            // No swap beyond the limit: the limit is the limit.
+            memory_swap: task
+                .memory_limit_bytes
+                .and_then(|bytes| i64::try_from(bytes).ok()),
+            pids_limit: task.pids_max.and_then(|pids| i64::try_from(pids).ok()),
+            // PID 1 that reaps and passes signals on (docker-init).
+            init: Some(true),
+            auto_remove: Some(false),
+            device_requests: (!plan.gpu_devices.is_empty()).then(|| {
+                vec![DeviceRequest {
+                    driver: Some("nvidia".into()),
+                    device_ids: Some(plan.gpu_devices.clone()),
+                    capabilities: Some(vec![vec!["gpu".into()]]),
+                    ..Default::default()
+                }]
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let created = docker
+        .create_container(
+            Some(CreateContainerOptions {
+                name: Some(name.clone()),
+                ..Default::default()
+            }),
+            body,
+        )
+        .await;
+    if let Err(error) = created {
+        return cannot_run(format!(
+            "cannot create the container from {}: {error}",
+            plan.image
+        ));
+    }
+    if let Err(error) = docker.start_container(&name, None).await {
+        remove(&docker, &name).await;
+        return cannot_run(format!(
+            "cannot start the container from {}: {error}",
+            plan.image
+        ));
+    }
+    // Its output into the task's log, as it comes.
+    let logs = {
+        let docker = docker.clone();
+        let name = name.clone();
+        tokio::spawn(async move {
+            let mut output = docker.logs(
+                &name,
+                Some(LogsOptions {
+                    follow: true,
+                    stdout: true,
+                    stderr: true,
+                    ..Default::default()
+                }),
+            );
+            let mut stdout = std::io::stdout();
+            while let Some(Ok(chunk)) = output.next().await {
+                let _ = stdout.write_all(&chunk.into_bytes());
+                let _ = stdout.flush();
+            }
+        })
+    };
+    let code = tokio::select! {
+        code = wait(&docker, &name) => code,
+        () = forward_signals(&docker, &name) => CANNOT_RUN,
+    };
+    // The rest of its output, then the container goes.
+    let _ = tokio::time::timeout(Duration::from_secs(5), logs).await;
+    let out_of_memory = docker
+        .inspect_container(&name, None)
+        .await
+        .ok()
+        .and_then(|inspected| inspected.state)
+        .and_then(|state| state.oom_killed)
+        .unwrap_or(false);
+    if out_of_memory {
+        let limit = task
+            .memory_limit_bytes
+            .map_or("its".to_string(), |bytes| format!("{} MiB", bytes >> 20));
+        let _ = writeln!(
+            std::io::stderr(),
+            "muster: the container was killed for going over its memory limit ({limit})"
+        );
+    }
+    remove(&docker, &name).await;
+    code
+}
+
+/// Pulls `image`, its progress in the task's log.
+async fn pull(docker: &Docker, image: &str) -> Result<(), String> {
+    println!("muster: pulling {image}");
+    let mut progress = docker.create_image(
+        Some(CreateImageOptions {
+            from_image: Some(image.to_string()),
+            ..Default::default()
+        }),
+        None,
+        None,
+    );
+    let mut last = String::new();
+    while let Some(step) = progress.next().await {
+        match step {
+            Ok(info) => {
+                let status = info.status.unwrap_or_default();
+                if status != last {
+                    println!("muster: {image}: {status}");
+                    last = status;
+                }
+            }
+            Err(error) => {
+                return Err(format!(
+                    "cannot pull the image {image}: {error} (is the name right, and may this \
+                     node reach its registry?)"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The container's exit code once it has ended (128 + N for a signal, as
+/// Docker reports it).
+async fn wait(docker: &Docker, name: &str) -> i32 {
+    let mut waits = docker.wait_container(name, None);
+    loop {
+        match waits.next().await {
+            Some(Ok(answer)) => return i32::try_from(answer.status_code).unwrap_or(CANNOT_RUN),
+            // bollard answers a non-zero exit as this error.
+            Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => {
+                return i32::try_from(code).unwrap_or(CANNOT_RUN);
+            }
+            Some(Err(error)) => {
+                let _ = writeln!(std::io::stderr(), "muster: lost the container: {error}");
+                // Ask again: a dropped connection is not the container's end.
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                waits = docker.wait_container(name, None);
+            }
+            None => return CANNOT_RUN,
+        }
+    }
+}
+
+/// Passes the signals the supervisor sends (the job's stop signal) on to
+/// the container; never returns unless signals cannot be watched.
+async fn forward_signals(docker: &Docker, name: &str) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let kinds = [
+        (SignalKind::terminate(), "SIGTERM"),
+        (SignalKind::interrupt(), "SIGINT"),
+        (SignalKind::hangup(), "SIGHUP"),
+        (SignalKind::quit(), "SIGQUIT"),
+        (SignalKind::user_defined1(), "SIGUSR1"),
+        (SignalKind::user_defined2(), "SIGUSR2"),
+    ];
+    let mut streams = Vec::new();
+    for (kind, signal_name) in kinds {
+        match signal(kind) {
+            Ok(stream) => streams.push((stream, signal_name)),
+            Err(_) => return,
+        }
+    }
+    let (sender, mut received) = tokio::sync::mpsc::unbounded_channel();
+    for (mut stream, signal_name) in streams {
+        let sender = sender.clone();
+        tokio::spawn(async move {
+            while stream.recv().await.is_some() {
+                if sender.send(signal_name).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    while let Some(signal_name) = received.recv().await {
+        let _ = docker
+            .kill_container(
+                name,
+                Some(KillContainerOptions {
+                    signal: signal_name.to_string(),
+                }),
+            )
+            .await;
+    }
+}
+
+/// Removes the task's container by force (the supervisor's kill).
+async fn kill(key: &str) -> i32 {
+    match connect().await {
+        Ok(docker) => {
+            remove(&docker, &container_name(key)).await;
+            0
+        }
+        Err(message) => cannot_run(message),
+    }
+}

@@ -1,0 +1,267 @@
+//! Container tasks through the machine's real Docker engine, with real
+//! supervisors: the task's environment, exit code and output, its stop
+//! signal, its memory limit, its fence, and an image that does not exist.
+//! There is no registry to pull from here, so the tests import their image
+//! (`muster-test-busybox:1`) from a root file system holding Debian's
+//! statically linked busybox (`busybox-static`).
+//!
+//! Without a Docker engine (or busybox) these tests say so loudly and pass,
+//! unless `MUSTER_REQUIRE_DOCKER` is set (as `.ci/run` does once it has an
+//! engine running), where that is a failure (`muster_testkit::docker`).
+
+use muster_agent::{EndReason, ProcessRuntime, RuntimeConfig, TaskExit, TaskLaunch};
+use muster_model::Signal;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+const SUPERVISOR: &str = env!("CARGO_BIN_EXE_muster-supervise");
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn runtime() -> (tempfile::TempDir, ProcessRuntime) {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let runtime = ProcessRuntime::new(RuntimeConfig::new(
+        dir.path().to_path_buf(),
+        PathBuf::from(SUPERVISOR),
+    ));
+    runtime
+        .set_fence_deadline(now_ms() + 3_600_000)
+        .expect("the fence deadline");
+    (dir, runtime)
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn launch(allocation: &str, image: &str, script: &str) -> TaskLaunch {
+    TaskLaunch {
+        allocation: allocation.to_string(),
+        command: vec!["sh".to_string(), "-c".to_string(), script.to_string()],
+        env: BTreeMap::from([
+            ("MUSTER_JOB_ID".to_string(), "7".to_string()),
+            ("MUSTER_RANK".to_string(), "0".to_string()),
+        ]),
+        working_dir: Some(PathBuf::from("/tmp")),
+        gpu_indices: vec![2, 3],
+        gpu_uuids: vec!["GPU-a".to_string(), "GPU-b".to_string()],
+        stop_signal: Signal::Term,
+        grace_period: Duration::from_secs(2),
+        user: None,
+        memory_limit_mib: None,
+        image: Some(image.to_string()),
+    }
+}
+
+/// A unique key per test process (containers are named after keys).
+fn key(name: &str) -> String {
+    format!("{name}-{}", std::process::id())
+}
+
+async fn next_exit(runtime: &ProcessRuntime) -> TaskExit {
+    tokio::time::timeout(DEADLINE, runtime.next_exit())
+        .await
+        .expect("the task ends in time")
+}
+
+async fn log_text(runtime: &ProcessRuntime, allocation: &str) -> String {
+    let (bytes, _) = runtime
+        .read_log(allocation, 0, 1 << 20)
+        .await
+        .expect("the log exists");
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Containers of this task still on the engine, running or not.
+fn containers_of(key: &str) -> String {
+    let output = Command::new("docker")
+        .args(["ps", "-a", "--format", "{{.Names}}", "--filter"])
+        .arg(format!("name=^muster-{key}$"))
+        .output()
+        .expect("docker ps runs");
+    String::from_utf8_lossy(&output.stdout).trim().to_string()
+}
+
+#[tokio::test]
+async fn a_container_task_gets_the_task_contract_and_its_exit_code() {
+    let Some(image) = muster_testkit::docker::test_image() else {
+        return;
+    };
+    let (_dir, runtime) = runtime();
+    let key = key("contract");
+    runtime
+        .start(launch(
+            &key,
+            image,
+            "echo hello from $(pwd); env | sort; id -u; exit 3",
+        ))
+        .await
+        .expect("started");
+    let exit = next_exit(&runtime).await;
+    assert_eq!(exit.exit_code, Some(3), "{exit:?}");
+    let log = log_text(&runtime, &key).await;
+    assert!(
+        log.contains("hello from /tmp"),
+        "the working directory: {log}"
+    );
+    assert!(log.contains("MUSTER_JOB_ID=7"), "{log}");
+    assert!(log.contains("MUSTER_RANK=0"), "{log}");
+    // Simulated GPUs (no devices): the same variables as a process gets.
+    assert!(log.contains("CUDA_VISIBLE_DEVICES=2,3"), "{log}");
+    assert!(log.contains("MUSTER_GPU_UUIDS=GPU-a,GPU-b"), "{log}");
+    // Run as root, the agent runs tasks as nobody: so does the container.
+    let nobody = nix::unistd::User::from_name("nobody")
+        .ok()
+        .flatten()
+        .map(|user| user.uid.as_raw().to_string());
+    if nix::unistd::Uid::effective().is_root()
+        && let Some(uid) = nobody
+    {
+        assert!(log.lines().any(|line| line == uid), "uid {uid}: {log}");
+    }
+    assert_eq!(containers_of(&key), "", "the container is removed");
+}
+
+#[tokio::test]
+async fn a_stopped_container_gets_the_signal_then_is_removed() {
+    let Some(image) = muster_testkit::docker::test_image() else {
+        return;
+    };
+    let (_dir, runtime) = runtime();
+    let key = key("stopped");
+    runtime
+        .start(launch(
+            &key,
+            image,
+            "trap 'echo got TERM; exit 0' TERM; echo ready; while true; do sleep 1; done",
+        ))
+        .await
+        .expect("started");
+    tokio::time::timeout(DEADLINE, async {
+        while !log_text(&runtime, &key).await.contains("ready") {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the container starts");
+    runtime
+        .stop(&key, Signal::Term, Duration::from_secs(10))
+        .await
+        .expect("stopped");
+    let exit = next_exit(&runtime).await;
+    let log = log_text(&runtime, &key).await;
+    assert!(
+        log.contains("got TERM"),
+        "the job's signal reached it: {log}"
+    );
+    assert!(matches!(exit.reason, EndReason::Stopped), "{exit:?}");
+    assert_eq!(containers_of(&key), "");
+
+    // One that ignores the signal is killed after the grace period.
+    let stubborn = format!("{key}-stubborn");
+    runtime
+        .start(launch(
+            &stubborn,
+            image,
+            "trap '' TERM; echo ready; while true; do sleep 1; done",
+        ))
+        .await
+        .expect("started");
+    tokio::time::timeout(DEADLINE, async {
+        while !log_text(&runtime, &stubborn).await.contains("ready") {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the container starts");
+    runtime
+        .stop(&stubborn, Signal::Term, Duration::from_millis(500))
+        .await
+        .expect("stopped");
+    let exit = next_exit(&runtime).await;
+    assert!(matches!(exit.reason, EndReason::Stopped), "{exit:?}");
+    assert_eq!(containers_of(&stubborn), "", "killed and removed");
+}
+
+#[tokio::test]
+async fn a_container_over_its_memory_limit_is_killed() {
+    let Some(image) = muster_testkit::docker::test_image() else {
+        return;
+    };
+    let (_dir, runtime) = runtime();
+    let key = key("memory");
+    let mut task = launch(
+        &key,
+        image,
+        "x=$(head -c 300000000 /dev/zero | tr '\\0' a); echo survived",
+    );
+    task.memory_limit_mib = Some(64);
+    runtime.start(task).await.expect("started");
+    let exit = next_exit(&runtime).await;
+    let log = log_text(&runtime, &key).await;
+    assert!(!log.contains("survived"), "{log}");
+    // The kernel's OOM killer ended it: SIGKILL, reported as 128 + 9, and
+    // the log says why.
+    assert_eq!(exit.exit_code, Some(137), "{exit:?} {log}");
+    assert!(
+        log.contains("killed for going over its memory limit (64 MiB)"),
+        "{log}"
+    );
+    assert_eq!(containers_of(&key), "");
+}
+
+#[tokio::test]
+async fn a_fenced_container_stops_at_the_deadline() {
+    let Some(image) = muster_testkit::docker::test_image() else {
+        return;
+    };
+    let (_dir, runtime) = runtime();
+    let key = key("fenced");
+    runtime
+        .start(launch(
+            &key,
+            image,
+            "echo ready; while true; do sleep 1; done",
+        ))
+        .await
+        .expect("started");
+    tokio::time::timeout(DEADLINE, async {
+        while !log_text(&runtime, &key).await.contains("ready") {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the container starts");
+    assert_eq!(containers_of(&key), format!("muster-{key}"));
+    // The lease runs out (no agent renews it): the supervisor alone stops
+    // the container.
+    runtime
+        .set_fence_deadline(now_ms())
+        .expect("the fence deadline");
+    let exit = next_exit(&runtime).await;
+    assert!(matches!(exit.reason, EndReason::Fenced), "{exit:?}");
+    assert_eq!(containers_of(&key), "", "no container outlives its fence");
+}
+
+#[tokio::test]
+async fn an_image_that_does_not_exist_fails_the_task_with_the_reason() {
+    if muster_testkit::docker::test_image().is_none() {
+        return;
+    }
+    let (_dir, runtime) = runtime();
+    let key = key("missing");
+    runtime
+        .start(launch(&key, "muster-test-no-such-image:1", "true"))
+        .await
+        .expect("started");
+    let exit = next_exit(&runtime).await;
+    assert_eq!(exit.exit_code, Some(125), "{exit:?}");
+    let log = log_text(&runtime, &key).await;
+    assert!(
+        log.contains("cannot pull the image muster-test-no-such-image:1"),
+        "{log}"
+    );
+}

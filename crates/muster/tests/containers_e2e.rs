@@ -1,0 +1,78 @@
+//! A job with `image:` through a real server and agent: its tasks run as
+//! containers of the machine's Docker engine (the test image made by
+//! `muster_testkit::docker`), with the task contract, their output in
+//! `muster logs`, their exit code as the job's, and a cancel that stops
+//! and removes the container. Without a Docker engine the test says so
+//! and passes, unless `MUSTER_REQUIRE_DOCKER` is set (as in CI).
+
+use std::time::Duration;
+
+mod common;
+
+use common::cluster::{Cluster, runtime, state, wait_for_nodes};
+use common::wait_until;
+
+fn containers_named(prefix: &str) -> String {
+    let output = std::process::Command::new("docker")
+        .args(["ps", "-a", "--format", "{{.Names}}", "--filter"])
+        .arg(format!("name=^{prefix}"))
+        .output()
+        .expect("docker ps runs");
+    String::from_utf8_lossy(&output.stdout).trim().to_string()
+}
+
+#[test]
+fn a_job_with_an_image_runs_in_a_container() {
+    let Some(image) = muster_testkit::docker::test_image() else {
+        return;
+    };
+    let cluster = Cluster::start("10s");
+    let url = cluster.url();
+    let _agent = cluster.agent_with("node-c", &url, "2xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    let spec = serde_json::json!({
+        "name": "boxed",
+        "image": image,
+        "gpus": 1,
+        "working_dir": "/tmp",
+        "env": {"GREETING": "hello"},
+        "command": ["sh", "-c", "echo $GREETING from $(pwd) in $(hostname); env | sort; exit 4"],
+    });
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the job to end", Duration::from_secs(60), || {
+        state(&rt, &client, id) == "failed"
+    });
+    let job = rt.block_on(client.job(id)).expect("job");
+    assert_eq!(job.exit_code, Some(4), "{job:?}");
+    let logs = rt
+        .block_on(client.logs(id, 0, 0, None, false))
+        .expect("logs");
+    let text = String::from_utf8_lossy(&logs.data).into_owned();
+    assert!(text.contains("hello from /tmp"), "{text}");
+    assert!(text.contains(&format!("MUSTER_JOB_ID={id}")), "{text}");
+    assert!(text.contains("CUDA_VISIBLE_DEVICES=0"), "{text}");
+    // The node's own PATH does not leak in.
+    assert!(!text.contains("/root/.cargo"), "{text}");
+
+    // A cancelled container job: stopped, and its container removed.
+    let spec = serde_json::json!({
+        "name": "boxed-long",
+        "image": image,
+        "command": ["sh", "-c", "echo started; while true; do sleep 1; done"],
+    });
+    let long = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the container to start", Duration::from_secs(60), || {
+        rt.block_on(client.logs(long, 0, 0, None, false))
+            .is_ok_and(|logs| String::from_utf8_lossy(&logs.data).contains("started"))
+    });
+    assert!(!containers_named(&format!("muster-j{long}-")).is_empty());
+    rt.block_on(client.cancel(long)).expect("cancelled");
+    wait_until("the job to be cancelled", Duration::from_secs(60), || {
+        state(&rt, &client, long) == "cancelled"
+    });
+    wait_until("its container to go", Duration::from_secs(30), || {
+        containers_named(&format!("muster-j{long}-")).is_empty()
+    });
+}
