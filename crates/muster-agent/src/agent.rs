@@ -202,7 +202,14 @@ pub async fn run(
         backend: inventory.backend.to_string(),
         driver_version: inventory.driver_version.clone(),
         cuda_version: inventory.cuda_version.clone(),
-        stack: crate::stack::node_stack(&inventory),
+        stack: {
+            let mut stack = crate::stack::node_stack(&inventory);
+            // A reachable Docker engine: this node runs container tasks.
+            if let Some(version) = crate::container::engine_version().await {
+                stack.insert(muster_model::CONTAINER_ENGINE.to_string(), version);
+            }
+            stack
+        },
     };
     // Task logs go out on their own task and connection, never in the way
     // of a heartbeat; a task is forgotten only once its log is shipped.
@@ -558,6 +565,7 @@ impl Shell {
                         user: spec.user.clone(),
                         memory_limit_mib: spec.memory_mib,
                         image: spec.image.clone(),
+                        cpu_milli: spec.cpu_milli,
                     };
                     let env = launch.env.clone();
                     let indices = launch.gpu_indices.clone();

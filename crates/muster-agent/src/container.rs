@@ -86,6 +86,18 @@ pub async fn connect() -> Result<Docker, String> {
     })
 }
 
+/// The Docker engine's version, if one answers here (within 5 s).
+pub async fn engine_version() -> Option<String> {
+    let check = async {
+        let docker = connect().await.ok()?;
+        docker.version().await.ok()?.version
+    };
+    tokio::time::timeout(Duration::from_secs(5), check)
+        .await
+        .ok()
+        .flatten()
+}
+
 /// Says why in the task's log (the helper's stdout and stderr are the
 /// log), and gives the exit code.
 fn cannot_run(message: String) -> i32 {
@@ -165,6 +177,11 @@ async fn run(state_dir: &Path, key: &str, user: &str) -> i32 {
                 .memory_limit_bytes
                 .and_then(|bytes| i64::try_from(bytes).ok()),
             pids_limit: task.pids_max.and_then(|pids| i64::try_from(pids).ok()),
+            // The job's CPUs (in billionths, as the engine counts them).
+            nano_cpus: plan
+                .cpu_milli
+                .filter(|&milli| milli > 0)
+                .and_then(|milli| i64::try_from(milli.saturating_mul(1_000_000)).ok()),
             // PID 1 that reaps and passes signals on (docker-init).
             init: Some(true),
             auto_remove: Some(false),

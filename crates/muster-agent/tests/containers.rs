@@ -53,6 +53,7 @@ fn launch(allocation: &str, image: &str, script: &str) -> TaskLaunch {
         user: None,
         memory_limit_mib: None,
         image: Some(image.to_string()),
+        cpu_milli: Some(500),
     }
 }
 
@@ -96,7 +97,9 @@ async fn a_container_task_gets_the_task_contract_and_its_exit_code() {
         .start(launch(
             &key,
             image,
-            "echo hello from $(pwd); env | sort; id -u; exit 3",
+            "echo hello from $(pwd); env | sort; id -u; \
+             echo quota $(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu.max 2>/dev/null); \
+             exit 3",
         ))
         .await
         .expect("started");
@@ -112,6 +115,8 @@ async fn a_container_task_gets_the_task_contract_and_its_exit_code() {
     // Simulated GPUs (no devices): the same variables as a process gets.
     assert!(log.contains("CUDA_VISIBLE_DEVICES=2,3"), "{log}");
     assert!(log.contains("MUSTER_GPU_UUIDS=GPU-a,GPU-b"), "{log}");
+    // Half a CPU: 50 ms of every 100 ms (cgroup v1 or v2).
+    assert!(log.contains("quota 50000"), "the CPU limit: {log}");
     // Run as root, the agent runs tasks as nobody: so does the container.
     let nobody = nix::unistd::User::from_name("nobody")
         .ok()

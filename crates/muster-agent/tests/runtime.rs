@@ -35,6 +35,7 @@ fn launch(allocation: &str, script: &str) -> TaskLaunch {
         user: None,
         memory_limit_mib: None,
         image: None,
+        cpu_milli: None,
     }
 }
 

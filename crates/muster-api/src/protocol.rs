@@ -486,6 +486,9 @@ pub struct DesiredAllocation {
     /// engine); absent: on the node itself.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
+    /// The job's CPUs per node, in thousandths: a container's CPU limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_milli: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

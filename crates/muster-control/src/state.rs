@@ -250,6 +250,8 @@ pub struct DesiredTask {
     pub memory_mib: u64,
     /// The container image the task runs in (`None`: on the node itself).
     pub image: Option<String>,
+    /// The job's CPUs per node, in thousandths (a container's CPU limit).
+    pub cpu_milli: u64,
 }
 
 /// What an agent reports about one allocation.
@@ -961,6 +963,28 @@ impl ControlPlane {
     pub fn never_fits(&self, spec: &JobSpec) -> Option<String> {
         if self.nodes.is_empty() {
             return None;
+        }
+        let containers = self
+            .nodes
+            .values()
+            .filter(|node| {
+                node.software
+                    .stack
+                    .contains_key(muster_model::CONTAINER_ENGINE)
+            })
+            .count();
+        if let Some(image) = &spec.image
+            && containers < spec.nodes as usize
+        {
+            return Some(format!(
+                "this job runs in containers (image {image}) on {} node(s), and {containers} of \
+                 the {} registered nodes can run containers (an agent whose Docker engine \
+                 answers says so at registration). Start Docker on the nodes and restart their \
+                 agents, drop `image:` to run on the nodes themselves, or pass --allow-pending \
+                 to queue it for nodes still to come",
+                spec.nodes,
+                self.nodes.len()
+            ));
         }
         // Nodes alike (pool, CPU, memory, GPUs) answer alike: one of each.
         let mut count: BTreeMap<&NodeName, usize> = BTreeMap::new();
@@ -2303,6 +2327,10 @@ impl ControlPlane {
         self.nodes
             .values()
             .map(|node| NodeInput {
+                containers: node
+                    .software
+                    .stack
+                    .contains_key(muster_model::CONTAINER_ENGINE),
                 spec: node.spec.clone(),
                 cordoned: node.cordoned || node.drift.is_some(),
                 healthy: node.state == NodeState::Ready,
@@ -2822,6 +2850,7 @@ impl ControlPlane {
                     user: job.user.clone(),
                     memory_mib: job.spec.memory_per_node.0,
                     image: job.spec.image.clone(),
+                    cpu_milli: job.spec.cpu_per_node.0,
                 })
             })
             .collect()

@@ -17,8 +17,9 @@ pub use job::{
     TopologyConstraint, TopologyStrength,
 };
 pub use node::{
-    GpuModel, GpuSpec, MAX_GPU_TEXT_LENGTH, MAX_NODE_CPU_MILLI, MAX_NODE_GPUS, MAX_NODE_MEMORY_MIB,
-    MAX_NODE_NAME_LENGTH, NodeName, NodeSpec, PoolName, RackName, fatal_xid, is_plain_name,
+    CONTAINER_ENGINE, GpuModel, GpuSpec, MAX_GPU_TEXT_LENGTH, MAX_NODE_CPU_MILLI, MAX_NODE_GPUS,
+    MAX_NODE_MEMORY_MIB, MAX_NODE_NAME_LENGTH, NodeName, NodeSpec, PoolName, RackName, fatal_xid,
+    is_plain_name,
 };
 pub use quantity::{CpuMilli, GpuMilli, GpuRequest, MemoryMib, Time};
 pub use queue::{Budget, QueueName, QueueSpec};

@@ -94,6 +94,11 @@ impl NodeSpec {
     }
 }
 
+/// The key of a node's software stack that says it runs container tasks:
+/// its Docker engine's version (the agent reports it when the engine
+/// answers). Jobs with an image go only to such nodes.
+pub const CONTAINER_ENGINE: &str = "docker";
+
 /// The most GPUs one node may have (the scheduler keeps a node's GPUs in
 /// 64-bit sets).
 pub const MAX_NODE_GPUS: usize = 64;

@@ -121,6 +121,7 @@ fn pending(count: usize, shapes: &[Shape], rng: &mut ChaCha8Rng) -> Vec<PendingJ
                 submitted: Time(i as u64),
                 tasks: if gang { rng.random_range(2..=4) } else { 1 },
                 request: TaskRequest {
+                    container: false,
                     gpus,
                     cpu: CpuMilli(cpu),
                     memory: MemoryMib(memory),

@@ -70,6 +70,8 @@ pub struct TaskShape {
     /// `None`: any pool.
     pub pool: Option<u16>,
     pub min_gpu_memory_mib: u64,
+    /// Runs in a container: only on nodes that can run them.
+    pub container: bool,
 }
 
 impl TaskShape {
@@ -90,18 +92,21 @@ pub enum FilterReason {
     Unhealthy,
     GpuModel,
     GpuMemory,
+    /// The task runs in a container and the node has no container engine.
+    Containers,
     Gpus,
     Cpu,
     Memory,
 }
 
 impl FilterReason {
-    pub const ALL: [FilterReason; 8] = [
+    pub const ALL: [FilterReason; 9] = [
         FilterReason::Pool,
         FilterReason::Cordoned,
         FilterReason::Unhealthy,
         FilterReason::GpuModel,
         FilterReason::GpuMemory,
+        FilterReason::Containers,
         FilterReason::Gpus,
         FilterReason::Cpu,
         FilterReason::Memory,
@@ -143,6 +148,8 @@ pub struct NodeStatic {
     pub healthy: bool,
     /// Per GPU: false when the GPU is out of service.
     pub gpu_healthy: Vec<bool>,
+    /// The node can run container tasks.
+    pub containers: bool,
 }
 
 impl NodeStatic {
@@ -309,11 +316,14 @@ pub struct NodeInput {
     pub healthy: bool,
     /// GPU indices out of service.
     pub unhealthy_gpus: Vec<u32>,
+    /// The node has a container engine (runs jobs with an image).
+    pub containers: bool,
 }
 
 impl NodeInput {
     pub fn schedulable(spec: NodeSpec) -> Self {
         NodeInput {
+            containers: true,
             spec,
             cordoned: false,
             healthy: true,
@@ -553,6 +563,7 @@ impl ClusterState {
                     cordoned: input.cordoned,
                     healthy: input.healthy,
                     gpu_healthy,
+                    containers: input.containers,
                 });
             }
             real += 1;
@@ -700,6 +711,9 @@ impl ClusterState {
             if info.gpu_memory_mib < shape.min_gpu_memory_mib {
                 return Some(FilterReason::GpuMemory);
             }
+        }
+        if shape.container && !info.containers {
+            return Some(FilterReason::Containers);
         }
         None
     }

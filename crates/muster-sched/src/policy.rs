@@ -903,6 +903,7 @@ mod tests {
             cordoned: false,
             healthy: true,
             gpu_healthy: vec![true; gpus],
+            containers: true,
         }
     }
 
@@ -985,6 +986,7 @@ mod tests {
     #[test]
     fn typical_shapes_cover_the_requested_fraction() {
         let a = TaskShape {
+            container: false,
             gpus: GpuRequest::Whole(1),
             cpu_milli: 1000,
             memory_mib: 0,
@@ -993,10 +995,12 @@ mod tests {
             min_gpu_memory_mib: 0,
         };
         let b = TaskShape {
+            container: false,
             gpus: GpuRequest::Shared(GpuMilli(500)),
             ..a
         };
         let c = TaskShape {
+            container: false,
             gpus: GpuRequest::Whole(8),
             ..a
         };
@@ -1031,6 +1035,7 @@ mod tests {
             memory_mib: 1 << 20,
         };
         let task = TaskShape {
+            container: false,
             gpus: GpuRequest::Shared(GpuMilli(400)),
             cpu_milli: 0,
             memory_mib: 0,
@@ -1044,6 +1049,7 @@ mod tests {
 
     fn one_gpu_task(cpu_milli: u64) -> TaskShape {
         TaskShape {
+            container: false,
             gpus: GpuRequest::Whole(1),
             cpu_milli,
             memory_mib: 0,
@@ -1131,6 +1137,7 @@ mod tests {
             ..empty.clone()
         };
         let half = TaskShape {
+            container: false,
             gpus: GpuRequest::Shared(GpuMilli(500)),
             ..one_gpu_task(0)
         };

@@ -20,11 +20,14 @@ pub struct TaskRequest {
     pub gpu_models: Vec<GpuModel>,
     pub min_gpu_memory: Option<MemoryMib>,
     pub pool: Option<PoolName>,
+    /// The job runs in a container (it names an image).
+    pub container: bool,
 }
 
 impl TaskRequest {
     pub fn of(spec: &JobSpec) -> Self {
         TaskRequest {
+            container: spec.image.is_some(),
             gpus: spec.gpus_per_node,
             cpu: spec.cpu_per_node,
             memory: spec.memory_per_node,
@@ -47,6 +50,7 @@ impl TaskRequest {
                 .as_ref()
                 .map(|pool| cluster.pool_index(pool).unwrap_or(u16::MAX)),
             min_gpu_memory_mib: self.min_gpu_memory.map_or(0, |m| m.0),
+            container: self.container,
         }
     }
 }
@@ -1064,6 +1068,7 @@ fn filter_words(filters: &FilterCounts) -> String {
                 crate::FilterReason::Unhealthy => "are unhealthy",
                 crate::FilterReason::GpuModel => "have another GPU model",
                 crate::FilterReason::GpuMemory => "have too little GPU memory",
+                crate::FilterReason::Containers => "cannot run containers (no Docker engine)",
                 crate::FilterReason::Gpus => "have too few free GPUs",
                 crate::FilterReason::Cpu => "have too little free CPU",
                 crate::FilterReason::Memory => "have too little free memory",

@@ -193,6 +193,7 @@ proptest! {
                 ModelMask::ANY
             };
             TaskShape {
+                container: false,
                 gpus: match kind {
                     0 => GpuRequest::Whole(gpus % 5),
                     1 => GpuRequest::Shared(GpuMilli(share)),

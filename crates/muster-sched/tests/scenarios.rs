@@ -96,6 +96,49 @@ mod filtering {
         }
     }
 
+    /// A job with an image goes only to nodes with a container engine; with
+    /// none free it waits and says why; a plain job goes anywhere.
+    #[test]
+    fn a_container_job_goes_only_to_nodes_that_run_containers() {
+        let nodes = vec![
+            MakeNode::new("a-plain").without_containers().build(),
+            MakeNode::new("b-docker").build(),
+        ];
+        let boxed = MakeJob::new(1).gpus(8).in_container().build();
+        let outcome = cycle(
+            &snapshot(nodes.clone()),
+            &[boxed],
+            &SchedulingPolicy::default(),
+        );
+        assert_eq!(node_of(&outcome, 1), "b-docker");
+        // Two of them: the second finds no node that runs containers free.
+        let jobs = [
+            MakeJob::new(1).gpus(8).in_container().build(),
+            MakeJob::new(2).gpus(8).in_container().build(),
+            MakeJob::new(3).gpus(8).build(),
+        ];
+        let outcome = cycle(
+            &snapshot(nodes.clone()),
+            &jobs,
+            &SchedulingPolicy::default(),
+        );
+        assert_eq!(node_of(&outcome, 1), "b-docker");
+        assert_eq!(node_of(&outcome, 3), "a-plain");
+        // Job 2 waits for the one node that runs containers (holding it
+        // for when job 1 ends), while job 3 went to the other.
+        assert!(
+            matches!(reason(&outcome, 2), PendingReason::HoldsReservation { .. }),
+            "{}",
+            reason(&outcome, 2)
+        );
+        // Only nodes without an engine: it never fits, and says why.
+        let plain = vec![MakeNode::new("a-plain").without_containers().build()];
+        let boxed = MakeJob::new(1).gpus(8).in_container().build();
+        let outcome = cycle(&snapshot(plain), &[boxed], &SchedulingPolicy::default());
+        let why = reason(&outcome, 1).to_string();
+        assert!(why.contains("cannot run containers"), "{why}");
+    }
+
     #[test]
     fn a_job_that_fits_only_cordoned_or_lost_nodes_says_which() {
         let job = MakeJob::new(1).gpus(8).build();
@@ -672,6 +715,7 @@ mod policies {
             .collect();
         let mut cluster = ClusterState::new(nodes).unwrap();
         let shape = TaskShape {
+            container: false,
             gpus: muster_model::GpuRequest::Whole(1),
             cpu_milli: 1000,
             memory_mib: 1024,

@@ -241,5 +241,6 @@ pub fn desired_view(task: DesiredTask) -> DesiredAllocation {
         user: Some(task.user),
         memory_mib: (task.memory_mib > 0).then_some(task.memory_mib),
         image: task.image,
+        cpu_milli: (task.cpu_milli > 0).then_some(task.cpu_milli),
     }
 }

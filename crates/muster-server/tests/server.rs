@@ -2995,3 +2995,79 @@ async fn a_token_past_its_rate_gets_429_with_retry_after_and_agents_are_not_limi
     })
     .await;
 }
+
+/// A job with an image goes only to a node whose agent reported a Docker
+/// engine (the `docker` entry of its software stack), and carries the image
+/// to it; with no such node it is refused with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_with_an_image_goes_to_a_node_that_runs_containers() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let join = server.join_token().to_string();
+        let plain = api.register(&join, "plain").await;
+        let mut boxed = spec("boxed", "default", 1);
+        boxed["image"] = json!("registry.internal/team/trainer:1.2");
+        let (status, body) = api
+            .post("/v1/jobs", &admin, json!({ "spec": boxed.clone() }))
+            .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("0 of the 1 registered nodes can run containers")),
+            "{body}"
+        );
+        let mut request = register_request("docker");
+        request
+            .stack
+            .insert("docker".to_string(), "20.10.24".to_string());
+        let (status, body) = api
+            .post(
+                "/v1/agents/register",
+                &join,
+                serde_json::to_value(request).expect("a request"),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let docker: RegisterResponse = serde_json::from_value(body).expect("registered");
+        let id = api.submit(&admin, boxed).await;
+        let placed: HeartbeatResponse = loop {
+            let (status, body) = api
+                .post(
+                    "/v1/agents/docker/heartbeat",
+                    &docker.node_token,
+                    heartbeat_body(docker.epoch, Vec::new(), 0, 0),
+                )
+                .await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            let answer: HeartbeatResponse = serde_json::from_value(body).expect("an answer");
+            if !answer.desired.is_empty() {
+                break answer;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(placed.desired[0].job, id);
+        assert_eq!(
+            placed.desired[0].image.as_deref(),
+            Some("registry.internal/team/trainer:1.2")
+        );
+        // The plain node gets nothing.
+        let (status, body) = api
+            .post(
+                "/v1/agents/plain/heartbeat",
+                &plain.node_token,
+                heartbeat_body(plain.epoch, Vec::new(), 0, 0),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(
+            body["desired"].as_array().is_some_and(Vec::is_empty),
+            "{body}"
+        );
+        server.shutdown().await;
+    })
+    .await;
+}

@@ -417,6 +417,7 @@ pub fn replay(
             submitted: Time::from_secs(job.submit_s),
             tasks: job.tasks,
             request: TaskRequest {
+                container: false,
                 gpus: job.gpus_per_task,
                 cpu: job.cpu,
                 memory: job.memory,

@@ -83,6 +83,7 @@ impl TraceTask {
     /// The task as a request: any pool, no GPU memory floor.
     pub fn request(&self) -> TaskRequest {
         TaskRequest {
+            container: false,
             gpus: self.gpus,
             cpu: self.cpu,
             memory: self.memory,

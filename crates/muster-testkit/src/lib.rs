@@ -103,6 +103,12 @@ impl MakeNode {
         self
     }
 
+    /// A node with no container engine.
+    pub fn without_containers(mut self) -> Self {
+        self.input.containers = false;
+        self
+    }
+
     pub fn build(self) -> NodeInput {
         self.input
     }
@@ -136,6 +142,7 @@ impl MakeJob {
                 submitted: Time(0),
                 tasks: 1,
                 request: TaskRequest {
+                    container: false,
                     gpus: GpuRequest::Whole(1),
                     cpu: CpuMilli(1000),
                     memory: MemoryMib(1024),
@@ -192,6 +199,12 @@ impl MakeJob {
 
     pub fn pool(mut self, pool: &str) -> Self {
         self.job.request.pool = Some(PoolName::from(pool));
+        self
+    }
+
+    /// The job names an image: it runs in containers.
+    pub fn in_container(mut self) -> Self {
+        self.job.request.container = true;
         self
     }
 

@@ -141,6 +141,9 @@ pub struct TaskLaunch {
     pub memory_limit_mib: Option<u64>,
     /// The container image to run in (`None`: on the node itself).
     pub image: Option<String>,
+    /// The job's CPUs, in thousandths: a container's CPU limit (processes
+    /// on the node are not limited).
+    pub cpu_milli: Option<u64>,
 }
 
 /// A container's `/dev/shm` when the task has no memory limit: 8 GiB (a
@@ -490,6 +493,7 @@ impl ProcessRuntime {
                 shm_size_bytes: launch
                     .memory_limit_mib
                     .map_or(DEFAULT_SHM_BYTES, |mib| (mib << 20) / 2),
+                cpu_milli: launch.cpu_milli,
                 gpu_devices: if self.config.container_gpus {
                     launch.gpu_uuids.clone()
                 } else {
@@ -1020,6 +1024,7 @@ mod tests {
             user: None,
             memory_limit_mib: None,
             image: None,
+            cpu_milli: None,
         }
     }
 

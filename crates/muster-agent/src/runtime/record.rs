@@ -68,6 +68,9 @@ pub struct ContainerPlan {
     /// GPUs passed through the NVIDIA container runtime (their UUIDs); empty
     /// with simulated GPUs, which have no devices.
     pub gpu_devices: Vec<String>,
+    /// The CPU limit, in thousandths of a CPU (`None`: none).
+    #[serde(default)]
+    pub cpu_milli: Option<u64>,
 }
 
 /// Whom the task runs as (decided by the supervisor, which runs as root
