@@ -5,7 +5,7 @@
 //! process group, its log, its stop signal, its fence), except that the
 //! process it starts is this helper, `PROGRAM container-task run STATE_DIR
 //! KEY UID:GID`, by the absolute path of the running binary. The helper
-//! creates the container `muster-KEY` from the task's record (the image,
+//! creates the container `muster-HASH-KEY` (see [`container_name`]) from the task's record (the image,
 //! the command, the task's environment, its working directory inside the
 //! image, its user, its memory and process limits, `/dev/shm`, the network,
 //! and its GPUs through the NVIDIA runtime's device request on real nodes),
@@ -40,9 +40,17 @@ use std::time::Duration;
 /// `docker run` uses).
 pub const CANNOT_RUN: i32 = 125;
 
-/// The container of the task `key`.
-pub fn container_name(key: &str) -> String {
-    format!("muster-{key}")
+/// The container of the task `key` of the agent whose state is in
+/// `state_dir`: `muster-HASH-KEY`, HASH naming the agent (agents on one
+/// machine share its engine, and their keys may be alike), the same for
+/// every build (FNV-1a of the directory's path).
+pub fn container_name(state_dir: &Path, key: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in state_dir.as_os_str().as_encoded_bytes() {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("muster-{:08x}-{key}", hash as u32)
 }
 
 /// `container-task run STATE_DIR KEY UID:GID` or `container-task kill
@@ -62,7 +70,9 @@ pub fn main(args: &[String]) -> i32 {
         [verb, state_dir, key, user] if verb == "run" => {
             runtime.block_on(run(Path::new(state_dir), key, user))
         }
-        [verb, _state_dir, key] if verb == "kill" => runtime.block_on(kill(key)),
+        [verb, state_dir, key] if verb == "kill" => {
+            runtime.block_on(kill(Path::new(state_dir), key))
+        }
         _ => {
             eprintln!(
                 "usage: muster container-task run STATE_DIR KEY UID:GID | kill STATE_DIR KEY \
@@ -132,7 +142,7 @@ async fn run(state_dir: &Path, key: &str, user: &str) -> i32 {
         Ok(docker) => docker,
         Err(message) => return cannot_run(message),
     };
-    let name = container_name(key);
+    let name = container_name(state_dir, key);
     // Keys carry the attempt's generation, so none should be there; one
     // left by a crash of an earlier helper is not this task's to keep.
     remove(&docker, &name).await;
@@ -363,10 +373,10 @@ async fn forward_signals(docker: &Docker, name: &str) {
 }
 
 /// Removes the task's container by force (the supervisor's kill).
-async fn kill(key: &str) -> i32 {
+async fn kill(state_dir: &Path, key: &str) -> i32 {
     match connect().await {
         Ok(docker) => {
-            remove(&docker, &container_name(key)).await;
+            remove(&docker, &container_name(state_dir, key)).await;
             0
         }
         Err(message) => cannot_run(message),

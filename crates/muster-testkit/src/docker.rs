@@ -11,10 +11,11 @@
 use std::path::Path;
 use std::process::Command;
 
-pub const TEST_IMAGE: &str = "muster-test-busybox:1";
+pub const TEST_IMAGE: &str = "muster-test-busybox:2";
 
-const TOOLS: [&str; 12] = [
-    "sh", "echo", "env", "sleep", "cat", "id", "head", "tr", "sort", "pwd", "ls", "hostname",
+const TOOLS: [&str; 15] = [
+    "sh", "echo", "env", "sleep", "cat", "id", "head", "tr", "sort", "pwd", "ls", "hostname", "nc",
+    "seq", "timeout",
 ];
 
 fn image_present() -> bool {
@@ -43,6 +44,11 @@ pub fn test_image() -> Option<&'static str> {
         );
         return None;
     }
+    // One import at a time on this machine (test processes run side by
+    // side; a second import of the tag would replace the first's image).
+    let lock = std::fs::File::create(std::env::temp_dir().join("muster-test-image.lock"))
+        .expect("the lock file");
+    lock.lock().expect("the image lock");
     if image_present() {
         return Some(TEST_IMAGE);
     }
@@ -70,9 +76,8 @@ pub fn test_image() -> Option<&'static str> {
         .arg(TEST_IMAGE)
         .output()
         .expect("docker import runs");
-    // Test processes may import at once: any one import will do.
     assert!(
-        imported.status.success() || image_present(),
+        imported.status.success(),
         "docker import: {}",
         String::from_utf8_lossy(&imported.stderr)
     );

@@ -35,6 +35,10 @@ pub enum BenchCommand {
     /// Time from submitting a 1-GPU job to seeing it running, on an idle
     /// cluster of one real agent (simulated GPUs).
     SubmitToRunning(SubmitToRunningBench),
+    /// Container start overhead: time from submitting a job to its first
+    /// output line in `muster logs`, as a process and as a container of a
+    /// local image, alternating, through one real agent.
+    FirstOutput(FirstOutputBench),
     /// CPU and memory of the task supervisors: N long-running tasks through
     /// one real agent, measured per supervisor process.
     Supervision(SupervisionBench),
@@ -244,6 +248,17 @@ pub struct SubmitToRunningBench {
     pub simulate_gpus: String,
 }
 
+#[derive(Debug, Args)]
+pub struct FirstOutputBench {
+    /// Jobs of each kind (process, container).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=1_000))]
+    pub count: u64,
+    /// A local image with `sh` (e.g. one imported from busybox-static; see
+    /// docs/benchmarks.md).
+    #[arg(long, default_value = "muster-test-busybox:2")]
+    pub image: String,
+}
+
 fn parse_duration(text: &str) -> Result<Duration, String> {
     crate::cli::parse_duration_s(text).map(Duration::from_secs)
 }
@@ -259,6 +274,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::Agents(args) => agents(args).await,
             BenchCommand::IdleAgent(args) => idle_agent(args).await,
             BenchCommand::SubmitToRunning(args) => submit_to_running(args).await,
+            BenchCommand::FirstOutput(args) => first_output(args).await,
             BenchCommand::Supervision(args) => supervision(args).await,
             BenchCommand::ShortJobs(args) => short_jobs(args).await,
             BenchCommand::History(args) => history(args).await,
@@ -1517,6 +1533,72 @@ async fn submit_to_running(args: SubmitToRunningBench) -> Result<()> {
         "  load average: {load_before} at the start, {} at the end",
         load_average()
     );
+    drop(agent);
+    drop(server);
+    Ok(())
+}
+
+async fn first_output(args: FirstOutputBench) -> Result<()> {
+    let dir = temp_dir()?;
+    let mut server = start_child_server(dir.path(), Duration::from_secs(10)).await?;
+    let mut agent = start_child_agent(dir.path(), &server, "1xH100-80GB").await?;
+    let agent_log = dir.path().join("agent.log");
+    let client = server.client(&server.admin_token)?;
+    let mut process = Latencies::default();
+    let mut container = Latencies::default();
+    for round in 0..args.count * 2 {
+        let boxed = round % 2 == 1;
+        let mut spec = serde_json::json!({
+            "name": "bench-first-output",
+            "command": ["sh", "-c", "echo first; sleep 30"],
+        });
+        if boxed {
+            spec["image"] = serde_json::json!(args.image);
+        }
+        let sent = Instant::now();
+        let id = client
+            .submit(spec)
+            .await
+            .context("cannot submit the job (with --image, does the agent reach Docker?)")?;
+        let deadline = sent + Duration::from_secs(60);
+        loop {
+            let logs = client.logs(id, 0, 0, None, false).await;
+            if logs.is_ok_and(|logs| String::from_utf8_lossy(&logs.data).contains("first")) {
+                let took = sent.elapsed();
+                if boxed {
+                    container.push(took);
+                } else {
+                    process.push(took);
+                }
+                break;
+            }
+            let job = client.job(id).await.context("cannot read the job")?;
+            if is_terminal(&job.state) {
+                bail!("job {id} ended ({}) before its first output", job.state);
+            }
+            if Instant::now() > deadline {
+                bail!("job {id} wrote nothing within 60 s");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        client.cancel(id).await.context("cannot cancel")?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !is_terminal(&client.job(id).await.context("cannot read the job")?.state) {
+            if Instant::now() > deadline {
+                bail!("job {id} did not end within 60 s of its cancellation");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        agent.check_alive(&agent_log)?;
+        server.process.check_alive(&server.log)?;
+    }
+    println!(
+        "muster bench first-output: {} jobs of each kind, alternating, one agent; from before \
+         the submit request to `first` in the job's log (polled every 5 ms)",
+        args.count
+    );
+    println!("  process:              {}", process.summary());
+    println!("  container ({}): {}", args.image, container.summary());
     drop(agent);
     drop(server);
     Ok(())

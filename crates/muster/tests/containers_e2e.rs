@@ -1,9 +1,11 @@
-//! A job with `image:` through a real server and agent: its tasks run as
+//! A job with `image:` through a real server and agents: its tasks run as
 //! containers of the machine's Docker engine (the test image made by
 //! `muster_testkit::docker`), with the task contract, their output in
 //! `muster logs`, their exit code as the job's, and a cancel that stops
-//! and removes the container. Without a Docker engine the test says so
-//! and passes, unless `MUSTER_REQUIRE_DOCKER` is set (as in CI).
+//! and removes the container; and a 2-node gang of containers talks over
+//! the host's network (rank 1 to rank 0 at MUSTER_MASTER_ADDR:PORT).
+//! Without a Docker engine the tests say so and pass, unless
+//! `MUSTER_REQUIRE_DOCKER` is set (as in CI).
 
 use std::time::Duration;
 
@@ -15,7 +17,7 @@ use common::wait_until;
 fn containers_named(prefix: &str) -> String {
     let output = std::process::Command::new("docker")
         .args(["ps", "-a", "--format", "{{.Names}}", "--filter"])
-        .arg(format!("name=^{prefix}"))
+        .arg(format!("name={prefix}"))
         .output()
         .expect("docker ps runs");
     String::from_utf8_lossy(&output.stdout).trim().to_string()
@@ -45,11 +47,11 @@ fn a_job_with_an_image_runs_in_a_container() {
         state(&rt, &client, id) == "failed"
     });
     let job = rt.block_on(client.job(id)).expect("job");
-    assert_eq!(job.exit_code, Some(4), "{job:?}");
     let logs = rt
         .block_on(client.logs(id, 0, 0, None, false))
         .expect("logs");
     let text = String::from_utf8_lossy(&logs.data).into_owned();
+    assert_eq!(job.exit_code, Some(4), "{job:?}\n{text}");
     assert!(text.contains("hello from /tmp"), "{text}");
     assert!(text.contains(&format!("MUSTER_JOB_ID={id}")), "{text}");
     assert!(text.contains("CUDA_VISIBLE_DEVICES=0"), "{text}");
@@ -67,12 +69,58 @@ fn a_job_with_an_image_runs_in_a_container() {
         rt.block_on(client.logs(long, 0, 0, None, false))
             .is_ok_and(|logs| String::from_utf8_lossy(&logs.data).contains("started"))
     });
-    assert!(!containers_named(&format!("muster-j{long}-")).is_empty());
+    assert!(!containers_named(&format!("-j{long}-a")).is_empty());
     rt.block_on(client.cancel(long)).expect("cancelled");
     wait_until("the job to be cancelled", Duration::from_secs(60), || {
         state(&rt, &client, long) == "cancelled"
     });
     wait_until("its container to go", Duration::from_secs(30), || {
-        containers_named(&format!("muster-j{long}-")).is_empty()
+        containers_named(&format!("-j{long}-a")).is_empty()
     });
+}
+
+#[test]
+fn a_two_node_container_gang_talks_over_the_host_network() {
+    let Some(image) = muster_testkit::docker::test_image() else {
+        return;
+    };
+    let cluster = Cluster::start("10s");
+    let url = cluster.url();
+    let _a = cluster.agent_with("node-a", &url, "1xH100-80GB", &[]);
+    let _b = cluster.agent_with("node-b", &url, "1xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 2);
+    // Rank 0 listens on the master port; rank 1 connects to it (retrying
+    // while rank 0 starts) and sends a line, which rank 0 prints.
+    let script = "if [ \"$MUSTER_NODE_RANK\" = 0 ]; then \
+                    timeout 60 nc -l -p $MUSTER_MASTER_PORT; \
+                  else \
+                    for i in $(seq 1 100); do \
+                      echo hello-from-rank-1 | nc $MUSTER_MASTER_ADDR $MUSTER_MASTER_PORT && exit 0; \
+                      sleep 0.2; \
+                    done; exit 1; \
+                  fi";
+    let spec = serde_json::json!({
+        "name": "boxed-gang",
+        "image": image,
+        "nodes": 2,
+        "gpus": 1,
+        "command": ["sh", "-c", script],
+    });
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the gang to finish", Duration::from_secs(90), || {
+        let state = state(&rt, &client, id);
+        state == "succeeded" || state == "failed"
+    });
+    let job = rt.block_on(client.job(id)).expect("job");
+    let logs = rt
+        .block_on(client.logs(id, 0, 0, None, false))
+        .expect("rank 0's log");
+    let text = String::from_utf8_lossy(&logs.data).into_owned();
+    assert_eq!(job.state, "succeeded", "{job:?}\n{text}");
+    assert!(
+        text.contains("hello-from-rank-1"),
+        "rank 0 heard rank 1: {text}"
+    );
 }
