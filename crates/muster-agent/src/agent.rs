@@ -566,6 +566,7 @@ impl Shell {
                         memory_limit_mib: spec.memory_mib,
                         image: spec.image.clone(),
                         cpu_milli: spec.cpu_milli,
+                        registry_auth: spec.registry_auth.clone(),
                     };
                     let env = launch.env.clone();
                     let indices = launch.gpu_indices.clone();

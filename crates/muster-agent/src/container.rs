@@ -25,6 +25,7 @@
 
 use crate::runtime::record::{self, TaskRecord};
 use bollard::Docker;
+use bollard::auth::DockerCredentials;
 use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig};
 use bollard::query_parameters::{
     CreateContainerOptions, CreateImageOptions, KillContainerOptions, LogsOptions,
@@ -147,7 +148,7 @@ async fn run(state_dir: &Path, key: &str, user: &str) -> i32 {
     // left by a crash of an earlier helper is not this task's to keep.
     remove(&docker, &name).await;
     if docker.inspect_image(&plan.image).await.is_err()
-        && let Err(message) = pull(&docker, &plan.image).await
+        && let Err(message) = pull(&docker, &plan.image, plan.registry_auth.as_deref()).await
     {
         return cannot_run(message);
     }
@@ -276,8 +277,52 @@ async fn run(state_dir: &Path, key: &str, user: &str) -> i32 {
     code
 }
 
-/// Pulls `image`, its progress in the task's log.
-async fn pull(docker: &Docker, image: &str) -> Result<(), String> {
+/// The registry an image reference names (`docker.io` when it names
+/// none: its first part has no `.` or `:` and is not `localhost`).
+pub fn registry_of(image: &str) -> &str {
+    match image.split_once('/') {
+        Some((first, _)) if first.contains(['.', ':']) || first == "localhost" => first,
+        _ => "docker.io",
+    }
+}
+
+/// Credentials from an image pull secret: `USER:PASSWORD`, or a JSON
+/// object with `username` and `password` (and optionally
+/// `serveraddress`).
+pub fn credentials(secret: &str, image: &str) -> Result<DockerCredentials, String> {
+    let secret = secret.trim();
+    let (username, password, server) = if secret.starts_with('{') {
+        let value: serde_json::Value = serde_json::from_str(secret)
+            .map_err(|error| format!("the image pull secret is not valid JSON: {error}"))?;
+        let field = |name: &str| value.get(name).and_then(|v| v.as_str()).map(str::to_string);
+        (field("username"), field("password"), field("serveraddress"))
+    } else {
+        match secret.split_once(':') {
+            Some((user, password)) => (Some(user.to_string()), Some(password.to_string()), None),
+            None => (None, None, None),
+        }
+    };
+    let (Some(username), Some(password)) = (username, password) else {
+        return Err(
+            "the image pull secret holds no credentials: set it to USER:PASSWORD, or to \
+             {\"username\": ..., \"password\": ...}"
+                .to_string(),
+        );
+    };
+    Ok(DockerCredentials {
+        username: Some(username),
+        password: Some(password),
+        serveraddress: Some(server.unwrap_or_else(|| registry_of(image).to_string())),
+        ..Default::default()
+    })
+}
+
+/// Pulls `image` (with the pull secret's credentials, if any), its
+/// progress in the task's log.
+async fn pull(docker: &Docker, image: &str, secret: Option<&str>) -> Result<(), String> {
+    let credentials = secret
+        .map(|secret| credentials(secret, image))
+        .transpose()?;
     println!("muster: pulling {image}");
     let mut progress = docker.create_image(
         Some(CreateImageOptions {
@@ -285,7 +330,7 @@ async fn pull(docker: &Docker, image: &str) -> Result<(), String> {
             ..Default::default()
         }),
         None,
-        None,
+        credentials,
     );
     let mut last = String::new();
     while let Some(step) = progress.next().await {
@@ -380,5 +425,41 @@ async fn kill(state_dir: &Path, key: &str) -> i32 {
             0
         }
         Err(message) => cannot_run(message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pull_secret_gives_credentials_for_the_images_registry() {
+        let plain = credentials("alice:pa:ss", "registry.internal:5000/team/trainer:1")
+            .expect("credentials");
+        assert_eq!(plain.username.as_deref(), Some("alice"));
+        assert_eq!(plain.password.as_deref(), Some("pa:ss"));
+        assert_eq!(
+            plain.serveraddress.as_deref(),
+            Some("registry.internal:5000")
+        );
+        let json = credentials(
+            r#"{"username": "$oauthtoken", "password": "nvapi-x"}"#,
+            "nvcr.io/nvidia/pytorch:24.05-py3",
+        )
+        .expect("credentials");
+        assert_eq!(json.username.as_deref(), Some("$oauthtoken"));
+        assert_eq!(json.serveraddress.as_deref(), Some("nvcr.io"));
+        assert_eq!(
+            credentials("bob:x", "team/trainer:1")
+                .expect("credentials")
+                .serveraddress
+                .as_deref(),
+            Some("docker.io")
+        );
+        let error = credentials("no-colon", "a/b").unwrap_err();
+        assert!(error.contains("USER:PASSWORD"), "{error}");
+        assert!(credentials("{not json", "a/b").is_err());
+        assert_eq!(registry_of("localhost/x:1"), "localhost");
+        assert_eq!(registry_of("ubuntu:22.04"), "docker.io");
     }
 }

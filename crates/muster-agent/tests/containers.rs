@@ -54,6 +54,7 @@ fn launch(allocation: &str, image: &str, script: &str) -> TaskLaunch {
         memory_limit_mib: None,
         image: Some(image.to_string()),
         cpu_milli: Some(500),
+        registry_auth: None,
     }
 }
 
@@ -268,5 +269,85 @@ async fn an_image_that_does_not_exist_fails_the_task_with_the_reason() {
     assert!(
         log.contains("cannot pull the image muster-test-no-such-image:1"),
         "{log}"
+    );
+}
+
+/// A registry on loopback that asks for Basic credentials and keeps the
+/// `Authorization` headers it is sent (it has no images: every pull
+/// fails). The engine speaks plain HTTP to a loopback registry after its
+/// TLS attempt fails; anything that is not an HTTP request is dropped.
+fn fake_registry() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let port = listener.local_addr().expect("address").port();
+    let seen: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let kept = seen.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut reader = BufReader::new(&stream);
+            let mut first = String::new();
+            if reader.read_line(&mut first).is_err()
+                || !(first.starts_with("GET ") || first.starts_with("HEAD "))
+            {
+                continue;
+            }
+            let mut authorization = None;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                    break;
+                }
+                if let Some((name, value)) = line.split_once(':')
+                    && name.eq_ignore_ascii_case("authorization")
+                {
+                    authorization = Some(value.trim().to_string());
+                }
+            }
+            let answer = match authorization {
+                None => "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Basic realm=\"muster-test\"\r\nDocker-Distribution-API-Version: registry/2.0\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_string(),
+                Some(value) => {
+                    kept.lock().expect("lock").push(value);
+                    "HTTP/1.1 404 Not Found\r\nDocker-Distribution-API-Version: registry/2.0\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_string()
+                }
+            };
+            let mut stream = &stream;
+            let _ = stream.write_all(answer.as_bytes());
+        }
+    });
+    (port, seen)
+}
+
+/// A private image's pull carries the job's image pull secret to the
+/// registry, and nothing of it reaches the task's log.
+#[tokio::test]
+async fn a_pull_carries_the_image_pull_secret_to_the_registry() {
+    use base64::Engine;
+    if muster_testkit::docker::test_image().is_none() {
+        return;
+    }
+    let (port, seen) = fake_registry();
+    let (_dir, runtime) = runtime();
+    let key = key("private");
+    let image = format!("127.0.0.1:{port}/team/trainer:1");
+    let mut task = launch(&key, &image, "true");
+    task.registry_auth = Some("alice:s3cret-token".to_string());
+    runtime.start(task).await.expect("started");
+    let exit = next_exit(&runtime).await;
+    assert_eq!(exit.exit_code, Some(125), "{exit:?}");
+    let expected = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode("alice:s3cret-token")
+    );
+    let seen = seen.lock().expect("lock").clone();
+    let log = log_text(&runtime, &key).await;
+    assert!(seen.contains(&expected), "{seen:?}\n{log}");
+    assert!(
+        log.contains(&format!("cannot pull the image {image}")),
+        "{log}"
+    );
+    assert!(
+        !log.contains("s3cret"),
+        "the secret stays out of the log: {log}"
     );
 }

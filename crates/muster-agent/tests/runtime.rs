@@ -36,6 +36,7 @@ fn launch(allocation: &str, script: &str) -> TaskLaunch {
         memory_limit_mib: None,
         image: None,
         cpu_milli: None,
+        registry_auth: None,
     }
 }
 

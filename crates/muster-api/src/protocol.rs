@@ -489,6 +489,10 @@ pub struct DesiredAllocation {
     /// The job's CPUs per node, in thousandths: a container's CPU limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_milli: Option<u64>,
+    /// The credentials to pull `image` with (the value of the job's
+    /// `image_pull_secret`), for the node's engine only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registry_auth: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -26,6 +26,7 @@ pub(crate) const JOB_FIELDS: &[&str] = &[
     "secrets",
     "working_dir",
     "image",
+    "image_pull_secret",
     "max_runtime",
     "estimated_runtime",
     "preemptible",
@@ -329,6 +330,7 @@ impl Reader {
             env: self.env(map),
             working_dir: self.string(map, "working_dir", "working_dir"),
             image: self.string(map, "image", "image"),
+            image_pull_secret: self.string(map, "image_pull_secret", "image_pull_secret"),
             max_runtime: self.quantity(map, "max_runtime", "max_runtime", DURATION_ACCEPTED),
             estimated_runtime: self.quantity(
                 map,

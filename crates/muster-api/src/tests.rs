@@ -58,6 +58,7 @@ env:
   USE_FLASH: true
 working_dir: /workspace
 image: nvcr.io/nvidia/pytorch:24.05-py3
+image_pull_secret: ngc
 max_runtime: 1d
 estimated_runtime: 20h30m
 preemptible: false
@@ -109,6 +110,7 @@ fn full_spec() -> model::JobSpec {
         secrets: BTreeMap::new(),
         working_dir: Some("/workspace".to_string()),
         image: Some("nvcr.io/nvidia/pytorch:24.05-py3".to_string()),
+        image_pull_secret: Some("ngc".to_string()),
         max_runtime: Some(Duration::from_secs(86_400)),
         estimated_runtime: Some(Duration::from_secs(20 * 3600 + 30 * 60)),
         preemptible: false,
@@ -422,6 +424,18 @@ fn error_messages_name_the_field_the_value_and_what_is_accepted() {
         ],
     );
     check(
+        "image_pull_secret: ngc",
+        &[
+            "image_pull_secret: names the credentials for pulling `image`, and the job has no image: add `image:` or drop it",
+        ],
+    );
+    check(
+        "image: a/b:1\nimage_pull_secret: 'has space'",
+        &[
+            "image_pull_secret: the secret's name \"has space\" is 1 to 63 letters, digits, '-', '_' or '.'",
+        ],
+    );
+    check(
         "gpu_models: ['']",
         &["gpu_models[0]: must not be empty; give a GPU model like \"H100-80GB\""],
     );
@@ -555,7 +569,7 @@ fn unknown_fields_get_the_closest_name_at_every_level() {
     assert_eq!(
         errors("name: a\ncommand: [x]\nzzz: 1\n"),
         [
-            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, secrets, working_dir, image, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env, idle_timeout"
+            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, secrets, working_dir, image, image_pull_secret, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env, idle_timeout"
         ]
     );
     assert_eq!(

@@ -182,6 +182,26 @@ impl Checker {
         let env = self.env(&spec.env);
         let working_dir = spec.working_dir.as_ref().map(|dir| self.working_dir(dir));
         let image = spec.image.as_ref().map(|image| self.image(image));
+        let image_pull_secret = spec.image_pull_secret.as_ref().map(|name| {
+            if image.is_none() {
+                self.error(
+                    "image_pull_secret",
+                    "names the credentials for pulling `image`, and the job has no image: \
+                     add `image:` or drop it"
+                        .to_string(),
+                );
+            }
+            if !model::is_plain_name(name) || name.len() > 63 {
+                self.error(
+                    "image_pull_secret",
+                    format!(
+                        "the secret's name {} is 1 to 63 letters, digits, '-', '_' or '.'",
+                        quote(name)
+                    ),
+                );
+            }
+            name.clone()
+        });
         let max_runtime = spec
             .max_runtime
             .as_ref()
@@ -252,6 +272,7 @@ impl Checker {
             env,
             working_dir,
             image,
+            image_pull_secret,
             max_runtime,
             estimated_runtime,
             preemptible: spec.preemptible.unwrap_or(defaults.preemptible),

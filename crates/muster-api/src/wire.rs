@@ -282,6 +282,14 @@ pub struct JobSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(pattern = "^[!-~]+$"))]
     pub image: Option<String>,
+    /// The secret with the credentials to pull `image` from a private
+    /// registry (`USER:PASSWORD` or `{"username": ..., "password": ...}`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    )]
+    pub image_pull_secret: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_runtime: Option<Quantity>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -371,6 +379,7 @@ impl From<&model::JobSpec> for JobSpec {
             secrets: spec.secrets.clone(),
             working_dir: spec.working_dir.clone(),
             image: spec.image.clone(),
+            image_pull_secret: spec.image_pull_secret.clone(),
             max_runtime: spec.max_runtime.map(duration_quantity),
             estimated_runtime: spec.estimated_runtime.map(duration_quantity),
             preemptible: Some(spec.preemptible),

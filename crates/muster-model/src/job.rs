@@ -389,6 +389,10 @@ pub struct JobSpec {
     pub secrets: BTreeMap<String, String>,
     pub working_dir: Option<String>,
     pub image: Option<String>,
+    /// The secret holding the credentials to pull `image` from a private
+    /// registry (`USER:PASSWORD`, or a JSON object with `username` and
+    /// `password`); like [`JobSpec::secrets`], only its name is kept here.
+    pub image_pull_secret: Option<String>,
     pub max_runtime: Option<Duration>,
     pub estimated_runtime: Option<Duration>,
     pub preemptible: bool,
@@ -426,6 +430,7 @@ impl JobSpec {
             secrets: BTreeMap::new(),
             working_dir: None,
             image: None,
+            image_pull_secret: None,
             max_runtime: None,
             estimated_runtime: None,
             preemptible: true,

@@ -164,6 +164,17 @@ pub fn fill(
         let Some(job) = control.job(muster_model::JobId(task.job)) else {
             continue;
         };
+        if let Some(name) = &job.spec.image_pull_secret {
+            task.registry_auth = secrets.value(name, &job.spec.queue.0);
+            if task.registry_auth.is_none() {
+                tracing::warn!(
+                    job = task.job,
+                    secret = %name,
+                    "a job's image pull secret is gone (or cannot be opened); its image is \
+                     pulled without credentials"
+                );
+            }
+        }
         for (variable, name) in &job.spec.secrets {
             match secrets.value(name, &job.spec.queue.0) {
                 Some(value) => {
@@ -186,6 +197,7 @@ pub fn check_spec(shared: &Shared, spec: &muster_model::JobSpec) -> Result<(), A
     let missing: Vec<&String> = spec
         .secrets
         .values()
+        .chain(&spec.image_pull_secret)
         .filter(|name| !secrets.usable(name, &spec.queue.0))
         .collect();
     if missing.is_empty() {

@@ -242,5 +242,7 @@ pub fn desired_view(task: DesiredTask) -> DesiredAllocation {
         memory_mib: (task.memory_mib > 0).then_some(task.memory_mib),
         image: task.image,
         cpu_milli: (task.cpu_milli > 0).then_some(task.cpu_milli),
+        // Filled on the way out, as secrets are (crate::secrets::fill).
+        registry_auth: None,
     }
 }

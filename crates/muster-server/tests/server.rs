@@ -3033,6 +3033,28 @@ async fn a_job_with_an_image_goes_to_a_node_that_runs_containers() {
             .await;
         assert_eq!(status, StatusCode::OK, "{body}");
         let docker: RegisterResponse = serde_json::from_value(body).expect("registered");
+        // A pull secret that does not exist is refused; one that does goes
+        // to the node with the task, apart from its environment.
+        boxed["image_pull_secret"] = json!("regcred");
+        let (status, body) = api
+            .post("/v1/jobs", &admin, json!({ "spec": boxed.clone() }))
+            .await;
+        assert!(status.is_client_error(), "{status} {body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("regcred")),
+            "{body}"
+        );
+        let (status, body) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/secrets/regcred",
+                Some(&admin),
+                Some(json!({"value": "robot:t0ken"})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
         let id = api.submit(&admin, boxed).await;
         let placed: HeartbeatResponse = loop {
             let (status, body) = api
@@ -3054,6 +3076,17 @@ async fn a_job_with_an_image_goes_to_a_node_that_runs_containers() {
             placed.desired[0].image.as_deref(),
             Some("registry.internal/team/trainer:1.2")
         );
+        assert_eq!(
+            placed.desired[0].registry_auth.as_deref(),
+            Some("robot:t0ken")
+        );
+        assert!(
+            !placed.desired[0].env.values().any(|v| v.contains("t0ken")),
+            "the pull secret is not in the task's environment"
+        );
+        // Nor in what users see of the job.
+        let (_, job) = api.get(&format!("/v1/jobs/{id}"), &admin).await;
+        assert!(!job.to_string().contains("t0ken"), "{job}");
         // The plain node gets nothing.
         let (status, body) = api
             .post(

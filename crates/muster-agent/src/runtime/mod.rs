@@ -144,6 +144,8 @@ pub struct TaskLaunch {
     /// The job's CPUs, in thousandths: a container's CPU limit (processes
     /// on the node are not limited).
     pub cpu_milli: Option<u64>,
+    /// Credentials to pull the image with (`USER:PASSWORD` or JSON).
+    pub registry_auth: Option<String>,
 }
 
 /// A container's `/dev/shm` when the task has no memory limit: 8 GiB (a
@@ -494,6 +496,7 @@ impl ProcessRuntime {
                     .memory_limit_mib
                     .map_or(DEFAULT_SHM_BYTES, |mib| (mib << 20) / 2),
                 cpu_milli: launch.cpu_milli,
+                registry_auth: launch.registry_auth.clone(),
                 gpu_devices: if self.config.container_gpus {
                     launch.gpu_uuids.clone()
                 } else {
@@ -1025,6 +1028,7 @@ mod tests {
             memory_limit_mib: None,
             image: None,
             cpu_milli: None,
+            registry_auth: None,
         }
     }
 

@@ -71,6 +71,11 @@ pub struct ContainerPlan {
     /// The CPU limit, in thousandths of a CPU (`None`: none).
     #[serde(default)]
     pub cpu_milli: Option<u64>,
+    /// Credentials for pulling the image (the job's image pull secret:
+    /// `USER:PASSWORD` or a JSON object with `username` and `password`).
+    /// The record is readable by the agent's user only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registry_auth: Option<String>,
 }
 
 /// Whom the task runs as (decided by the supervisor, which runs as root
