@@ -265,6 +265,9 @@ async fn run(state_dir: &Path, key: &str, user: &str) -> i32 {
         .and_then(|state| state.oom_killed)
         .unwrap_or(false);
     if out_of_memory {
+        // For the supervisor, which sees the helper's cgroup, not the
+        // container's: the task ended at its memory limit.
+        let _ = std::fs::write(record::path(&state_dir.join("tasks"), key, "oom"), b"");
         let limit = task
             .memory_limit_bytes
             .map_or("its".to_string(), |bytes| format!("{} MiB", bytes >> 20));

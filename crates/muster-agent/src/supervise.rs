@@ -651,8 +651,16 @@ fn watch(
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    let usage = cgroup.usage();
+    let mut usage = cgroup.usage();
     let _ = cgroup.remove();
+    // A container's memory is in the engine's cgroup: its helper leaves a
+    // mark when the kernel killed it there.
+    if task.container.is_some() {
+        let mark = record::path(tasks_dir, key, "oom");
+        if std::fs::remove_file(&mark).is_ok() {
+            usage.oom_killed = true;
+        }
+    }
     let (exit_code, signal) = match status {
         WaitStatus::Exited(_, code) => (Some(code), None),
         WaitStatus::Signaled(_, signal, _) => (None, Some(signal as i32)),

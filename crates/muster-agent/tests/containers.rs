@@ -210,8 +210,9 @@ async fn a_container_over_its_memory_limit_is_killed() {
     let log = log_text(&runtime, &key).await;
     assert!(!log.contains("survived"), "{log}");
     // The kernel's OOM killer ended it: SIGKILL, reported as 128 + 9, and
-    // the log says why.
+    // the log and the task's end say why.
     assert_eq!(exit.exit_code, Some(137), "{exit:?} {log}");
+    assert!(matches!(exit.reason, EndReason::MemoryLimit), "{exit:?}");
     assert!(
         log.contains("killed for going over its memory limit (64 MiB)"),
         "{log}"
