@@ -529,6 +529,17 @@ impl Shell {
                         wait_ms,
                         known_version,
                         sequence,
+                        pulling: self
+                            .runtime
+                            .pulling()
+                            .into_iter()
+                            .filter_map(|(key, status)| {
+                                Some(muster_api::protocol::PullStatus {
+                                    allocation: task_of(&key)?.allocation,
+                                    status,
+                                })
+                            })
+                            .collect(),
                     };
                     let name = self.register.name.clone();
                     let limit = self.limit(deadline_ms);

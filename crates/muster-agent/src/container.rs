@@ -147,10 +147,19 @@ async fn run(state_dir: &Path, key: &str, user: &str) -> i32 {
     // Keys carry the attempt's generation, so none should be there; one
     // left by a crash of an earlier helper is not this task's to keep.
     remove(&docker, &name).await;
-    if docker.inspect_image(&plan.image).await.is_err()
-        && let Err(message) = pull(&docker, &plan.image, plan.registry_auth.as_deref()).await
-    {
-        return cannot_run(message);
+    if docker.inspect_image(&plan.image).await.is_err() {
+        let progress = record::path(&state_dir.join("tasks"), key, "pull");
+        let pulled = pull(
+            &docker,
+            &plan.image,
+            plan.registry_auth.as_deref(),
+            &progress,
+        )
+        .await;
+        let _ = std::fs::remove_file(&progress);
+        if let Err(message) = pulled {
+            return cannot_run(message);
+        }
     }
     let mut env = task.env.clone();
     if !plan.gpu_devices.is_empty() {
@@ -321,12 +330,26 @@ pub fn credentials(secret: &str, image: &str) -> Result<DockerCredentials, Strin
 }
 
 /// Pulls `image` (with the pull secret's credentials, if any), its
-/// progress in the task's log.
-async fn pull(docker: &Docker, image: &str, secret: Option<&str>) -> Result<(), String> {
+/// progress in the task's log and, for the agent to report, in
+/// `progress_file` (rewritten whole as it changes).
+async fn pull(
+    docker: &Docker,
+    image: &str,
+    secret: Option<&str>,
+    progress_file: &Path,
+) -> Result<(), String> {
     let credentials = secret
         .map(|secret| credentials(secret, image))
         .transpose()?;
     println!("muster: pulling {image}");
+    let note = |status: &str| {
+        let temporary = progress_file.with_extension("pull.tmp");
+        if std::fs::write(&temporary, format!("pulling {image}: {status}")).is_ok() {
+            let _ = std::fs::rename(&temporary, progress_file);
+        }
+    };
+    note("starting");
+    let mut layers: std::collections::BTreeMap<String, bool> = Default::default();
     let mut progress = docker.create_image(
         Some(CreateImageOptions {
             from_image: Some(image.to_string()),
@@ -340,9 +363,21 @@ async fn pull(docker: &Docker, image: &str, secret: Option<&str>) -> Result<(), 
         match step {
             Ok(info) => {
                 let status = info.status.unwrap_or_default();
-                if status != last {
-                    println!("muster: {image}: {status}");
-                    last = status;
+                if let Some(layer) = info.id.filter(|id| id.len() == 12) {
+                    let done =
+                        status.starts_with("Pull complete") || status.starts_with("Already exists");
+                    layers.insert(layer, done);
+                }
+                let done = layers.values().filter(|&&done| done).count();
+                let line = if layers.is_empty() {
+                    status.clone()
+                } else {
+                    format!("{status} ({done} of {} layers done)", layers.len())
+                };
+                if line != last {
+                    println!("muster: {image}: {line}");
+                    note(&line);
+                    last = line;
                 }
             }
             Err(error) => {

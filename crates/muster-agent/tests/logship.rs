@@ -63,6 +63,7 @@ async fn setup(max_log_bytes: u64) -> (Setup, String, u64) {
             .heartbeat(
                 "n1",
                 &HeartbeatRequest {
+                    pulling: Vec::new(),
                     epoch: registered.epoch,
                     observed: Vec::new(),
                     wait_ms: 500,

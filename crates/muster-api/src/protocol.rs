@@ -137,6 +137,9 @@ pub struct TaskView {
     /// the server holds the job in memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<TaskUsage>,
+    /// While its container image is being pulled: the pull's progress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pulling: Option<String>,
 }
 
 /// A task's GPUs as telemetry saw them (each sample: the mean over its
@@ -388,6 +391,21 @@ pub struct HeartbeatRequest {
     /// and still answers it. 0 (absent): not numbered, always applied.
     #[serde(default)]
     pub sequence: u64,
+    /// Tasks whose container image is being pulled, with the pull's
+    /// progress (at most 64; shown in `describe` and `muster run`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pulling: Vec<PullStatus>,
+}
+
+/// A task whose container image is being pulled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PullStatus {
+    pub allocation: u64,
+    /// The engine's latest progress line, e.g. `pulling nvcr.io/nvidia/
+    /// pytorch:24.05-py3: Downloading (12 of 31 layers done)`.
+    #[cfg_attr(feature = "openapi", schema(max_length = 512))]
+    pub status: String,
 }
 
 /// `POST /v1/agents/{node}/telemetry`: what a node's GPUs and the node

@@ -629,9 +629,18 @@ fn with_usage(shared: &Shared, views: &mut [JobView]) {
         Ok(usage) => usage,
         Err(poisoned) => poisoned.into_inner(),
     };
+    let pulling = match shared.pulling.lock() {
+        Ok(pulling) => pulling,
+        Err(poisoned) => poisoned.into_inner(),
+    };
     let now_ms = now().0;
     for view in views {
         for task in &mut view.tasks {
+            task.pulling = pulling
+                .get(&task.node)
+                .and_then(|tasks| tasks.get(&task.allocation))
+                .filter(|_| task.state == "running" || task.state == "assigned")
+                .cloned();
             task.usage = usage
                 .get(&task.node)
                 .and_then(|node| node.get(&task.allocation))
@@ -2296,6 +2305,33 @@ async fn heartbeat(
         },
         Batch::default(),
     )?;
+    {
+        let mut pulling = match shared.pulling.lock() {
+            Ok(pulling) => pulling,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if request.pulling.is_empty() {
+            pulling.remove(&name.0);
+        } else {
+            let statuses = request
+                .pulling
+                .iter()
+                .take(64)
+                .map(|pull| {
+                    let mut status = pull.status.clone();
+                    if status.len() > 512 {
+                        let mut end = 512;
+                        while !status.is_char_boundary(end) {
+                            end -= 1;
+                        }
+                        status.truncate(end);
+                    }
+                    (pull.allocation, status)
+                })
+                .collect();
+            pulling.insert(name.0.clone(), statuses);
+        }
+    }
     let mut versions = shared.lock().watch_desired(&name);
     let current = *versions.borrow_and_update();
     let wait = Duration::from_millis(request.wait_ms)

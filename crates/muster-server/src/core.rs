@@ -352,6 +352,9 @@ pub struct Shared {
     pub history: std::sync::Mutex<crate::history::NodeHistories>,
     /// Each task's GPU usage from telemetry (memory only), per node.
     pub usage: std::sync::Mutex<crate::metrics::UsageByNode>,
+    /// Per node, its tasks whose container image is being pulled, with the
+    /// pull's progress, as its latest heartbeat said (memory only).
+    pub pulling: std::sync::Mutex<BTreeMap<String, BTreeMap<u64, String>>>,
     /// Counters and histograms of the server's own work, for `/metrics`.
     pub instruments: crate::metrics::Instruments,
     /// GPU accounting: open minutes, prices, budgets.
@@ -426,6 +429,7 @@ impl Shared {
             metrics_token,
             telemetry: std::sync::Mutex::new(BTreeMap::new()),
             usage: std::sync::Mutex::new(BTreeMap::new()),
+            pulling: std::sync::Mutex::new(BTreeMap::new()),
             history: std::sync::Mutex::new(Default::default()),
             instruments,
             accounting,

@@ -33,6 +33,7 @@ pub fn job_view<'a>(
                 _ => None,
             },
             usage: None,
+            pulling: None,
         })
         .collect();
     JobView {

@@ -431,6 +431,7 @@ async fn an_agent_runs_a_job_and_its_logs_come_back() {
         assert_eq!(status, StatusCode::FORBIDDEN);
         let beat = |known_version: u64, wait_ms: u64, observed: Vec<ObservedAllocation>| {
             serde_json::to_value(HeartbeatRequest {
+                pulling: Vec::new(),
                 epoch: registered.epoch,
                 observed,
                 wait_ms,
@@ -641,6 +642,7 @@ fn heartbeat_body(
     wait_ms: u64,
 ) -> Value {
     serde_json::to_value(HeartbeatRequest {
+        pulling: Vec::new(),
         epoch,
         observed,
         wait_ms,
@@ -1226,6 +1228,7 @@ async fn an_unhealthy_gpu_reported_in_a_heartbeat_is_taken_out_of_service() {
         // GPU 0 is out of service from the start.
         let beat = |version: u64| {
             serde_json::to_value(HeartbeatRequest {
+                pulling: Vec::new(),
                 epoch: registered.epoch,
                 observed: Vec::new(),
                 wait_ms: 2_000,

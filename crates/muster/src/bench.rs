@@ -1225,6 +1225,7 @@ async fn agents(args: AgentsBench) -> Result<()> {
                     }
                 }
                 let request = HeartbeatRequest {
+                    pulling: Vec::new(),
                     epoch,
                     observed: Vec::new(),
                     wait_ms,
@@ -1962,6 +1963,7 @@ async fn history(args: HistoryBench) -> Result<()> {
                 for _ in 0..HISTORY_BEATS {
                     sequence += 1;
                     let request = HeartbeatRequest {
+                        pulling: Vec::new(),
                         epoch: probe.epoch,
                         observed: Vec::new(),
                         wait_ms: 0,

@@ -1566,6 +1566,9 @@ pub fn describe(args: JobArgs) -> Result<u8, Failure> {
                 task.exit_code
                     .map_or(String::new(), |c| format!(", exit code {c}"))
             );
+            if let Some(pulling) = &task.pulling {
+                outln!("      {pulling}");
+            }
             if let Some(usage) = &task.usage {
                 outln!(
                     "      GPU utilisation mean {:.0}%, peak {}%; memory peak {} MiB ({} samples)",

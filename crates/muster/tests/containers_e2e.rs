@@ -124,3 +124,97 @@ fn a_two_node_container_gang_talks_over_the_host_network() {
         "rank 0 heard rank 1: {text}"
     );
 }
+
+/// A registry on loopback that answers every request only after `delay`,
+/// with 404 (it has no images): a pull that takes that long, then fails.
+fn slow_registry(delay: Duration) -> u16 {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let port = listener.local_addr().expect("address").port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut reader = BufReader::new(&stream);
+                let mut first = String::new();
+                if reader.read_line(&mut first).is_err()
+                    || !(first.starts_with("GET ") || first.starts_with("HEAD "))
+                {
+                    return;
+                }
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                        break;
+                    }
+                }
+                std::thread::sleep(delay);
+                let mut stream = &stream;
+                let _ = stream.write_all(
+                    b"HTTP/1.1 404 Not Found\r\nDocker-Distribution-API-Version: registry/2.0\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                );
+            });
+        }
+    });
+    port
+}
+
+/// While a task's image is being pulled, the job's task says so (the API's
+/// `pulling`, shown by `muster describe`), and an image the registry does
+/// not have fails the job with exit code 125 and the reason in its log.
+#[test]
+fn a_pull_shows_in_the_job_and_a_missing_image_fails_it() {
+    if muster_testkit::docker::test_image().is_none() {
+        return;
+    }
+    let port = slow_registry(Duration::from_secs(3));
+    let cluster = Cluster::start("10s");
+    let url = cluster.url();
+    let _agent = cluster.agent_with("node-p", &url, "1xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    let image = format!("127.0.0.1:{port}/team/trainer:1");
+    let spec = serde_json::json!({"name": "pulled", "image": image, "command": ["true"]});
+    let id = rt.block_on(client.submit(spec)).expect("submitted");
+    wait_until("the pull to show", Duration::from_secs(60), || {
+        rt.block_on(client.job(id)).is_ok_and(|job| {
+            job.tasks
+                .first()
+                .and_then(|task| task.pulling.as_ref())
+                .is_some_and(|status| status.starts_with(&format!("pulling {image}")))
+        })
+    });
+    let described = common::muster(
+        cluster.dir.path(),
+        &[
+            "describe",
+            &id.to_string(),
+            "--server",
+            &url,
+            "--token",
+            &cluster.token("admin.token"),
+            "--ca-sha256",
+            &cluster.ca_sha256(),
+        ],
+    );
+    let text = String::from_utf8_lossy(&described.stdout).into_owned();
+    assert!(text.contains(&format!("pulling {image}")), "{text}");
+    wait_until("the job to fail", Duration::from_secs(120), || {
+        state(&rt, &client, id) == "failed"
+    });
+    let job = rt.block_on(client.job(id)).expect("job");
+    assert_eq!(job.exit_code, Some(125), "{job:?}");
+    assert!(
+        job.tasks.iter().all(|task| task.pulling.is_none()),
+        "{job:?}"
+    );
+    let logs = rt
+        .block_on(client.logs(id, 0, 0, None, false))
+        .expect("logs");
+    let text = String::from_utf8_lossy(&logs.data).into_owned();
+    assert!(
+        text.contains(&format!("cannot pull the image {image}")),
+        "{text}"
+    );
+}

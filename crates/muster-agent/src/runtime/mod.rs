@@ -148,6 +148,9 @@ pub struct TaskLaunch {
     pub registry_auth: Option<String>,
 }
 
+/// The most pulls a heartbeat reports.
+pub const MAX_PULLING: usize = 64;
+
 /// A container's `/dev/shm` when the task has no memory limit: 8 GiB (a
 /// tmpfs takes memory only as it is written).
 pub const DEFAULT_SHM_BYTES: u64 = 8 << 30;
@@ -414,6 +417,28 @@ impl ProcessRuntime {
     }
 
     /// Starts the task, with the clock read now as its start time.
+    /// The tasks whose container image is being pulled (their helper keeps
+    /// `tasks/KEY.pull` while it pulls), with the pull's progress: at most
+    /// [`MAX_PULLING`], each line at most 512 bytes.
+    pub fn pulling(&self) -> Vec<(String, String)> {
+        let keys: Vec<String> = self.lock_tasks().keys().cloned().collect();
+        keys.into_iter()
+            .filter_map(|key| {
+                let text = std::fs::read_to_string(self.file(&key, "pull")).ok()?;
+                let mut status = text.trim().to_string();
+                if status.len() > 512 {
+                    let mut end = 512;
+                    while !status.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    status.truncate(end);
+                }
+                Some((key, status))
+            })
+            .take(MAX_PULLING)
+            .collect()
+    }
+
     pub async fn start(&self, launch: TaskLaunch) -> Result<(), RuntimeError> {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)

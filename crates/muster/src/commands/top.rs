@@ -404,6 +404,7 @@ mod tests {
         .expect("a job");
         let mut job = job;
         job.tasks.push(TaskView {
+            pulling: None,
             rank: 0,
             node: "gpu-1".to_string(),
             gpus: vec![(0, 1000), (1, 1000)],
