@@ -549,6 +549,13 @@ impl ProcessRuntime {
             .arg(&self.config.state_dir)
             .arg(&allocation)
             .env_clear()
+            // Where the Docker engine is, for container tasks (the agent
+            // found it there).
+            .envs(
+                std::env::var("DOCKER_HOST")
+                    .ok()
+                    .map(|host| ("DOCKER_HOST", host)),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)
