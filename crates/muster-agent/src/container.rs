@@ -455,6 +455,18 @@ async fn forward_signals(docker: &Docker, name: &str) {
     }
 }
 
+/// Removes the container of the task `key` of the agent whose state is in
+/// `state_dir`, if the engine answers within 20 s (the agent's own clean-up
+/// when a task's supervisor is gone).
+pub async fn remove_task_container(state_dir: &Path, key: &str) {
+    let removed = async {
+        if let Ok(docker) = connect().await {
+            remove(&docker, &container_name(state_dir, key)).await;
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(20), removed).await;
+}
+
 /// Removes the task's container by force (the supervisor's kill).
 async fn kill(state_dir: &Path, key: &str) -> i32 {
     match connect().await {

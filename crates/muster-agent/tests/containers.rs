@@ -352,3 +352,49 @@ async fn a_pull_carries_the_image_pull_secret_to_the_registry() {
         "the secret stays out of the log: {log}"
     );
 }
+
+/// A container task whose supervisor is killed (SIGKILL) is lost, and its
+/// container goes with it: the agent removes it, so nothing runs
+/// unsupervised and the job's next attempt cannot run beside it.
+#[tokio::test]
+async fn a_container_whose_supervisor_is_killed_is_removed() {
+    let Some(image) = muster_testkit::docker::test_image() else {
+        return;
+    };
+    let (dir, runtime) = runtime();
+    let key = key("orphaned");
+    runtime
+        .start(launch(
+            &key,
+            image,
+            "echo ready; while true; do sleep 1; done",
+        ))
+        .await
+        .expect("started");
+    tokio::time::timeout(DEADLINE, async {
+        while !log_text(&runtime, &key).await.contains("ready") {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the container starts");
+    let pids: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join(format!("tasks/{key}.pid"))).expect("the pid record"),
+    )
+    .expect("json");
+    let supervisor = pids["supervisor"].as_i64().expect("a pid") as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(supervisor),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the supervisor");
+    let exit = next_exit(&runtime).await;
+    assert_eq!(exit.reason, EndReason::Lost, "{exit:?}");
+    tokio::time::timeout(DEADLINE, async {
+        while !containers_of(&key).is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the container is removed");
+}

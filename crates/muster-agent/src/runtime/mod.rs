@@ -976,6 +976,18 @@ async fn supervisor_ended(
 /// runs as the task's user (a pid may have been reused since: a process of
 /// another user in a group of that number is left alone).
 async fn kill_remains(pid_path: &Path, cgroup: &cgroup::TaskCgroup) {
+    // A container task's container is the engine's, outside the task's
+    // cgroup: it goes too (its supervisor, which would have removed it, is
+    // gone).
+    if let (Some(tasks_dir), Some(key)) = (
+        pid_path.parent(),
+        pid_path.file_stem().and_then(|stem| stem.to_str()),
+    ) && record::read_task(&record::path(tasks_dir, key, "json"))
+        .is_ok_and(|task| task.container.is_some())
+    {
+        let state_dir = tasks_dir.parent().unwrap_or(tasks_dir);
+        crate::container::remove_task_container(state_dir, key).await;
+    }
     let pids = record::read_json::<PidRecord>(pid_path).ok();
     let cgroup = cgroup.clone();
     let _ = tokio::task::spawn_blocking(move || {
