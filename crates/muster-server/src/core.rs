@@ -390,6 +390,17 @@ fn poisoned() -> ! {
 
 /// The answer to every change once the store has failed.
 pub fn read_only(reason: &str) -> ApiError {
+    // A leader another server has replaced steps down on its own within a
+    // quarter of its lease (crate::ha): nothing to restart.
+    if reason.contains("no longer the leader") {
+        return ApiError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "this server no longer leads ({reason}); it is stepping down to forward to the \
+                 new leader: try again (a client given several servers moves on by itself)"
+            ),
+        );
+    }
     ApiError::new(
         ErrorCode::Unavailable,
         format!(
