@@ -115,6 +115,10 @@ fn rebase(url: &mut reqwest::Url, server: &str) {
 /// leader does not answer: a submission waits and tries again.
 pub const FOLLOWER_UNAVAILABLE: &str = "this server is a follower";
 
+/// How long a read waits for an election (servers sharing a PostgreSQL
+/// store choose a new leader within their `--leader-lease`, 4 s by default).
+const ELECTION_WAIT: Duration = Duration::from_secs(15);
+
 /// How long a submission is retried while the server cannot be reached.
 const SUBMIT_RETRY_FOR: Duration = Duration::from_secs(60);
 
@@ -318,9 +322,25 @@ impl Client {
         })
     }
 
+    /// A read. One that a follower answers with no leader to forward to
+    /// (an election under way) is asked again, backing off, for up to
+    /// [`ELECTION_WAIT`].
     async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
-        let url = format!("{}{path}", self.current());
-        self.send(self.http.get(&url), &url).await
+        let deadline = std::time::Instant::now() + ELECTION_WAIT;
+        let mut wait = Duration::from_millis(250);
+        loop {
+            let url = format!("{}{path}", self.current());
+            match self.send(self.http.get(&url), &url).await {
+                Err(ClientError::Api { status: 503, body })
+                    if body.message.starts_with(FOLLOWER_UNAVAILABLE)
+                        && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(2));
+                }
+                other => return other,
+            }
+        }
     }
 
     async fn post<B: Serialize, T: DeserializeOwned>(

@@ -200,6 +200,11 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
     let (_, first_term) = leader();
     drop(a.take()); // SIGKILL
     let killed = Instant::now();
+    // A read during the election waits for it (the follower has no leader
+    // to forward to yet) rather than failing.
+    let reader = Client::with_trust(&both, &token, &trust).expect("client");
+    rt.block_on(reader.queues())
+        .expect("a read through the election is answered once b leads");
     wait_until("b to lead", Duration::from_secs(10), || {
         leader().0 == url(port_b)
     });
