@@ -578,6 +578,17 @@ impl Shell {
                         image: spec.image.clone(),
                         cpu_milli: spec.cpu_milli,
                         registry_auth: spec.registry_auth.clone(),
+                        mounts: spec
+                            .mounts
+                            .iter()
+                            .map(|m| {
+                                (
+                                    m.source.clone(),
+                                    m.target.clone(),
+                                    m.read_only.unwrap_or(false),
+                                )
+                            })
+                            .collect(),
                     };
                     let env = launch.env.clone();
                     let indices = launch.gpu_indices.clone();

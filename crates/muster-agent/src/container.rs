@@ -26,7 +26,7 @@
 use crate::runtime::record::{self, TaskRecord};
 use bollard::Docker;
 use bollard::auth::DockerCredentials;
-use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig};
+use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig, Mount, MountType};
 use bollard::query_parameters::{
     CreateContainerOptions, CreateImageOptions, KillContainerOptions, LogsOptions,
     RemoveContainerOptions,
@@ -204,6 +204,20 @@ async fn run(state_dir: &Path, key: &str, user: &str) -> i32 {
                 .and_then(|milli| i64::try_from(milli.saturating_mul(1_000_000)).ok()),
             // PID 1 that reaps and passes signals on (docker-init).
             init: Some(true),
+            // Bind mounts (not `Binds`): a source that is not on the node
+            // is an error, never an empty directory made for it.
+            mounts: (!plan.mounts.is_empty()).then(|| {
+                plan.mounts
+                    .iter()
+                    .map(|mount| Mount {
+                        source: Some(mount.source.clone()),
+                        target: Some(mount.target.clone()),
+                        typ: Some(MountType::BIND),
+                        read_only: Some(mount.read_only),
+                        ..Default::default()
+                    })
+                    .collect()
+            }),
             auto_remove: Some(false),
             device_requests: (!plan.gpu_devices.is_empty()).then(|| {
                 vec![DeviceRequest {

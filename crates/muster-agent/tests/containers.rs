@@ -55,6 +55,7 @@ fn launch(allocation: &str, image: &str, script: &str) -> TaskLaunch {
         image: Some(image.to_string()),
         cpu_milli: Some(500),
         registry_auth: None,
+        mounts: Vec::new(),
     }
 }
 
@@ -397,4 +398,53 @@ async fn a_container_whose_supervisor_is_killed_is_removed() {
     })
     .await
     .expect("the container is removed");
+}
+
+/// Host paths bound into the container: one read-only (reads work, writes
+/// are refused), one read-write (a file written there is on the node).
+#[tokio::test]
+async fn host_paths_are_mounted_read_only_or_read_write() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(image) = muster_testkit::docker::test_image() else {
+        return;
+    };
+    let host = tempfile::tempdir().expect("a directory");
+    let data = host.path().join("data");
+    let out = host.path().join("out");
+    for dir in [&data, &out] {
+        std::fs::create_dir(dir).expect("mkdir");
+    }
+    std::fs::write(data.join("hello.txt"), "hello from the node\n").expect("write");
+    // Tasks run as nobody: the node's paths must let them in.
+    std::fs::set_permissions(host.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::set_permissions(
+        data.join("hello.txt"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .expect("chmod");
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let (_dir, runtime) = runtime();
+    let key = key("mounted");
+    let mut task = launch(
+        &key,
+        image,
+        "cat /data/hello.txt; echo x > /data/new.txt || echo read-only refused; \
+         echo written > /out/result.txt",
+    );
+    task.mounts = vec![
+        (data.display().to_string(), "/data".to_string(), true),
+        (out.display().to_string(), "/out".to_string(), false),
+    ];
+    runtime.start(task).await.expect("started");
+    let exit = next_exit(&runtime).await;
+    let log = log_text(&runtime, &key).await;
+    assert_eq!(exit.exit_code, Some(0), "{exit:?} {log}");
+    assert!(log.contains("hello from the node"), "{log}");
+    assert!(log.contains("read-only refused"), "{log}");
+    assert!(!data.join("new.txt").exists());
+    assert_eq!(
+        std::fs::read_to_string(out.join("result.txt")).expect("written on the node"),
+        "written\n"
+    );
 }

@@ -37,6 +37,7 @@ fn launch(allocation: &str, script: &str) -> TaskLaunch {
         image: None,
         cpu_milli: None,
         registry_auth: None,
+        mounts: Vec::new(),
     }
 }
 

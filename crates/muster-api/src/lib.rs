@@ -58,5 +58,6 @@ pub use validate::{
     is_reserved_env_name, validate,
 };
 pub use wire::{
-    CheckpointSpec, CommandSpec, JobSpec, Quantity, RetrySpec, TopologySpec, parse_dependency,
+    CheckpointSpec, CommandSpec, JobSpec, MountSpec, Quantity, RetrySpec, TopologySpec,
+    parse_dependency,
 };

@@ -511,6 +511,9 @@ pub struct DesiredAllocation {
     /// `image_pull_secret`), for the node's engine only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub registry_auth: Option<String>,
+    /// Host paths the container sees (allowed by the node's pool).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<crate::wire::MountSpec>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -694,6 +697,9 @@ pub struct PoolView {
     /// Under `required`: component → the version every node must report.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub required: BTreeMap<String, String>,
+    /// Host paths container jobs in the pool may mount.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_mounts: Vec<String>,
 }
 
 /// `PUT /v1/pools/{name}/policy` (admin): the pool's own stack policy.
@@ -705,6 +711,10 @@ pub struct PoolPolicyUpdate {
     /// `nccl`, `container_runtime`) → version.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub required: BTreeMap<String, String>,
+    /// Host paths (absolute) container jobs in the pool may mount, each with
+    /// everything under it; at most 64.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_mounts: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -1056,6 +1066,15 @@ impl utoipa::PartialSchema for PoolPolicyUpdate {
                 .schema_type(Type::String)
                 .pattern(Some(r"^[!-+\--~][ -+\--~]{0,127}$"))
         };
+        let mounts = || {
+            utoipa::openapi::schema::ArrayBuilder::new()
+                .items(
+                    ObjectBuilder::new()
+                        .schema_type(Type::String)
+                        .pattern(Some(r"^/[^\u0000:,]{0,4095}$")),
+                )
+                .max_items(Some(64))
+        };
         let policy = |names: &[&str]| {
             ObjectBuilder::new()
                 .schema_type(Type::String)
@@ -1067,6 +1086,7 @@ impl utoipa::PartialSchema for PoolPolicyUpdate {
                     .schema_type(Type::Object)
                     .property("stack_policy", policy(&["report", "majority"]))
                     .required("stack_policy")
+                    .property("allowed_mounts", mounts())
                     .property(
                         "required",
                         ObjectBuilder::new()
@@ -1079,6 +1099,7 @@ impl utoipa::PartialSchema for PoolPolicyUpdate {
                     .schema_type(Type::Object)
                     .property("stack_policy", policy(&["required"]))
                     .required("stack_policy")
+                    .property("allowed_mounts", mounts())
                     .property(
                         "required",
                         ObjectBuilder::new()

@@ -27,6 +27,7 @@ pub(crate) const JOB_FIELDS: &[&str] = &[
     "working_dir",
     "image",
     "image_pull_secret",
+    "mounts",
     "max_runtime",
     "estimated_runtime",
     "preemptible",
@@ -331,6 +332,7 @@ impl Reader {
             working_dir: self.string(map, "working_dir", "working_dir"),
             image: self.string(map, "image", "image"),
             image_pull_secret: self.string(map, "image_pull_secret", "image_pull_secret"),
+            mounts: self.mounts(map),
             max_runtime: self.quantity(map, "max_runtime", "max_runtime", DURATION_ACCEPTED),
             estimated_runtime: self.quantity(
                 map,
@@ -458,6 +460,52 @@ impl Reader {
                 None
             }
         }
+    }
+
+    fn mounts(&mut self, map: &Map<String, Value>) -> Vec<crate::wire::MountSpec> {
+        const ACCEPTED: &str =
+            "a list of {source: /path/on/the/node, target: /path/in/the/task, read_only: true}";
+        let Some(value) = given(map, "mounts") else {
+            return Vec::new();
+        };
+        let Value::Array(items) = value else {
+            self.fail(
+                "mounts",
+                "mounts".to_string(),
+                format!("expected {ACCEPTED}, got {}", describe_value(value)),
+            );
+            return Vec::new();
+        };
+        let mut mounts = Vec::new();
+        for (index, item) in items.iter().enumerate() {
+            let path = format!("mounts[{index}]");
+            let Value::Object(fields) = item else {
+                self.fail(
+                    "mounts",
+                    path,
+                    format!("expected {ACCEPTED}, got {}", describe_value(item)),
+                );
+                continue;
+            };
+            self.check_field_names(fields, &path, &["source", "target", "read_only"]);
+            let source = self.string(fields, "source", &format!("{path}.source"));
+            let target = self.string(fields, "target", &format!("{path}.target"));
+            let read_only = self.boolean(fields, "read_only", &format!("{path}.read_only"));
+            match (source, target) {
+                (Some(source), Some(target)) => mounts.push(crate::wire::MountSpec {
+                    source,
+                    target,
+                    read_only,
+                }),
+                _ => self.fail(
+                    "mounts",
+                    path,
+                    "needs a source (the path on the node) and a target (the path in the task)"
+                        .to_string(),
+                ),
+            }
+        }
+        mounts
     }
 
     fn gpu_models(&mut self, map: &Map<String, Value>) -> Vec<String> {

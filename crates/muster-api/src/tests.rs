@@ -59,6 +59,8 @@ env:
 working_dir: /workspace
 image: nvcr.io/nvidia/pytorch:24.05-py3
 image_pull_secret: ngc
+mounts:
+  - {source: /datasets/imagenet, target: /data, read_only: true}
 max_runtime: 1d
 estimated_runtime: 20h30m
 preemptible: false
@@ -111,6 +113,11 @@ fn full_spec() -> model::JobSpec {
         working_dir: Some("/workspace".to_string()),
         image: Some("nvcr.io/nvidia/pytorch:24.05-py3".to_string()),
         image_pull_secret: Some("ngc".to_string()),
+        mounts: vec![model::Mount {
+            source: "/datasets/imagenet".to_string(),
+            target: "/data".to_string(),
+            read_only: true,
+        }],
         max_runtime: Some(Duration::from_secs(86_400)),
         estimated_runtime: Some(Duration::from_secs(20 * 3600 + 30 * 60)),
         preemptible: false,
@@ -436,6 +443,23 @@ fn error_messages_name_the_field_the_value_and_what_is_accepted() {
         ],
     );
     check(
+        "mounts: [{source: /data, target: /data}]",
+        &[
+            "mounts: mounts are for container jobs (`image:`); a job without one sees the node's files as they are",
+        ],
+    );
+    check(
+        "image: a/b:1\nmounts: [{source: /data/../etc, target: /data}, {source: /x, target: /data}]",
+        &[
+            "mounts[0].source: must be an absolute path without `..`, `:` or `,`, got \"/data/../etc\"",
+            "mounts[1].target: \"/data\" is mounted twice",
+        ],
+    );
+    check(
+        "image: a/b:1\nmounts: [{source: /y}]",
+        &["mounts[0]: needs a source (the path on the node) and a target (the path in the task)"],
+    );
+    check(
         "gpu_models: ['']",
         &["gpu_models[0]: must not be empty; give a GPU model like \"H100-80GB\""],
     );
@@ -569,7 +593,7 @@ fn unknown_fields_get_the_closest_name_at_every_level() {
     assert_eq!(
         errors("name: a\ncommand: [x]\nzzz: 1\n"),
         [
-            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, secrets, working_dir, image, image_pull_secret, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env, idle_timeout"
+            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, secrets, working_dir, image, image_pull_secret, mounts, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env, idle_timeout"
         ]
     );
     assert_eq!(

@@ -202,6 +202,7 @@ impl Checker {
             }
             name.clone()
         });
+        let mounts = self.mounts(&spec.mounts, image.is_some());
         let max_runtime = spec
             .max_runtime
             .as_ref()
@@ -273,6 +274,7 @@ impl Checker {
             working_dir,
             image,
             image_pull_secret,
+            mounts,
             max_runtime,
             estimated_runtime,
             preemptible: spec.preemptible.unwrap_or(defaults.preemptible),
@@ -616,6 +618,56 @@ impl Checker {
             self.error("env", "at most 64 secrets a job".to_string());
         }
         secrets.clone()
+    }
+
+    fn mounts(&mut self, mounts: &[crate::wire::MountSpec], container: bool) -> Vec<model::Mount> {
+        if mounts.is_empty() {
+            return Vec::new();
+        }
+        if !container {
+            self.error(
+                "mounts",
+                "mounts are for container jobs (`image:`); a job without one sees the node's \
+                 files as they are"
+                    .to_string(),
+            );
+        }
+        if mounts.len() > 16 {
+            self.error("mounts", "at most 16 mounts a job".to_string());
+        }
+        let clean = |path: &str| {
+            path.starts_with('/')
+                && path.len() <= 4096
+                && !path.contains([':', ',', '\0'])
+                && !path.split('/').any(|part| part == "..")
+        };
+        let mut targets = std::collections::BTreeSet::new();
+        let mut out = Vec::new();
+        for (index, mount) in mounts.iter().enumerate() {
+            for (field, path) in [("source", &mount.source), ("target", &mount.target)] {
+                if !clean(path) {
+                    self.error(
+                        &format!("mounts[{index}].{field}"),
+                        format!(
+                            "must be an absolute path without `..`, `:` or `,`, got {}",
+                            quote(path)
+                        ),
+                    );
+                }
+            }
+            if !targets.insert(mount.target.trim_end_matches('/').to_string()) {
+                self.error(
+                    &format!("mounts[{index}].target"),
+                    format!("{} is mounted twice", quote(&mount.target)),
+                );
+            }
+            out.push(model::Mount {
+                source: mount.source.clone(),
+                target: mount.target.clone(),
+                read_only: mount.read_only.unwrap_or(false),
+            });
+        }
+        out
     }
 
     fn env(&mut self, env: &BTreeMap<String, String>) -> BTreeMap<String, String> {

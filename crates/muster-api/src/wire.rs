@@ -290,6 +290,11 @@ pub struct JobSpec {
         schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     )]
     pub image_pull_secret: Option<String>,
+    /// Host paths a container job's tasks see; the pool the job names must
+    /// allow them (`muster pools set POOL --allow-mount PATH`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(max_items = 16))]
+    pub mounts: Vec<MountSpec>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_runtime: Option<Quantity>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -316,6 +321,21 @@ pub struct JobSpec {
     /// Stop the job once its GPUs have been idle this long.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idle_timeout: Option<Quantity>,
+}
+
+/// A host path mounted into a container job's tasks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct MountSpec {
+    /// The absolute path on the node.
+    #[cfg_attr(feature = "openapi", schema(pattern = "^/[^\\u0000:,]{0,4095}$"))]
+    pub source: String,
+    /// Where the task sees it (absolute, inside the container).
+    #[cfg_attr(feature = "openapi", schema(pattern = "^/[^\\u0000:,]{0,4095}$"))]
+    pub target: String,
+    /// Default: false (read and write).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_only: Option<bool>,
 }
 
 impl JobSpec {
@@ -380,6 +400,15 @@ impl From<&model::JobSpec> for JobSpec {
             working_dir: spec.working_dir.clone(),
             image: spec.image.clone(),
             image_pull_secret: spec.image_pull_secret.clone(),
+            mounts: spec
+                .mounts
+                .iter()
+                .map(|mount| MountSpec {
+                    source: mount.source.clone(),
+                    target: mount.target.clone(),
+                    read_only: Some(mount.read_only),
+                })
+                .collect(),
             max_runtime: spec.max_runtime.map(duration_quantity),
             estimated_runtime: spec.estimated_runtime.map(duration_quantity),
             preemptible: Some(spec.preemptible),

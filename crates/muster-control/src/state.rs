@@ -252,6 +252,8 @@ pub struct DesiredTask {
     pub image: Option<String>,
     /// The job's CPUs per node, in thousandths (a container's CPU limit).
     pub cpu_milli: u64,
+    /// Host paths the container sees: (source, target, read only).
+    pub mounts: Vec<(String, String, bool)>,
 }
 
 /// What an agent reports about one allocation.
@@ -454,6 +456,24 @@ pub struct PoolPolicy {
     /// Under [`StackPolicy::Required`]: component (`driver`, `cuda`,
     /// `vbios`, `kernel`, `nccl`, ...) → the version every node must report.
     pub required: BTreeMap<String, String>,
+    /// Host paths container jobs in the pool may mount (each path, and
+    /// everything under it).
+    pub mounts: Vec<String>,
+}
+
+impl PoolPolicy {
+    /// Whether `path` is one of the allowed mounts or under one.
+    pub fn allows_mount(&self, path: &str) -> bool {
+        let path = path.trim_end_matches('/');
+        self.mounts.iter().any(|allowed| {
+            let allowed = allowed.trim_end_matches('/');
+            allowed.is_empty()
+                || path == allowed
+                || path
+                    .strip_prefix(allowed)
+                    .is_some_and(|rest| rest.starts_with('/'))
+        })
+    }
 }
 
 /// The default retention of finished jobs in the hot state: one hour.
@@ -1109,6 +1129,7 @@ impl ControlPlane {
         self.pool_policies.get(pool).cloned().unwrap_or(PoolPolicy {
             stack: self.config.stack_policy,
             required: BTreeMap::new(),
+            mounts: Vec::new(),
         })
     }
 
@@ -2851,6 +2872,12 @@ impl ControlPlane {
                     memory_mib: job.spec.memory_per_node.0,
                     image: job.spec.image.clone(),
                     cpu_milli: job.spec.cpu_per_node.0,
+                    mounts: job
+                        .spec
+                        .mounts
+                        .iter()
+                        .map(|m| (m.source.clone(), m.target.clone(), m.read_only))
+                        .collect(),
                 })
             })
             .collect()

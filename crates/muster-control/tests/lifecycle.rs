@@ -1657,6 +1657,7 @@ fn a_pool_may_require_versions_and_a_node_without_them_takes_no_work() {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
+        mounts: Vec::new(),
     };
     world.step(Input::SetPoolPolicy {
         pool: pool.clone(),
@@ -1698,6 +1699,7 @@ fn a_pool_may_require_versions_and_a_node_without_them_takes_no_work() {
             policy: Some(PoolPolicy {
                 stack: StackPolicy::Required,
                 required: Default::default(),
+                mounts: Vec::new(),
             }),
         },
     );

@@ -393,6 +393,8 @@ pub struct JobSpec {
     /// registry (`USER:PASSWORD`, or a JSON object with `username` and
     /// `password`); like [`JobSpec::secrets`], only its name is kept here.
     pub image_pull_secret: Option<String>,
+    /// Host paths a container job's tasks see (the pool must allow them).
+    pub mounts: Vec<Mount>,
     pub max_runtime: Option<Duration>,
     pub estimated_runtime: Option<Duration>,
     pub preemptible: bool,
@@ -409,6 +411,16 @@ pub struct JobSpec {
     /// Stop the job (state `idle_stopped`) once all its GPUs have stayed
     /// below 5% utilisation this long.
     pub idle_timeout: Option<Duration>,
+}
+
+/// A host path mounted into a container job's tasks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    /// The absolute path on the node.
+    pub source: String,
+    /// Where the task sees it (absolute, inside the container).
+    pub target: String,
+    pub read_only: bool,
 }
 
 impl JobSpec {
@@ -431,6 +443,7 @@ impl JobSpec {
             working_dir: None,
             image: None,
             image_pull_secret: None,
+            mounts: Vec::new(),
             max_runtime: None,
             estimated_runtime: None,
             preemptible: true,

@@ -13,8 +13,8 @@ mod queue;
 
 pub use job::{
     ArrayElement, ArraySpec, CheckpointPolicy, Dependency, DependencyKind, JobId, JobSpec,
-    MAX_ARRAY_ELEMENTS, MAX_ARRAY_INDEX, MAX_DEPENDENCIES, PriorityClass, RetryPolicy, Signal,
-    TopologyConstraint, TopologyStrength,
+    MAX_ARRAY_ELEMENTS, MAX_ARRAY_INDEX, MAX_DEPENDENCIES, Mount, PriorityClass, RetryPolicy,
+    Signal, TopologyConstraint, TopologyStrength,
 };
 pub use node::{
     CONTAINER_ENGINE, GpuModel, GpuSpec, MAX_GPU_TEXT_LENGTH, MAX_NODE_CPU_MILLI, MAX_NODE_GPUS,

@@ -901,6 +901,7 @@ async fn submit_job(
     let spec = muster_api::parse_job_spec_value(&request.spec)
         .map_err(|errors| unprocessable(errors.to_string()))?;
     crate::secrets::check_spec(&shared, &spec).map_err(as_unprocessable)?;
+    check_mounts(&shared, &spec)?;
     if !principal.member_of(&spec.queue.0) {
         return Err(ApiError::new(
             ErrorCode::PermissionDenied,
@@ -980,6 +981,41 @@ async fn submit_job(
 /// words refuses (a value out of range for another field, an array's
 /// indices, a secret or job that does not exist, a job no node could ever
 /// hold): 422, with the code `invalid_argument` and every problem.
+/// A job's host mounts must be allowed by the pool it names (its
+/// operator's `--allow-mount`); a job with mounts names its pool.
+fn check_mounts(shared: &Shared, spec: &muster_model::JobSpec) -> Result<(), ApiError> {
+    if spec.mounts.is_empty() {
+        return Ok(());
+    }
+    let Some(pool) = &spec.pool else {
+        return Err(unprocessable(
+            "mounts: a job with mounts names its pool (`pool: NAME`): each pool's operator \
+             decides which host paths containers on its nodes may mount",
+        ));
+    };
+    let policy = shared.read().control().stack_policy_of(pool);
+    let refused: Vec<&str> = spec
+        .mounts
+        .iter()
+        .filter(|mount| !policy.allows_mount(&mount.source))
+        .map(|mount| mount.source.as_str())
+        .collect();
+    if refused.is_empty() {
+        return Ok(());
+    }
+    Err(unprocessable(format!(
+        "mounts: pool {pool} does not allow mounting {} (it allows {}); an admin allows a path \
+         with `muster pools set {pool} --stack-policy {} --allow-mount PATH`",
+        refused.join(", "),
+        if policy.mounts.is_empty() {
+            "none".to_string()
+        } else {
+            policy.mounts.join(", ")
+        },
+        policy.stack.name()
+    )))
+}
+
 fn unprocessable(message: impl Into<String>) -> ApiError {
     ApiError::invalid(message).with_status(StatusCode::UNPROCESSABLE_ENTITY)
 }
@@ -1801,6 +1837,7 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
             models: Vec::new(),
             stack_policy: String::new(),
             required: BTreeMap::new(),
+            allowed_mounts: Vec::new(),
         });
         pool.nodes += 1;
         pool.gpus += view.gpus.len() as u32;
@@ -1825,12 +1862,14 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
             models: Vec::new(),
             stack_policy: String::new(),
             required: BTreeMap::new(),
+            allowed_mounts: Vec::new(),
         });
     }
     for pool in pools.values_mut() {
         let policy = core.control().stack_policy_of(&PoolName(pool.name.clone()));
         pool.stack_policy = policy.stack.name().to_string();
         pool.required = policy.required;
+        pool.allowed_mounts = policy.mounts;
     }
     Json(PoolList {
         pools: pools.into_values().collect(),
@@ -1893,12 +1932,27 @@ async fn set_pool_policy(
             stack.name()
         )),
     }
+    if update.allowed_mounts.len() > 64 {
+        problems.push("at most 64 allowed mounts a pool".to_string());
+    }
+    for path in &update.allowed_mounts {
+        if !path.starts_with('/')
+            || path.len() > 4096
+            || path.contains([':', ',', '\0'])
+            || path.split('/').any(|part| part == "..")
+        {
+            problems.push(format!(
+                "allowed_mounts: {path:?} is not an absolute path without `..`, `:` or `,`"
+            ));
+        }
+    }
     if !problems.is_empty() {
         return Err(ApiError::invalid(problems.join("; ")));
     }
     let policy = muster_control::PoolPolicy {
         stack,
         required: update.required,
+        mounts: update.allowed_mounts,
     };
     let pool = PoolName(name.clone());
     let mut batch = Batch::default();

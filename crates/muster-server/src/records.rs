@@ -438,6 +438,9 @@ pub struct PoolRecord {
     pub stack_policy: String,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub required: BTreeMap<String, String>,
+    /// Host paths container jobs may mount.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_mounts: Vec<String>,
 }
 
 impl PoolRecord {
@@ -446,6 +449,7 @@ impl PoolRecord {
             name: pool.0.clone(),
             stack_policy: policy.stack.name().to_string(),
             required: policy.required.clone(),
+            allowed_mounts: policy.mounts.clone(),
         }
     }
 
@@ -463,6 +467,7 @@ impl PoolRecord {
             muster_control::PoolPolicy {
                 stack,
                 required: self.required,
+                mounts: self.allowed_mounts,
             },
         ))
     }

@@ -245,5 +245,14 @@ pub fn desired_view(task: DesiredTask) -> DesiredAllocation {
         cpu_milli: (task.cpu_milli > 0).then_some(task.cpu_milli),
         // Filled on the way out, as secrets are (crate::secrets::fill).
         registry_auth: None,
+        mounts: task
+            .mounts
+            .into_iter()
+            .map(|(source, target, read_only)| muster_api::MountSpec {
+                source,
+                target,
+                read_only: Some(read_only),
+            })
+            .collect(),
     }
 }

@@ -3090,6 +3090,72 @@ async fn a_job_with_an_image_goes_to_a_node_that_runs_containers() {
         // Nor in what users see of the job.
         let (_, job) = api.get(&format!("/v1/jobs/{id}"), &admin).await;
         assert!(!job.to_string().contains("t0ken"), "{job}");
+
+        // Host paths: only those the job's pool allows.
+        let mut mounted = spec("mounted", "default", 0);
+        mounted["image"] = json!("registry.internal/team/trainer:1.2");
+        mounted["mounts"] = json!([
+            {"source": "/datasets/imagenet", "target": "/data", "read_only": true}
+        ]);
+        let (status, body) = api
+            .post("/v1/jobs", &admin, json!({ "spec": mounted.clone() }))
+            .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("names its pool")),
+            "{body}"
+        );
+        mounted["pool"] = json!("default");
+        let (status, body) = api
+            .post("/v1/jobs", &admin, json!({ "spec": mounted.clone() }))
+            .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert!(
+            body["message"].as_str().is_some_and(|m| m.contains(
+                "pool default does not allow mounting /datasets/imagenet (it allows none)"
+            )),
+            "{body}"
+        );
+        let (status, body) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/pools/default/policy",
+                Some(&admin),
+                Some(
+                    json!({"stack_policy": "report", "allowed_mounts": ["/datasets", "/scratch"]}),
+                ),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(body.to_string().contains("/scratch"), "{body}");
+        // A path beside an allowed one is not under it.
+        let mut beside = mounted.clone();
+        beside["mounts"] = json!([{"source": "/datasets-private", "target": "/data"}]);
+        let (status, body) = api
+            .post("/v1/jobs", &admin, json!({ "spec": beside }))
+            .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        let mounted_id = api.submit(&admin, mounted).await;
+        let carried = loop {
+            let (status, body) = api
+                .post(
+                    "/v1/agents/docker/heartbeat",
+                    &docker.node_token,
+                    heartbeat_body(docker.epoch, Vec::new(), 0, 0),
+                )
+                .await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            let answer: HeartbeatResponse = serde_json::from_value(body).expect("an answer");
+            if let Some(task) = answer.desired.iter().find(|task| task.job == mounted_id) {
+                break task.clone();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(carried.mounts.len(), 1);
+        assert_eq!(carried.mounts[0].source, "/datasets/imagenet");
+        assert_eq!(carried.mounts[0].read_only, Some(true));
         // The plain node gets nothing.
         let (status, body) = api
             .post(

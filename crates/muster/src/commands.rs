@@ -1838,6 +1838,10 @@ pub enum PoolCommand {
         /// kernel, nccl, container_runtime); repeat for several.
         #[arg(long, value_name = "COMPONENT=VERSION")]
         require: Vec<String>,
+        /// A host path container jobs in the pool may mount (with
+        /// everything under it); repeat for several.
+        #[arg(long, value_name = "PATH")]
+        allow_mount: Vec<String>,
     },
     /// Remove a pool's own policy: the server's --stack-policy applies.
     Reset { pool: String },
@@ -2048,6 +2052,7 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
             pool,
             stack_policy,
             require,
+            allow_mount,
         }) => {
             let mut required = std::collections::BTreeMap::new();
             for pair in require {
@@ -2061,6 +2066,7 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
             let update = muster_api::protocol::PoolPolicyUpdate {
                 stack_policy: stack_policy.clone(),
                 required,
+                allowed_mounts: allow_mount.clone(),
             };
             runtime()?.block_on(client.set_pool_policy(pool, &update))
         }

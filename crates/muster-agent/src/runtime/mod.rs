@@ -146,6 +146,8 @@ pub struct TaskLaunch {
     pub cpu_milli: Option<u64>,
     /// Credentials to pull the image with (`USER:PASSWORD` or JSON).
     pub registry_auth: Option<String>,
+    /// Host paths a container sees: (source, target, read only).
+    pub mounts: Vec<(String, String, bool)>,
 }
 
 /// The most pulls a heartbeat reports.
@@ -522,6 +524,15 @@ impl ProcessRuntime {
                     .map_or(DEFAULT_SHM_BYTES, |mib| (mib << 20) / 2),
                 cpu_milli: launch.cpu_milli,
                 registry_auth: launch.registry_auth.clone(),
+                mounts: launch
+                    .mounts
+                    .iter()
+                    .map(|(source, target, read_only)| record::ContainerMount {
+                        source: source.clone(),
+                        target: target.clone(),
+                        read_only: *read_only,
+                    })
+                    .collect(),
                 gpu_devices: if self.config.container_gpus {
                     launch.gpu_uuids.clone()
                 } else {
@@ -1073,6 +1084,7 @@ mod tests {
             image: None,
             cpu_milli: None,
             registry_auth: None,
+            mounts: Vec::new(),
         }
     }
 

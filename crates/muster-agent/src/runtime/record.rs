@@ -76,6 +76,17 @@ pub struct ContainerPlan {
     /// The record is readable by the agent's user only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub registry_auth: Option<String>,
+    /// Host paths bound into the container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<ContainerMount>,
+}
+
+/// A host path bound into a container.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerMount {
+    pub source: String,
+    pub target: String,
+    pub read_only: bool,
 }
 
 /// Whom the task runs as (decided by the supervisor, which runs as root

@@ -193,6 +193,7 @@ fn everything() -> Batch {
                 name: "inference".into(),
                 stack_policy: "majority".into(),
                 required: BTreeMap::from([("driver".to_string(), "550.54".to_string())]),
+                allowed_mounts: vec!["/datasets".to_string()],
             })
             .expect("JSON"),
         ),
