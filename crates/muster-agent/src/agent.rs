@@ -61,6 +61,10 @@ pub struct AgentConfig {
     pub task_pids_max: Option<u64>,
     /// How often GPU and node telemetry is sent to the server.
     pub telemetry_interval: Duration,
+    /// Container tasks' network (`host`, `bridge` or `none`).
+    pub container_network: String,
+    /// Container tasks' `/dev/shm` (`None`: half the memory limit).
+    pub container_shm_bytes: Option<u64>,
 }
 
 /// The node's credential, in its state directory (mode 0600).
@@ -178,6 +182,8 @@ pub async fn run(
         task_pids_max: config.task_pids_max,
         // Simulated GPUs have no devices to pass to a container.
         container_gpus: inventory.backend != "simulated",
+        container_network: config.container_network.clone(),
+        container_shm_bytes: config.container_shm_bytes,
     }));
     let gpus: Vec<GpuView> = inventory
         .gpus

@@ -137,7 +137,8 @@ pub struct TaskView {
     /// the server holds the job in memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<TaskUsage>,
-    /// While its container image is being pulled: the pull's progress.
+    /// While its container image is being pulled: the pull's progress (and
+    /// the task's state reads `pulling`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pulling: Option<String>,
 }

@@ -641,6 +641,9 @@ fn with_usage(shared: &Shared, views: &mut [JobView]) {
                 .and_then(|tasks| tasks.get(&task.allocation))
                 .filter(|_| task.state == "running" || task.state == "assigned")
                 .cloned();
+            if task.pulling.is_some() {
+                task.state = "pulling".to_string();
+            }
             task.usage = usage
                 .get(&task.node)
                 .and_then(|node| node.get(&task.allocation))

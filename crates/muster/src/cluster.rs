@@ -293,6 +293,15 @@ pub struct IsolationArgs {
     /// starves neither its neighbours nor the agent.
     #[arg(long, value_name = "N", default_value_t = muster_agent::runtime::DEFAULT_TASK_PIDS_MAX)]
     pub task_pids_max: u64,
+    /// Container tasks' network: host (NCCL and a gang's rendezvous need
+    /// the node's interfaces), bridge or none.
+    #[arg(long, value_name = "MODE", default_value = "host", value_parser = ["host", "bridge", "none"])]
+    pub container_network: String,
+    /// Container tasks' /dev/shm, e.g. 16GiB (default: half the task's
+    /// memory limit, 8 GiB without one; Docker's own 64 MiB starves
+    /// DataLoader workers and NCCL).
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
+    pub container_shm: Option<u64>,
     /// How often the node sends GPU and node telemetry (utilisation,
     /// memory, power, temperature, clocks, ECC; CPU, memory, network) to the
     /// server, for `/metrics`.
@@ -703,6 +712,8 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         allow_root_tasks: args.isolation.allow_root_tasks,
         task_pids_max: (args.isolation.task_pids_max > 0).then_some(args.isolation.task_pids_max),
         telemetry_interval: std::time::Duration::from_secs(args.isolation.telemetry_interval),
+        container_network: args.isolation.container_network.clone(),
+        container_shm_bytes: args.isolation.container_shm,
         log_shipping: muster_agent::logship::LogShipConfig {
             rate_bytes_per_s: args.log_rate,
             ..muster_agent::logship::LogShipConfig::default()
@@ -802,6 +813,8 @@ pub fn up(args: UpArgs) -> Result<()> {
             task_pids_max: (args.isolation.task_pids_max > 0)
                 .then_some(args.isolation.task_pids_max),
             telemetry_interval: std::time::Duration::from_secs(args.isolation.telemetry_interval),
+            container_network: args.isolation.container_network.clone(),
+            container_shm_bytes: args.isolation.container_shm,
             log_shipping: muster_agent::logship::LogShipConfig::default(),
         };
         let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();

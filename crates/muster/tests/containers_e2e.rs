@@ -179,10 +179,13 @@ fn a_pull_shows_in_the_job_and_a_missing_image_fails_it() {
     let id = rt.block_on(client.submit(spec)).expect("submitted");
     wait_until("the pull to show", Duration::from_secs(60), || {
         rt.block_on(client.job(id)).is_ok_and(|job| {
-            job.tasks
-                .first()
-                .and_then(|task| task.pulling.as_ref())
-                .is_some_and(|status| status.starts_with(&format!("pulling {image}")))
+            job.tasks.first().is_some_and(|task| {
+                task.state == "pulling"
+                    && task
+                        .pulling
+                        .as_ref()
+                        .is_some_and(|status| status.starts_with(&format!("pulling {image}")))
+            })
         })
     });
     let described = common::muster(

@@ -94,6 +94,11 @@ pub struct RuntimeConfig {
     /// A container task's GPUs go through the NVIDIA container runtime
     /// (real GPUs); off with simulated ones.
     pub container_gpus: bool,
+    /// Containers' network: `host` (the default), `bridge` or `none`.
+    pub container_network: String,
+    /// Containers' `/dev/shm` (`None`: half the task's memory limit, or
+    /// [`DEFAULT_SHM_BYTES`] without one).
+    pub container_shm_bytes: Option<u64>,
 }
 
 /// [`RuntimeConfig::task_pids_max`] unless the operator says otherwise:
@@ -112,6 +117,8 @@ impl RuntimeConfig {
             allow_root: false,
             task_pids_max: Some(DEFAULT_TASK_PIDS_MAX),
             container_gpus: false,
+            container_network: "host".to_string(),
+            container_shm_bytes: None,
         }
     }
 }
@@ -518,10 +525,12 @@ impl ProcessRuntime {
             },
             container: launch.image.as_ref().map(|image| record::ContainerPlan {
                 image: image.clone(),
-                network: "host".to_string(),
-                shm_size_bytes: launch
-                    .memory_limit_mib
-                    .map_or(DEFAULT_SHM_BYTES, |mib| (mib << 20) / 2),
+                network: self.config.container_network.clone(),
+                shm_size_bytes: self.config.container_shm_bytes.unwrap_or_else(|| {
+                    launch
+                        .memory_limit_mib
+                        .map_or(DEFAULT_SHM_BYTES, |mib| (mib << 20) / 2)
+                }),
                 cpu_milli: launch.cpu_milli,
                 registry_auth: launch.registry_auth.clone(),
                 mounts: launch
