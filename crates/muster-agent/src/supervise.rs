@@ -660,6 +660,11 @@ fn watch(
         if std::fs::remove_file(&mark).is_ok() {
             usage.oom_killed = true;
         }
+        // A helper killed while it pulled leaves its progress behind: the
+        // task is not pulling any more.
+        for extension in ["pull", "pull.tmp"] {
+            let _ = std::fs::remove_file(record::path(tasks_dir, key, extension));
+        }
     }
     let (exit_code, signal) = match status {
         WaitStatus::Exited(_, code) => (Some(code), None),

@@ -78,6 +78,17 @@ async fn log_text(runtime: &ProcessRuntime, allocation: &str) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
+/// Waits until the task's log holds `text` (the container started).
+async fn wait_for_log(runtime: &ProcessRuntime, allocation: &str, text: &str) {
+    tokio::time::timeout(DEADLINE, async {
+        while !log_text(runtime, allocation).await.contains(text) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("`{text}` in {allocation}'s log in time"));
+}
+
 /// Containers of this task still on the engine, running or not.
 fn containers_of(key: &str) -> String {
     let output = Command::new("docker")
@@ -147,13 +158,7 @@ async fn a_stopped_container_gets_the_signal_then_is_removed() {
         ))
         .await
         .expect("started");
-    tokio::time::timeout(DEADLINE, async {
-        while !log_text(&runtime, &key).await.contains("ready") {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the container starts");
+    wait_for_log(&runtime, &key, "ready").await;
     runtime
         .stop(&key, Signal::Term, Duration::from_secs(10))
         .await
@@ -177,13 +182,7 @@ async fn a_stopped_container_gets_the_signal_then_is_removed() {
         ))
         .await
         .expect("started");
-    tokio::time::timeout(DEADLINE, async {
-        while !log_text(&runtime, &stubborn).await.contains("ready") {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the container starts");
+    wait_for_log(&runtime, &stubborn, "ready").await;
     runtime
         .stop(&stubborn, Signal::Term, Duration::from_millis(500))
         .await
@@ -236,13 +235,7 @@ async fn a_fenced_container_stops_at_the_deadline() {
         ))
         .await
         .expect("started");
-    tokio::time::timeout(DEADLINE, async {
-        while !log_text(&runtime, &key).await.contains("ready") {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the container starts");
+    wait_for_log(&runtime, &key, "ready").await;
     assert!(containers_of(&key).ends_with(&format!("-{key}")));
     // The lease runs out (no agent renews it): the supervisor alone stops
     // the container.
@@ -372,13 +365,7 @@ async fn a_container_whose_supervisor_is_killed_is_removed() {
         ))
         .await
         .expect("started");
-    tokio::time::timeout(DEADLINE, async {
-        while !log_text(&runtime, &key).await.contains("ready") {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the container starts");
+    wait_for_log(&runtime, &key, "ready").await;
     let pids: serde_json::Value = serde_json::from_slice(
         &std::fs::read(dir.path().join(format!("tasks/{key}.pid"))).expect("the pid record"),
     )
@@ -447,4 +434,52 @@ async fn host_paths_are_mounted_read_only_or_read_write() {
         std::fs::read_to_string(out.join("result.txt")).expect("written on the node"),
         "written\n"
     );
+}
+
+/// A task stopped while its image is pulled (a registry that never
+/// answers) stops pulling at once, says so to nobody afterwards, and once
+/// forgotten leaves no file of its own behind.
+#[tokio::test]
+async fn a_task_stopped_during_its_pull_leaves_nothing_behind() {
+    if muster_testkit::docker::test_image().is_none() {
+        return;
+    }
+    // Connections wait in the backlog, never answered.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let port = silent.local_addr().expect("address").port();
+    let (dir, runtime) = runtime();
+    let key = key("stuck-pull");
+    let image = format!("127.0.0.1:{port}/team/trainer:1");
+    runtime
+        .start(launch(&key, &image, "true"))
+        .await
+        .expect("started");
+    tokio::time::timeout(DEADLINE, async {
+        while runtime.pulling().is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the pull is reported");
+    assert!(
+        runtime.pulling()[0]
+            .1
+            .starts_with(&format!("pulling {image}"))
+    );
+    runtime
+        .stop(&key, Signal::Term, Duration::from_millis(500))
+        .await
+        .expect("stopped");
+    let exit = next_exit(&runtime).await;
+    assert!(matches!(exit.reason, EndReason::Stopped), "{exit:?}");
+    assert!(runtime.pulling().is_empty(), "{:?}", runtime.pulling());
+    runtime.forget(&key).await.expect("forgotten");
+    let left: Vec<String> = std::fs::read_dir(dir.path().join("tasks"))
+        .expect("the tasks directory")
+        .flatten()
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(&key))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    drop(silent);
 }

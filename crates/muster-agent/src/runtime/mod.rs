@@ -157,6 +157,11 @@ pub struct TaskLaunch {
     pub mounts: Vec<(String, String, bool)>,
 }
 
+/// A task's files besides its record (`KEY.json`): removed before it starts
+/// and when it is forgotten, so none outlives its task. `pull` and `oom`
+/// are a container task's (see `crate::container`).
+const TRANSIENT_FILES: [&str; 6] = ["exit", "pid", "stop", "pull", "pull.tmp", "oom"];
+
 /// The most pulls a heartbeat reports.
 pub const MAX_PULLING: usize = 64;
 
@@ -485,7 +490,7 @@ impl ProcessRuntime {
         private_dir(&self.config.state_dir)?;
         private_dir(&self.config.state_dir.join("logs"))?;
         private_dir(&self.tasks_dir())?;
-        for extension in ["exit", "pid", "stop"] {
+        for extension in TRANSIENT_FILES {
             let path = self.file(&allocation, extension);
             match std::fs::remove_file(&path) {
                 Ok(()) => {}
@@ -928,7 +933,7 @@ impl ProcessRuntime {
             });
         }
         self.lock_tasks().remove(allocation);
-        for extension in ["json", "pid", "stop", "exit"] {
+        for extension in std::iter::once("json").chain(TRANSIENT_FILES) {
             let path = self.file(allocation, extension);
             match std::fs::remove_file(&path) {
                 Ok(()) => {}
