@@ -192,6 +192,12 @@ pub struct Software {
 }
 
 impl Software {
+    /// Whether the node's agent reached a container engine (the
+    /// [`muster_model::CONTAINER_ENGINE`] entry of its stack).
+    pub fn runs_containers(&self) -> bool {
+        self.stack.contains_key(muster_model::CONTAINER_ENGINE)
+    }
+
     /// Every component with its version, the driver and CUDA included (for
     /// [`crate::fleet`]).
     pub fn components(&self) -> BTreeMap<&str, &str> {
@@ -644,16 +650,17 @@ pub(crate) fn deadline_of(job: &Job) -> Option<Time> {
 }
 
 /// What decides whether a node could ever hold a task: its pool, CPU,
-/// memory and GPUs (model, memory, NVLink domain, in order). Nodes alike in
-/// these answer alike.
+/// memory and GPUs (model, memory, NVLink domain, in order), and whether it
+/// runs containers. Nodes alike in these answer alike.
 pub(crate) type NodeShape = (
     muster_model::PoolName,
     muster_model::CpuMilli,
     muster_model::MemoryMib,
     Vec<(muster_model::GpuModel, muster_model::MemoryMib, u32)>,
+    bool,
 );
 
-pub(crate) fn node_shape(spec: &muster_model::NodeSpec) -> NodeShape {
+pub(crate) fn node_shape(spec: &muster_model::NodeSpec, software: &Software) -> NodeShape {
     (
         spec.pool.clone(),
         spec.cpu,
@@ -662,6 +669,7 @@ pub(crate) fn node_shape(spec: &muster_model::NodeSpec) -> NodeShape {
             .iter()
             .map(|g| (g.model.clone(), g.memory, g.nvlink_domain))
             .collect(),
+        software.runs_containers(),
     )
 }
 
@@ -967,7 +975,7 @@ impl ControlPlane {
         let mut shapes: BTreeMap<NodeShape, BTreeSet<NodeName>> = BTreeMap::new();
         for node in self.nodes.values() {
             shapes
-                .entry(node_shape(&node.spec))
+                .entry(node_shape(&node.spec, &node.software))
                 .or_default()
                 .insert(node.spec.name.clone());
         }
@@ -984,29 +992,8 @@ impl ControlPlane {
         if self.nodes.is_empty() {
             return None;
         }
-        let containers = self
-            .nodes
-            .values()
-            .filter(|node| {
-                node.software
-                    .stack
-                    .contains_key(muster_model::CONTAINER_ENGINE)
-            })
-            .count();
-        if let Some(image) = &spec.image
-            && containers < spec.nodes as usize
-        {
-            return Some(format!(
-                "this job runs in containers (image {image}) on {} node(s), and {containers} of \
-                 the {} registered nodes can run containers (an agent whose Docker engine \
-                 answers says so at registration). Start Docker on the nodes and restart their \
-                 agents, drop `image:` to run on the nodes themselves, or pass --allow-pending \
-                 to queue it for nodes still to come",
-                spec.nodes,
-                self.nodes.len()
-            ));
-        }
-        // Nodes alike (pool, CPU, memory, GPUs) answer alike: one of each.
+        // Nodes alike (pool, CPU, memory, GPUs, containers) answer alike:
+        // one of each.
         let mut count: BTreeMap<&NodeName, usize> = BTreeMap::new();
         let inputs: Vec<NodeInput> = self
             .node_shapes
@@ -1014,7 +1001,10 @@ impl ControlPlane {
             .filter_map(|names| {
                 let node = self.nodes.get(names.first()?)?;
                 count.insert(&node.spec.name, names.len());
-                Some(NodeInput::schedulable(node.spec.clone()))
+                Some(NodeInput {
+                    containers: node.software.runs_containers(),
+                    ..NodeInput::schedulable(node.spec.clone())
+                })
             })
             .collect();
         let request = TaskRequest::of(spec);
@@ -1058,11 +1048,25 @@ impl ControlPlane {
             spec.cpu_per_node.0 as f64 / 1000.0,
             spec.memory_per_node.0
         );
+        // A job in containers also needs nodes that run them: say how many.
+        let containers = spec.image.as_ref().map_or(String::new(), |image| {
+            let running = self
+                .nodes
+                .values()
+                .filter(|node| node.software.runs_containers())
+                .count();
+            format!(
+                " It runs in containers (image {image}), and {running} of the {} registered \
+                 nodes can run containers (an agent whose Docker engine answers says so at \
+                 registration).",
+                self.nodes.len()
+            )
+        });
         Some(format!(
             "no registered node can ever hold this job: it asks for {asks} per node, and \
              {holding} of the {} nodes could hold a task; the largest node, {}, has {gpus}, \
-             {} CPU(s) and {} MiB (pool {}). Ask for less, or pass --allow-pending to queue it \
-             for nodes still to come",
+             {} CPU(s) and {} MiB (pool {}).{containers} Ask for less, or pass --allow-pending \
+             to queue it for nodes still to come",
             self.nodes.len(),
             largest.spec.name,
             largest.spec.cpu.0 as f64 / 1000.0,
@@ -1711,11 +1715,11 @@ impl ControlPlane {
                 self.next_epoch += 1;
                 self.heartbeat_sequences.remove(&name);
                 if let Some(old) = self.nodes.get(&name) {
-                    let old = node_shape(&old.spec);
+                    let old = node_shape(&old.spec, &old.software);
                     self.forget_shape(old, &name);
                 }
                 self.node_shapes
-                    .entry(node_shape(&spec))
+                    .entry(node_shape(&spec, &software))
                     .or_default()
                     .insert(name.clone());
                 self.nodes.insert(
@@ -1816,7 +1820,7 @@ impl ControlPlane {
                     &mut outputs,
                 );
                 if let Some(removed) = self.nodes.remove(&node) {
-                    self.forget_shape(node_shape(&removed.spec), &node);
+                    self.forget_shape(node_shape(&removed.spec, &removed.software), &node);
                     // The pool's majority may have changed.
                     let other = self
                         .nodes
@@ -2348,10 +2352,7 @@ impl ControlPlane {
         self.nodes
             .values()
             .map(|node| NodeInput {
-                containers: node
-                    .software
-                    .stack
-                    .contains_key(muster_model::CONTAINER_ENGINE),
+                containers: node.software.runs_containers(),
                 spec: node.spec.clone(),
                 cordoned: node.cordoned || node.drift.is_some(),
                 healthy: node.state == NodeState::Ready,
