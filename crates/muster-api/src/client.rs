@@ -272,16 +272,18 @@ impl Client {
         let count = self.servers.urls.len();
         let mut tried = 0;
         let response = loop {
+            // One server: nowhere else to send it (no copy needed).
+            if count == 1 {
+                break self.http.execute(request).await;
+            }
             let (index, server) = self.servers.current();
             let Some(mut attempt) = request.try_clone() else {
                 break self.http.execute(request).await;
             };
-            if count > 1 {
-                rebase(attempt.url_mut(), server);
-            }
+            rebase(attempt.url_mut(), server);
             match self.http.execute(attempt).await {
                 // Never sent: the next server may take it now.
-                Err(error) if count > 1 && error.is_connect() => {
+                Err(error) if error.is_connect() => {
                     self.servers.failed(index);
                     tried += 1;
                     if tried >= count {
@@ -290,7 +292,7 @@ impl Client {
                 }
                 // Perhaps taken, perhaps not: the caller decides whether
                 // to send it again; later requests go to the next server.
-                Err(error) if count > 1 && error.is_timeout() => {
+                Err(error) if error.is_timeout() => {
                     self.servers.failed(index);
                     break Err(error);
                 }
@@ -386,20 +388,10 @@ impl Client {
             allow_pending,
         };
         let key = idempotency_key();
-        let url = format!("{}/v1/jobs", self.current());
         let deadline = std::time::Instant::now() + SUBMIT_RETRY_FOR;
         let mut wait = Duration::from_millis(250);
         loop {
-            let attempt = self
-                .send(
-                    self.http
-                        .post(&url)
-                        .header("idempotency-key", &key)
-                        .json(&request),
-                    &url,
-                )
-                .await;
-            match attempt {
+            match self.submit_attempt(&request, &key, None).await {
                 Err(ClientError::Transport { .. }) if std::time::Instant::now() < deadline => {
                     tokio::time::sleep(wait).await;
                     wait = (wait * 2).min(Duration::from_secs(5));
@@ -433,18 +425,29 @@ impl Client {
             spec,
             allow_pending: false,
         };
-        let url = format!("{}/v1/jobs", self.current());
-        let answer: SubmitResponse = self
-            .send(
-                self.http
-                    .post(&url)
-                    .header("idempotency-key", idempotency_key())
-                    .timeout(Duration::from_secs(5))
-                    .json(&request),
-                &url,
-            )
+        let answer = self
+            .submit_attempt(&request, &idempotency_key(), Some(Duration::from_secs(5)))
             .await?;
         Ok(answer.id)
+    }
+
+    /// One `POST /v1/jobs` with idempotency key `key`.
+    async fn submit_attempt(
+        &self,
+        request: &SubmitRequest,
+        key: &str,
+        timeout: Option<Duration>,
+    ) -> Result<SubmitResponse, ClientError> {
+        let url = format!("{}/v1/jobs", self.current());
+        let mut post = self
+            .http
+            .post(&url)
+            .header("idempotency-key", key)
+            .json(request);
+        if let Some(timeout) = timeout {
+            post = post.timeout(timeout);
+        }
+        self.send(post, &url).await
     }
 
     pub async fn jobs(&self, filter: &JobFilter) -> Result<JobList, ClientError> {
