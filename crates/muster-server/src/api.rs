@@ -1667,6 +1667,11 @@ async fn remove_node(
             _ => None,
         })
         .collect();
+    // What its heartbeats said of image pulls goes with it.
+    match shared.pulling.lock() {
+        Ok(mut pulling) => pulling.remove(&name),
+        Err(poisoned) => poisoned.into_inner().remove(&name),
+    };
     tracing::info!(node = %name, ?requeued_jobs, "node removed by an admin");
     Ok(Json(NodeRemoved {
         name,

@@ -26,6 +26,28 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
+/// What every server of one cluster shares, relative to the data
+/// directory (docs/ha.md): the tokens, the secrets' key and the cluster CA
+/// (each server issues its own certificate from it).
+pub const SHARED_FILES: [&str; 6] = [
+    "admin.token",
+    "join.token",
+    "metrics.token",
+    "secrets.key",
+    "tls/ca.pem",
+    "tls/ca.key",
+];
+
+/// Copies [`SHARED_FILES`] from one server's data directory to another's
+/// (created owner-only), for a second server of the same cluster.
+pub fn share_identity(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+    crate::create_private_dir(&to.join("tls"))?;
+    for name in SHARED_FILES {
+        std::fs::copy(from.join(name), to.join(name))?;
+    }
+    Ok(())
+}
+
 /// How a server takes part in the election.
 #[derive(Debug, Clone)]
 pub struct HaConfig {

@@ -716,15 +716,7 @@ async fn failover(args: FailoverBench) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // What every server of the cluster shares (docs/ha.md).
-    let other = dir.path().join("b");
-    std::fs::create_dir_all(other.join("tls"))?;
-    for name in ["admin.token", "join.token", "metrics.token", "secrets.key"] {
-        std::fs::copy(identity.join(name), other.join(name))?;
-    }
-    for entry in std::fs::read_dir(identity.join("tls"))? {
-        let entry = entry?;
-        std::fs::copy(entry.path(), other.join("tls").join(entry.file_name()))?;
-    }
+    muster_server::ha::share_identity(&identity, &dir.path().join("b"))?;
     servers[1] = Some(start(1, 0)?);
     let token = std::fs::read_to_string(identity.join("admin.token"))?
         .trim()

@@ -22,24 +22,6 @@ fn url(port: u16) -> String {
     format!("https://127.0.0.1:{port}")
 }
 
-/// Copies what every server of a cluster shares (tokens, the cluster CA,
-/// the secrets key) from one data directory to another (docs/ha.md).
-fn share_identity(from: &Path, to: &Path) {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(to.join("tls"))
-        .expect("data directory");
-    for name in ["admin.token", "join.token", "metrics.token", "secrets.key"] {
-        std::fs::copy(from.join(name), to.join(name)).expect(name);
-    }
-    for entry in std::fs::read_dir(from.join("tls")).expect("tls") {
-        let entry = entry.expect("entry");
-        std::fs::copy(entry.path(), to.join("tls").join(entry.file_name())).expect("tls file");
-    }
-}
-
 /// How many times each job started (a line per start in `starts/ID`).
 fn starts(dir: &Path) -> std::collections::BTreeMap<u64, usize> {
     std::fs::read_dir(dir)
@@ -103,7 +85,7 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
     wait_until("a to lead", Duration::from_secs(30), || {
         leader().0 == url(port_a) && listening(port_a)
     });
-    share_identity(&root.join("a"), &root.join("b"));
+    muster_server::ha::share_identity(&root.join("a"), &root.join("b")).expect("shared");
     let b = Some(server("b", port_b));
     wait_until("b to follow", Duration::from_secs(30), || {
         listening(port_b) && log("b").contains("following the leader at")
