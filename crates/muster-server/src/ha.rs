@@ -82,7 +82,8 @@ impl HaConfig {
     }
 }
 
-fn host_name() -> String {
+/// This machine's name (`localhost` when it cannot be read).
+pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|name| name.trim().to_string())
         .ok()

@@ -4,6 +4,7 @@ use crate::commands::{DEFAULT_SERVER, config_path, default_data_dir};
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use muster_agent::{AgentConfig, GpuBackend, NvmlBackend, SimulatedBackend};
+use muster_server::ha::host_name;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -438,14 +439,6 @@ fn parse_rate(text: &str) -> Result<u64, String> {
 
 fn parse_duration_ms(text: &str) -> Result<u64, String> {
     crate::cli::parse_duration_s(text).map(|s| s * 1000)
-}
-
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "localhost".to_string())
 }
 
 fn init_logging() {
