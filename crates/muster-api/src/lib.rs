@@ -40,6 +40,7 @@ pub mod protocol;
 mod quantity;
 mod read;
 pub mod sbatch;
+pub mod service;
 #[cfg(feature = "client")]
 pub mod tls;
 mod validate;

@@ -70,7 +70,7 @@ fn field_rank(path: &str) -> usize {
         .unwrap_or(JOB_FIELDS.len())
 }
 
-fn check_size(text: &str) -> Result<(), SpecErrors> {
+pub(crate) fn check_size(text: &str) -> Result<(), SpecErrors> {
     if text.len() > MAX_SPEC_BYTES {
         return Err(SpecErrors::single(SpecError::document(
             format!(

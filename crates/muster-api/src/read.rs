@@ -38,15 +38,18 @@ pub(crate) const JOB_FIELDS: &[&str] = &[
     "array",
     "slurm_env",
     "idle_timeout",
+    "service",
 ];
 pub(crate) const CHECKPOINT_FIELDS: &[&str] = &["signal", "grace_period", "interval"];
 pub(crate) const RETRY_FIELDS: &[&str] = &["max_attempts", "on_node_failure", "on_exit_failure"];
 pub(crate) const TOPOLOGY_FIELDS: &[&str] = &["same_rack"];
+pub(crate) const SERVICE_REF_FIELDS: &[&str] = &["name", "revision", "port", "spread"];
 
 const SECTIONS: &[(&str, &[&str])] = &[
     ("checkpoint", CHECKPOINT_FIELDS),
     ("retry", RETRY_FIELDS),
     ("topology", TOPOLOGY_FIELDS),
+    ("service", SERVICE_REF_FIELDS),
 ];
 
 /// Names people use for a field in other tools (Slurm, Kubernetes, ...).
@@ -391,6 +394,21 @@ impl Reader {
             }),
             slurm_env: self.boolean(map, "slurm_env", "slurm_env"),
             idle_timeout: self.quantity(map, "idle_timeout", "idle_timeout", DURATION_ACCEPTED),
+            service: self
+                .section(map, "service", SERVICE_REF_FIELDS)
+                .map(|section| crate::wire::ServiceRefSpec {
+                    name: self
+                        .string(section, "name", "service.name")
+                        .unwrap_or_default(),
+                    revision: self.quantity(
+                        section,
+                        "revision",
+                        "service.revision",
+                        "a whole number like 2",
+                    ),
+                    port: self.quantity(section, "port", "service.port", "a port like 8080"),
+                    spread: self.string(section, "spread", "service.spread"),
+                }),
         }
     }
 

@@ -150,6 +150,7 @@ fn full_spec() -> model::JobSpec {
         }),
         slurm_env: true,
         idle_timeout: Some(Duration::from_secs(7200)),
+        service: None,
     }
 }
 
@@ -593,7 +594,7 @@ fn unknown_fields_get_the_closest_name_at_every_level() {
     assert_eq!(
         errors("name: a\ncommand: [x]\nzzz: 1\n"),
         [
-            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, secrets, working_dir, image, image_pull_secret, mounts, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env, idle_timeout"
+            "zzz: unknown field; accepted: name, queue, pool, priority_class, nodes, gpus, gpu_models, min_gpu_memory, cpus, memory, command, env, secrets, working_dir, image, image_pull_secret, mounts, max_runtime, estimated_runtime, preemptible, checkpoint, retry, topology, after, array, slurm_env, idle_timeout, service"
         ]
     );
     assert_eq!(

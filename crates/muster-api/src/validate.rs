@@ -288,6 +288,57 @@ impl Checker {
                 .idle_timeout
                 .as_ref()
                 .map(|timeout| self.positive_duration("idle_timeout", timeout)),
+            service: spec.service.as_ref().and_then(|service| {
+                if nodes != 1 {
+                    self.error(
+                        "service",
+                        format!("a service's replica is one task (nodes: 1), not {nodes}"),
+                    );
+                }
+                if !crate::service::is_service_name(&service.name) {
+                    self.error(
+                        "service.name",
+                        format!(
+                            "expected a service name like \"llm\" (lowercase letters, digits \
+                             and '-', at most {} characters), got {:?}",
+                            model::MAX_SERVICE_NAME_LENGTH,
+                            service.name
+                        ),
+                    );
+                }
+                let revision = match &service.revision {
+                    Some(written) => {
+                        self.whole_number("service.revision", written, 1, 1, u32::MAX)?
+                    }
+                    None => {
+                        self.error("service.revision", "required: a whole number like 1".into());
+                        return None;
+                    }
+                };
+                let port = match &service.port {
+                    Some(written) => {
+                        Some(self.whole_number("service.port", written, 8080, 1, 65_535)? as u16)
+                    }
+                    None => None,
+                };
+                let spread = match service.spread.as_deref() {
+                    None | Some("nodes") => model::Spread::Nodes,
+                    Some("racks") => model::Spread::Racks,
+                    Some(other) => {
+                        self.error(
+                            "service.spread",
+                            format!("expected \"nodes\" or \"racks\", got {other:?}"),
+                        );
+                        return None;
+                    }
+                };
+                Some(model::ServiceRef {
+                    name: service.name.clone(),
+                    revision,
+                    port,
+                    spread,
+                })
+            }),
         }
     }
 

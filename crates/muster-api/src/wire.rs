@@ -321,6 +321,22 @@ pub struct JobSpec {
     /// Stop the job once its GPUs have been idle this long.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idle_timeout: Option<Quantity>,
+    /// Set by muster on a service's replicas; a submission may not set it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service: Option<ServiceRefSpec>,
+}
+
+/// The service a replica belongs to (set by muster, never submitted).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ServiceRefSpec {
+    pub name: String,
+    pub revision: Option<Quantity>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<Quantity>,
+    /// `nodes` (the default) or `racks`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spread: Option<String>,
 }
 
 /// A host path mounted into a container job's tasks.
@@ -429,6 +445,12 @@ impl From<&model::JobSpec> for JobSpec {
             array: spec.array.as_ref().map(ToString::to_string),
             slurm_env: spec.slurm_env.then_some(true),
             idle_timeout: spec.idle_timeout.map(duration_quantity),
+            service: spec.service.as_ref().map(|service| ServiceRefSpec {
+                name: service.name.clone(),
+                revision: Some(Quantity::from(u64::from(service.revision))),
+                port: service.port.map(|port| Quantity::from(u64::from(port))),
+                spread: (service.spread == model::Spread::Racks).then(|| "racks".to_string()),
+            }),
         }
     }
 }

@@ -15,6 +15,7 @@
 pub mod accounting;
 pub mod fleet;
 mod records;
+pub mod services;
 mod state;
 pub mod usage;
 

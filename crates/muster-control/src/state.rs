@@ -2368,6 +2368,8 @@ impl ControlPlane {
         // an array at its limit offers no element this cycle, one below it
         // only as many as it has room for (lowest ids first).
         let mut array_active: BTreeMap<JobId, u32> = BTreeMap::new();
+        // The nodes each service's replicas hold (new replicas keep off them).
+        let mut service_nodes: BTreeMap<&str, Vec<NodeName>> = BTreeMap::new();
         for job in self.jobs.values() {
             if !matches!(job.state, JobState::Running | JobState::Stopping) {
                 continue;
@@ -2388,6 +2390,12 @@ impl ControlPlane {
                 continue;
             }
             let stopping = job.state == JobState::Stopping;
+            if let Some(service) = &job.spec.service {
+                service_nodes
+                    .entry(service.name.as_str())
+                    .or_default()
+                    .extend(tasks.iter().map(|task| task.node.clone()));
+            }
             if let Some(array) = job.array.filter(|array| array.limit.is_some()) {
                 *array_active.entry(array.array).or_insert(0) += 1;
             }
@@ -2456,6 +2464,15 @@ impl ControlPlane {
                     request: TaskRequest::of(&job.spec),
                     same_rack: job.spec.topology.map(|t| t.same_rack),
                     estimated_runtime_ms: self.estimated_remaining_ms(job, 0, Estimate::Mean),
+                    apart: job.spec.service.as_ref().map(|service| muster_sched::Apart {
+                        group: service.name.clone(),
+                        nodes: service_nodes
+                            .get(service.name.as_str())
+                            .cloned()
+                            .unwrap_or_default(),
+                        racks: service.spread == muster_model::Spread::Racks,
+                        required: service.port.is_some(),
+                    }),
                 }),
         );
         let snapshot = Snapshot {
@@ -2744,6 +2761,17 @@ impl ControlPlane {
         Some(master.unwrap_or_else(|| "127.0.0.1".to_string()))
     }
 
+    /// The port a service replica serves on: the service's fixed port, or
+    /// the one muster gives it in `PORT` (its job's `MUSTER_MASTER_PORT`).
+    pub fn replica_port(&self, job: &Job) -> Option<u16> {
+        let service = job.spec.service.as_ref()?;
+        Some(
+            service
+                .port
+                .unwrap_or(self.config.master_port_base + (job.id.0 % 20_000) as u16),
+        )
+    }
+
     fn start_job(
         &mut self,
         now: Time,
@@ -2799,6 +2827,18 @@ impl ControlPlane {
             }
             if job.spec.slurm_env {
                 entries.extend(slurm_variables(job, rank, tasks));
+            }
+            if let Some(service) = &job.spec.service {
+                let serve = service.port.map_or_else(|| port.clone(), |p| p.to_string());
+                entries.extend([
+                    ("PORT".to_string(), serve.clone()),
+                    ("MUSTER_SERVICE_PORT".to_string(), serve),
+                    ("MUSTER_SERVICE".to_string(), service.name.clone()),
+                    (
+                        "MUSTER_SERVICE_REVISION".to_string(),
+                        service.revision.to_string(),
+                    ),
+                ]);
             }
             let env: BTreeMap<String, String> = entries.into_iter().collect();
             let allocation = Allocation {

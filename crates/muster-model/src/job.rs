@@ -411,6 +411,8 @@ pub struct JobSpec {
     /// Stop the job (state `idle_stopped`) once all its GPUs have stayed
     /// below 5% utilisation this long.
     pub idle_timeout: Option<Duration>,
+    /// Set by muster on a service's replicas (never by a submission).
+    pub service: Option<crate::service::ServiceRef>,
 }
 
 /// A host path mounted into a container job's tasks.
@@ -454,6 +456,7 @@ impl JobSpec {
             array: None,
             slurm_env: false,
             idle_timeout: None,
+            service: None,
         }
     }
 

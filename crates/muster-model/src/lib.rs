@@ -10,6 +10,7 @@ mod job;
 mod node;
 mod quantity;
 mod queue;
+mod service;
 
 pub use job::{
     ArrayElement, ArraySpec, CheckpointPolicy, Dependency, DependencyKind, JobId, JobSpec,
@@ -23,3 +24,7 @@ pub use node::{
 };
 pub use quantity::{CpuMilli, GpuMilli, GpuRequest, MemoryMib, Time};
 pub use queue::{Budget, QueueName, QueueSpec};
+pub use service::{
+    KEPT_REVISIONS, MAX_REPLICAS, MAX_SERVICE_NAME_LENGTH, Probe, ProbeAction, RestartBackoff,
+    ServiceRef, ServiceSpec, Spread, UpdateStrategy,
+};

@@ -131,6 +131,7 @@ fn pending(count: usize, shapes: &[Shape], rng: &mut ChaCha8Rng) -> Vec<PendingJ
                 },
                 same_rack: None,
                 estimated_runtime_ms: None,
+                apart: None,
             }
         })
         .collect()

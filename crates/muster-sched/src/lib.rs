@@ -26,7 +26,7 @@ pub use fairshare::{ServiceLevels, UsageLedger};
 pub use forecast::{ForecastLimits, StartForecast, forecast_starts};
 pub use runtime::RuntimeHistory;
 pub use schedule::{
-    Allocation, Backfill, JobStart, Outcome, PendingJob, PendingReason, Preemption,
+    Allocation, Apart, Backfill, JobStart, Outcome, PendingJob, PendingReason, Preemption,
     PreemptionCause, Reservation, RunningJob, SchedulingPolicy, Snapshot, TaskRequest,
     nodes_that_could_ever_hold, schedule,
 };

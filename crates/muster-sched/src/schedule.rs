@@ -69,6 +69,22 @@ pub struct PendingJob {
     pub same_rack: Option<TopologyStrength>,
     /// From the spec or from history; used by backfill only.
     pub estimated_runtime_ms: Option<u64>,
+    /// Keep away from these nodes (a service's replicas spread out).
+    pub apart: Option<Apart>,
+}
+
+/// Nodes a job should keep off: the nodes of its service's other replicas.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Apart {
+    /// Jobs of one group (a service) keep apart from each other's nodes,
+    /// those placed in this cycle too.
+    pub group: String,
+    pub nodes: Vec<NodeName>,
+    /// Keep off their racks too, first (then only off the nodes).
+    pub racks: bool,
+    /// Never on them (replicas that serve on a fixed port); otherwise, with
+    /// no other room, on them rather than not at all.
+    pub required: bool,
 }
 
 impl PendingJob {
@@ -560,6 +576,7 @@ pub fn schedule<R: Rng>(
         reservation: None,
         failed: BTreeMap::new(),
         preemption_failed: BTreeSet::new(),
+        apart_placed: BTreeMap::new(),
         blocker: None,
     };
 
@@ -642,6 +659,8 @@ struct Cycle<'a> {
     reservation: Option<(JobId, Option<Time>, BTreeSet<NodeIndex>)>,
     failed: BTreeMap<FailureKey, PendingReason>,
     preemption_failed: BTreeSet<PreemptionKey>,
+    /// Nodes given this cycle to each [`Apart::group`].
+    apart_placed: BTreeMap<String, Vec<NodeName>>,
     blocker: Option<JobId>,
 }
 
@@ -683,6 +702,19 @@ impl Cycle<'_> {
             }
             None => None,
         };
+        if let Some(apart) = &job.apart {
+            match self.place_apart(job, &shape, apart, excluded_nodes.as_ref(), rng) {
+                Ok(()) => return,
+                // Not by preemption either: a victim's node could be one
+                // it must keep off.
+                Err(Some(reason)) => {
+                    self.outcome.pending.insert(job.id, reason);
+                    return;
+                }
+                // Anywhere, as any job.
+                Err(None) => {}
+            }
+        }
         let key: FailureKey = (shape, job.tasks, job.same_rack, excluded_nodes.is_some());
         if let Some(reason) = self.failed.get(&key) {
             let reason = reason.clone();
@@ -726,6 +758,62 @@ impl Cycle<'_> {
                 self.after_failure(job, &shape, reason, rng);
             }
         }
+    }
+
+    /// Places `job` off the nodes (and first the racks) of `apart`; `Err(None)`
+    /// when it may go anywhere instead, `Err(Some(reason))` when it must wait.
+    fn place_apart<R: Rng>(
+        &mut self,
+        job: &PendingJob,
+        shape: &TaskShape,
+        apart: &Apart,
+        reserved: Option<&BTreeSet<NodeIndex>>,
+        rng: &mut R,
+    ) -> Result<(), Option<PendingReason>> {
+        let cluster = self.placer.cluster();
+        let mut nodes: BTreeSet<NodeIndex> = BTreeSet::new();
+        let placed = self.apart_placed.get(&apart.group);
+        for name in apart.nodes.iter().chain(placed.into_iter().flatten()) {
+            nodes.extend(cluster.sub_nodes(name));
+        }
+        if nodes.is_empty() {
+            return Err(None);
+        }
+        let mut tries = Vec::with_capacity(2);
+        if apart.racks {
+            let racks: BTreeSet<u16> = nodes
+                .iter()
+                .map(|&node| cluster.nodes[node as usize].rack)
+                .collect();
+            let in_racks: BTreeSet<NodeIndex> = (0..cluster.len() as NodeIndex)
+                .filter(|&node| racks.contains(&cluster.nodes[node as usize].rack))
+                .collect();
+            tries.push(in_racks);
+        }
+        tries.push(nodes);
+        for avoid in &tries {
+            let excluded = |node: NodeIndex| {
+                avoid.contains(&node) || reserved.is_some_and(|set| set.contains(&node))
+            };
+            if let Ok(placements) =
+                self.placer
+                    .choose_gang(shape, job.tasks, job.same_rack, &excluded, rng)
+            {
+                self.start(job, placements, Vec::new());
+                return Ok(());
+            }
+        }
+        if !apart.required {
+            return Err(None);
+        }
+        let avoid = tries.last().cloned().unwrap_or_default();
+        let excluded =
+            |node: NodeIndex| avoid.contains(&node) || reserved.is_some_and(|set| set.contains(&node));
+        let filters = self.placer.diagnose(shape, &excluded);
+        Err(Some(PendingReason::NoCapacity {
+            filters,
+            gang: None,
+        }))
     }
 
     fn after_failure<R: Rng>(
@@ -790,6 +878,12 @@ impl Cycle<'_> {
             .iter()
             .map(|placement| to_allocation(cluster, placement))
             .collect();
+        if let Some(apart) = &job.apart {
+            self.apart_placed
+                .entry(apart.group.clone())
+                .or_default()
+                .extend(tasks.iter().map(|task| task.node.clone()));
+        }
         self.live.push(Live {
             job: std::borrow::Cow::Owned(RunningJob {
                 id: job.id,

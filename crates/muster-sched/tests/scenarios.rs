@@ -1118,3 +1118,58 @@ mod odd_nodes {
         );
     }
 }
+
+mod spreading {
+    use super::*;
+
+    #[test]
+    fn replicas_of_one_service_go_to_different_nodes_in_one_cycle() {
+        // Without spreading, both would pack onto the first node.
+        let nodes = make_nodes("n", 3, 3);
+        let jobs: Vec<PendingJob> = (1..=3)
+            .map(|id| MakeJob::new(id).gpus(1).apart("web", &[], false, false).build())
+            .collect();
+        let outcome = cycle(&snapshot(nodes), &jobs, &SchedulingPolicy::default());
+        let used: BTreeSet<String> = (1..=3).map(|id| node_of(&outcome, id)).collect();
+        assert_eq!(used.len(), 3, "{outcome:#?}");
+    }
+
+    #[test]
+    fn a_replica_goes_with_another_only_when_no_other_node_has_room() {
+        let nodes = make_nodes("n", 2, 2);
+        let replica = MakeJob::new(1)
+            .gpus(1)
+            .apart("web", &["n-000"], false, false)
+            .build();
+        let outcome = cycle(&snapshot(nodes.clone()), &[replica], &SchedulingPolicy::default());
+        assert_eq!(node_of(&outcome, 1), "n-001");
+        // Both nodes hold a replica: a soft spread shares one, a required
+        // one (a fixed port) waits and says why.
+        let soft = MakeJob::new(2)
+            .gpus(1)
+            .apart("web", &["n-000", "n-001"], false, false)
+            .build();
+        let outcome = cycle(&snapshot(nodes.clone()), &[soft], &SchedulingPolicy::default());
+        started(&outcome, 2);
+        let hard = MakeJob::new(3)
+            .gpus(1)
+            .apart("web", &["n-000", "n-001"], false, true)
+            .build();
+        let outcome = cycle(&snapshot(nodes), &[hard], &SchedulingPolicy::default());
+        assert_eq!(reason(&outcome, 3).code(), "capacity");
+    }
+
+    #[test]
+    fn rack_spreading_prefers_a_rack_without_a_replica() {
+        // Racks of two: n-000 and n-001 in the first, n-002 and n-003 in the
+        // second. A replica on n-000 sends the next to the second rack.
+        let nodes = make_nodes("n", 4, 2);
+        let replica = MakeJob::new(1)
+            .gpus(1)
+            .apart("web", &["n-000"], true, false)
+            .build();
+        let outcome = cycle(&snapshot(nodes), &[replica], &SchedulingPolicy::default());
+        let node = node_of(&outcome, 1);
+        assert!(node == "n-002" || node == "n-003", "{node}");
+    }
+}

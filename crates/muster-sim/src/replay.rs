@@ -427,6 +427,7 @@ pub fn replay(
             },
             same_rack: None,
             estimated_runtime_ms: None,
+            apart: None,
         }
     };
 

@@ -152,6 +152,7 @@ impl MakeJob {
                 },
                 same_rack: None,
                 estimated_runtime_ms: None,
+                apart: None,
             },
         }
     }
@@ -230,6 +231,19 @@ impl MakeJob {
 
     pub fn estimate_secs(mut self, secs: u64) -> Self {
         self.job.estimated_runtime_ms = Some(secs * 1000);
+        self
+    }
+
+    /// A replica of service `group`: off `nodes` (and the group's other
+    /// replicas), their racks first with `racks`, never on them with
+    /// `required`.
+    pub fn apart(mut self, group: &str, nodes: &[&str], racks: bool, required: bool) -> Self {
+        self.job.apart = Some(muster_sched::Apart {
+            group: group.to_string(),
+            nodes: nodes.iter().map(|node| NodeName::from(*node)).collect(),
+            racks,
+            required,
+        });
         self
     }
 
