@@ -696,6 +696,81 @@ impl Client {
         self.send(self.http.delete(&url), &url).await
     }
 
+    /// Creates a service from its spec (`kind: service`).
+    pub async fn create_service(
+        &self,
+        spec: serde_json::Value,
+    ) -> Result<ServiceView, ClientError> {
+        self.post("/v1/services", &ServiceRequest { spec }, None)
+            .await
+    }
+
+    /// Changes a service (a new template rolls out as a new revision).
+    pub async fn update_service(
+        &self,
+        name: &str,
+        spec: serde_json::Value,
+    ) -> Result<ServiceView, ClientError> {
+        let url = format!("{}/v1/services/{}", self.current(), encode(name));
+        self.send(self.http.put(&url).json(&ServiceRequest { spec }), &url)
+            .await
+    }
+
+    pub async fn scale_service(
+        &self,
+        name: &str,
+        replicas: u32,
+    ) -> Result<ServiceView, ClientError> {
+        self.post(
+            &format!("/v1/services/{}/scale", encode(name)),
+            &ScaleRequest { replicas },
+            None,
+        )
+        .await
+    }
+
+    pub async fn rollback_service(
+        &self,
+        name: &str,
+        revision: Option<u32>,
+    ) -> Result<ServiceView, ClientError> {
+        self.post(
+            &format!("/v1/services/{}/rollback", encode(name)),
+            &RollbackRequest { revision },
+            None,
+        )
+        .await
+    }
+
+    pub async fn delete_service(&self, name: &str) -> Result<ServiceView, ClientError> {
+        let url = format!("{}/v1/services/{}", self.current(), encode(name));
+        self.send(self.http.delete(&url), &url).await
+    }
+
+    pub async fn services(&self) -> Result<ServiceList, ClientError> {
+        self.get("/v1/services").await
+    }
+
+    pub async fn service(&self, name: &str) -> Result<ServiceView, ClientError> {
+        self.get(&format!("/v1/services/{}", encode(name))).await
+    }
+
+    pub async fn service_endpoints(&self, name: &str) -> Result<EndpointList, ClientError> {
+        self.get(&format!("/v1/services/{}/endpoints", encode(name)))
+            .await
+    }
+
+    /// Every service's ready replicas; with `after`, waits (up to 30 s)
+    /// for a version past it.
+    pub async fn endpoint_table(&self, after: Option<u64>) -> Result<EndpointTable, ClientError> {
+        let url = match after {
+            Some(after) => format!("{}/v1/endpoints?after={after}", self.current()),
+            None => format!("{}/v1/endpoints", self.current()),
+        };
+        self.send(self.http.get(&url).timeout(Duration::from_secs(45)), &url)
+            .await
+    }
+
     pub async fn whoami(&self) -> Result<WhoAmI, ClientError> {
         self.get("/v1/whoami").await
     }

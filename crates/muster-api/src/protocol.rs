@@ -1205,3 +1205,148 @@ mod tests {
         assert!(error.to_string().contains("not valid base64"), "{error}");
     }
 }
+
+/// `POST /v1/services` and `PUT /v1/services/{name}`: a service spec
+/// (`kind: service`; docs/services.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ServiceRequest {
+    /// The service spec: a job spec's fields plus `kind: service`,
+    /// `replicas`, `port`, `readiness`, `liveness`, `update`, `spread`,
+    /// `restart`, `drain`.
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub spec: serde_json::Value,
+}
+
+/// `POST /v1/services/{name}/scale`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ScaleRequest {
+    #[cfg_attr(feature = "openapi", schema(maximum = 1000))]
+    pub replicas: u32,
+}
+
+/// `POST /v1/services/{name}/rollback`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RollbackRequest {
+    /// The revision whose template to run again (default: the one before
+    /// the current).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    pub revision: Option<u32>,
+}
+
+/// One replica of a service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ReplicaView {
+    /// Its job (`muster describe JOB`, `muster logs JOB`).
+    pub job: u64,
+    pub revision: u32,
+    /// `pending`, `starting` (runs, not ready), `ready`, `draining`,
+    /// `stopping`, or the job's end state.
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// Where it serves (`ADDRESS:PORT`), once it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// Why it is not ready (its last check's answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_ready: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_ms: Option<u64>,
+}
+
+/// A kept revision of a service's template.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RevisionView {
+    pub revision: u32,
+    pub created_ms: u64,
+    /// What its replicas run: the image, else the command.
+    pub runs: String,
+}
+
+/// A service, its replicas and its rollout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ServiceView {
+    pub name: String,
+    pub user: String,
+    pub queue: String,
+    /// The revision new replicas run.
+    pub revision: u32,
+    /// Replicas asked for.
+    pub replicas: u32,
+    /// Replicas pending or running (not stopping), every revision.
+    pub current: u32,
+    /// Of them, in traffic.
+    pub ready: u32,
+    /// Of them, of the current revision.
+    pub updated: u32,
+    /// A rollout in progress, or why it stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<String>,
+    /// Replicas start again after this (restart backoff after failures).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backoff_until_ms: Option<u64>,
+    /// The last replica failure, in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<String>,
+    /// Being deleted: its replicas drain and stop.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deleting: bool,
+    pub replica_list: Vec<ReplicaView>,
+    pub revisions: Vec<RevisionView>,
+    /// The current revision's spec, as stored.
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub spec: serde_json::Value,
+    /// What the controller did lately (newest last, at most 20).
+    pub events: Vec<ServiceEvent>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ServiceEvent {
+    pub at_ms: u64,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ServiceList {
+    pub services: Vec<ServiceView>,
+}
+
+/// A ready replica, for clients and gateways that balance themselves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Endpoint {
+    pub job: u64,
+    pub revision: u32,
+    /// `ADDRESS:PORT`.
+    pub address: String,
+}
+
+/// `GET /v1/services/{name}/endpoints`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct EndpointList {
+    pub service: String,
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// `GET /v1/endpoints`: every service's ready replicas, and a version that
+/// grows whenever they change (pass it back as `after` to wait for the
+/// next change).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct EndpointTable {
+    pub version: u64,
+    pub services: BTreeMap<String, Vec<Endpoint>>,
+}

@@ -22,7 +22,15 @@ use std::time::Duration;
 
 /// The fields a service spec adds to a job spec's.
 pub const SERVICE_FIELDS: &[&str] = &[
-    "kind", "replicas", "port", "readiness", "liveness", "update", "spread", "restart", "drain",
+    "kind",
+    "replicas",
+    "port",
+    "readiness",
+    "liveness",
+    "update",
+    "spread",
+    "restart",
+    "drain",
 ];
 const PROBE_FIELDS: &[&str] = &[
     "http",
@@ -33,11 +41,14 @@ const PROBE_FIELDS: &[&str] = &[
     "success_threshold",
     "initial_delay",
 ];
-const UPDATE_FIELDS: &[&str] = &["max_surge", "max_unavailable"];
+const UPDATE_FIELDS: &[&str] = &["max_surge", "max_unavailable", "progress_deadline"];
 const RESTART_FIELDS: &[&str] = &["initial", "max"];
 /// Job fields that make no sense for a replica.
 const JOB_ONLY_FIELDS: &[(&str, &str)] = &[
-    ("nodes", "a replica is one task; ask for more replicas instead"),
+    (
+        "nodes",
+        "a replica is one task; ask for more replicas instead",
+    ),
     ("array", "replicas are counted by `replicas`"),
     ("after", "a service starts when it is created"),
     (
@@ -142,6 +153,15 @@ pub fn parse_service_spec_value(value: &Value) -> Result<model::ServiceSpec, Spe
                 .whole(value, "update.max_unavailable", 0, model::MAX_REPLICAS)
                 .unwrap_or(update.max_unavailable);
         }
+        if let Some(value) = section.get("progress_deadline") {
+            match reader.duration(value, "update.progress_deadline") {
+                Some(Duration::ZERO) => {
+                    reader.fail("update.progress_deadline", "must be at least 1s")
+                }
+                Some(deadline) => update.progress_deadline = Some(deadline),
+                None => {}
+            }
+        }
         if update.max_surge == 0 && update.max_unavailable == 0 {
             reader.fail(
                 "update",
@@ -173,9 +193,7 @@ pub fn parse_service_spec_value(value: &Value) -> Result<model::ServiceSpec, Spe
                 .unwrap_or(restart.initial);
         }
         if let Some(value) = section.get("max") {
-            restart.max = reader
-                .duration(value, "restart.max")
-                .unwrap_or(restart.max);
+            restart.max = reader.duration(value, "restart.max").unwrap_or(restart.max);
         }
         if restart.max < restart.initial {
             reader.fail(
@@ -417,13 +435,14 @@ pub fn service_spec_value(spec: &model::ServiceSpec) -> Value {
     if let Some(probe) = &spec.liveness {
         map.insert("liveness".into(), probe_value(probe));
     }
-    map.insert(
-        "update".into(),
-        serde_json::json!({
-            "max_surge": spec.update.max_surge,
-            "max_unavailable": spec.update.max_unavailable,
-        }),
-    );
+    let mut update = serde_json::json!({
+        "max_surge": spec.update.max_surge,
+        "max_unavailable": spec.update.max_unavailable,
+    });
+    if let Some(deadline) = spec.update.progress_deadline {
+        update["progress_deadline"] = deadline.as_secs().into();
+    }
+    map.insert("update".into(), update);
     map.insert(
         "spread".into(),
         match spec.spread {
@@ -456,7 +475,7 @@ cpus: 1
 memory: 512MiB
 readiness: {http: /healthz, period: 1s, failure_threshold: 2}
 liveness: {tcp: true, period: 5s}
-update: {max_surge: 0, max_unavailable: 1}
+update: {max_surge: 0, max_unavailable: 1, progress_deadline: 20s}
 spread: racks
 restart: {initial: 2s, max: 30s}
 ";
@@ -482,6 +501,7 @@ restart: {initial: 2s, max: 30s}
             Some(model::ProbeAction::Tcp)
         );
         assert_eq!(spec.update.max_unavailable, 1);
+        assert_eq!(spec.update.progress_deadline, Some(Duration::from_secs(20)));
         assert_eq!(spec.spread, model::Spread::Racks);
         assert_eq!(spec.restart.initial, Duration::from_secs(2));
         let again = parse_service_spec_value(&service_spec_value(&spec)).expect("reads back");
@@ -514,7 +534,10 @@ spread: zones
             "spread: expected \"nodes\"",
             "name",
         ] {
-            assert!(errors.contains(expected), "{expected:?} missing in:\n{errors}");
+            assert!(
+                errors.contains(expected),
+                "{expected:?} missing in:\n{errors}"
+            );
         }
     }
 

@@ -86,6 +86,9 @@ pub struct Status {
 /// How long a new revision's replica may run without becoming ready before
 /// the rollout is said to be stopped.
 pub fn progress_deadline(spec: &ServiceSpec) -> Duration {
+    if let Some(deadline) = spec.update.progress_deadline {
+        return deadline;
+    }
     match &spec.readiness {
         Some(probe) => (probe.initial_delay
             + probe.period * (probe.failure_threshold + probe.success_threshold)
@@ -145,7 +148,10 @@ pub fn reconcile(
                 now,
                 spec,
                 state,
-                format!("replica job {} failed its liveness check: {why}", replica.job.0),
+                format!(
+                    "replica job {} failed its liveness check: {why}",
+                    replica.job.0
+                ),
             );
         }
     }
@@ -184,8 +190,9 @@ pub fn reconcile(
         state.failures_in_row = 0;
         state.next_start = now;
     }
-    let (current, old): (Vec<&Replica>, Vec<&Replica>) =
-        live.iter().partition(|replica| replica.revision == revision);
+    let (current, old): (Vec<&Replica>, Vec<&Replica>) = live
+        .iter()
+        .partition(|replica| replica.revision == revision);
     let ready_now = live.iter().filter(|replica| replica.ready).count() as u32;
     let desired = spec.replicas;
     let may_start = now >= state.next_start;
@@ -469,7 +476,14 @@ mod tests {
         stopped.stopping = true;
         reconcile(Time(13_000), &spec, 1, &[stopped], &mut state);
         assert_eq!(state.failures_in_row, 2);
-        let ready = [replica(4, 1, ReplicaRun::Running { since: Time(14_500) }, true)];
+        let ready = [replica(
+            4,
+            1,
+            ReplicaRun::Running {
+                since: Time(14_500),
+            },
+            true,
+        )];
         reconcile(Time(15_000), &spec, 1, &ready, &mut state);
         assert_eq!(state.failures_in_row, 0);
         assert_eq!(backoff(&spec, 30), spec.restart.max);
@@ -483,7 +497,9 @@ mod tests {
         dead.dead = Some("GET /healthz: connection refused".into());
         let replicas = [dead, running(2, 1, true)];
         let (actions, status) = reconcile(Time(5_000), &spec, 1, &replicas, &mut state);
-        assert!(matches!(&actions[0], Action::Stop { job: JobId(1), why } if why.contains("liveness")));
+        assert!(
+            matches!(&actions[0], Action::Stop { job: JobId(1), why } if why.contains("liveness"))
+        );
         assert_eq!(starts(&actions), 0, "waits for the backoff");
         assert_eq!(status.backoff_until, Some(Time(6_000)));
         let mut stopping = replicas[0].clone();
@@ -562,6 +578,7 @@ mod tests {
             UpdateStrategy {
                 max_surge: 0,
                 max_unavailable: 1,
+                progress_deadline: None,
             },
             true,
             12,
@@ -573,14 +590,20 @@ mod tests {
     #[test]
     fn a_new_revision_that_never_gets_ready_stops_the_rollout_and_keeps_the_old() {
         let (replicas, ready) = roll(UpdateStrategy::default(), false, 40);
-        let old = replicas.iter().filter(|replica| replica.revision == 1).count();
+        let old = replicas
+            .iter()
+            .filter(|replica| replica.revision == 1)
+            .count();
         assert_eq!(old, 3, "{replicas:?}");
         assert_eq!(replicas.len(), 4, "one surge replica, no more");
         assert!(ready.iter().all(|&count| count == 3));
         let mut state = ControllerState::default();
         let (_, status) = reconcile(Time(40_000), &spec(3), 2, &replicas, &mut state);
         let rollout = status.rollout.unwrap_or_default();
-        assert!(rollout.contains("rollout to revision 2 stopped"), "{rollout}");
+        assert!(
+            rollout.contains("rollout to revision 2 stopped"),
+            "{rollout}"
+        );
     }
 
     #[test]

@@ -2464,15 +2464,19 @@ impl ControlPlane {
                     request: TaskRequest::of(&job.spec),
                     same_rack: job.spec.topology.map(|t| t.same_rack),
                     estimated_runtime_ms: self.estimated_remaining_ms(job, 0, Estimate::Mean),
-                    apart: job.spec.service.as_ref().map(|service| muster_sched::Apart {
-                        group: service.name.clone(),
-                        nodes: service_nodes
-                            .get(service.name.as_str())
-                            .cloned()
-                            .unwrap_or_default(),
-                        racks: service.spread == muster_model::Spread::Racks,
-                        required: service.port.is_some(),
-                    }),
+                    apart: job
+                        .spec
+                        .service
+                        .as_ref()
+                        .map(|service| muster_sched::Apart {
+                            group: service.name.clone(),
+                            nodes: service_nodes
+                                .get(service.name.as_str())
+                                .cloned()
+                                .unwrap_or_default(),
+                            racks: service.spread == muster_model::Spread::Racks,
+                            required: service.port.is_some(),
+                        }),
                 }),
         );
         let snapshot = Snapshot {

@@ -85,6 +85,10 @@ pub struct UpdateStrategy {
     pub max_surge: u32,
     /// Ready replicas below the count while updating.
     pub max_unavailable: u32,
+    /// How long a new revision's replica may run without becoming ready
+    /// before the rollout is said to be stopped (`None`: the readiness
+    /// check's own span, at least 30 s).
+    pub progress_deadline: Option<Duration>,
 }
 
 impl Default for UpdateStrategy {
@@ -92,6 +96,7 @@ impl Default for UpdateStrategy {
         UpdateStrategy {
             max_surge: 1,
             max_unavailable: 0,
+            progress_deadline: None,
         }
     }
 }

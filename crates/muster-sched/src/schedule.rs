@@ -807,8 +807,9 @@ impl Cycle<'_> {
             return Err(None);
         }
         let avoid = tries.last().cloned().unwrap_or_default();
-        let excluded =
-            |node: NodeIndex| avoid.contains(&node) || reserved.is_some_and(|set| set.contains(&node));
+        let excluded = |node: NodeIndex| {
+            avoid.contains(&node) || reserved.is_some_and(|set| set.contains(&node))
+        };
         let filters = self.placer.diagnose(shape, &excluded);
         Err(Some(PendingReason::NoCapacity {
             filters,

@@ -1127,7 +1127,12 @@ mod spreading {
         // Without spreading, both would pack onto the first node.
         let nodes = make_nodes("n", 3, 3);
         let jobs: Vec<PendingJob> = (1..=3)
-            .map(|id| MakeJob::new(id).gpus(1).apart("web", &[], false, false).build())
+            .map(|id| {
+                MakeJob::new(id)
+                    .gpus(1)
+                    .apart("web", &[], false, false)
+                    .build()
+            })
             .collect();
         let outcome = cycle(&snapshot(nodes), &jobs, &SchedulingPolicy::default());
         let used: BTreeSet<String> = (1..=3).map(|id| node_of(&outcome, id)).collect();
@@ -1141,7 +1146,11 @@ mod spreading {
             .gpus(1)
             .apart("web", &["n-000"], false, false)
             .build();
-        let outcome = cycle(&snapshot(nodes.clone()), &[replica], &SchedulingPolicy::default());
+        let outcome = cycle(
+            &snapshot(nodes.clone()),
+            &[replica],
+            &SchedulingPolicy::default(),
+        );
         assert_eq!(node_of(&outcome, 1), "n-001");
         // Both nodes hold a replica: a soft spread shares one, a required
         // one (a fixed port) waits and says why.
@@ -1149,7 +1158,11 @@ mod spreading {
             .gpus(1)
             .apart("web", &["n-000", "n-001"], false, false)
             .build();
-        let outcome = cycle(&snapshot(nodes.clone()), &[soft], &SchedulingPolicy::default());
+        let outcome = cycle(
+            &snapshot(nodes.clone()),
+            &[soft],
+            &SchedulingPolicy::default(),
+        );
         started(&outcome, 2);
         let hard = MakeJob::new(3)
             .gpus(1)

@@ -72,6 +72,29 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
             put(crate::accounting::set_price).delete(crate::accounting::remove_price),
         )
         .route("/v1/arrays/{id}/cancel", post(cancel_array))
+        .route(
+            "/v1/services",
+            post(crate::services::create_service).get(crate::services::list_services),
+        )
+        .route(
+            "/v1/services/{name}",
+            get(crate::services::get_service)
+                .put(crate::services::update_service)
+                .delete(crate::services::delete_service),
+        )
+        .route(
+            "/v1/services/{name}/scale",
+            post(crate::services::scale_service),
+        )
+        .route(
+            "/v1/services/{name}/rollback",
+            post(crate::services::rollback_service),
+        )
+        .route(
+            "/v1/services/{name}/endpoints",
+            get(crate::services::service_endpoints),
+        )
+        .route("/v1/endpoints", get(crate::services::endpoint_table))
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/nodes/{name}", get(get_node).delete(remove_node))
         .route("/v1/nodes/{name}/telemetry", get(node_history))
@@ -275,6 +298,14 @@ fn need_of(method: &axum::http::Method, path: &str) -> Need {
         (["jobs"], _) | (["jobs", _], true) | (["jobs", _, "logs" | "usage"], true) => Role::User,
         (["jobs", _, "cancel"] | ["arrays", _, "cancel"], false) => Role::User,
         (["whoami"], true) => Role::User,
+        // Services: any user; the handlers let only the owner or staff
+        // change one.
+        (["services"] | ["services", _] | ["services", _, "endpoints"] | ["endpoints"], true) => {
+            Role::User
+        }
+        (["services"] | ["services", _] | ["services", _, "scale" | "rollback"], false) => {
+            Role::User
+        }
         (["nodes"] | ["nodes", _] | ["nodes", _, "telemetry"], true) => Role::User,
         (["pools"] | ["fleet"] | ["queues"] | ["prices"], true) => Role::User,
         // Nodes and pools are the operators'.
@@ -903,6 +934,12 @@ async fn submit_job(
     };
     let spec = muster_api::parse_job_spec_value(&request.spec)
         .map_err(|errors| unprocessable(errors.to_string()))?;
+    if spec.service.is_some() {
+        return Err(unprocessable(
+            "service: set by muster on a service's replicas, not by a submission; create a \
+             service with `muster services create -f SPEC` (docs/services.md)",
+        ));
+    }
     crate::secrets::check_spec(&shared, &spec).map_err(as_unprocessable)?;
     check_mounts(&shared, &spec)?;
     if !principal.member_of(&spec.queue.0) {
@@ -986,7 +1023,7 @@ async fn submit_job(
 /// hold): 422, with the code `invalid_argument` and every problem.
 /// A job's host mounts must be allowed by the pool it names (its
 /// operator's `--allow-mount`); a job with mounts names its pool.
-fn check_mounts(shared: &Shared, spec: &muster_model::JobSpec) -> Result<(), ApiError> {
+pub(crate) fn check_mounts(shared: &Shared, spec: &muster_model::JobSpec) -> Result<(), ApiError> {
     if spec.mounts.is_empty() {
         return Ok(());
     }
@@ -1033,7 +1070,7 @@ fn as_unprocessable(error: ApiError) -> ApiError {
 
 /// Submits a parsed spec for `user`; with an idempotency key, the key is
 /// written in the same commit as the job.
-async fn submit_spec(
+pub(crate) async fn submit_spec(
     shared: &Arc<Shared>,
     mut spec: muster_model::JobSpec,
     user: String,
@@ -2654,6 +2691,11 @@ async fn push_logs(
         crate::users::create_user, crate::users::list_users, crate::users::remove_user,
         crate::users::rotate_token, crate::users::whoami, crate::users::audit,
         crate::secrets::set_secret, crate::secrets::list_secrets, crate::secrets::remove_secret,
+        crate::services::create_service, crate::services::list_services,
+        crate::services::get_service, crate::services::update_service,
+        crate::services::delete_service, crate::services::scale_service,
+        crate::services::rollback_service, crate::services::service_endpoints,
+        crate::services::endpoint_table,
     ),
     components(schemas(ErrorBody, ErrorCode)),
     modifiers(&BearerAuth, &ErrorAnswers),

@@ -371,6 +371,8 @@ pub struct Shared {
     pub idempotency: std::sync::Mutex<crate::idempotency::Keys>,
     /// Task logs, bounded per task.
     pub logs: std::sync::Arc<crate::logstore::LogStore>,
+    /// Services and their replicas (see [`crate::services`]).
+    pub services: crate::services::ServiceState,
     /// Becomes true when the server shuts down (ends long polls).
     pub shutdown: watch::Receiver<bool>,
 }
@@ -450,6 +452,7 @@ impl Shared {
             limiter: std::sync::Mutex::new(Default::default()),
             audit_pending: std::sync::Mutex::new(Vec::new()),
             logs: std::sync::Arc::new(logs),
+            services: Default::default(),
             shutdown,
         }
     }

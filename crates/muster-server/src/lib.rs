@@ -43,6 +43,7 @@ pub mod metrics;
 mod ratelimit;
 mod records;
 pub mod secrets;
+mod services;
 pub mod store;
 pub mod tls;
 pub mod users;
@@ -313,6 +314,7 @@ impl Server {
         }
         let prices = store.prices().await?;
         let mut loaded = store.load().await?;
+        let stored_services = std::mem::take(&mut loaded.services);
         let secrets_key = secrets::load_key(&data_dir.join("secrets.key"))?;
         let tenants = users::Tenants {
             users: users::Users::load(std::mem::take(&mut loaded.users)),
@@ -359,6 +361,8 @@ impl Server {
             shutdown_receiver.clone(),
         ));
 
+        services::load(&shared, stored_services);
+
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .with_context(|| {
@@ -392,6 +396,10 @@ impl Server {
             Duration::from_millis(config.schedule_interval_ms),
             shutdown_receiver.clone(),
         ));
+        tasks.push(tokio::spawn(services::run(
+            shared.clone(),
+            shutdown_receiver.clone(),
+        )));
         let weak_shared = Arc::downgrade(&shared);
         let ticker = tokio::spawn(loops::lease_ticker(shared, shutdown_receiver));
         tracing::info!(%addr, data_dir = %data_dir.display(), "muster server started");

@@ -91,6 +91,8 @@ pub struct Batch {
     pub pools: BTreeMap<String, Option<String>>,
     /// Users (JSON records; `None`: removed).
     pub users: BTreeMap<String, Option<String>>,
+    /// Services (JSON records; `None`: removed).
+    pub services: BTreeMap<String, Option<String>>,
     /// Secrets by (name, queue): sealed JSON records; `None`: removed.
     pub secrets: BTreeMap<(String, String), Option<String>>,
     /// Entries to append to the audit log.
@@ -134,6 +136,7 @@ impl Batch {
             && self.prune_usage_before.is_none()
             && self.pools.is_empty()
             && self.users.is_empty()
+            && self.services.is_empty()
             && self.secrets.is_empty()
             && self.audit.is_empty()
             && self.idempotency.is_empty()
@@ -164,6 +167,7 @@ impl Batch {
         self.prune_usage_before = self.prune_usage_before.max(later.prune_usage_before);
         self.pools.extend(later.pools);
         self.users.extend(later.users);
+        self.services.extend(later.services);
         self.secrets.extend(later.secrets);
         self.audit.extend(later.audit);
         self.idempotency.extend(later.idempotency);
@@ -185,6 +189,7 @@ pub struct Loaded {
     pub queues: Vec<QueueRecord>,
     pub pools: Vec<PoolRecord>,
     pub users: Vec<crate::users::UserRecord>,
+    pub services: Vec<crate::services::ServiceRecord>,
     pub secrets: Vec<crate::secrets::SecretRecord>,
     /// Idempotency keys: (user, key, job, at ms).
     pub idempotency: Vec<(String, String, u64, u64)>,
@@ -331,7 +336,7 @@ pub struct Migration {
 /// Every schema version, for both databases. SQLite keeps its version in
 /// `PRAGMA user_version` (version 1 left it at 0; its statements are
 /// idempotent), PostgreSQL in the table `schema_version`.
-pub const MIGRATIONS: [Migration; 6] = [
+pub const MIGRATIONS: [Migration; 7] = [
     Migration {
         version: 1,
         sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
@@ -361,6 +366,11 @@ pub const MIGRATIONS: [Migration; 6] = [
         version: 6,
         sqlite: include_str!("../migrations/sqlite/0006_leader.sql"),
         postgres: include_str!("../migrations/postgres/0006_leader.sql"),
+    },
+    Migration {
+        version: 7,
+        sqlite: include_str!("../migrations/sqlite/0007_services.sql"),
+        postgres: include_str!("../migrations/postgres/0007_services.sql"),
     },
 ];
 
@@ -757,6 +767,12 @@ impl Store for SqlStore {
                     "user",
                 )
                 .await?,
+            services: self
+                .records(
+                    "SELECT name AS key, record FROM services ORDER BY name",
+                    "service",
+                )
+                .await?,
             secrets: self
                 .records(
                     "SELECT name AS key, record FROM secrets ORDER BY name, queue",
@@ -967,7 +983,11 @@ impl Store for SqlStore {
             .await
             .map_err(database)?;
         }
-        for (table, records) in [("pools", &batch.pools), ("users", &batch.users)] {
+        for (table, records) in [
+            ("pools", &batch.pools),
+            ("users", &batch.users),
+            ("services", &batch.services),
+        ] {
             for (name, record) in records {
                 let sql = match record {
                     Some(_) => format!(
@@ -1431,7 +1451,7 @@ enum Kind {
 /// it in (empty: the order rows were inserted in).
 type Table = (&'static str, &'static [(&'static str, Kind)], &'static str);
 
-const TABLES: [Table; 12] = {
+const TABLES: [Table; 13] = {
     use Kind::{Int, Real, Text};
     [
         ("meta", &[("key", Text), ("value", Int)], "key"),
@@ -1488,6 +1508,7 @@ const TABLES: [Table; 12] = {
         ),
         ("pools", &[("name", Text), ("record", Text)], "name"),
         ("users", &[("name", Text), ("record", Text)], "name"),
+        ("services", &[("name", Text), ("record", Text)], "name"),
         (
             "audit",
             &[

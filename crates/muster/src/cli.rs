@@ -58,6 +58,10 @@ pub enum Command {
     Fleet(crate::commands::FleetArgs),
     /// List queues, or set one (`muster queues set NAME --guaranteed 8`).
     Queues(crate::commands::QueuesArgs),
+    /// Services: replicas of a command or image kept running, checked,
+    /// replaced when they fail and updated one at a time (`muster services
+    /// create -f svc.yaml`, `scale`, `update`, `rollback`, `describe`).
+    Services(crate::commands::ServicesArgs),
     /// Users and their roles (admin): `muster users add alice --role user
     /// --queues team-a` prints its token once.
     Users(crate::commands::UsersArgs),

@@ -40,10 +40,12 @@ macro_rules! outln {
 
 mod cost;
 mod history;
+mod services;
 mod tenants;
 mod top;
 pub use cost::{CostArgs, PricesArgs, cost, prices};
 pub use history::{HistoryArgs, history};
+pub use services::{ServicesArgs, services};
 pub use tenants::{AuditArgs, LoginArgs, SecretsArgs, UsersArgs, audit, login, secrets, users};
 pub use top::{TopArgs, top};
 

@@ -67,6 +67,7 @@ fn main() -> ExitCode {
         cli::Command::Login(args) => commands::login(args),
         cli::Command::Audit(args) => commands::audit(args),
         cli::Command::Secrets(args) => commands::secrets(args),
+        cli::Command::Services(args) => commands::services(args),
         cli::Command::Prices(args) => commands::prices(args),
         cli::Command::Pools(args) => commands::pools(args),
         cli::Command::Completions { shell } => {

@@ -1,0 +1,1292 @@
+//! Services (docs/services.md): the shell around
+//! `muster_control::services`. Keeps each service's record (its kept
+//! revisions, the current one, the replica count) in the store's
+//! `services` table, tracks its replicas (one-task jobs whose spec names
+//! the service), runs their readiness and liveness checks from the server,
+//! carries out the controller's actions (submit, drain, cancel) and serves
+//! `/v1/services` and the endpoint table the gateway follows.
+
+use crate::api::Identity;
+use crate::core::{Shared, now};
+use crate::error::{ApiError, Body, Params, PathParams};
+use crate::store::Batch;
+use axum::Json;
+use axum::extract::State;
+use muster_api::protocol::{
+    Endpoint, EndpointList, EndpointTable, ErrorBody, ErrorCode, ReplicaView, RevisionView,
+    RollbackRequest, ScaleRequest, ServiceEvent, ServiceList, ServiceRequest, ServiceView,
+};
+use muster_control::services::{
+    Action, ControllerState, ProbeState, Replica, ReplicaRun, Status, reconcile,
+};
+use muster_control::{AllocationState, JobState};
+use muster_model::{JobId, Probe, ProbeAction, ServiceRef, ServiceSpec, Time};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+type Shared_ = State<Arc<Shared>>;
+
+/// The most services a server keeps.
+pub const MAX_SERVICES: usize = 1_000;
+/// Events kept per service.
+const EVENTS: usize = 20;
+/// Between controller rounds.
+const ROUND: Duration = Duration::from_millis(250);
+/// The longest a `GET /v1/endpoints?after=` waits for a change.
+const ENDPOINTS_WAIT: Duration = Duration::from_secs(30);
+
+/// A service as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServiceRecord {
+    pub name: String,
+    /// Whose replicas they are (its queues, its accounting).
+    pub user: String,
+    pub created_ms: u64,
+    /// Oldest first; the current one among them.
+    pub revisions: Vec<RevisionRecord>,
+    pub current: u32,
+    pub replicas: u32,
+    #[serde(default)]
+    pub deleting: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RevisionRecord {
+    pub revision: u32,
+    pub created_ms: u64,
+    /// The spec as `muster_api::service::service_spec_value` writes it.
+    pub spec: serde_json::Value,
+}
+
+impl ServiceRecord {
+    fn revision(&self, revision: u32) -> Option<&RevisionRecord> {
+        self.revisions.iter().find(|kept| kept.revision == revision)
+    }
+
+    /// The current revision's spec, with the record's replica count.
+    fn spec(&self) -> Result<ServiceSpec, String> {
+        let kept = self.revision(self.current).ok_or_else(|| {
+            format!(
+                "service {}: revision {} is not kept",
+                self.name, self.current
+            )
+        })?;
+        let mut spec = muster_api::service::parse_service_spec_value(&kept.spec)
+            .map_err(|errors| format!("service {}: {errors}", self.name))?;
+        spec.replicas = if self.deleting { 0 } else { self.replicas };
+        Ok(spec)
+    }
+}
+
+/// What the server tracks of one replica (memory only).
+#[derive(Debug, Clone)]
+struct Track {
+    revision: u32,
+    readiness: ProbeState,
+    liveness: ProbeState,
+    draining_since: Option<Time>,
+    stopping: bool,
+}
+
+impl Track {
+    fn new(revision: u32) -> Self {
+        Track {
+            revision,
+            readiness: ProbeState::new(false),
+            liveness: ProbeState::new(true),
+            draining_since: None,
+            stopping: false,
+        }
+    }
+}
+
+struct Entry {
+    record: ServiceRecord,
+    spec: ServiceSpec,
+    controller: ControllerState,
+    replicas: BTreeMap<JobId, Track>,
+    status: Status,
+    events: VecDeque<(u64, String)>,
+}
+
+impl Entry {
+    fn event(&mut self, message: String) {
+        tracing::info!(service = %self.record.name, "{message}");
+        if self.events.len() >= EVENTS {
+            self.events.pop_front();
+        }
+        self.events.push_back((now().0, message));
+    }
+}
+
+/// Every service, in memory.
+#[derive(Default)]
+pub struct Services {
+    entries: BTreeMap<String, Entry>,
+    /// The endpoint table's version (grows with every change).
+    version: u64,
+    /// The endpoint table as last published.
+    table: BTreeMap<String, Vec<Endpoint>>,
+}
+
+/// Serialises changes to services (API edits, the loop's removals), which
+/// wait for the store between reading and writing a record.
+#[derive(Default)]
+pub struct ServiceState {
+    services: std::sync::Mutex<Services>,
+    edit: tokio::sync::Mutex<()>,
+    /// Bumped with the endpoint table's version.
+    changed: tokio::sync::watch::Sender<u64>,
+}
+
+impl std::fmt::Debug for ServiceState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceState")
+            .field("services", &self.lock().entries.len())
+            .finish()
+    }
+}
+
+impl ServiceState {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Services> {
+        match self.services.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+}
+
+/// Takes in the stored services at start, and the replicas the control
+/// plane holds (jobs naming a service); replicas of a service that no
+/// longer exists are cancelled by the first round.
+pub fn load(shared: &Shared, records: Vec<ServiceRecord>) {
+    let mut services = shared.services.lock();
+    for record in records {
+        match record.spec() {
+            Ok(spec) => {
+                let name = record.name.clone();
+                services.entries.insert(
+                    name,
+                    Entry {
+                        record,
+                        spec,
+                        controller: ControllerState::default(),
+                        replicas: BTreeMap::new(),
+                        status: Status::default(),
+                        events: VecDeque::new(),
+                    },
+                );
+            }
+            Err(error) => {
+                tracing::error!(%error, "a stored service does not read back; it is left alone")
+            }
+        }
+    }
+    let core = shared.read();
+    for job in core.control().jobs() {
+        if job.state.is_final() {
+            continue;
+        }
+        if let Some(service) = &job.spec.service
+            && let Some(entry) = services.entries.get_mut(&service.name)
+        {
+            entry.replicas.insert(job.id, Track::new(service.revision));
+        }
+    }
+}
+
+/// One replica as observed under the state's lock.
+struct Seen {
+    service: String,
+    job: JobId,
+    run: ReplicaRun,
+    /// `ADDRESS:PORT` while it runs.
+    endpoint: Option<String>,
+}
+
+fn observe(shared: &Shared, services: &Services) -> Vec<Seen> {
+    let core = shared.read();
+    let control = core.control();
+    let mut seen = Vec::new();
+    for (name, entry) in &services.entries {
+        for &job in entry.replicas.keys() {
+            let Some(found) = control.job(job) else {
+                // Retired: it ended long ago.
+                seen.push(Seen {
+                    service: name.clone(),
+                    job,
+                    run: ReplicaRun::Ended { failed: false },
+                    endpoint: None,
+                });
+                continue;
+            };
+            let (run, endpoint) = match found.state {
+                JobState::Pending => (ReplicaRun::Pending, None),
+                JobState::Running | JobState::Stopping => {
+                    let allocation = found
+                        .allocations
+                        .first()
+                        .and_then(|id| control.allocation(*id));
+                    match allocation {
+                        Some(allocation) if allocation.state == AllocationState::Running => {
+                            let address = control
+                                .node(&allocation.node)
+                                .map(|node| node.address.clone())
+                                .unwrap_or_default();
+                            let port = control.replica_port(found).unwrap_or(0);
+                            (
+                                ReplicaRun::Running {
+                                    since: found.started.unwrap_or(found.submitted),
+                                },
+                                Some(format!("{address}:{port}")),
+                            )
+                        }
+                        // Assigned, not yet started: as pending.
+                        _ => (ReplicaRun::Pending, None),
+                    }
+                }
+                JobState::Succeeded => (ReplicaRun::Ended { failed: false }, None),
+                _ => (ReplicaRun::Ended { failed: true }, None),
+            };
+            seen.push(Seen {
+                service: name.clone(),
+                job,
+                run,
+                endpoint,
+            });
+        }
+    }
+    seen
+}
+
+/// One check to run.
+struct Check {
+    service: String,
+    job: JobId,
+    liveness: bool,
+    probe: Probe,
+    endpoint: String,
+}
+
+async fn run_check(client: &reqwest::Client, check: &Check) -> Result<(), String> {
+    let timeout = check.probe.timeout;
+    match &check.probe.action {
+        ProbeAction::Tcp => {
+            match tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&check.endpoint))
+                .await
+            {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(error)) => Err(format!("TCP {}: {error}", check.endpoint)),
+                Err(_) => Err(format!(
+                    "TCP {}: no connection within {}s",
+                    check.endpoint,
+                    timeout.as_secs()
+                )),
+            }
+        }
+        ProbeAction::Http { path } => {
+            let url = format!("http://{}{path}", check.endpoint);
+            match client.get(&url).timeout(timeout).send().await {
+                Ok(response)
+                    if response.status().is_success() || response.status().is_redirection() =>
+                {
+                    Ok(())
+                }
+                Ok(response) => Err(format!("GET {path} answered {}", response.status())),
+                Err(error) if error.is_timeout() => Err(format!(
+                    "GET {path}: no answer within {}s",
+                    timeout.as_secs()
+                )),
+                Err(error) if error.is_connect() => Err(format!(
+                    "GET {path}: connection refused at {}",
+                    check.endpoint
+                )),
+                Err(error) => Err(format!("GET {path}: {error}")),
+            }
+        }
+    }
+}
+
+/// The controller: a round every quarter second while the server runs.
+pub async fn run(shared: Arc<Shared>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    let client = match reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
+        .build()
+    {
+        Ok(client) => client,
+        Err(error) => {
+            tracing::error!(%error, "the service controller cannot make an HTTP client");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(ROUND) => {}
+            _ = shutdown.changed() => return,
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+        if shared.read_only_reason().is_some() {
+            continue;
+        }
+        round(&shared, &client).await;
+    }
+}
+
+async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
+    let at = now();
+    // What runs, and which checks are due.
+    let (seen, checks) = {
+        let services = shared.services.lock();
+        if services.entries.is_empty() {
+            return;
+        }
+        let seen = observe(shared, &services);
+        let mut checks = Vec::new();
+        for replica in &seen {
+            let (ReplicaRun::Running { since }, Some(endpoint)) = (replica.run, &replica.endpoint)
+            else {
+                continue;
+            };
+            let Some(entry) = services.entries.get(&replica.service) else {
+                continue;
+            };
+            let Some(track) = entry.replicas.get(&replica.job) else {
+                continue;
+            };
+            if track.stopping {
+                continue;
+            }
+            for (liveness, probe, state) in [
+                (false, &entry.spec.readiness, &track.readiness),
+                (true, &entry.spec.liveness, &track.liveness),
+            ] {
+                if let Some(probe) = probe
+                    && state.due(probe, since, at)
+                {
+                    checks.push(Check {
+                        service: replica.service.clone(),
+                        job: replica.job,
+                        liveness,
+                        probe: probe.clone(),
+                        endpoint: endpoint.clone(),
+                    });
+                }
+            }
+        }
+        (seen, checks)
+    };
+    let results =
+        futures_util::future::join_all(checks.iter().map(|check| run_check(client, check))).await;
+    let at = now();
+    // Decide.
+    let mut todo: Vec<(String, Action)> = Vec::new();
+    let mut finished: Vec<String> = Vec::new();
+    {
+        let mut services = shared.services.lock();
+        for (check, result) in checks.iter().zip(results) {
+            let Some(entry) = services.entries.get_mut(&check.service) else {
+                continue;
+            };
+            if let Some(track) = entry.replicas.get_mut(&check.job) {
+                let state = if check.liveness {
+                    &mut track.liveness
+                } else {
+                    &mut track.readiness
+                };
+                state.record(&check.probe, at, result);
+            }
+        }
+        let names: Vec<String> = services.entries.keys().cloned().collect();
+        for name in names {
+            let Some(entry) = services.entries.get_mut(&name) else {
+                continue;
+            };
+            let replicas: Vec<Replica> = seen
+                .iter()
+                .filter(|replica| replica.service == name)
+                .filter_map(|replica| {
+                    let track = entry.replicas.get(&replica.job)?;
+                    let running = matches!(replica.run, ReplicaRun::Running { .. });
+                    let ready = running
+                        && match &entry.spec.readiness {
+                            Some(_) => track.readiness.passing,
+                            None => true,
+                        };
+                    Some(Replica {
+                        job: replica.job,
+                        revision: track.revision,
+                        run: replica.run,
+                        draining_since: track.draining_since,
+                        stopping: track.stopping,
+                        ready,
+                        dead: (running && !track.liveness.passing)
+                            .then(|| track.liveness.message.clone().unwrap_or_default()),
+                        not_ready: track.readiness.message.clone(),
+                    })
+                })
+                .collect();
+            let revision = entry.record.current;
+            let (actions, status) =
+                reconcile(at, &entry.spec, revision, &replicas, &mut entry.controller);
+            entry.status = status;
+            for action in actions {
+                match &action {
+                    Action::Drain { job } => {
+                        if let Some(track) = entry.replicas.get_mut(job) {
+                            track.draining_since = Some(at);
+                        }
+                        entry.event(format!("replica job {} drains", job.0));
+                    }
+                    Action::Stop { job, why } => {
+                        if let Some(track) = entry.replicas.get_mut(job) {
+                            track.stopping = true;
+                        }
+                        entry.event(format!("replica job {} stops: {why}", job.0));
+                        todo.push((name.clone(), action));
+                    }
+                    Action::Forget { job } => {
+                        entry.replicas.remove(job);
+                    }
+                    Action::Start { .. } => todo.push((name.clone(), action)),
+                }
+            }
+            if entry.record.deleting && entry.replicas.is_empty() {
+                finished.push(name.clone());
+            }
+        }
+        publish(shared, &mut services, &seen);
+    }
+    for (name, action) in todo {
+        match action {
+            Action::Start { revision } => start_replica(shared, &name, revision).await,
+            Action::Stop { job, .. } => {
+                match shared.apply(muster_control::Input::Cancel { job }, Batch::default()) {
+                    Ok((_, durable)) => {
+                        if let Err(error) = durable.wait().await {
+                            tracing::warn!(job = job.0, %error, "a replica's stop was not saved");
+                        }
+                    }
+                    Err(error) => {
+                        tracing::debug!(job = job.0, error = %error.body.message, "replica stop")
+                    }
+                }
+            }
+            Action::Drain { .. } | Action::Forget { .. } => {}
+        }
+    }
+    for name in finished {
+        let _edit = shared.services.edit.lock().await;
+        let batch = Batch {
+            services: BTreeMap::from([(name.clone(), None)]),
+            ..Batch::default()
+        };
+        if shared.writer.queue(batch).wait().await.is_ok() {
+            let mut services = shared.services.lock();
+            if services
+                .entries
+                .get(&name)
+                .is_some_and(|entry| entry.record.deleting && entry.replicas.is_empty())
+            {
+                services.entries.remove(&name);
+                tracing::info!(service = %name, "service deleted");
+            }
+        }
+    }
+}
+
+/// Recomputes the endpoint table; a change bumps its version and wakes
+/// whoever follows it.
+fn publish(shared: &Shared, services: &mut Services, seen: &[Seen]) {
+    let mut table: BTreeMap<String, Vec<Endpoint>> = BTreeMap::new();
+    for (name, entry) in &services.entries {
+        let mut endpoints = Vec::new();
+        for replica in seen.iter().filter(|replica| &replica.service == name) {
+            let (Some(track), Some(address)) =
+                (entry.replicas.get(&replica.job), &replica.endpoint)
+            else {
+                continue;
+            };
+            let ready = match &entry.spec.readiness {
+                Some(_) => track.readiness.passing,
+                None => true,
+            };
+            if ready && track.draining_since.is_none() && !track.stopping && track.liveness.passing
+            {
+                endpoints.push(Endpoint {
+                    job: replica.job.0,
+                    revision: track.revision,
+                    address: address.clone(),
+                });
+            }
+        }
+        table.insert(name.clone(), endpoints);
+    }
+    if table != services.table {
+        services.table = table;
+        services.version += 1;
+        shared.services.changed.send_replace(services.version);
+    }
+}
+
+async fn start_replica(shared: &Arc<Shared>, name: &str, revision: u32) {
+    let (spec, user) = {
+        let services = shared.services.lock();
+        let Some(entry) = services.entries.get(name) else {
+            return;
+        };
+        let mut spec = entry.spec.template.clone();
+        spec.service = Some(ServiceRef {
+            name: name.to_string(),
+            revision,
+            port: entry.spec.port,
+            spread: entry.spec.spread,
+        });
+        (spec, entry.record.user.clone())
+    };
+    match crate::api::submit_spec(shared, spec, user, true, None).await {
+        Ok((_, Json(response))) => {
+            let mut services = shared.services.lock();
+            if let Some(entry) = services.entries.get_mut(name) {
+                entry
+                    .replicas
+                    .insert(JobId(response.id), Track::new(revision));
+                entry.event(format!(
+                    "replica job {} of revision {revision} submitted",
+                    response.id
+                ));
+            }
+        }
+        Err(error) => {
+            let mut services = shared.services.lock();
+            if let Some(entry) = services.entries.get_mut(name) {
+                entry.event(format!(
+                    "a replica could not be submitted: {}",
+                    error.body.message
+                ));
+                // Try again after the backoff, as after a failure.
+                let failures = entry.controller.failures_in_row.saturating_add(1);
+                entry.controller.failures_in_row = failures;
+                entry.controller.next_start = now().plus_millis(
+                    muster_control::services::backoff(&entry.spec, failures).as_millis() as u64,
+                );
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ API
+
+fn principal(identity: &Identity) -> Result<crate::users::Principal, ApiError> {
+    identity.principal().ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::PermissionDenied,
+            "this needs a user's token or the admin token",
+        )
+    })
+}
+
+fn not_found(name: &str) -> ApiError {
+    ApiError::not_found(format!(
+        "no service {name}; `muster services list` lists them"
+    ))
+}
+
+fn unprocessable(message: impl Into<String>) -> ApiError {
+    ApiError::invalid(message).with_status(axum::http::StatusCode::UNPROCESSABLE_ENTITY)
+}
+
+/// Whether `principal` may change service `record` (its owner, or staff).
+fn may_change(principal: &crate::users::Principal, record: &ServiceRecord) -> Result<(), ApiError> {
+    if principal.name == record.user || principal.role != crate::users::Role::User {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        ErrorCode::PermissionDenied,
+        format!(
+            "service {} is {}'s; only its owner, an operator or an admin may change it",
+            record.name, record.user
+        ),
+    ))
+}
+
+fn may_read(shared: &Shared, principal: &crate::users::Principal, record: &ServiceRecord) -> bool {
+    if principal.name == record.user || principal.role != crate::users::Role::User {
+        return true;
+    }
+    let queue = record
+        .spec()
+        .map(|spec| spec.template.queue.0)
+        .unwrap_or_default();
+    principal.member_of(&queue)
+        && shared
+            .read()
+            .control()
+            .queues()
+            .any(|spec| spec.name.0 == queue && spec.members_see_jobs)
+}
+
+/// Parses a request's spec and checks what a job submission checks.
+fn checked_spec(
+    shared: &Shared,
+    principal: &crate::users::Principal,
+    value: &serde_json::Value,
+) -> Result<ServiceSpec, ApiError> {
+    let spec = muster_api::service::parse_service_spec_value(value)
+        .map_err(|errors| unprocessable(errors.to_string()))?;
+    crate::secrets::check_spec(shared, &spec.template).map_err(|error| {
+        if error.body.code == ErrorCode::InvalidArgument {
+            error.with_status(axum::http::StatusCode::UNPROCESSABLE_ENTITY)
+        } else {
+            error
+        }
+    })?;
+    crate::api::check_mounts(shared, &spec.template)?;
+    if !principal.member_of(&spec.template.queue.0) {
+        return Err(ApiError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "{} may use queue(s) {}, not {}",
+                principal.name,
+                principal.queues.clone().unwrap_or_default().join(", "),
+                spec.template.queue
+            ),
+        ));
+    }
+    if spec.replicas > 0
+        && let Some(why) = shared.read().control().never_fits(&spec.template)
+    {
+        return Err(unprocessable(format!("a replica could never run: {why}")));
+    }
+    Ok(spec)
+}
+
+fn runs(spec: &serde_json::Value) -> String {
+    if let Some(image) = spec.get("image").and_then(|image| image.as_str()) {
+        return image.to_string();
+    }
+    match spec.get("command") {
+        Some(serde_json::Value::Array(argv)) => argv
+            .iter()
+            .map(|arg| arg.as_str().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join(" "),
+        Some(serde_json::Value::String(text)) => text.clone(),
+        _ => String::new(),
+    }
+}
+
+fn view(shared: &Shared, entry: &Entry, endpoints: &[Endpoint]) -> ServiceView {
+    let core = shared.read();
+    let control = core.control();
+    let replica_list = entry
+        .replicas
+        .iter()
+        .map(|(&job, track)| {
+            let found = control.job(job);
+            let allocation = found
+                .and_then(|job| job.allocations.first())
+                .and_then(|id| control.allocation(*id));
+            let ready = endpoints.iter().any(|endpoint| endpoint.job == job.0);
+            let state = match found.map(|job| job.state) {
+                None => "ended".to_string(),
+                Some(JobState::Pending) => "pending".to_string(),
+                Some(JobState::Running | JobState::Stopping) if track.stopping => {
+                    "stopping".to_string()
+                }
+                Some(JobState::Running | JobState::Stopping) if track.draining_since.is_some() => {
+                    "draining".to_string()
+                }
+                Some(JobState::Running) if ready => "ready".to_string(),
+                Some(JobState::Running | JobState::Stopping) => "starting".to_string(),
+                Some(other) => other.name().to_string(),
+            };
+            ReplicaView {
+                job: job.0,
+                revision: track.revision,
+                state,
+                node: allocation.map(|allocation| allocation.node.0.clone()),
+                endpoint: allocation.and_then(|allocation| {
+                    let address = control.node(&allocation.node)?.address.clone();
+                    let port = control.replica_port(found?)?;
+                    Some(format!("{address}:{port}"))
+                }),
+                not_ready: (!ready).then(|| track.readiness.message.clone()).flatten(),
+                started_ms: found.and_then(|job| job.started).map(|time| time.0),
+            }
+        })
+        .collect();
+    ServiceView {
+        name: entry.record.name.clone(),
+        user: entry.record.user.clone(),
+        queue: entry.spec.template.queue.0.clone(),
+        revision: entry.record.current,
+        replicas: entry.record.replicas,
+        current: entry.status.current,
+        ready: entry.status.ready,
+        updated: entry.status.updated,
+        rollout: entry.status.rollout.clone(),
+        backoff_until_ms: entry.status.backoff_until.map(|time| time.0),
+        last_failure: entry.controller.last_failure_why.clone(),
+        deleting: entry.record.deleting,
+        replica_list,
+        revisions: entry
+            .record
+            .revisions
+            .iter()
+            .map(|kept| RevisionView {
+                revision: kept.revision,
+                created_ms: kept.created_ms,
+                runs: runs(&kept.spec),
+            })
+            .collect(),
+        spec: entry
+            .record
+            .revision(entry.record.current)
+            .map(|kept| kept.spec.clone())
+            .unwrap_or_default(),
+        events: entry
+            .events
+            .iter()
+            .map(|(at, message)| ServiceEvent {
+                at_ms: *at,
+                message: message.clone(),
+            })
+            .collect(),
+    }
+}
+
+fn view_of(shared: &Shared, name: &str) -> Result<ServiceView, ApiError> {
+    let services = shared.services.lock();
+    let entry = services.entries.get(name).ok_or_else(|| not_found(name))?;
+    let endpoints = services.table.get(name).cloned().unwrap_or_default();
+    Ok(view(shared, entry, &endpoints))
+}
+
+async fn save(shared: &Shared, record: &ServiceRecord) -> Result<(), ApiError> {
+    let text = serde_json::to_string(record)
+        .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
+    let batch = Batch {
+        services: BTreeMap::from([(record.name.clone(), Some(text))]),
+        ..Batch::default()
+    };
+    shared.writer.queue(batch).wait().await?;
+    Ok(())
+}
+
+/// Create a service: its replicas start at once.
+#[utoipa::path(
+    post, path = "/v1/services", tag = "services",
+    request_body = ServiceRequest,
+    responses(
+        (status = 201, body = ServiceView),
+        (status = 409, description = "a service of that name exists", body = ErrorBody),
+        (status = 422, description = "the spec is refused: every problem, one per line", body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn create_service(
+    State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
+    Body(request): Body<ServiceRequest>,
+) -> Result<(axum::http::StatusCode, Json<ServiceView>), ApiError> {
+    let principal = principal(&identity)?;
+    let spec = checked_spec(&shared, &principal, &request.spec)?;
+    let _edit = shared.services.edit.lock().await;
+    {
+        let services = shared.services.lock();
+        if services.entries.contains_key(&spec.name) {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "service {} exists; change it with `muster services update`, or delete it \
+                     first",
+                    spec.name
+                ),
+            ));
+        }
+        if services.entries.len() >= MAX_SERVICES {
+            return Err(ApiError::invalid(format!(
+                "at most {MAX_SERVICES} services; delete one first"
+            )));
+        }
+    }
+    let at = now().0;
+    let record = ServiceRecord {
+        name: spec.name.clone(),
+        user: principal.name.clone(),
+        created_ms: at,
+        revisions: vec![RevisionRecord {
+            revision: 1,
+            created_ms: at,
+            spec: muster_api::service::service_spec_value(&spec),
+        }],
+        current: 1,
+        replicas: spec.replicas,
+        deleting: false,
+    };
+    save(&shared, &record).await?;
+    let name = spec.name.clone();
+    {
+        let mut services = shared.services.lock();
+        let mut entry = Entry {
+            record,
+            spec,
+            controller: ControllerState::default(),
+            replicas: BTreeMap::new(),
+            status: Status::default(),
+            events: VecDeque::new(),
+        };
+        entry.event(format!("created by {} (revision 1)", principal.name));
+        services.entries.insert(name.clone(), entry);
+    }
+    Ok((
+        axum::http::StatusCode::CREATED,
+        Json(view_of(&shared, &name)?),
+    ))
+}
+
+/// Change a service: a new template is a new revision, rolled out one
+/// replica at a time; other changes (replicas, checks, strategy) apply at
+/// once.
+#[utoipa::path(
+    put, path = "/v1/services/{name}", tag = "services",
+    params(("name" = String, Path, description = "the service", pattern = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")),
+    request_body = ServiceRequest,
+    responses(
+        (status = 200, body = ServiceView),
+        (status = 404, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn update_service(
+    State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
+    PathParams(name): PathParams<String>,
+    Body(request): Body<ServiceRequest>,
+) -> Result<Json<ServiceView>, ApiError> {
+    let principal = principal(&identity)?;
+    let spec = checked_spec(&shared, &principal, &request.spec)?;
+    if spec.name != name {
+        return Err(unprocessable(format!(
+            "name: the spec names service {}, the request {name}; a service cannot be renamed",
+            spec.name
+        )));
+    }
+    let _edit = shared.services.edit.lock().await;
+    let (mut record, old) = {
+        let services = shared.services.lock();
+        let entry = services
+            .entries
+            .get(&name)
+            .ok_or_else(|| not_found(&name))?;
+        may_change(&principal, &entry.record)?;
+        if entry.record.deleting {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("service {name} is being deleted"),
+            ));
+        }
+        (entry.record.clone(), entry.spec.clone())
+    };
+    let value = muster_api::service::service_spec_value(&spec);
+    let new_revision = spec.template_differs(&old);
+    if new_revision {
+        let revision = record
+            .revisions
+            .iter()
+            .map(|kept| kept.revision)
+            .max()
+            .unwrap_or(0)
+            + 1;
+        record.revisions.push(RevisionRecord {
+            revision,
+            created_ms: now().0,
+            spec: value,
+        });
+        record.current = revision;
+        trim_revisions(&mut record);
+    } else if let Some(kept) = record
+        .revisions
+        .iter_mut()
+        .find(|kept| kept.revision == record.current)
+    {
+        kept.spec = value;
+    }
+    record.replicas = spec.replicas;
+    save(&shared, &record).await?;
+    {
+        let mut services = shared.services.lock();
+        if let Some(entry) = services.entries.get_mut(&name) {
+            let current = record.current;
+            entry.record = record;
+            entry.spec = spec;
+            entry.event(if new_revision {
+                format!(
+                    "updated by {}: revision {current} rolls out",
+                    principal.name
+                )
+            } else {
+                format!(
+                    "updated by {} (same template, revision {current})",
+                    principal.name
+                )
+            });
+        }
+    }
+    Ok(Json(view_of(&shared, &name)?))
+}
+
+/// Keeps [`muster_model::KEPT_REVISIONS`], the current one always.
+fn trim_revisions(record: &mut ServiceRecord) {
+    while record.revisions.len() > muster_model::KEPT_REVISIONS {
+        let Some(position) = record
+            .revisions
+            .iter()
+            .position(|kept| kept.revision != record.current)
+        else {
+            break;
+        };
+        record.revisions.remove(position);
+    }
+}
+
+/// Set a service's replica count.
+#[utoipa::path(
+    post, path = "/v1/services/{name}/scale", tag = "services",
+    params(("name" = String, Path, description = "the service", pattern = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")),
+    request_body = ScaleRequest,
+    responses((status = 200, body = ServiceView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 503, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+pub async fn scale_service(
+    State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
+    PathParams(name): PathParams<String>,
+    Body(request): Body<ScaleRequest>,
+) -> Result<Json<ServiceView>, ApiError> {
+    let principal = principal(&identity)?;
+    if request.replicas > muster_model::MAX_REPLICAS {
+        return Err(ApiError::invalid(format!(
+            "replicas: at most {}, got {}",
+            muster_model::MAX_REPLICAS,
+            request.replicas
+        )));
+    }
+    let _edit = shared.services.edit.lock().await;
+    let mut record = {
+        let services = shared.services.lock();
+        let entry = services
+            .entries
+            .get(&name)
+            .ok_or_else(|| not_found(&name))?;
+        may_change(&principal, &entry.record)?;
+        if entry.record.deleting {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("service {name} is being deleted"),
+            ));
+        }
+        entry.record.clone()
+    };
+    let before = record.replicas;
+    record.replicas = request.replicas;
+    save(&shared, &record).await?;
+    {
+        let mut services = shared.services.lock();
+        if let Some(entry) = services.entries.get_mut(&name) {
+            entry.record.replicas = request.replicas;
+            entry.spec.replicas = request.replicas;
+            entry.event(format!(
+                "scaled from {before} to {} replicas by {}",
+                request.replicas, principal.name
+            ));
+        }
+    }
+    Ok(Json(view_of(&shared, &name)?))
+}
+
+/// Run an earlier revision's template again (as a new revision, rolled
+/// out like an update).
+#[utoipa::path(
+    post, path = "/v1/services/{name}/rollback", tag = "services",
+    params(("name" = String, Path, description = "the service", pattern = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")),
+    request_body = RollbackRequest,
+    responses((status = 200, body = ServiceView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody), (status = 503, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+pub async fn rollback_service(
+    State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
+    PathParams(name): PathParams<String>,
+    Body(request): Body<RollbackRequest>,
+) -> Result<Json<ServiceView>, ApiError> {
+    let principal = principal(&identity)?;
+    let _edit = shared.services.edit.lock().await;
+    let mut record = {
+        let services = shared.services.lock();
+        let entry = services
+            .entries
+            .get(&name)
+            .ok_or_else(|| not_found(&name))?;
+        may_change(&principal, &entry.record)?;
+        if entry.record.deleting {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("service {name} is being deleted"),
+            ));
+        }
+        entry.record.clone()
+    };
+    let target = match request.revision {
+        Some(revision) => revision,
+        None => record
+            .revisions
+            .iter()
+            .map(|kept| kept.revision)
+            .filter(|&revision| revision < record.current)
+            .max()
+            .ok_or_else(|| {
+                unprocessable(format!(
+                    "service {name} has no revision before {} to roll back to",
+                    record.current
+                ))
+            })?,
+    };
+    if target == record.current {
+        return Err(unprocessable(format!(
+            "revision {target} is the current one already"
+        )));
+    }
+    let kept = record.revision(target).cloned().ok_or_else(|| {
+        unprocessable(format!(
+            "revision {target} is not kept (kept: {})",
+            record
+                .revisions
+                .iter()
+                .map(|kept| kept.revision.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })?;
+    let mut spec = muster_api::service::parse_service_spec_value(&kept.spec)
+        .map_err(|errors| unprocessable(errors.to_string()))?;
+    spec.replicas = record.replicas;
+    let revision = record
+        .revisions
+        .iter()
+        .map(|kept| kept.revision)
+        .max()
+        .unwrap_or(0)
+        + 1;
+    record.revisions.push(RevisionRecord {
+        revision,
+        created_ms: now().0,
+        spec: muster_api::service::service_spec_value(&spec),
+    });
+    record.current = revision;
+    trim_revisions(&mut record);
+    save(&shared, &record).await?;
+    {
+        let mut services = shared.services.lock();
+        if let Some(entry) = services.entries.get_mut(&name) {
+            entry.record = record;
+            entry.spec = spec;
+            entry.event(format!(
+                "rolled back by {} to revision {target}'s template (as revision {revision})",
+                principal.name
+            ));
+        }
+    }
+    Ok(Json(view_of(&shared, &name)?))
+}
+
+/// Delete a service: its replicas drain and stop, then it is gone.
+#[utoipa::path(
+    delete, path = "/v1/services/{name}", tag = "services",
+    params(("name" = String, Path, description = "the service", pattern = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")),
+    responses((status = 200, body = ServiceView), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+pub async fn delete_service(
+    State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<ServiceView>, ApiError> {
+    let principal = principal(&identity)?;
+    let _edit = shared.services.edit.lock().await;
+    let mut record = {
+        let services = shared.services.lock();
+        let entry = services
+            .entries
+            .get(&name)
+            .ok_or_else(|| not_found(&name))?;
+        may_change(&principal, &entry.record)?;
+        entry.record.clone()
+    };
+    if !record.deleting {
+        record.deleting = true;
+        save(&shared, &record).await?;
+        let mut services = shared.services.lock();
+        if let Some(entry) = services.entries.get_mut(&name) {
+            entry.record.deleting = true;
+            entry.spec.replicas = 0;
+            entry.event(format!("deleted by {}: replicas drain", principal.name));
+        }
+    }
+    Ok(Json(view_of(&shared, &name)?))
+}
+
+/// Every service the caller may see.
+#[utoipa::path(
+    get, path = "/v1/services", tag = "services",
+    responses((status = 200, body = ServiceList)),
+    security(("bearer" = []))
+)]
+pub async fn list_services(
+    State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
+) -> Result<Json<ServiceList>, ApiError> {
+    let principal = principal(&identity)?;
+    let services = shared.services.lock();
+    let list = services
+        .entries
+        .values()
+        .filter(|entry| may_read(&shared, &principal, &entry.record))
+        .map(|entry| {
+            let endpoints = services
+                .table
+                .get(&entry.record.name)
+                .cloned()
+                .unwrap_or_default();
+            view(&shared, entry, &endpoints)
+        })
+        .collect();
+    Ok(Json(ServiceList { services: list }))
+}
+
+/// One service: its replicas, revisions, rollout and recent events.
+#[utoipa::path(
+    get, path = "/v1/services/{name}", tag = "services",
+    params(("name" = String, Path, description = "the service", pattern = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")),
+    responses((status = 200, body = ServiceView), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+pub async fn get_service(
+    State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<ServiceView>, ApiError> {
+    let principal = principal(&identity)?;
+    {
+        let services = shared.services.lock();
+        let entry = services
+            .entries
+            .get(&name)
+            .ok_or_else(|| not_found(&name))?;
+        if !may_read(&shared, &principal, &entry.record) {
+            return Err(not_found(&name));
+        }
+    }
+    Ok(Json(view_of(&shared, &name)?))
+}
+
+/// A service's ready replicas (`ADDRESS:PORT`), for clients that balance
+/// themselves.
+#[utoipa::path(
+    get, path = "/v1/services/{name}/endpoints", tag = "services",
+    params(("name" = String, Path, description = "the service", pattern = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")),
+    responses((status = 200, body = EndpointList), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+pub async fn service_endpoints(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<EndpointList>, ApiError> {
+    let services = shared.services.lock();
+    if !services.entries.contains_key(&name) {
+        return Err(not_found(&name));
+    }
+    Ok(Json(EndpointList {
+        service: name.clone(),
+        endpoints: services.table.get(&name).cloned().unwrap_or_default(),
+    }))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct EndpointsQuery {
+    /// Answer once the table's version is past this one (at most 30 s
+    /// later; then the same table).
+    after: Option<u64>,
+}
+
+/// Every service's ready replicas, with a version; `after=VERSION` waits
+/// for the next change (what `muster gateway` follows).
+#[utoipa::path(
+    get, path = "/v1/endpoints", tag = "services",
+    params(EndpointsQuery),
+    responses((status = 200, body = EndpointTable)),
+    security(("bearer" = []))
+)]
+pub async fn endpoint_table(
+    State(shared): Shared_,
+    Params(query): Params<EndpointsQuery>,
+) -> Result<Json<EndpointTable>, ApiError> {
+    if let Some(after) = query.after {
+        let mut changed = shared.services.changed.subscribe();
+        let mut shutdown = shared.shutdown.clone();
+        let wait = async {
+            loop {
+                if *changed.borrow_and_update() > after {
+                    return;
+                }
+                tokio::select! {
+                    result = changed.changed() => if result.is_err() { return },
+                    _ = shutdown.changed() => return,
+                }
+            }
+        };
+        let _ = tokio::time::timeout(ENDPOINTS_WAIT, wait).await;
+    }
+    let services = shared.services.lock();
+    Ok(Json(EndpointTable {
+        version: services.version,
+        services: services.table.clone(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn revisions_are_bounded_and_the_current_one_is_kept() {
+        let mut record = ServiceRecord {
+            name: "web".into(),
+            user: "admin".into(),
+            created_ms: 0,
+            revisions: (1..=15)
+                .map(|revision| RevisionRecord {
+                    revision,
+                    created_ms: 0,
+                    spec: serde_json::Value::Null,
+                })
+                .collect(),
+            current: 1,
+            replicas: 1,
+            deleting: false,
+        };
+        trim_revisions(&mut record);
+        assert_eq!(record.revisions.len(), muster_model::KEPT_REVISIONS);
+        assert_eq!(record.revisions[0].revision, 1, "the current one stays");
+        assert_eq!(record.revisions[1].revision, 7);
+    }
+}

@@ -1,0 +1,277 @@
+//! Services end to end: a real server, three agents, replicas of a small
+//! Python HTTP server, checks run by the server, replicas replaced, a
+//! rolling update, a rollout stopped by a failing readiness check, a
+//! rollback and a delete. Loopback only; every wait is bounded.
+
+use std::time::{Duration, Instant};
+
+mod common;
+
+use common::cluster::{Cluster, runtime, wait_for_nodes};
+use common::wait_until;
+use muster_api::client::Client;
+use muster_api::protocol::ServiceView;
+
+/// Serves `VERSION` on every path, on `$PORT`; `/healthz` answers 500 when
+/// `FAIL=1`.
+const SERVER: &str = r#"
+import http.server, os, socketserver
+version = os.environ.get("VERSION", "1")
+fail = os.environ.get("FAIL") == "1"
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        code = 500 if fail and self.path == "/healthz" else 200
+        body = (version + "\n").encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+Server(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
+"#;
+
+pub fn spec(version: &str, fail: bool) -> serde_json::Value {
+    serde_json::json!({
+        "kind": "service",
+        "name": "web",
+        "replicas": 3,
+        "gpus": 0,
+        "cpus": 0.5,
+        "memory": "256MiB",
+        "command": ["python3", "-c", SERVER],
+        "env": {"VERSION": version, "FAIL": if fail { "1" } else { "0" }},
+        "readiness": {"http": "/healthz", "period": 1, "timeout": 1, "failure_threshold": 1},
+        "liveness": {"tcp": true, "period": 1, "failure_threshold": 2, "initial_delay": 3},
+        "update": {"max_surge": 1, "max_unavailable": 0, "progress_deadline": 6},
+        "restart": {"initial": 1, "max": 4},
+        "drain": 1,
+    })
+}
+
+fn service(rt: &tokio::runtime::Runtime, client: &Client) -> ServiceView {
+    rt.block_on(client.service("web")).expect("the service")
+}
+
+/// The pids of the processes whose environment names job `job`.
+fn pids_of_job(job: u64) -> Vec<i32> {
+    let marker = format!("MUSTER_JOB_ID={job}\0");
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            (String::from_utf8_lossy(&environ).contains(&marker)
+                && String::from_utf8_lossy(&cmdline).starts_with("python3"))
+            .then_some(pid)
+        })
+        .collect()
+}
+
+fn get(address: &str) -> Option<String> {
+    let url = format!("http://{address}/");
+    std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=2).read().decode().strip())",
+            &url,
+        ])
+        .output()
+        .ok()
+        .filter(|output| output.status.success())
+        .map(|output| String::from_utf8_lossy(&output.stdout).trim().to_string())
+}
+
+#[test]
+fn a_service_keeps_its_replicas_ready_rolls_out_and_rolls_back() {
+    let cluster = Cluster::start("3s");
+    let _agents: Vec<_> = (1..=3)
+        .map(|i| cluster.agent_with(&format!("node-{i}"), &cluster.url(), "1xH100-80GB", &[]))
+        .collect();
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 3);
+
+    // Created: three replicas, one a node, all ready.
+    let created = rt
+        .block_on(client.create_service(spec("1", false)))
+        .expect("created");
+    assert_eq!(created.revision, 1);
+    wait_until("three ready replicas", Duration::from_secs(30), || {
+        service(&rt, &client).ready == 3
+    });
+    let view = service(&rt, &client);
+    let mut nodes: Vec<String> = view
+        .replica_list
+        .iter()
+        .filter_map(|replica| replica.node.clone())
+        .collect();
+    nodes.sort();
+    nodes.dedup();
+    assert_eq!(nodes.len(), 3, "one replica a node: {view:#?}");
+    let endpoints = rt
+        .block_on(client.service_endpoints("web"))
+        .expect("endpoints");
+    assert_eq!(endpoints.endpoints.len(), 3);
+    for endpoint in &endpoints.endpoints {
+        assert_eq!(get(&endpoint.address).as_deref(), Some("1"), "{endpoint:?}");
+    }
+
+    // A replica's process killed: a new replica runs within 5 s.
+    let victim = view.replica_list[0].job;
+    let pids = pids_of_job(victim);
+    assert!(!pids.is_empty(), "the replica's process of job {victim}");
+    let killed = Instant::now();
+    for pid in pids {
+        std::process::Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .expect("kill");
+    }
+    wait_until(
+        "a replacement replica running",
+        Duration::from_secs(5),
+        || {
+            service(&rt, &client).replica_list.iter().any(|replica| {
+                replica.job != victim
+                    && !view.replica_list.iter().any(|old| old.job == replica.job)
+                    && (replica.state == "starting" || replica.state == "ready")
+            })
+        },
+    );
+    let replaced_in = killed.elapsed();
+    wait_until(
+        "three ready replicas again",
+        Duration::from_secs(20),
+        || {
+            let now = service(&rt, &client);
+            now.ready == 3 && !now.replica_list.iter().any(|replica| replica.job == victim)
+        },
+    );
+    eprintln!(
+        "replacement running {:.2}s after the kill, ready {:.2}s after",
+        replaced_in.as_secs_f64(),
+        killed.elapsed().as_secs_f64()
+    );
+    assert!(
+        service(&rt, &client)
+            .last_failure
+            .unwrap_or_default()
+            .contains(&format!("replica job {victim}")),
+        "the failure is told"
+    );
+
+    // A rolling update: never fewer than three ready, all on revision 2 at
+    // the end, serving the new version.
+    let updated = rt
+        .block_on(client.update_service("web", spec("2", false)))
+        .expect("updated");
+    assert_eq!(updated.revision, 2);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = service(&rt, &client);
+        assert!(
+            now.ready >= 3,
+            "fewer than 3 ready during the rollout: {now:#?}"
+        );
+        if now.rollout.is_none()
+            && now.replica_list.len() == 3
+            && now.replica_list.iter().all(|replica| replica.revision == 2)
+            && now.ready == 3
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the rollout did not finish: {now:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for endpoint in rt
+        .block_on(client.service_endpoints("web"))
+        .expect("endpoints")
+        .endpoints
+    {
+        assert_eq!(get(&endpoint.address).as_deref(), Some("2"));
+    }
+
+    // A revision whose readiness check fails: the rollout stops, says why,
+    // and the old replicas keep serving.
+    let broken = rt
+        .block_on(client.update_service("web", spec("3", true)))
+        .expect("updated");
+    assert_eq!(broken.revision, 3);
+    wait_until("the rollout to stop", Duration::from_secs(30), || {
+        service(&rt, &client)
+            .rollout
+            .is_some_and(|rollout| rollout.contains("stopped"))
+    });
+    let stopped = service(&rt, &client);
+    let why = stopped.rollout.clone().unwrap_or_default();
+    assert!(why.contains("rollout to revision 3 stopped"), "{why}");
+    assert!(why.contains("GET /healthz answered 500"), "{why}");
+    assert_eq!(stopped.ready, 3, "{stopped:#?}");
+    assert_eq!(
+        stopped
+            .replica_list
+            .iter()
+            .filter(|replica| replica.revision == 2)
+            .count(),
+        3
+    );
+    let text = common::success(&common::muster(
+        cluster.dir.path(),
+        &[
+            "services",
+            "describe",
+            "web",
+            "--server",
+            &cluster.url(),
+            "--token",
+            &cluster.token("admin.token"),
+            "--ca-sha256",
+            &cluster.ca_sha256(),
+        ],
+    ));
+    assert!(text.contains("rollout to revision 3 stopped"), "{text}");
+
+    // Rolled back: revision 2's template again, as revision 4.
+    let back = rt
+        .block_on(client.rollback_service("web", None))
+        .expect("rolled back");
+    assert_eq!(back.revision, 4);
+    wait_until("the rollback to finish", Duration::from_secs(60), || {
+        let now = service(&rt, &client);
+        now.rollout.is_none()
+            && now.ready == 3
+            && now.replica_list.len() == 3
+            && now.replica_list.iter().all(|replica| replica.revision == 4)
+    });
+    for endpoint in rt
+        .block_on(client.service_endpoints("web"))
+        .expect("endpoints")
+        .endpoints
+    {
+        assert_eq!(get(&endpoint.address).as_deref(), Some("2"));
+    }
+
+    // Scaled down to one, then deleted: its replicas stop, it is gone.
+    rt.block_on(client.scale_service("web", 1)).expect("scaled");
+    wait_until("one replica", Duration::from_secs(20), || {
+        let now = service(&rt, &client);
+        now.replica_list.len() == 1 && now.ready == 1
+    });
+    rt.block_on(client.delete_service("web")).expect("deleted");
+    wait_until("the service gone", Duration::from_secs(20), || {
+        rt.block_on(client.service("web")).is_err()
+    });
+    wait_until("no replica process", Duration::from_secs(20), || {
+        common::processes_with("os.environ.get(\"VERSION\"") == 0
+    });
+}
