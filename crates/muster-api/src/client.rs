@@ -760,11 +760,18 @@ impl Client {
             .await
     }
 
-    /// Every service's ready replicas; with `after`, waits (up to 30 s)
-    /// for a version past it.
-    pub async fn endpoint_table(&self, after: Option<u64>) -> Result<EndpointTable, ClientError> {
+    /// Every service's ready replicas; with `after` (an instance and a
+    /// version of an earlier answer), waits (up to 30 s) for a version past
+    /// it.
+    pub async fn endpoint_table(
+        &self,
+        after: Option<(u64, u64)>,
+    ) -> Result<EndpointTable, ClientError> {
         let url = match after {
-            Some(after) => format!("{}/v1/endpoints?after={after}", self.current()),
+            Some((instance, version)) => format!(
+                "{}/v1/endpoints?instance={instance}&after={version}",
+                self.current()
+            ),
             None => format!("{}/v1/endpoints", self.current()),
         };
         self.send(self.http.get(&url).timeout(Duration::from_secs(45)), &url)

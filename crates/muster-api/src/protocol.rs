@@ -1347,6 +1347,10 @@ pub struct EndpointList {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct EndpointTable {
+    /// Which server process made `version` (a restarted or newly elected
+    /// server counts again from 0): `after` is only waited on with the same
+    /// `instance`.
+    pub instance: u64,
     pub version: u64,
     pub services: BTreeMap<String, Vec<Endpoint>>,
 }

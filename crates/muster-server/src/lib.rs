@@ -34,6 +34,7 @@ mod core;
 mod dashboard;
 mod error;
 mod forward;
+pub mod gateway;
 pub mod ha;
 mod history;
 mod idempotency;

@@ -122,13 +122,31 @@ impl Entry {
 }
 
 /// Every service, in memory.
-#[derive(Default)]
 pub struct Services {
     entries: BTreeMap<String, Entry>,
+    /// This process's [`EndpointTable::instance`].
+    instance: u64,
     /// The endpoint table's version (grows with every change).
     version: u64,
     /// The endpoint table as last published.
     table: BTreeMap<String, Vec<Endpoint>>,
+}
+
+impl Default for Services {
+    fn default() -> Self {
+        let mut bytes = [0u8; 8];
+        // A clock reading if the system has no randomness to give.
+        let instance = match getrandom::fill(&mut bytes) {
+            Ok(()) => u64::from_le_bytes(bytes),
+            Err(_) => now().0,
+        };
+        Services {
+            entries: BTreeMap::new(),
+            instance,
+            version: 0,
+            table: BTreeMap::new(),
+        }
+    }
 }
 
 /// Serialises changes to services (API edits, the loop's removals), which
@@ -1226,6 +1244,9 @@ pub struct EndpointsQuery {
     /// Answer once the table's version is past this one (at most 30 s
     /// later; then the same table).
     after: Option<u64>,
+    /// The `instance` of the answer `after` came from: another instance's
+    /// versions mean nothing here, so the answer is at once.
+    instance: Option<u64>,
 }
 
 /// Every service's ready replicas, with a version; `after=VERSION` waits
@@ -1240,7 +1261,10 @@ pub async fn endpoint_table(
     State(shared): Shared_,
     Params(query): Params<EndpointsQuery>,
 ) -> Result<Json<EndpointTable>, ApiError> {
-    if let Some(after) = query.after {
+    let same_instance = query
+        .instance
+        .is_none_or(|instance| instance == shared.services.lock().instance);
+    if let Some(after) = query.after.filter(|_| same_instance) {
         let mut changed = shared.services.changed.subscribe();
         let mut shutdown = shared.shutdown.clone();
         let wait = async {
@@ -1258,6 +1282,7 @@ pub async fn endpoint_table(
     }
     let services = shared.services.lock();
     Ok(Json(EndpointTable {
+        instance: services.instance,
         version: services.version,
         services: services.table.clone(),
     }))

@@ -62,6 +62,10 @@ pub enum Command {
     /// replaced when they fail and updated one at a time (`muster services
     /// create -f svc.yaml`, `scale`, `update`, `rollback`, `describe`).
     Services(crate::commands::ServicesArgs),
+    /// Route HTTP requests to services' ready replicas
+    /// (`http://GATEWAY/NAME/...` or a host `NAME.DOMAIN`), with retries of
+    /// idempotent requests, draining, and per-service metrics.
+    Gateway(crate::cluster::GatewayArgs),
     /// Users and their roles (admin): `muster users add alice --role user
     /// --queues team-a` prints its token once.
     Users(crate::commands::UsersArgs),

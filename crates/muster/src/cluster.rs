@@ -910,3 +910,41 @@ mod tests {
         assert!(super::parse_rate("0").is_err());
     }
 }
+
+/// `muster gateway`: routes HTTP requests to services' ready replicas.
+#[derive(Debug, Args)]
+pub struct GatewayArgs {
+    /// Where to listen for requests (`http://ADDRESS/NAME/...`, or a host
+    /// `NAME.DOMAIN` pointed at it).
+    #[arg(long, value_name = "ADDRESS:PORT", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// A reply from a replica slower than this is answered 504.
+    #[arg(long, value_name = "DURATION", default_value = "300s", value_parser = crate::cli::parse_duration_s)]
+    pub upstream_timeout: u64,
+    /// The server whose services it serves, and how to reach it.
+    #[command(flatten)]
+    pub connection: crate::commands::Connection,
+}
+
+pub fn gateway(args: GatewayArgs) -> Result<()> {
+    init_logging();
+    let client = args.connection.client()?;
+    runtime()?.block_on(async {
+        let handle = muster_server::gateway::start(
+            muster_server::gateway::GatewayConfig {
+                listen: args.listen,
+                upstream_timeout: Duration::from_secs(args.upstream_timeout.max(1)),
+            },
+            client,
+        )
+        .await?;
+        eprintln!(
+            "muster gateway listening on http://{} (http://{}/NAME/... reaches service NAME; \
+             metrics at /_muster/metrics)",
+            handle.addr, handle.addr
+        );
+        shutdown_signal().await;
+        handle.stop().await;
+        Ok(())
+    })
+}

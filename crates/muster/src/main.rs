@@ -47,6 +47,7 @@ fn main() -> ExitCode {
         cli::Command::Up(args) => cluster::up(args).map(|()| 0).map_err(Into::into),
         cli::Command::Server(args) => cluster::server(args).map(|()| 0).map_err(Into::into),
         cli::Command::Agent(args) => cluster::agent(args).map(|()| 0).map_err(Into::into),
+        cli::Command::Gateway(args) => cluster::gateway(args).map(|()| 0).map_err(Into::into),
         cli::Command::Run(args) => commands::run(args),
         cli::Command::Submit(args) => commands::submit(args),
         cli::Command::Sbatch(args) => commands::sbatch(args),

@@ -275,3 +275,234 @@ fn a_service_keeps_its_replicas_ready_rolls_out_and_rolls_back() {
         common::processes_with("os.environ.get(\"VERSION\"") == 0
     });
 }
+
+/// Sends GETs through the gateway from `clients` tasks until `stop`;
+/// answers (version served) and failures (what went wrong) are counted.
+struct Load {
+    answers: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>,
+    failures: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(rt: &tokio::runtime::Runtime, url: String, clients: usize, limit: u64) -> Load {
+        let answers = std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<
+            String,
+            u64,
+        >::new()));
+        let failures = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let tasks = (0..clients)
+            .map(|_| {
+                let (answers, failures, stop, sent, url) = (
+                    answers.clone(),
+                    failures.clone(),
+                    stop.clone(),
+                    sent.clone(),
+                    url.clone(),
+                );
+                rt.spawn(async move {
+                    let http = reqwest::Client::builder()
+                        .timeout(Duration::from_secs(10))
+                        .build()
+                        .expect("client");
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                        && sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < limit
+                    {
+                        match http.get(&url).send().await {
+                            Ok(response) if response.status().is_success() => {
+                                let body = response.text().await.unwrap_or_default();
+                                *answers
+                                    .lock()
+                                    .expect("answers")
+                                    .entry(body.trim().to_string())
+                                    .or_default() += 1;
+                            }
+                            Ok(response) => {
+                                let status = response.status();
+                                let body = response.text().await.unwrap_or_default();
+                                failures
+                                    .lock()
+                                    .expect("failures")
+                                    .push(format!("{status}: {body}"));
+                            }
+                            Err(error) => {
+                                failures.lock().expect("failures").push(error.to_string())
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        Load {
+            answers,
+            failures,
+            stop,
+            tasks,
+        }
+    }
+
+    fn answered(&self) -> u64 {
+        self.answers.lock().expect("answers").values().sum()
+    }
+
+    fn finish(
+        self,
+        rt: &tokio::runtime::Runtime,
+    ) -> (std::collections::BTreeMap<String, u64>, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for task in self.tasks {
+            rt.block_on(task).expect("load task");
+        }
+        let answers = self.answers.lock().expect("answers").clone();
+        let failures = self.failures.lock().expect("failures").clone();
+        (answers, failures)
+    }
+}
+
+#[test]
+fn the_gateway_serves_through_a_rolling_update_and_a_replica_s_death_without_failing() {
+    let cluster = Cluster::start("3s");
+    let _agents: Vec<_> = (1..=2)
+        .map(|i| cluster.agent_with(&format!("node-{i}"), &cluster.url(), "1xH100-80GB", &[]))
+        .collect();
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 2);
+    let gateway_address = format!("127.0.0.1:{}", common::free_port());
+    let _gateway = common::cluster::spawn(
+        cluster.dir.path(),
+        "gateway.log",
+        &[
+            "gateway",
+            "--listen",
+            &gateway_address,
+            "--server",
+            &cluster.url(),
+            "--token",
+            &cluster.token("admin.token"),
+            "--ca-sha256",
+            &cluster.ca_sha256(),
+        ],
+    );
+    rt.block_on(client.create_service(spec("1", false)))
+        .expect("created");
+    wait_until("three ready replicas", Duration::from_secs(30), || {
+        service(&rt, &client).ready == 3
+    });
+    let url = format!("http://{gateway_address}/web/");
+    wait_until("the gateway to route", Duration::from_secs(10), || {
+        get(&format!("{gateway_address}/web")).as_deref() == Some("1")
+    });
+    // By host too.
+    let by_host = rt
+        .block_on(
+            reqwest::Client::new()
+                .get(format!("http://{gateway_address}/any/path"))
+                .header("host", "web.muster.internal")
+                .send(),
+        )
+        .expect("answer");
+    assert!(by_host.status().is_success());
+    let unknown = rt
+        .block_on(reqwest::get(format!("http://{gateway_address}/nothing/")))
+        .expect("answer");
+    assert_eq!(unknown.status().as_u16(), 404);
+
+    // A rolling update under load.
+    let load = Load::start(&rt, url.clone(), 8, 20_000);
+    wait_until("requests flowing", Duration::from_secs(10), || {
+        load.answered() > 200
+    });
+    rt.block_on(client.update_service("web", spec("2", false)))
+        .expect("updated");
+    wait_until("the rollout to finish", Duration::from_secs(60), || {
+        let now = service(&rt, &client);
+        now.rollout.is_none()
+            && now.replica_list.len() == 3
+            && now.replica_list.iter().all(|replica| replica.revision == 2)
+            && now.ready == 3
+    });
+    let before = load.answered();
+    wait_until("a few thousand requests", Duration::from_secs(30), || {
+        load.answered() > (before + 200).max(3_000)
+    });
+    let (answers, failures) = load.finish(&rt);
+    let total: u64 = answers.values().sum();
+    eprintln!(
+        "rolling update: {total} requests answered {answers:?}, {} failed",
+        failures.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    assert!(total >= 3_000, "a bounded load of a few thousand: {total}");
+    assert!(answers.get("1").is_some_and(|n| *n > 0) && answers.get("2").is_some_and(|n| *n > 0));
+
+    // A replica's process killed under load: no request fails (the gateway
+    // sends a GET that finds it dead to another), and traffic is on the
+    // others once it leaves the endpoints.
+    let load = Load::start(&rt, url, 4, 20_000);
+    wait_until("requests flowing", Duration::from_secs(10), || {
+        load.answered() > 200
+    });
+    let victim = service(&rt, &client).replica_list[0].job;
+    let killed = Instant::now();
+    for pid in pids_of_job(victim) {
+        std::process::Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .expect("kill");
+    }
+    wait_until(
+        "the dead replica out of the endpoints",
+        Duration::from_secs(10),
+        || {
+            !rt.block_on(client.service_endpoints("web"))
+                .expect("endpoints")
+                .endpoints
+                .iter()
+                .any(|endpoint| endpoint.job == victim)
+        },
+    );
+    let out = killed.elapsed();
+    wait_until(
+        "three ready replicas again",
+        Duration::from_secs(20),
+        || service(&rt, &client).ready == 3,
+    );
+    let replaced = killed.elapsed();
+    let (answers, failures) = load.finish(&rt);
+    eprintln!(
+        "replica death: out of the endpoints after {:.2}s, a replacement ready after {:.2}s; \
+         {} requests answered, {} failed",
+        out.as_secs_f64(),
+        replaced.as_secs_f64(),
+        answers.values().sum::<u64>(),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{failures:?}");
+
+    // Per-service metrics at the gateway.
+    let metrics = rt
+        .block_on(async {
+            reqwest::get(format!("http://{gateway_address}/_muster/metrics"))
+                .await?
+                .text()
+                .await
+        })
+        .expect("metrics");
+    assert!(
+        metrics.contains("muster_gateway_requests_total{service=\"web\",code=\"2xx\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("muster_gateway_request_seconds_bucket{"),
+        "{metrics}"
+    );
+}
