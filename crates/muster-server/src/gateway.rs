@@ -234,10 +234,18 @@ impl GatewayHandle {
     }
 }
 
-/// Starts a gateway on `config.listen` that follows `server`'s endpoints.
-/// It answers at once; until the first table arrives every service is
+/// Where a gateway learns the services' ready replicas.
+pub enum Endpoints {
+    /// A server's endpoint table, followed (what `muster gateway` does).
+    Server(Client),
+    /// A fixed table (`muster bench gateway`, against a local backend).
+    Fixed(EndpointTable),
+}
+
+/// Starts a gateway on `config.listen` that routes by `endpoints`. It
+/// answers at once; until a server's first table arrives every service is
 /// unknown (404).
-pub async fn start(config: GatewayConfig, server: Client) -> anyhow::Result<GatewayHandle> {
+pub async fn start(config: GatewayConfig, endpoints: Endpoints) -> anyhow::Result<GatewayHandle> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|error| anyhow::anyhow!("cannot listen on {}: {error}", config.listen))?;
@@ -256,14 +264,16 @@ pub async fn start(config: GatewayConfig, server: Client) -> anyhow::Result<Gate
         config,
     });
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let follow = tokio::spawn(follow(state.clone(), server, stopped.clone()));
-    let serve = tokio::spawn(serve(listener, state, stopped));
+    let mut tasks = Vec::new();
+    match endpoints {
+        Endpoints::Server(server) => {
+            tasks.push(tokio::spawn(follow(state.clone(), server, stopped.clone())))
+        }
+        Endpoints::Fixed(table) => state.update(&table),
+    }
+    tasks.push(tokio::spawn(serve(listener, state, stopped)));
     tracing::info!(%addr, "muster gateway listening");
-    Ok(GatewayHandle {
-        addr,
-        stop,
-        tasks: vec![follow, serve],
-    })
+    Ok(GatewayHandle { addr, stop, tasks })
 }
 
 async fn follow(

@@ -329,6 +329,9 @@ async fn run_check(client: &reqwest::Client, check: &Check) -> Result<(), String
 
 /// The controller: a round every quarter second while the server runs.
 pub async fn run(shared: Arc<Shared>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    // reqwest is built with TLS support, which needs the process's
+    // cryptography chosen (the checks themselves are plain HTTP).
+    muster_api::tls::provider();
     let client = match reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .no_proxy()

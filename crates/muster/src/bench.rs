@@ -60,6 +60,26 @@ pub enum BenchCommand {
     /// leader is killed (SIGKILL), and the time from its death to the first
     /// submission the new leader accepts is measured, round after round.
     Failover(FailoverBench),
+    /// Gateway overhead: the same GETs to a local HTTP backend, directly
+    /// and through `muster gateway` (in this process), alternating rounds;
+    /// latency percentiles of each, the added latency, and requests/s.
+    Gateway(GatewayBench),
+}
+
+#[derive(Debug, Args)]
+pub struct GatewayBench {
+    /// Concurrent clients (each with its own keep-alive connection pool).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub clients: u64,
+    /// Requests per round and path.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..=10_000_000))]
+    pub requests: u64,
+    /// Rounds of each path, alternating (direct, gateway, direct, ...).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub rounds: u64,
+    /// Bytes in each reply.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(0..=1_048_576))]
+    pub reply_bytes: u64,
 }
 
 #[derive(Debug, Args)]
@@ -281,6 +301,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::Cycle(args) => cycle(args),
             BenchCommand::Metrics(args) => metrics(args),
             BenchCommand::Failover(args) => failover(args).await,
+            BenchCommand::Gateway(args) => gateway(args).await,
         }
     })
 }
@@ -2463,5 +2484,168 @@ fn cycle(args: CycleBench) -> Result<()> {
             outcome.started.len()
         );
     }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Gateway overhead
+
+/// A minimal HTTP/1.1 backend on loopback (hyper) answering every request
+/// with `reply` bytes.
+async fn backend(reply: bytes::Bytes) -> Result<std::net::SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let _ = stream.set_nodelay(true);
+            let reply = reply.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |_request| {
+                    let reply = reply.clone();
+                    async move {
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                            http_body_util::Full::new(reply),
+                        ))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// `requests` GETs of `url` from `clients` clients; latencies and
+/// requests/s.
+async fn get_load(url: &str, clients: u64, requests: u64) -> Result<(Latencies, f64)> {
+    let remaining = Arc::new(std::sync::atomic::AtomicU64::new(requests));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let remaining = remaining.clone();
+        let url = url.to_string();
+        tasks.push(tokio::spawn(async move {
+            let http = reqwest::Client::builder()
+                .no_proxy()
+                .tcp_nodelay(true)
+                .build()
+                .context("an HTTP client")?;
+            let mut latencies = Latencies::default();
+            while remaining
+                .fetch_update(
+                    std::sync::atomic::Ordering::Relaxed,
+                    std::sync::atomic::Ordering::Relaxed,
+                    |left| left.checked_sub(1),
+                )
+                .is_ok()
+            {
+                let sent = Instant::now();
+                let response = http.get(&url).send().await.context("a GET")?;
+                anyhow::ensure!(
+                    response.status().is_success(),
+                    "{url} answered {}",
+                    response.status()
+                );
+                response.bytes().await.context("a reply")?;
+                latencies.push(sent.elapsed());
+            }
+            Ok::<Latencies, anyhow::Error>(latencies)
+        }));
+    }
+    let mut all = Latencies::default();
+    for task in tasks {
+        all.extend(task.await.context("a client task")??);
+    }
+    let rate = requests as f64 / started.elapsed().as_secs_f64();
+    Ok((all, rate))
+}
+
+async fn gateway(args: GatewayBench) -> Result<()> {
+    // reqwest's TLS needs the process's cryptography chosen (plain HTTP
+    // here, but the client is built with TLS support).
+    muster_api::tls::provider();
+    let reply = bytes::Bytes::from(vec![b'x'; args.reply_bytes as usize]);
+    let backend = backend(reply).await?;
+    let table = muster_api::protocol::EndpointTable {
+        instance: 0,
+        version: 1,
+        services: std::collections::BTreeMap::from([(
+            "bench".to_string(),
+            vec![muster_api::protocol::Endpoint {
+                job: 1,
+                revision: 1,
+                address: backend.to_string(),
+            }],
+        )]),
+    };
+    let gateway = muster_server::gateway::start(
+        muster_server::gateway::GatewayConfig {
+            listen: "127.0.0.1:0".parse()?,
+            upstream_timeout: Duration::from_secs(30),
+        },
+        muster_server::gateway::Endpoints::Fixed(table),
+    )
+    .await?;
+    let direct_url = format!("http://{backend}/hello");
+    let gateway_url = format!("http://{}/bench/hello", gateway.addr);
+    // Warm both paths (connections, pools) before measuring.
+    get_load(&direct_url, args.clients, 200).await?;
+    get_load(&gateway_url, args.clients, 200).await?;
+    println!(
+        "{} clients, {} GETs a round, {} rounds of each path alternating, {}-byte replies",
+        args.clients, args.requests, args.rounds, args.reply_bytes
+    );
+    let mut rows: Vec<(f64, f64, f64, f64, f64, f64)> = Vec::new();
+    for round in 1..=args.rounds {
+        let (mut direct, direct_rate) = get_load(&direct_url, args.clients, args.requests).await?;
+        let (mut via, via_rate) = get_load(&gateway_url, args.clients, args.requests).await?;
+        let row = (
+            direct.percentile_ms(50.0),
+            direct.percentile_ms(99.0),
+            direct_rate,
+            via.percentile_ms(50.0),
+            via.percentile_ms(99.0),
+            via_rate,
+        );
+        println!(
+            "round {round}: direct p50 {:.3} ms p99 {:.3} ms {:.0}/s; gateway p50 {:.3} ms p99 {:.3} ms {:.0}/s; added p50 {:.3} ms p99 {:.3} ms",
+            row.0,
+            row.1,
+            row.2,
+            row.3,
+            row.4,
+            row.5,
+            row.3 - row.0,
+            row.4 - row.1
+        );
+        rows.push(row);
+    }
+    let column = |pick: fn(&(f64, f64, f64, f64, f64, f64)) -> f64| {
+        let mut values: Vec<f64> = rows.iter().map(pick).collect();
+        median(&mut values)
+    };
+    let added_p50 = column(|row| row.3 - row.0);
+    let added_p99 = column(|row| row.4 - row.1);
+    println!(
+        "median of rounds: direct p50 {:.3} ms p99 {:.3} ms {:.0}/s; gateway p50 {:.3} ms p99 {:.3} ms {:.0}/s",
+        column(|row| row.0),
+        column(|row| row.1),
+        column(|row| row.2),
+        column(|row| row.3),
+        column(|row| row.4),
+        column(|row| row.5)
+    );
+    println!(
+        "added by the gateway (median of rounds): p50 {added_p50:.3} ms, p99 {added_p99:.3} ms \
+         (target p99 under 2 ms: {}); gateway at {:.0}% of the direct rate",
+        if added_p99 < 2.0 { "met" } else { "not met" },
+        100.0 * column(|row| row.5) / column(|row| row.2)
+    );
+    gateway.stop().await;
     Ok(())
 }

@@ -935,7 +935,7 @@ pub fn gateway(args: GatewayArgs) -> Result<()> {
                 listen: args.listen,
                 upstream_timeout: Duration::from_secs(args.upstream_timeout.max(1)),
             },
-            client,
+            muster_server::gateway::Endpoints::Server(client),
         )
         .await?;
         eprintln!(
