@@ -2565,6 +2565,10 @@ async fn get_load(url: &str, clients: u64, requests: u64) -> Result<(Latencies, 
     Ok((all, rate))
 }
 
+/// One round of `muster bench gateway`: direct p50, p99 (ms) and rate,
+/// then the same through the gateway.
+type GatewayRound = (f64, f64, f64, f64, f64, f64);
+
 async fn gateway(args: GatewayBench) -> Result<()> {
     // reqwest's TLS needs the process's cryptography chosen (plain HTTP
     // here, but the client is built with TLS support).
@@ -2600,7 +2604,7 @@ async fn gateway(args: GatewayBench) -> Result<()> {
         "{} clients, {} GETs a round, {} rounds of each path alternating, {}-byte replies",
         args.clients, args.requests, args.rounds, args.reply_bytes
     );
-    let mut rows: Vec<(f64, f64, f64, f64, f64, f64)> = Vec::new();
+    let mut rows: Vec<GatewayRound> = Vec::new();
     for round in 1..=args.rounds {
         let (mut direct, direct_rate) = get_load(&direct_url, args.clients, args.requests).await?;
         let (mut via, via_rate) = get_load(&gateway_url, args.clients, args.requests).await?;
@@ -2625,7 +2629,7 @@ async fn gateway(args: GatewayBench) -> Result<()> {
         );
         rows.push(row);
     }
-    let column = |pick: fn(&(f64, f64, f64, f64, f64, f64)) -> f64| {
+    let column = |pick: fn(&GatewayRound) -> f64| {
         let mut values: Vec<f64> = rows.iter().map(pick).collect();
         median(&mut values)
     };
