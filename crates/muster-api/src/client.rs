@@ -760,6 +760,12 @@ impl Client {
             .await
     }
 
+    /// A gateway's traffic per service, for the autoscaler.
+    pub async fn report_traffic(&self, report: &TrafficReport) -> Result<TrafficAck, ClientError> {
+        self.post("/v1/traffic", report, Some(Duration::from_secs(5)))
+            .await
+    }
+
     /// Every service's ready replicas; with `after` (an instance and a
     /// version of an earlier answer), waits (up to 30 s) for a version past
     /// it.

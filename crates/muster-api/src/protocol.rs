@@ -1301,6 +1301,10 @@ pub struct ServiceView {
     /// Being deleted: its replicas drain and stop.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deleting: bool,
+    /// For an autoscaled service: its bounds, what it follows, and why it
+    /// asks for `replicas` now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<String>,
     pub replica_list: Vec<ReplicaView>,
     pub revisions: Vec<RevisionView>,
     /// The current revision's spec, as stored.
@@ -1353,4 +1357,35 @@ pub struct EndpointTable {
     pub instance: u64,
     pub version: u64,
     pub services: BTreeMap<String, Vec<Endpoint>>,
+}
+
+/// `POST /v1/traffic`: what one gateway has seen of each service (an
+/// operator's or admin's token): the autoscaler's input.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct TrafficReport {
+    /// The gateway (a name of its own, the same in every report).
+    #[cfg_attr(feature = "openapi", schema(max_length = 128))]
+    pub gateway: String,
+    pub services: BTreeMap<String, ServiceTraffic>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ServiceTraffic {
+    /// Requests received since the gateway started (a counter).
+    pub requests: u64,
+    /// Requests being served now.
+    pub in_flight: u64,
+    /// Requests held for want of a ready replica.
+    pub waiting: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TrafficAck {
+    /// Services of the report the server knows.
+    pub known: u32,
 }

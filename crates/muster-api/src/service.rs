@@ -31,6 +31,15 @@ pub const SERVICE_FIELDS: &[&str] = &[
     "spread",
     "restart",
     "drain",
+    "autoscale",
+];
+const AUTOSCALE_FIELDS: &[&str] = &[
+    "min_replicas",
+    "max_replicas",
+    "requests_per_second",
+    "in_flight",
+    "gpu_utilization",
+    "window",
 ];
 const PROBE_FIELDS: &[&str] = &[
     "http",
@@ -212,6 +221,9 @@ pub fn parse_service_spec_value(value: &Value) -> Result<model::ServiceSpec, Spe
             .duration(value, "drain")
             .unwrap_or(Duration::from_secs(2)),
     };
+    let autoscale = map
+        .get("autoscale")
+        .and_then(|value| reader.autoscale(value));
     if let Some(template) = &template
         && !is_service_name(&template.name)
     {
@@ -237,6 +249,7 @@ pub fn parse_service_spec_value(value: &Value) -> Result<model::ServiceSpec, Spe
             spread,
             restart,
             drain,
+            autoscale,
         }),
         _ => Err(SpecErrors(reader.errors)),
     }
@@ -317,6 +330,84 @@ impl Reader {
             }
         }
         Some(section)
+    }
+
+    fn positive(&mut self, value: &Value, path: &str, maximum: f64) -> Option<f64> {
+        match value.as_f64() {
+            Some(number) if number > 0.0 && number <= maximum => Some(number),
+            _ => {
+                self.fail(
+                    path,
+                    format!("expected a number above 0 and at most {maximum}, got {value}"),
+                );
+                None
+            }
+        }
+    }
+
+    fn autoscale(&mut self, value: &Value) -> Option<model::Autoscale> {
+        let section = self.section(value, "autoscale", AUTOSCALE_FIELDS)?;
+        let bound = |reader: &mut Reader, name: &str| {
+            let path = format!("autoscale.{name}");
+            match section.get(name) {
+                Some(value) => reader.whole(value, &path, 0, model::MAX_REPLICAS),
+                None => {
+                    reader.fail(&path, "required: a whole number of replicas");
+                    None
+                }
+            }
+        };
+        let min_replicas = bound(self, "min_replicas");
+        let max_replicas = bound(self, "max_replicas");
+        let mut metrics = Vec::new();
+        if let Some(value) = section.get("requests_per_second") {
+            metrics.push(
+                self.positive(value, "autoscale.requests_per_second", 1e9)
+                    .map(model::ScaleMetric::RequestRate),
+            );
+        }
+        if let Some(value) = section.get("in_flight") {
+            metrics.push(
+                self.positive(value, "autoscale.in_flight", 1e9)
+                    .map(model::ScaleMetric::InFlight),
+            );
+        }
+        if let Some(value) = section.get("gpu_utilization") {
+            metrics.push(
+                self.positive(value, "autoscale.gpu_utilization", 100.0)
+                    .map(model::ScaleMetric::GpuUtilization),
+            );
+        }
+        if metrics.len() != 1 {
+            self.fail(
+                "autoscale",
+                "say what to follow, once: `requests_per_second: N` or `in_flight: N` (per \
+                 replica, at the gateways) or `gpu_utilization: PCT` (of the replicas' GPUs)",
+            );
+            return None;
+        }
+        let metric = metrics.pop().flatten()?;
+        let window = match section.get("window") {
+            Some(value) => self.duration(value, "autoscale.window")?,
+            None => Duration::from_secs(60),
+        };
+        let (min_replicas, max_replicas) = (min_replicas?, max_replicas?);
+        if max_replicas == 0 || max_replicas < min_replicas {
+            self.fail(
+                "autoscale.max_replicas",
+                format!(
+                    "must be at least 1 and at least min_replicas ({min_replicas}), got \
+                     {max_replicas}"
+                ),
+            );
+            return None;
+        }
+        Some(model::Autoscale {
+            min_replicas,
+            max_replicas,
+            metric,
+            window,
+        })
     }
 
     fn probe(&mut self, value: &Value, path: &str) -> Option<model::Probe> {
@@ -459,6 +550,19 @@ pub fn service_spec_value(spec: &model::ServiceSpec) -> Value {
         }),
     );
     map.insert("drain".into(), spec.drain.as_secs().into());
+    if let Some(autoscale) = &spec.autoscale {
+        let mut out = serde_json::json!({
+            "min_replicas": autoscale.min_replicas,
+            "max_replicas": autoscale.max_replicas,
+            "window": autoscale.window.as_secs(),
+        });
+        match autoscale.metric {
+            model::ScaleMetric::RequestRate(rate) => out["requests_per_second"] = rate.into(),
+            model::ScaleMetric::InFlight(count) => out["in_flight"] = count.into(),
+            model::ScaleMetric::GpuUtilization(pct) => out["gpu_utilization"] = pct.into(),
+        }
+        map.insert("autoscale".into(), out);
+    }
     value
 }
 
@@ -478,6 +582,7 @@ liveness: {tcp: true, period: 5s}
 update: {max_surge: 0, max_unavailable: 1, progress_deadline: 20s}
 spread: racks
 restart: {initial: 2s, max: 30s}
+autoscale: {min_replicas: 0, max_replicas: 5, requests_per_second: 20, window: 30s}
 ";
 
     #[test]
@@ -504,6 +609,15 @@ restart: {initial: 2s, max: 30s}
         assert_eq!(spec.update.progress_deadline, Some(Duration::from_secs(20)));
         assert_eq!(spec.spread, model::Spread::Racks);
         assert_eq!(spec.restart.initial, Duration::from_secs(2));
+        assert_eq!(
+            spec.autoscale,
+            Some(model::Autoscale {
+                min_replicas: 0,
+                max_replicas: 5,
+                metric: model::ScaleMetric::RequestRate(20.0),
+                window: Duration::from_secs(30),
+            })
+        );
         let again = parse_service_spec_value(&service_spec_value(&spec)).expect("reads back");
         assert_eq!(again, spec);
     }
@@ -520,6 +634,7 @@ command: [x]
 readiness: {http: healthz}
 update: {max_surge: 0, max_unavailable: 0, surge: 1}
 spread: zones
+autoscale: {min_replicas: 2, max_replicas: 1, in_flight: 3, gpu_utilization: 50}
 ",
         )
         .expect_err("invalid")
@@ -532,6 +647,7 @@ spread: zones
             "update.surge: unknown field",
             "update: max_surge and max_unavailable cannot both be 0",
             "spread: expected \"nodes\"",
+            "autoscale: say what to follow, once",
             "name",
         ] {
             assert!(

@@ -8,7 +8,8 @@
 //! carries out the [`Action`]s of [`reconcile`]: it submits, drains and
 //! cancels jobs. The same rules drive the simulator's service replay.
 
-use muster_model::{JobId, Probe, ServiceSpec, Time};
+use muster_model::{Autoscale, JobId, Probe, ScaleMetric, ServiceSpec, Time};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 /// How one replica is doing, as the shell sees it.
@@ -328,6 +329,94 @@ fn note_failure(now: Time, spec: &ServiceSpec, state: &mut ControllerState, why:
     state.next_start = now.plus_millis(backoff(spec, state.failures_in_row).as_millis() as u64);
 }
 
+/// What an autoscaled service's replicas see, summed over the gateways.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Load {
+    /// Requests per second.
+    pub request_rate: f64,
+    /// Requests in flight.
+    pub in_flight: f64,
+    /// Requests held for want of a ready replica (scale from zero).
+    pub waiting: u64,
+    /// Mean utilisation of the ready replicas' GPUs (percent), if known.
+    pub gpu_utilization: Option<f64>,
+    /// Ready replicas.
+    pub ready: u32,
+}
+
+/// The autoscaler's memory of one service: its recent recommendations.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AutoscalerState {
+    recent: VecDeque<(Time, u32)>,
+}
+
+/// How many replicas `autoscale` asks for now, from `current` (the count
+/// asked for so far): at once when more, and when fewer, the most any
+/// recommendation of the last `window` asked for (so a dip does not stop
+/// replicas that the next burst needs). Held requests ask for one replica
+/// at least. Also returns the reason in words.
+pub fn autoscale(
+    now: Time,
+    autoscale: &Autoscale,
+    current: u32,
+    load: &Load,
+    state: &mut AutoscalerState,
+) -> (u32, String) {
+    let (wanted, why) = match autoscale.metric {
+        ScaleMetric::RequestRate(per) => (
+            (load.request_rate / per).ceil(),
+            format!("{:.1} requests/s for {per} a replica", load.request_rate),
+        ),
+        ScaleMetric::InFlight(per) => (
+            (load.in_flight / per).ceil(),
+            format!(
+                "{:.1} requests in flight for {per} a replica",
+                load.in_flight
+            ),
+        ),
+        ScaleMetric::GpuUtilization(pct) => match load.gpu_utilization {
+            Some(mean) if load.ready > 0 => (
+                (f64::from(load.ready) * mean / pct).ceil(),
+                format!(
+                    "GPUs {mean:.0}% busy on {} ready replicas for {pct}%",
+                    load.ready
+                ),
+            ),
+            _ => (f64::from(current), "no GPU telemetry yet".to_string()),
+        },
+    };
+    let mut wanted = if wanted.is_finite() && wanted > 0.0 {
+        wanted.min(f64::from(u32::MAX)) as u32
+    } else {
+        0
+    };
+    let mut why = why;
+    if load.waiting > 0 && wanted == 0 {
+        wanted = 1;
+        why = format!("{} requests held for a replica", load.waiting);
+    }
+    let wanted = wanted.clamp(autoscale.min_replicas, autoscale.max_replicas);
+    let window = autoscale.window.as_millis() as u64;
+    while state
+        .recent
+        .front()
+        .is_some_and(|(at, _)| now.millis_since(*at) > window)
+    {
+        state.recent.pop_front();
+    }
+    state.recent.push_back((now, wanted));
+    if wanted >= current {
+        return (wanted, why);
+    }
+    let most = state
+        .recent
+        .iter()
+        .map(|(_, count)| *count)
+        .max()
+        .unwrap_or(wanted);
+    (most.min(current), why)
+}
+
 /// One check's record for one replica: when it is due, and whether it
 /// passes (after its thresholds).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -405,6 +494,7 @@ mod tests {
             spread: Default::default(),
             restart: Default::default(),
             drain: Duration::from_secs(2),
+            autoscale: None,
         }
     }
 
@@ -604,6 +694,71 @@ mod tests {
             rollout.contains("rollout to revision 2 stopped"),
             "{rollout}"
         );
+    }
+
+    #[test]
+    fn autoscaling_follows_the_load_up_at_once_and_down_after_the_window() {
+        let rule = Autoscale {
+            min_replicas: 0,
+            max_replicas: 4,
+            metric: ScaleMetric::RequestRate(10.0),
+            window: Duration::from_secs(10),
+        };
+        let mut state = AutoscalerState::default();
+        let load = |rate: f64| Load {
+            request_rate: rate,
+            ..Load::default()
+        };
+        // Idle at zero; a held request asks for one.
+        assert_eq!(autoscale(Time(0), &rule, 0, &load(0.0), &mut state).0, 0);
+        let held = Load {
+            waiting: 2,
+            ..Load::default()
+        };
+        assert_eq!(autoscale(Time(1_000), &rule, 0, &held, &mut state).0, 1);
+        // Up at once, never past the maximum.
+        assert_eq!(
+            autoscale(Time(2_000), &rule, 1, &load(25.0), &mut state).0,
+            3
+        );
+        assert_eq!(
+            autoscale(Time(3_000), &rule, 3, &load(500.0), &mut state).0,
+            4
+        );
+        // Down only once the window has no higher recommendation.
+        assert_eq!(
+            autoscale(Time(4_000), &rule, 4, &load(5.0), &mut state).0,
+            4
+        );
+        assert_eq!(
+            autoscale(Time(13_000), &rule, 4, &load(5.0), &mut state).0,
+            4
+        );
+        assert_eq!(
+            autoscale(Time(13_001), &rule, 4, &load(5.0), &mut state).0,
+            1
+        );
+        assert_eq!(
+            autoscale(Time(20_000), &rule, 1, &load(0.0), &mut state).0,
+            1
+        );
+        assert_eq!(
+            autoscale(Time(23_002), &rule, 1, &load(0.0), &mut state).0,
+            0
+        );
+        // GPU utilisation: 3 replicas at 90% for a 60% target ask for 5 (max 4).
+        let gpu = Autoscale {
+            metric: ScaleMetric::GpuUtilization(60.0),
+            min_replicas: 1,
+            ..rule
+        };
+        let busy = Load {
+            gpu_utilization: Some(90.0),
+            ready: 3,
+            ..Load::default()
+        };
+        let (count, why) = autoscale(Time(0), &gpu, 3, &busy, &mut AutoscalerState::default());
+        assert_eq!(count, 4, "{why}");
     }
 
     #[test]

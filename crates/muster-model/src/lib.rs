@@ -25,6 +25,6 @@ pub use node::{
 pub use quantity::{CpuMilli, GpuMilli, GpuRequest, MemoryMib, Time};
 pub use queue::{Budget, QueueName, QueueSpec};
 pub use service::{
-    KEPT_REVISIONS, MAX_REPLICAS, MAX_SERVICE_NAME_LENGTH, Probe, ProbeAction, RestartBackoff,
-    ServiceRef, ServiceSpec, Spread, UpdateStrategy,
+    Autoscale, KEPT_REVISIONS, MAX_REPLICAS, MAX_SERVICE_NAME_LENGTH, Probe, ProbeAction,
+    RestartBackoff, ScaleMetric, ServiceRef, ServiceSpec, Spread, UpdateStrategy,
 };

@@ -118,6 +118,29 @@ impl Default for RestartBackoff {
     }
 }
 
+/// What the replica count follows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ScaleMetric {
+    /// Requests per second through the gateways, per replica.
+    RequestRate(f64),
+    /// Requests in flight at the gateways, per replica.
+    InFlight(f64),
+    /// Mean GPU utilisation of the replicas' GPUs, percent.
+    GpuUtilization(f64),
+}
+
+/// Replicas between `min_replicas` and `max_replicas`, as many as the
+/// metric asks; fewer only once the metric has asked for no more for the
+/// whole `window` (stabilisation). `min_replicas: 0` scales to zero (the
+/// gateway holds the first request until a replica is ready).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Autoscale {
+    pub min_replicas: u32,
+    pub max_replicas: u32,
+    pub metric: ScaleMetric,
+    pub window: Duration,
+}
+
 /// A validated service spec.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServiceSpec {
@@ -136,6 +159,8 @@ pub struct ServiceSpec {
     /// How long a replica is out of the endpoints before it is stopped
     /// (requests in flight finish; clients stop picking it).
     pub drain: Duration,
+    /// `None`: `replicas` replicas, set by hand (`muster services scale`).
+    pub autoscale: Option<Autoscale>,
 }
 
 impl ServiceSpec {

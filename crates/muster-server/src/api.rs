@@ -95,6 +95,7 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
             get(crate::services::service_endpoints),
         )
         .route("/v1/endpoints", get(crate::services::endpoint_table))
+        .route("/v1/traffic", post(crate::services::report_traffic))
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/nodes/{name}", get(get_node).delete(remove_node))
         .route("/v1/nodes/{name}/telemetry", get(node_history))
@@ -312,6 +313,8 @@ fn need_of(method: &axum::http::Method, path: &str) -> Need {
         (["nodes", _], false) | (["nodes", _, _], false) => Role::Operator,
         (["pools", _, "policy"], false) => Role::Operator,
         (["cost"], true) => Role::Operator,
+        // Gateways' traffic moves autoscaled services: not for any user.
+        (["traffic"], false) => Role::Operator,
         _ => Role::Admin,
     };
     Need::Role(role)
@@ -2695,7 +2698,7 @@ async fn push_logs(
         crate::services::get_service, crate::services::update_service,
         crate::services::delete_service, crate::services::scale_service,
         crate::services::rollback_service, crate::services::service_endpoints,
-        crate::services::endpoint_table,
+        crate::services::endpoint_table, crate::services::report_traffic,
     ),
     components(schemas(ErrorBody, ErrorCode)),
     modifiers(&BearerAuth, &ErrorAnswers),

@@ -45,6 +45,27 @@ pub struct GatewayConfig {
     pub listen: SocketAddr,
     /// A reply from a replica slower than this is a 504.
     pub upstream_timeout: Duration,
+    /// A request for a service with no ready replica (scaled to zero,
+    /// starting) waits this long for one before it is answered 503.
+    pub hold: Duration,
+}
+
+/// What the gateway has seen of one service, reported to the server for
+/// its autoscaler.
+#[derive(Debug, Default)]
+struct Counts {
+    requests: std::sync::atomic::AtomicU64,
+    in_flight: std::sync::atomic::AtomicU64,
+    waiting: std::sync::atomic::AtomicU64,
+}
+
+/// Decrements a count when dropped.
+struct Held<'a>(&'a std::sync::atomic::AtomicU64);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// One replica in the rotation.
@@ -158,6 +179,11 @@ impl Metrics {
 
 struct State {
     routes: RwLock<BTreeMap<String, Arc<Pool>>>,
+    /// Bumped by every new table (held requests wait on it).
+    updated: tokio::sync::watch::Sender<u64>,
+    counts: RwLock<BTreeMap<String, Arc<Counts>>>,
+    /// Wakes the traffic reporter (a request is held).
+    report_now: tokio::sync::Notify,
     http: HttpClient<HttpConnector, GatewayBody>,
     metrics: Metrics,
     config: GatewayConfig,
@@ -202,6 +228,48 @@ impl State {
             );
         }
         *routes = next;
+        drop(routes);
+        self.updated.send_modify(|version| *version += 1);
+    }
+
+    fn counts(&self, service: &str) -> Arc<Counts> {
+        if let Some(counts) = match self.counts.read() {
+            Ok(counts) => counts,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+        .get(service)
+        {
+            return counts.clone();
+        }
+        let mut counts = match self.counts.write() {
+            Ok(counts) => counts,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        counts.entry(service.to_string()).or_default().clone()
+    }
+
+    /// The traffic seen per service (known services only).
+    fn report(&self, gateway: &str) -> muster_api::protocol::TrafficReport {
+        let counts = match self.counts.read() {
+            Ok(counts) => counts,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        muster_api::protocol::TrafficReport {
+            gateway: gateway.to_string(),
+            services: counts
+                .iter()
+                .map(|(service, counts)| {
+                    (
+                        service.clone(),
+                        muster_api::protocol::ServiceTraffic {
+                            requests: counts.requests.load(Ordering::Relaxed),
+                            in_flight: counts.in_flight.load(Ordering::Relaxed),
+                            waiting: counts.waiting.load(Ordering::Relaxed),
+                        },
+                    )
+                })
+                .collect(),
+        }
     }
 
     fn pool(&self, service: &str) -> Option<Arc<Pool>> {
@@ -259,6 +327,9 @@ pub async fn start(config: GatewayConfig, endpoints: Endpoints) -> anyhow::Resul
         .build(connector);
     let state = Arc::new(State {
         routes: RwLock::new(BTreeMap::new()),
+        updated: tokio::sync::watch::channel(0).0,
+        counts: RwLock::new(BTreeMap::new()),
+        report_now: tokio::sync::Notify::new(),
         http,
         metrics: Metrics::new(),
         config,
@@ -267,6 +338,17 @@ pub async fn start(config: GatewayConfig, endpoints: Endpoints) -> anyhow::Resul
     let mut tasks = Vec::new();
     match endpoints {
         Endpoints::Server(server) => {
+            let name = format!("{}-{:08x}", addr, {
+                let mut bytes = [0u8; 4];
+                let _ = getrandom::fill(&mut bytes);
+                u32::from_le_bytes(bytes)
+            });
+            tasks.push(tokio::spawn(report(
+                state.clone(),
+                server.clone(),
+                name,
+                stopped.clone(),
+            )));
             tasks.push(tokio::spawn(follow(state.clone(), server, stopped.clone())))
         }
         Endpoints::Fixed(table) => state.update(&table),
@@ -300,6 +382,30 @@ async fn follow(
                     _ = stopped.changed() => return,
                 }
             }
+        }
+    }
+}
+
+/// Tells the server what each service's requests are (every second, and at
+/// once when a request is held), for its autoscaler.
+async fn report(
+    state: Arc<State>,
+    server: Client,
+    name: String,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = state.report_now.notified() => {}
+            _ = stopped.changed() => return,
+        }
+        let report = state.report(&name);
+        if report.services.is_empty() {
+            continue;
+        }
+        if let Err(error) = server.report_traffic(&report).await {
+            tracing::debug!(%error, "the traffic report was not taken");
         }
     }
 }
@@ -447,15 +553,45 @@ async fn handle(
             "name a service: http://GATEWAY/NAME/... or a host NAME.DOMAIN".to_string(),
         );
     };
-    let Some(pool) = state.pool(&service) else {
+    let Some(mut pool) = state.pool(&service) else {
         return text(
             StatusCode::NOT_FOUND,
             format!("no service {service} (`muster services list` lists them)"),
         );
     };
+    let counts = state.counts(&service);
+    counts.requests.fetch_add(1, Ordering::Relaxed);
+    counts.in_flight.fetch_add(1, Ordering::Relaxed);
+    let _in_flight = Held(&counts.in_flight);
     let label = ServiceLabel {
         service: service.clone(),
     };
+    if pool.backends.is_empty() {
+        // Scaled to zero, or starting: the request waits for a replica.
+        counts.waiting.fetch_add(1, Ordering::Relaxed);
+        let _waiting = Held(&counts.waiting);
+        state.report_now.notify_one();
+        let mut updated = state.updated.subscribe();
+        let deadline = tokio::time::Instant::now() + state.config.hold;
+        loop {
+            match state.pool(&service) {
+                Some(now) if !now.backends.is_empty() => {
+                    pool = now;
+                    break;
+                }
+                Some(_) => {}
+                None => {
+                    return text(StatusCode::NOT_FOUND, format!("service {service} is gone"));
+                }
+            }
+            if tokio::time::timeout_at(deadline, updated.changed())
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+    }
     let in_flight = state.metrics.in_flight.get_or_create(&label).clone();
     in_flight.inc();
     let response = forward_request(state, &pool, &label, request, &forward, peer).await;

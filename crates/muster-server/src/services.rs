@@ -15,9 +15,11 @@ use axum::extract::State;
 use muster_api::protocol::{
     Endpoint, EndpointList, EndpointTable, ErrorBody, ErrorCode, ReplicaView, RevisionView,
     RollbackRequest, ScaleRequest, ServiceEvent, ServiceList, ServiceRequest, ServiceView,
+    TrafficAck, TrafficReport,
 };
 use muster_control::services::{
-    Action, ControllerState, ProbeState, Replica, ReplicaRun, Status, reconcile,
+    Action, AutoscalerState, ControllerState, Load, ProbeState, Replica, ReplicaRun, Status,
+    autoscale, reconcile,
 };
 use muster_control::{AllocationState, JobState};
 use muster_model::{JobId, Probe, ProbeAction, ServiceRef, ServiceSpec, Time};
@@ -104,8 +106,13 @@ impl Track {
 
 struct Entry {
     record: ServiceRecord,
+    /// The current revision's spec; its `replicas` is what the controller
+    /// keeps (the autoscaler's count when it has one).
     spec: ServiceSpec,
     controller: ControllerState,
+    autoscaler: AutoscalerState,
+    /// Why the autoscaler asks for the count it asks for.
+    autoscaled: Option<String>,
     replicas: BTreeMap<JobId, Track>,
     status: Status,
     events: VecDeque<(u64, String)>,
@@ -154,6 +161,7 @@ impl Default for Services {
 #[derive(Default)]
 pub struct ServiceState {
     services: std::sync::Mutex<Services>,
+    traffic: std::sync::Mutex<Traffic>,
     edit: tokio::sync::Mutex<()>,
     /// Bumped with the endpoint table's version.
     changed: tokio::sync::watch::Sender<u64>,
@@ -191,6 +199,8 @@ pub fn load(shared: &Shared, records: Vec<ServiceRecord>) {
                         record,
                         spec,
                         controller: ControllerState::default(),
+                        autoscaler: AutoscalerState::default(),
+                        autoscaled: None,
                         replicas: BTreeMap::new(),
                         status: Status::default(),
                         events: VecDeque::new(),
@@ -212,6 +222,75 @@ pub fn load(shared: &Shared, records: Vec<ServiceRecord>) {
         {
             entry.replicas.insert(job.id, Track::new(service.revision));
         }
+    }
+    // An autoscaled service starts from the replicas it has.
+    for entry in services.entries.values_mut() {
+        if let Some(rule) = entry.spec.autoscale
+            && !entry.record.deleting
+        {
+            entry.spec.replicas =
+                (entry.replicas.len() as u32).clamp(rule.min_replicas, rule.max_replicas);
+        }
+    }
+}
+
+/// The gateways' latest reports (memory only).
+#[derive(Default)]
+struct Traffic {
+    gateways: BTreeMap<String, GatewaySeen>,
+}
+
+struct GatewaySeen {
+    at: Time,
+    report: TrafficReport,
+    /// Requests per second per service, from its last two reports.
+    rates: BTreeMap<String, f64>,
+}
+
+/// A gateway silent this long no longer counts.
+const TRAFFIC_STALE_MS: u64 = 10_000;
+/// The most gateways kept.
+const MAX_GATEWAYS: usize = 1_000;
+
+impl Traffic {
+    fn take(&mut self, at: Time, report: TrafficReport) {
+        self.gateways
+            .retain(|_, seen| at.millis_since(seen.at) <= TRAFFIC_STALE_MS);
+        let mut rates = BTreeMap::new();
+        if let Some(before) = self.gateways.get(&report.gateway) {
+            let seconds = at.millis_since(before.at) as f64 / 1000.0;
+            for (service, now) in &report.services {
+                let rate = match before.report.services.get(service) {
+                    Some(then) if seconds > 0.0 && now.requests >= then.requests => {
+                        (now.requests - then.requests) as f64 / seconds
+                    }
+                    // A counter that went back: the gateway restarted.
+                    _ => before.rates.get(service).copied().unwrap_or(0.0),
+                };
+                rates.insert(service.clone(), rate);
+            }
+        }
+        if self.gateways.len() >= MAX_GATEWAYS && !self.gateways.contains_key(&report.gateway) {
+            return;
+        }
+        self.gateways
+            .insert(report.gateway.clone(), GatewaySeen { at, report, rates });
+    }
+
+    /// A service's load, summed over the gateways heard from lately.
+    fn load(&self, at: Time, service: &str) -> Load {
+        let mut load = Load::default();
+        for seen in self.gateways.values() {
+            if at.millis_since(seen.at) > TRAFFIC_STALE_MS {
+                continue;
+            }
+            load.request_rate += seen.rates.get(service).copied().unwrap_or(0.0);
+            if let Some(counts) = seen.report.services.get(service) {
+                load.in_flight += counts.in_flight as f64;
+                load.waiting += counts.waiting;
+            }
+        }
+        load
     }
 }
 
@@ -423,10 +502,32 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
             }
         }
         let names: Vec<String> = services.entries.keys().cloned().collect();
+        let traffic = match shared.services.traffic.lock() {
+            Ok(traffic) => traffic,
+            Err(poisoned) => poisoned.into_inner(),
+        };
         for name in names {
             let Some(entry) = services.entries.get_mut(&name) else {
                 continue;
             };
+            if let Some(rule) = entry.spec.autoscale
+                && !entry.record.deleting
+            {
+                let mut load = traffic.load(at, &name);
+                load.ready = entry.status.ready;
+                if matches!(rule.metric, muster_model::ScaleMetric::GpuUtilization(_)) {
+                    load.gpu_utilization = gpu_utilization(shared, entry, at);
+                }
+                let current = entry.spec.replicas;
+                let (count, why) = autoscale(at, &rule, current, &load, &mut entry.autoscaler);
+                if count != current {
+                    entry.event(format!(
+                        "autoscaled from {current} to {count} replicas: {why}"
+                    ));
+                    entry.spec.replicas = count;
+                }
+                entry.autoscaled = Some(why);
+            }
             let replicas: Vec<Replica> = seen
                 .iter()
                 .filter(|replica| replica.service == name)
@@ -480,6 +581,7 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
                 finished.push(name.clone());
             }
         }
+        drop(traffic);
         publish(shared, &mut services, &seen);
     }
     for (name, action) in todo {
@@ -518,6 +620,41 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
             }
         }
     }
+}
+
+/// The mean utilisation of the GPUs of `entry`'s running replicas, from
+/// their nodes' fresh telemetry.
+fn gpu_utilization(shared: &Shared, entry: &Entry, at: Time) -> Option<f64> {
+    let telemetry = match shared.telemetry.lock() {
+        Ok(telemetry) => telemetry,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    let core = shared.read();
+    let control = core.control();
+    let (mut sum, mut count) = (0.0, 0u32);
+    for &job in entry.replicas.keys() {
+        let Some(allocation) = control
+            .job(job)
+            .and_then(|job| job.allocations.first())
+            .and_then(|id| control.allocation(*id))
+            .filter(|allocation| allocation.state == AllocationState::Running)
+        else {
+            continue;
+        };
+        let Some(node) = telemetry.get(&allocation.node.0) else {
+            continue;
+        };
+        if at.0.saturating_sub(node.received_ms) > crate::metrics::STALE_MS {
+            continue;
+        }
+        for (index, _) in &allocation.gpus {
+            if let Some(gpu) = node.report.gpus.iter().find(|gpu| gpu.index == *index) {
+                sum += f64::from(gpu.utilization_pct);
+                count += 1;
+            }
+        }
+    }
+    (count > 0).then(|| sum / f64::from(count))
 }
 
 /// Recomputes the endpoint table; a change bumps its version and wakes
@@ -746,7 +883,7 @@ fn view(shared: &Shared, entry: &Entry, endpoints: &[Endpoint]) -> ServiceView {
         user: entry.record.user.clone(),
         queue: entry.spec.template.queue.0.clone(),
         revision: entry.record.current,
-        replicas: entry.record.replicas,
+        replicas: entry.spec.replicas,
         current: entry.status.current,
         ready: entry.status.ready,
         updated: entry.status.updated,
@@ -754,6 +891,27 @@ fn view(shared: &Shared, entry: &Entry, endpoints: &[Endpoint]) -> ServiceView {
         backoff_until_ms: entry.status.backoff_until.map(|time| time.0),
         last_failure: entry.controller.last_failure_why.clone(),
         deleting: entry.record.deleting,
+        autoscaling: entry.spec.autoscale.map(|rule| {
+            let follows = match rule.metric {
+                muster_model::ScaleMetric::RequestRate(rate) => {
+                    format!("{rate} requests/s a replica")
+                }
+                muster_model::ScaleMetric::InFlight(count) => {
+                    format!("{count} requests in flight a replica")
+                }
+                muster_model::ScaleMetric::GpuUtilization(pct) => format!("GPUs {pct}% busy"),
+            };
+            format!(
+                "{} to {} replicas for {follows} (down after {}s); now: {}",
+                rule.min_replicas,
+                rule.max_replicas,
+                rule.window.as_secs(),
+                entry
+                    .autoscaled
+                    .clone()
+                    .unwrap_or_else(|| "no traffic seen yet".into())
+            )
+        }),
         replica_list,
         revisions: entry
             .record
@@ -859,6 +1017,8 @@ pub async fn create_service(
             record,
             spec,
             controller: ControllerState::default(),
+            autoscaler: AutoscalerState::default(),
+            autoscaled: None,
             replicas: BTreeMap::new(),
             status: Status::default(),
             events: VecDeque::new(),
@@ -947,6 +1107,13 @@ pub async fn update_service(
         let mut services = shared.services.lock();
         if let Some(entry) = services.entries.get_mut(&name) {
             let current = record.current;
+            let mut spec = spec;
+            if let Some(rule) = spec.autoscale {
+                spec.replicas = entry
+                    .spec
+                    .replicas
+                    .clamp(rule.min_replicas, rule.max_replicas);
+            }
             entry.record = record;
             entry.spec = spec;
             entry.event(if new_revision {
@@ -1013,6 +1180,16 @@ pub async fn scale_service(
             return Err(ApiError::new(
                 ErrorCode::Conflict,
                 format!("service {name} is being deleted"),
+            ));
+        }
+        if let Some(rule) = entry.spec.autoscale {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "service {name} is autoscaled ({} to {} replicas); change `autoscale` in \
+                     its spec with `muster services update`",
+                    rule.min_replicas, rule.max_replicas
+                ),
             ));
         }
         entry.record.clone()
@@ -1100,6 +1277,16 @@ pub async fn rollback_service(
     let mut spec = muster_api::service::parse_service_spec_value(&kept.spec)
         .map_err(|errors| unprocessable(errors.to_string()))?;
     spec.replicas = record.replicas;
+    let autoscaled = {
+        let services = shared.services.lock();
+        services
+            .entries
+            .get(&name)
+            .map_or(record.replicas, |entry| entry.spec.replicas)
+    };
+    if let Some(rule) = spec.autoscale {
+        spec.replicas = autoscaled.clamp(rule.min_replicas, rule.max_replicas);
+    }
     let revision = record
         .revisions
         .iter()
@@ -1239,6 +1426,44 @@ pub async fn service_endpoints(
         service: name.clone(),
         endpoints: services.table.get(&name).cloned().unwrap_or_default(),
     }))
+}
+
+/// A gateway's traffic per service (an operator's or admin's token): what
+/// the autoscaler follows.
+#[utoipa::path(
+    post, path = "/v1/traffic", tag = "services",
+    request_body = TrafficReport,
+    responses((status = 200, body = TrafficAck)),
+    security(("bearer" = []))
+)]
+pub async fn report_traffic(
+    State(shared): Shared_,
+    Body(report): Body<TrafficReport>,
+) -> Result<Json<TrafficAck>, ApiError> {
+    if report.gateway.is_empty() || report.gateway.len() > 128 {
+        return Err(ApiError::invalid(
+            "gateway: a name of 1 to 128 characters, the same in every report",
+        ));
+    }
+    if report.services.len() > MAX_SERVICES {
+        return Err(ApiError::invalid(format!(
+            "services: at most {MAX_SERVICES} a report"
+        )));
+    }
+    let known = {
+        let services = shared.services.lock();
+        report
+            .services
+            .keys()
+            .filter(|name| services.entries.contains_key(*name))
+            .count() as u32
+    };
+    let mut traffic = match shared.services.traffic.lock() {
+        Ok(traffic) => traffic,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    traffic.take(now(), report);
+    Ok(Json(TrafficAck { known }))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]

@@ -2591,6 +2591,7 @@ async fn gateway(args: GatewayBench) -> Result<()> {
         muster_server::gateway::GatewayConfig {
             listen: "127.0.0.1:0".parse()?,
             upstream_timeout: Duration::from_secs(30),
+            hold: Duration::ZERO,
         },
         muster_server::gateway::Endpoints::Fixed(table),
     )

@@ -921,6 +921,10 @@ pub struct GatewayArgs {
     /// A reply from a replica slower than this is answered 504.
     #[arg(long, value_name = "DURATION", default_value = "300s", value_parser = crate::cli::parse_duration_s)]
     pub upstream_timeout: u64,
+    /// A request for a service with no ready replica (scaled to zero, or
+    /// starting) waits this long for one, then is answered 503.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = crate::cli::parse_duration_s)]
+    pub hold: u64,
     /// The server whose services it serves, and how to reach it.
     #[command(flatten)]
     pub connection: crate::commands::Connection,
@@ -934,6 +938,7 @@ pub fn gateway(args: GatewayArgs) -> Result<()> {
             muster_server::gateway::GatewayConfig {
                 listen: args.listen,
                 upstream_timeout: Duration::from_secs(args.upstream_timeout.max(1)),
+                hold: Duration::from_secs(args.hold),
             },
             muster_server::gateway::Endpoints::Server(client),
         )

@@ -506,3 +506,117 @@ fn the_gateway_serves_through_a_rolling_update_and_a_replica_s_death_without_fai
         "{metrics}"
     );
 }
+
+#[test]
+fn load_through_the_gateway_scales_a_service_from_zero_to_its_maximum_and_back() {
+    let cluster = Cluster::start("3s");
+    let _agents: Vec<_> = (1..=2)
+        .map(|i| cluster.agent_with(&format!("node-{i}"), &cluster.url(), "1xH100-80GB", &[]))
+        .collect();
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 2);
+    let gateway_address = format!("127.0.0.1:{}", common::free_port());
+    let _gateway = common::cluster::spawn(
+        cluster.dir.path(),
+        "gateway.log",
+        &[
+            "gateway",
+            "--listen",
+            &gateway_address,
+            "--hold",
+            "30s",
+            "--server",
+            &cluster.url(),
+            "--token",
+            &cluster.token("admin.token"),
+            "--ca-sha256",
+            &cluster.ca_sha256(),
+        ],
+    );
+    let mut autoscaled = spec("1", false);
+    autoscaled["replicas"] = 0.into();
+    autoscaled["autoscale"] = serde_json::json!({
+        "min_replicas": 0, "max_replicas": 3, "requests_per_second": 20, "window": 5,
+    });
+    rt.block_on(client.create_service(autoscaled))
+        .expect("created");
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        service(&rt, &client).replica_list.len(),
+        0,
+        "no traffic, no replica"
+    );
+
+    // The first request is held until a replica is ready.
+    let url = format!("http://{gateway_address}/web/");
+    wait_until(
+        "the gateway to know the service",
+        Duration::from_secs(10),
+        || {
+            rt.block_on(reqwest::get(format!(
+                "http://{gateway_address}/_muster/healthz"
+            )))
+            .is_ok()
+        },
+    );
+    let first = Instant::now();
+    let answer = rt
+        .block_on(async {
+            reqwest::Client::builder()
+                .timeout(Duration::from_secs(40))
+                .build()?
+                .get(&url)
+                .send()
+                .await?
+                .text()
+                .await
+        })
+        .expect("the first request is answered");
+    assert_eq!(answer.trim(), "1");
+    eprintln!(
+        "scale from zero: the first request answered after {:.2}s",
+        first.elapsed().as_secs_f64()
+    );
+
+    // Load raises the replicas to the maximum.
+    let load = Load::start(&rt, url, 8, 1_000_000);
+    wait_until("three ready replicas", Duration::from_secs(30), || {
+        let now = service(&rt, &client);
+        now.replicas == 3 && now.ready == 3
+    });
+    let view = service(&rt, &client);
+    assert!(
+        view.autoscaling
+            .as_deref()
+            .unwrap_or_default()
+            .contains("requests/s"),
+        "{view:#?}"
+    );
+    let (answers, failures) = load.finish(&rt);
+    assert!(failures.is_empty(), "{failures:?}");
+    eprintln!(
+        "autoscaled to 3 under {} requests",
+        answers.values().sum::<u64>()
+    );
+
+    // Without load they stay for the window, then go (to zero).
+    let quiet = Instant::now();
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(service(&rt, &client).replicas, 3, "not before the window");
+    wait_until("the replicas to go", Duration::from_secs(30), || {
+        let now = service(&rt, &client);
+        now.replicas == 0 && now.replica_list.is_empty()
+    });
+    eprintln!(
+        "scaled back to zero {:.1}s after the load stopped",
+        quiet.elapsed().as_secs_f64()
+    );
+    assert!(
+        service(&rt, &client)
+            .events
+            .iter()
+            .any(|event| event.message.contains("autoscaled from 3 to")),
+        "the autoscaler's steps are events"
+    );
+}

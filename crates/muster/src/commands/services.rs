@@ -190,6 +190,9 @@ fn describe(service: &ServiceView) {
         service.revision
     );
     outln!("status:    {}", status_word(service));
+    if let Some(autoscaling) = &service.autoscaling {
+        outln!("autoscale: {autoscaling}");
+    }
     if let Some(rollout) = &service.rollout {
         outln!("rollout:   {rollout}");
     }
