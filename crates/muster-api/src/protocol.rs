@@ -701,6 +701,16 @@ pub struct PoolView {
     /// Host paths container jobs in the pool may mount.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_mounts: Vec<String>,
+    /// An inference pool (services first; other work borrows it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inference: bool,
+    /// GPU capacity (thousandths) held by services' replicas.
+    #[serde(default)]
+    pub service_gpu_milli: u64,
+    /// GPU capacity (thousandths) held by other work on an inference pool:
+    /// borrowed, given back the moment a service needs it.
+    #[serde(default)]
+    pub borrowed_gpu_milli: u64,
 }
 
 /// `PUT /v1/pools/{name}/policy` (admin): the pool's own stack policy.
@@ -716,6 +726,10 @@ pub struct PoolPolicyUpdate {
     /// everything under it; at most 64.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_mounts: Vec<String>,
+    /// An inference pool: its nodes run services' replicas, and other work
+    /// only if it may be preempted (borrowing), which any replica preempts.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inference: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -1088,6 +1102,7 @@ impl utoipa::PartialSchema for PoolPolicyUpdate {
                     .property("stack_policy", policy(&["report", "majority"]))
                     .required("stack_policy")
                     .property("allowed_mounts", mounts())
+                    .property("inference", ObjectBuilder::new().schema_type(Type::Boolean))
                     .property(
                         "required",
                         ObjectBuilder::new()
@@ -1101,6 +1116,7 @@ impl utoipa::PartialSchema for PoolPolicyUpdate {
                     .property("stack_policy", policy(&["required"]))
                     .required("stack_policy")
                     .property("allowed_mounts", mounts())
+                    .property("inference", ObjectBuilder::new().schema_type(Type::Boolean))
                     .property(
                         "required",
                         ObjectBuilder::new()

@@ -125,7 +125,19 @@ pub fn parse_service_spec_value(value: &Value) -> Result<model::ServiceSpec, Spe
     }
     let mut reader = Reader { errors };
     let template = match crate::parse::parse_job_spec_value(&Value::Object(job)) {
-        Ok(template) => Some(template),
+        // Serving is not preempted by training unless the spec says so,
+        // and outranks it.
+        Ok(mut template) => {
+            if !map.contains_key("preemptible") {
+                template.preemptible = false;
+            }
+            if !map.contains_key("priority_class")
+                && let Some(high) = model::PriorityClass::by_name("high")
+            {
+                template.priority_class = high;
+            }
+            Some(template)
+        }
         Err(SpecErrors(job_errors)) => {
             reader.errors.extend(job_errors);
             None
@@ -591,6 +603,11 @@ autoscale: {min_replicas: 0, max_replicas: 5, requests_per_second: 20, window: 3
         assert_eq!(spec.name, "web");
         assert_eq!(spec.replicas, 3);
         assert_eq!(spec.template.nodes, 1);
+        assert!(
+            !spec.template.preemptible,
+            "serving is not preempted by default"
+        );
+        assert_eq!(spec.template.priority_class.name, "high");
         assert_eq!(spec.template.command, ["python3", "-m", "http.server"]);
         let readiness = spec.readiness.clone().expect("readiness");
         assert_eq!(

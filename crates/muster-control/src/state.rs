@@ -465,6 +465,9 @@ pub struct PoolPolicy {
     /// Host paths container jobs in the pool may mount (each path, and
     /// everything under it).
     pub mounts: Vec<String>,
+    /// An inference pool keeps its nodes for services' replicas: other work
+    /// runs there only if it may be preempted, and any replica preempts it.
+    pub inference: bool,
 }
 
 impl PoolPolicy {
@@ -1003,6 +1006,7 @@ impl ControlPlane {
                 count.insert(&node.spec.name, names.len());
                 Some(NodeInput {
                     containers: node.software.runs_containers(),
+                    reserved: self.is_inference_pool(&node.spec.pool),
                     ..NodeInput::schedulable(node.spec.clone())
                 })
             })
@@ -1062,11 +1066,29 @@ impl ControlPlane {
                 self.nodes.len()
             )
         });
+        // Inference pools take other work only if it may be preempted.
+        let reserved = if spec.service.is_none() && !spec.preemptible {
+            let held = self
+                .nodes
+                .values()
+                .filter(|node| self.is_inference_pool(&node.spec.pool))
+                .count();
+            if held > 0 {
+                format!(
+                    " {held} of the nodes are in an inference pool, which takes services' \
+                     replicas and only preemptible other work (`preemptible: true`).",
+                )
+            } else {
+                String::new()
+            }
+        } else {
+            String::new()
+        };
         Some(format!(
             "no registered node can ever hold this job: it asks for {asks} per node, and \
              {holding} of the {} nodes could hold a task; the largest node, {}, has {gpus}, \
-             {} CPU(s) and {} MiB (pool {}).{containers} Ask for less, or pass --allow-pending \
-             to queue it for nodes still to come",
+             {} CPU(s) and {} MiB (pool {}).{containers}{reserved} Ask for less, or pass \
+             --allow-pending to queue it for nodes still to come",
             self.nodes.len(),
             largest.spec.name,
             largest.spec.cpu.0 as f64 / 1000.0,
@@ -1134,7 +1156,15 @@ impl ControlPlane {
             stack: self.config.stack_policy,
             required: BTreeMap::new(),
             mounts: Vec::new(),
+            inference: false,
         })
+    }
+
+    /// Whether `pool` is an inference pool (see [`PoolPolicy::inference`]).
+    pub fn is_inference_pool(&self, pool: &muster_model::PoolName) -> bool {
+        self.pool_policies
+            .get(pool)
+            .is_some_and(|policy| policy.inference)
     }
 
     /// Pools with a policy of their own.
@@ -2353,6 +2383,7 @@ impl ControlPlane {
             .values()
             .map(|node| NodeInput {
                 containers: node.software.runs_containers(),
+                reserved: self.is_inference_pool(&node.spec.pool),
                 spec: node.spec.clone(),
                 cordoned: node.cordoned || node.drift.is_some(),
                 healthy: node.state == NodeState::Ready,
@@ -2399,6 +2430,12 @@ impl ControlPlane {
             if let Some(array) = job.array.filter(|array| array.limit.is_some()) {
                 *array_active.entry(array.array).or_insert(0) += 1;
             }
+            let borrowing = job.spec.service.is_none()
+                && tasks.iter().any(|task| {
+                    self.nodes
+                        .get(&task.node)
+                        .is_some_and(|node| self.is_inference_pool(&node.spec.pool))
+                });
             running.push(RunningJob {
                 id: job.id,
                 queue: job.spec.queue.clone(),
@@ -2418,6 +2455,7 @@ impl ControlPlane {
                 },
                 preemptible: job.spec.preemptible && !stopping,
                 checkpoint_interval_ms: job.spec.checkpoint.interval.map(|d| d.as_millis() as u64),
+                borrowing,
             });
         }
         // Sized once: growing a vector of 100,000 jobs by doubling touches

@@ -1658,6 +1658,7 @@ fn a_pool_may_require_versions_and_a_node_without_them_takes_no_work() {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
         mounts: Vec::new(),
+        inference: false,
     };
     world.step(Input::SetPoolPolicy {
         pool: pool.clone(),
@@ -1700,6 +1701,7 @@ fn a_pool_may_require_versions_and_a_node_without_them_takes_no_work() {
                 stack: StackPolicy::Required,
                 required: Default::default(),
                 mounts: Vec::new(),
+                inference: false,
             }),
         },
     );

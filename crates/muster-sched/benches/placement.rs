@@ -128,6 +128,7 @@ fn pending(count: usize, shapes: &[Shape], rng: &mut ChaCha8Rng) -> Vec<PendingJ
                     gpu_models: models,
                     min_gpu_memory: None,
                     pool: None,
+                    reserved: Default::default(),
                 },
                 same_rack: None,
                 estimated_runtime_ms: None,
@@ -245,6 +246,7 @@ fn main() {
             expected_end: job.estimated_runtime_ms.map(Time),
             preemptible: false,
             checkpoint_interval_ms: None,
+            borrowing: false,
         });
     }
     let waiting: Vec<PendingJob> = jobs

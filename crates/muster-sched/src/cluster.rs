@@ -72,6 +72,22 @@ pub struct TaskShape {
     pub min_gpu_memory_mib: u64,
     /// Runs in a container: only on nodes that can run them.
     pub container: bool,
+    /// What it may do on a node of an inference pool.
+    pub reserved: ReservedAccess,
+}
+
+/// What a task may do on a node of an inference pool
+/// ([`NodeInput::reserved`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum ReservedAccess {
+    /// Not go there (work that may not be preempted).
+    #[default]
+    No,
+    /// Borrow it: run there, and be preempted for a service's replica
+    /// whatever the queues' guarantees.
+    Borrow,
+    /// A service's replica: the pool is for it.
+    Service,
 }
 
 impl TaskShape {
@@ -94,19 +110,23 @@ pub enum FilterReason {
     GpuMemory,
     /// The task runs in a container and the node has no container engine.
     Containers,
+    /// The node is in an inference pool: it takes services' replicas, and
+    /// other work only if that work may be preempted (borrowing).
+    Reserved,
     Gpus,
     Cpu,
     Memory,
 }
 
 impl FilterReason {
-    pub const ALL: [FilterReason; 9] = [
+    pub const ALL: [FilterReason; 10] = [
         FilterReason::Pool,
         FilterReason::Cordoned,
         FilterReason::Unhealthy,
         FilterReason::GpuModel,
         FilterReason::GpuMemory,
         FilterReason::Containers,
+        FilterReason::Reserved,
         FilterReason::Gpus,
         FilterReason::Cpu,
         FilterReason::Memory,
@@ -148,6 +168,8 @@ pub struct NodeStatic {
     pub healthy: bool,
     /// Per GPU: false when the GPU is out of service.
     pub gpu_healthy: Vec<bool>,
+    /// In an inference pool (see [`ReservedAccess`]).
+    pub reserved: bool,
     /// The node can run container tasks.
     pub containers: bool,
 }
@@ -318,12 +340,15 @@ pub struct NodeInput {
     pub unhealthy_gpus: Vec<u32>,
     /// The node has a container engine (runs jobs with an image).
     pub containers: bool,
+    /// The node is in an inference pool (see [`ReservedAccess`]).
+    pub reserved: bool,
 }
 
 impl NodeInput {
     pub fn schedulable(spec: NodeSpec) -> Self {
         NodeInput {
             containers: true,
+            reserved: false,
             spec,
             cordoned: false,
             healthy: true,
@@ -564,6 +589,7 @@ impl ClusterState {
                     healthy: input.healthy,
                     gpu_healthy,
                     containers: input.containers,
+                    reserved: input.reserved,
                 });
             }
             real += 1;
@@ -714,6 +740,9 @@ impl ClusterState {
         }
         if shape.container && !info.containers {
             return Some(FilterReason::Containers);
+        }
+        if info.reserved && shape.reserved == ReservedAccess::No {
+            return Some(FilterReason::Reserved);
         }
         None
     }

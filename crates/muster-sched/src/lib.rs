@@ -13,7 +13,8 @@ pub mod policy;
 
 pub use cluster::{
     Bits, ClusterError, ClusterState, FilterReason, GpuGrant, MAX_GPUS_PER_MODEL, ModelMask,
-    NO_MODEL, NodeFree, NodeIndex, NodeInput, NodeStatic, TaskPlacement, TaskShape, seeded_rank,
+    NO_MODEL, NodeFree, NodeIndex, NodeInput, NodeStatic, ReservedAccess, TaskPlacement, TaskShape,
+    seeded_rank,
 };
 pub use placer::{FilterCounts, GangFailure, Placer, best_node_by_scan};
 pub use policy::{PlacementPolicy, Scale, Scorer, TypicalShape, TypicalWorkload, UnknownPolicy};

@@ -904,6 +904,7 @@ mod tests {
             healthy: true,
             gpu_healthy: vec![true; gpus],
             containers: true,
+            reserved: false,
         }
     }
 
@@ -987,6 +988,7 @@ mod tests {
     fn typical_shapes_cover_the_requested_fraction() {
         let a = TaskShape {
             container: false,
+            reserved: Default::default(),
             gpus: GpuRequest::Whole(1),
             cpu_milli: 1000,
             memory_mib: 0,
@@ -996,11 +998,13 @@ mod tests {
         };
         let b = TaskShape {
             container: false,
+            reserved: Default::default(),
             gpus: GpuRequest::Shared(GpuMilli(500)),
             ..a
         };
         let c = TaskShape {
             container: false,
+            reserved: Default::default(),
             gpus: GpuRequest::Whole(8),
             ..a
         };
@@ -1036,6 +1040,7 @@ mod tests {
         };
         let task = TaskShape {
             container: false,
+            reserved: Default::default(),
             gpus: GpuRequest::Shared(GpuMilli(400)),
             cpu_milli: 0,
             memory_mib: 0,
@@ -1050,6 +1055,7 @@ mod tests {
     fn one_gpu_task(cpu_milli: u64) -> TaskShape {
         TaskShape {
             container: false,
+            reserved: Default::default(),
             gpus: GpuRequest::Whole(1),
             cpu_milli,
             memory_mib: 0,
@@ -1138,6 +1144,7 @@ mod tests {
         };
         let half = TaskShape {
             container: false,
+            reserved: Default::default(),
             gpus: GpuRequest::Shared(GpuMilli(500)),
             ..one_gpu_task(0)
         };

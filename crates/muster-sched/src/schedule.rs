@@ -22,12 +22,21 @@ pub struct TaskRequest {
     pub pool: Option<PoolName>,
     /// The job runs in a container (it names an image).
     pub container: bool,
+    /// What it may do on inference pools' nodes.
+    pub reserved: crate::cluster::ReservedAccess,
 }
 
 impl TaskRequest {
     pub fn of(spec: &JobSpec) -> Self {
         TaskRequest {
             container: spec.image.is_some(),
+            reserved: if spec.service.is_some() {
+                crate::cluster::ReservedAccess::Service
+            } else if spec.preemptible {
+                crate::cluster::ReservedAccess::Borrow
+            } else {
+                crate::cluster::ReservedAccess::No
+            },
             gpus: spec.gpus_per_node,
             cpu: spec.cpu_per_node,
             memory: spec.memory_per_node,
@@ -51,6 +60,7 @@ impl TaskRequest {
                 .map(|pool| cluster.pool_index(pool).unwrap_or(u16::MAX)),
             min_gpu_memory_mib: self.min_gpu_memory.map_or(0, |m| m.0),
             container: self.container,
+            reserved: self.reserved,
         }
     }
 }
@@ -116,6 +126,9 @@ pub struct RunningJob {
     pub preemptible: bool,
     /// How often it checkpoints; `None`: a preemption loses all its work.
     pub checkpoint_interval_ms: Option<u64>,
+    /// It runs on an inference pool's nodes and is not a service: any
+    /// service's replica may preempt it.
+    pub borrowing: bool,
 }
 
 impl RunningJob {
@@ -231,6 +244,9 @@ pub enum PreemptionCause {
     Priority,
     /// The preemptor's queue takes back its guaranteed quota.
     QuotaReclaim,
+    /// The preemptor is a service's replica; the victim borrowed its
+    /// inference pool.
+    Borrowed,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -899,6 +915,7 @@ impl Cycle<'_> {
                     .map(|estimate| self.now.plus_millis(estimate)),
                 preemptible: false, // not a victim within its own cycle
                 checkpoint_interval_ms: None,
+                borrowing: false,
             }),
             queue,
             placements,
@@ -925,6 +942,9 @@ impl Cycle<'_> {
         let victim = &live.job;
         if !victim.preemptible {
             return None;
+        }
+        if victim.borrowing && job.request.reserved == crate::cluster::ReservedAccess::Service {
+            return Some(PreemptionCause::Borrowed);
         }
         if live.queue == job_queue {
             return (victim.priority < job.priority).then_some(PreemptionCause::Priority);
@@ -967,6 +987,7 @@ impl Cycle<'_> {
         // one. Most cycles have none: skip the scan.
         let preemptor = &self.queues.states[job_queue];
         let preemptor_within = preemptor.in_use + job.total_gpu() <= preemptor.guaranteed();
+        let service = job.request.reserved == crate::cluster::ReservedAccess::Service;
         let possible = self.queues.states.iter().enumerate().any(|(slot, state)| {
             state.lowest_victim_priority.is_some_and(|lowest| {
                 if slot == job_queue {
@@ -975,7 +996,11 @@ impl Cycle<'_> {
                     state.in_use > state.guaranteed() && (preemptor_within || lowest < job.priority)
                 }
             })
-        });
+        }) || (service
+            && self
+                .live
+                .iter()
+                .any(|live| live.job.borrowing && !live.preempted));
         if !possible {
             return false;
         }
@@ -1164,6 +1189,9 @@ fn filter_words(filters: &FilterCounts) -> String {
                 crate::FilterReason::GpuModel => "have another GPU model",
                 crate::FilterReason::GpuMemory => "have too little GPU memory",
                 crate::FilterReason::Containers => "cannot run containers (no Docker engine)",
+                crate::FilterReason::Reserved => {
+                    "are in an inference pool (services, and only preemptible other work)"
+                }
                 crate::FilterReason::Gpus => "have too few free GPUs",
                 crate::FilterReason::Cpu => "have too little free CPU",
                 crate::FilterReason::Memory => "have too little free memory",

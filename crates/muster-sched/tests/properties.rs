@@ -204,6 +204,7 @@ proptest! {
                 models,
                 pool: None,
                 min_gpu_memory_mib: 0,
+                reserved: Default::default(),
             }
         }).collect();
         let workload = TypicalWorkload::from_tasks(shapes.iter(), 0.95);

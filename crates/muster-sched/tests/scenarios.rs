@@ -588,6 +588,83 @@ mod preemption {
     }
 }
 
+mod inference_pools {
+    use super::*;
+    use muster_sched::ReservedAccess;
+
+    #[test]
+    fn only_services_and_preemptible_work_go_to_an_inference_pool() {
+        let nodes = vec![MakeNode::new("serve").inference().build()];
+        let jobs = [
+            MakeJob::new(1).gpus(2).build(),
+            MakeJob::new(2)
+                .gpus(2)
+                .reserved(ReservedAccess::Borrow)
+                .build(),
+            MakeJob::new(3)
+                .gpus(2)
+                .reserved(ReservedAccess::Service)
+                .build(),
+        ];
+        let outcome = cycle(&snapshot(nodes), &jobs, &SchedulingPolicy::default());
+        let why = reason(&outcome, 1).to_string();
+        assert!(why.contains("inference pool"), "{why}");
+        started(&outcome, 2);
+        started(&outcome, 3);
+    }
+
+    #[test]
+    fn a_service_takes_back_its_pool_from_a_borrower_whatever_its_queue() {
+        // A borrower from a queue well within its guarantee, at a higher
+        // priority than the replica: still preempted, for the pool's owner.
+        let mut snap = snapshot(vec![MakeNode::new("serve").inference().build()]);
+        snap.now = Time::from_secs(100);
+        let borrower = MakeJob::new(10)
+            .queue("training")
+            .priority(500)
+            .gpus(8)
+            .reserved(ReservedAccess::Borrow)
+            .build();
+        let mut running = running_from(
+            &borrower,
+            vec![Allocation {
+                node: NodeName::from("serve"),
+                gpus: (0..8).map(|i| (i, 1000)).collect(),
+                cpu: muster_model::CpuMilli(1000),
+                memory: muster_model::MemoryMib(1024),
+            }],
+            Time::from_secs(0),
+            None,
+        );
+        running.borrowing = true;
+        snap.running.push(running);
+        snap.queues = vec![
+            QueueSpec {
+                guaranteed: GpuMilli::whole(64),
+                ..QueueSpec::best_effort("training")
+            },
+            QueueSpec::best_effort("serving"),
+        ];
+        let replica = MakeJob::new(1)
+            .queue("serving")
+            .priority(100)
+            .gpus(1)
+            .reserved(ReservedAccess::Service)
+            .build();
+        let outcome = cycle(&snap, &[replica.clone()], &SchedulingPolicy::default());
+        assert_eq!(outcome.preemptions.len(), 1, "{outcome:#?}");
+        assert_eq!(outcome.preemptions[0].victim, JobId(10));
+        assert_eq!(outcome.preemptions[0].cause, PreemptionCause::Borrowed);
+        started(&outcome, 1);
+        // The same job on a node of a general pool is not a borrower: the
+        // replica waits.
+        snap.running[0].borrowing = false;
+        let outcome = cycle(&snap, &[replica], &SchedulingPolicy::default());
+        assert!(outcome.preemptions.is_empty());
+        reason(&outcome, 1);
+    }
+}
+
 mod backfill {
     use super::*;
 
@@ -722,6 +799,7 @@ mod policies {
             models: muster_sched::ModelMask::ANY,
             pool: None,
             min_gpu_memory_mib: 0,
+            reserved: Default::default(),
         };
         // "b" is half full: best-fit prefers it whatever the order.
         cluster.free[1].gpu[..4].fill(0);

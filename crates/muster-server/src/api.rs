@@ -1886,6 +1886,9 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
             stack_policy: String::new(),
             required: BTreeMap::new(),
             allowed_mounts: Vec::new(),
+            inference: false,
+            service_gpu_milli: 0,
+            borrowed_gpu_milli: 0,
         });
         pool.nodes += 1;
         pool.gpus += view.gpus.len() as u32;
@@ -1911,6 +1914,9 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
             stack_policy: String::new(),
             required: BTreeMap::new(),
             allowed_mounts: Vec::new(),
+            inference: false,
+            service_gpu_milli: 0,
+            borrowed_gpu_milli: 0,
         });
     }
     for pool in pools.values_mut() {
@@ -1918,6 +1924,25 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
         pool.stack_policy = policy.stack.name().to_string();
         pool.required = policy.required;
         pool.allowed_mounts = policy.mounts;
+        pool.inference = policy.inference;
+    }
+    // GPU capacity held by services and by work borrowing inference pools.
+    for node in core.control().nodes() {
+        let Some(pool) = pools.get_mut(&node.spec.pool.0) else {
+            continue;
+        };
+        for allocation in core.control().live_allocations(&node.spec.name) {
+            let milli: u64 = allocation.gpus.iter().map(|&(_, m)| u64::from(m)).sum();
+            let service = core
+                .control()
+                .job(allocation.job)
+                .is_some_and(|job| job.spec.service.is_some());
+            if service {
+                pool.service_gpu_milli += milli;
+            } else if pool.inference {
+                pool.borrowed_gpu_milli += milli;
+            }
+        }
     }
     Json(PoolList {
         pools: pools.into_values().collect(),
@@ -2001,6 +2026,7 @@ async fn set_pool_policy(
         stack,
         required: update.required,
         mounts: update.allowed_mounts,
+        inference: update.inference,
     };
     let pool = PoolName(name.clone());
     let mut batch = Batch::default();

@@ -441,6 +441,9 @@ pub struct PoolRecord {
     /// Host paths container jobs may mount.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_mounts: Vec<String>,
+    /// An inference pool.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inference: bool,
 }
 
 impl PoolRecord {
@@ -450,6 +453,7 @@ impl PoolRecord {
             stack_policy: policy.stack.name().to_string(),
             required: policy.required.clone(),
             allowed_mounts: policy.mounts.clone(),
+            inference: policy.inference,
         }
     }
 
@@ -468,6 +472,7 @@ impl PoolRecord {
                 stack,
                 required: self.required,
                 mounts: self.allowed_mounts,
+                inference: self.inference,
             },
         ))
     }

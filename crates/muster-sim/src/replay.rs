@@ -424,6 +424,7 @@ pub fn replay(
                 gpu_models: job.gpu_models.clone(),
                 min_gpu_memory: None,
                 pool: None,
+                reserved: Default::default(),
             },
             same_rack: None,
             estimated_runtime_ms: None,
@@ -626,6 +627,7 @@ pub fn replay(
                     preemptible: true,
                     checkpoint_interval_ms: (config.checkpoint_interval_s > 0)
                         .then_some(config.checkpoint_interval_s * 1000),
+                    borrowing: false,
                 },
             );
             running.insert(index, run);

@@ -90,6 +90,7 @@ impl TraceTask {
             gpu_models: self.gpu_models.clone(),
             min_gpu_memory: None,
             pool: None,
+            reserved: Default::default(),
         }
     }
 }

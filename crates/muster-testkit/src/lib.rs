@@ -109,6 +109,12 @@ impl MakeNode {
         self
     }
 
+    /// A node of an inference pool.
+    pub fn inference(mut self) -> Self {
+        self.input.reserved = true;
+        self
+    }
+
     pub fn build(self) -> NodeInput {
         self.input
     }
@@ -149,6 +155,7 @@ impl MakeJob {
                     gpu_models: Vec::new(),
                     min_gpu_memory: None,
                     pool: None,
+                    reserved: Default::default(),
                 },
                 same_rack: None,
                 estimated_runtime_ms: None,
@@ -247,6 +254,12 @@ impl MakeJob {
         self
     }
 
+    /// What it may do on inference pools' nodes (default: not go there).
+    pub fn reserved(mut self, access: muster_sched::ReservedAccess) -> Self {
+        self.job.request.reserved = access;
+        self
+    }
+
     pub fn build(self) -> PendingJob {
         self.job
     }
@@ -268,6 +281,7 @@ pub fn running_from(
         expected_end,
         preemptible: true,
         checkpoint_interval_ms: None,
+        borrowing: false,
     }
 }
 

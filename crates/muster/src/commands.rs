@@ -1834,7 +1834,7 @@ pub enum PoolCommand {
     /// or `required` (a node without the --require'd versions takes none).
     Set {
         pool: String,
-        #[arg(long, value_name = "POLICY", value_parser = ["report", "majority", "required"])]
+        #[arg(long, value_name = "POLICY", default_value = "report", value_parser = ["report", "majority", "required"])]
         stack_policy: String,
         /// COMPONENT=VERSION a node must report (driver, cuda, vbios,
         /// kernel, nccl, container_runtime); repeat for several.
@@ -1844,6 +1844,11 @@ pub enum PoolCommand {
         /// everything under it); repeat for several.
         #[arg(long, value_name = "PATH")]
         allow_mount: Vec<String>,
+        /// An inference pool: its nodes run services' replicas first; other
+        /// work runs there only if preemptible, and any replica preempts it
+        /// (with its grace period).
+        #[arg(long)]
+        inference: bool,
     },
     /// Remove a pool's own policy: the server's --stack-policy applies.
     Reset { pool: String },
@@ -2055,6 +2060,7 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
             stack_policy,
             require,
             allow_mount,
+            inference,
         }) => {
             let mut required = std::collections::BTreeMap::new();
             for pair in require {
@@ -2069,6 +2075,7 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
                 stack_policy: stack_policy.clone(),
                 required,
                 allowed_mounts: allow_mount.clone(),
+                inference: *inference,
             };
             runtime()?.block_on(client.set_pool_policy(pool, &update))
         }
@@ -2088,10 +2095,22 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
             "FREE GPUS",
             "MODELS",
             "STACK POLICY",
+            "SERVICES / BORROWED GPUS",
         ],
         list.pools
             .iter()
             .map(|p| {
+                let use_of = if p.inference {
+                    format!(
+                        "inference: {:.2} / {:.2}",
+                        p.service_gpu_milli as f64 / 1000.0,
+                        p.borrowed_gpu_milli as f64 / 1000.0
+                    )
+                } else if p.service_gpu_milli > 0 {
+                    format!("{:.2} / -", p.service_gpu_milli as f64 / 1000.0)
+                } else {
+                    String::new()
+                };
                 vec![
                     p.name.clone(),
                     p.nodes.to_string(),
@@ -2112,6 +2131,7 @@ pub fn pools(args: PoolsArgs) -> Result<u8, Failure> {
                                 .join(",")
                         )
                     },
+                    use_of,
                 ]
             })
             .collect(),

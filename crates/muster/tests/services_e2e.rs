@@ -620,3 +620,88 @@ fn load_through_the_gateway_scales_a_service_from_zero_to_its_maximum_and_back()
         "the autoscaler's steps are events"
     );
 }
+
+#[test]
+fn training_that_borrows_an_inference_pool_yields_to_a_service_scaling_up() {
+    let cluster = Cluster::start("3s");
+    let _agent = cluster.agent_with(
+        "serve-1",
+        &cluster.url(),
+        "1xH100-80GB",
+        &["--pool", "inference"],
+    );
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    rt.block_on(client.set_pool_policy(
+        "inference",
+        &muster_api::protocol::PoolPolicyUpdate {
+            stack_policy: "report".into(),
+            required: Default::default(),
+            allowed_mounts: Vec::new(),
+            inference: true,
+        },
+    ))
+    .expect("an inference pool");
+
+    // Training that may not be preempted is kept off the pool.
+    let refused = rt.block_on(client.submit(serde_json::json!({
+        "name": "steady", "gpus": 1, "preemptible": false, "command": ["sleep", "600"],
+    })));
+    let why = refused.expect_err("no node could hold it").to_string();
+    assert!(why.contains("inference pool"), "{why}");
+
+    // Preemptible training borrows the idle GPU; a 3 s grace period.
+    let training = rt
+        .block_on(client.submit(serde_json::json!({
+            "name": "borrower", "gpus": 1, "preemptible": true,
+            "checkpoint": {"signal": "TERM", "grace_period": "3s"},
+            "command": ["sh", "-c", "trap 'sleep 2; exit 0' TERM; sleep 600 & wait"],
+        })))
+        .expect("submitted");
+    wait_until("the borrower running", Duration::from_secs(20), || {
+        common::cluster::state(&rt, &client, training) == "running"
+    });
+    let pools = rt.block_on(client.pools()).expect("pools");
+    let pool = pools
+        .pools
+        .iter()
+        .find(|pool| pool.name == "inference")
+        .expect("the pool");
+    assert!(pool.inference);
+    assert_eq!(pool.borrowed_gpu_milli, 1_000, "{pool:?}");
+
+    // A service in the pool scales up: the borrower is stopped (with its
+    // grace) and the replica starts within the grace period plus 5 s.
+    let mut serving = spec("1", false);
+    serving["replicas"] = 0.into();
+    serving["gpus"] = 1.into();
+    serving["pool"] = "inference".into();
+    rt.block_on(client.create_service(serving))
+        .expect("created");
+    let scaled = Instant::now();
+    rt.block_on(client.scale_service("web", 1)).expect("scaled");
+    wait_until("the replica running", Duration::from_secs(8), || {
+        service(&rt, &client)
+            .replica_list
+            .iter()
+            .any(|replica| replica.state == "starting" || replica.state == "ready")
+    });
+    eprintln!(
+        "replica running {:.2}s after the scale-up (grace 3 s)",
+        scaled.elapsed().as_secs_f64()
+    );
+    let borrower = rt.block_on(client.job(training)).expect("the borrower");
+    assert_eq!(borrower.state, "pending", "preempted and queued again");
+    let pools = rt.block_on(client.pools()).expect("pools");
+    let pool = pools
+        .pools
+        .iter()
+        .find(|pool| pool.name == "inference")
+        .expect("the pool");
+    assert_eq!(
+        (pool.service_gpu_milli, pool.borrowed_gpu_milli),
+        (1_000, 0),
+        "{pool:?}"
+    );
+}

@@ -194,6 +194,7 @@ fn everything() -> Batch {
                 stack_policy: "majority".into(),
                 required: BTreeMap::from([("driver".to_string(), "550.54".to_string())]),
                 allowed_mounts: vec!["/datasets".to_string()],
+                inference: true,
             })
             .expect("JSON"),
         ),
