@@ -651,7 +651,11 @@ mod inference_pools {
             .gpus(1)
             .reserved(ReservedAccess::Service)
             .build();
-        let outcome = cycle(&snap, &[replica.clone()], &SchedulingPolicy::default());
+        let outcome = cycle(
+            &snap,
+            std::slice::from_ref(&replica),
+            &SchedulingPolicy::default(),
+        );
         assert_eq!(outcome.preemptions.len(), 1, "{outcome:#?}");
         assert_eq!(outcome.preemptions[0].victim, JobId(10));
         assert_eq!(outcome.preemptions[0].cause, PreemptionCause::Borrowed);
