@@ -465,7 +465,66 @@ struct Shell {
     backend: Arc<dyn GpuBackend>,
 }
 
+/// The most tunnels an agent joins at once (more wait).
+const MAX_TUNNELS: usize = 64;
+
+fn tunnel_slots() -> &'static Arc<tokio::sync::Semaphore> {
+    static SLOTS: std::sync::OnceLock<Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
+    SLOTS.get_or_init(|| Arc::new(tokio::sync::Semaphore::new(MAX_TUNNELS)))
+}
+
 impl Shell {
+    /// Opens each tunnel a user asked for (`muster dev shell`/`forward`):
+    /// a connection to the server, upgraded, joined to `127.0.0.1:port`
+    /// (the dev environment's session helper). Nodes need no inbound port.
+    fn open_tunnels(&self, tunnels: &[muster_api::protocol::TunnelOpen]) {
+        let Some(client) = &self.client else {
+            return;
+        };
+        for tunnel in tunnels {
+            let client = client.clone();
+            let node = self.register.name.clone();
+            let tunnel = *tunnel;
+            tokio::spawn(async move {
+                let Ok(_slot) = tunnel_slots().clone().acquire_owned().await else {
+                    return;
+                };
+                let mut upstream = match client.open_tunnel(&node, tunnel.id).await {
+                    Ok(upstream) => upstream,
+                    Err(error) => {
+                        tracing::warn!(tunnel = tunnel.id, %error, "cannot open a tunnel");
+                        return;
+                    }
+                };
+                // The helper may be starting still: a few seconds to listen.
+                let mut local = tokio::net::TcpStream::connect(("127.0.0.1", tunnel.port)).await;
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                while local.is_err() && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    local = tokio::net::TcpStream::connect(("127.0.0.1", tunnel.port)).await;
+                }
+                match local {
+                    Ok(mut local) => {
+                        let _ = tokio::io::copy_bidirectional(&mut upstream, &mut local).await;
+                    }
+                    Err(error) => {
+                        // The user reads this as the session's answer.
+                        let _ = tokio::io::AsyncWriteExt::write_all(
+                            &mut upstream,
+                            format!(
+                                "refused: the environment's session helper does not answer on \
+                                 port {} of its node ({error}); `muster logs` shows its output\n",
+                                tunnel.port
+                            )
+                            .as_bytes(),
+                        )
+                        .await;
+                    }
+                }
+            });
+        }
+    }
+
     /// Carries the core's outputs out, in order, feeding it what comes of
     /// them (a start that failed) until nothing is left. Err: the server
     /// refused this node for good.
@@ -738,12 +797,15 @@ impl Shell {
             Answer::Heartbeat {
                 sequence,
                 result: Ok(answer),
-            } => Input::HeartbeatReply {
-                sequence,
-                version: answer.version,
-                lease_ms: answer.lease_ms,
-                desired: answer.desired.into_iter().map(desired).collect(),
-            },
+            } => {
+                self.open_tunnels(&answer.tunnels);
+                Input::HeartbeatReply {
+                    sequence,
+                    version: answer.version,
+                    lease_ms: answer.lease_ms,
+                    desired: answer.desired.into_iter().map(desired).collect(),
+                }
+            }
             Answer::Heartbeat {
                 sequence,
                 result: Err(error),

@@ -22,6 +22,7 @@
 
 pub mod agent;
 pub mod container;
+pub mod devsession;
 pub mod gpu;
 pub mod logship;
 pub mod nodestats;

@@ -263,18 +263,36 @@ fn start(
             Gid::effective().as_raw()
         ),
     };
-    let (program, arguments): (&str, Vec<String>) = match &helper {
-        Some(helper) => (
-            helper.to_str().ok_or("this program's path is not UTF-8")?,
-            vec![
-                "container-task".to_string(),
-                "run".to_string(),
-                state_dir.display().to_string(),
-                key.to_string(),
-                container_user,
-            ],
-        ),
-        None => (task.command[0].as_str(), task.command[1..].to_vec()),
+    // A dev environment's task is this program's session helper.
+    let dev_session = if task.command.len() == 1
+        && task.command[0] == muster_model::DEV_SESSION_COMMAND
+        && helper.is_none()
+    {
+        Some(
+            std::env::current_exe()
+                .map_err(|e| format!("cannot find this program's own path: {e}"))?
+                .to_str()
+                .ok_or("this program's path is not UTF-8")?
+                .to_string(),
+        )
+    } else {
+        None
+    };
+    let (program, arguments): (&str, Vec<String>) = match (&helper, &dev_session) {
+        (None, Some(program)) => (program.as_str(), vec!["dev-session".to_string()]),
+        _ => match &helper {
+            Some(helper) => (
+                helper.to_str().ok_or("this program's path is not UTF-8")?,
+                vec![
+                    "container-task".to_string(),
+                    "run".to_string(),
+                    state_dir.display().to_string(),
+                    key.to_string(),
+                    container_user,
+                ],
+            ),
+            None => (task.command[0].as_str(), task.command[1..].to_vec()),
+        },
     };
     let log = open_log(&task.log_path)
         .map_err(|e| format!("cannot open the log {}: {e}", task.log_path.display()))?;

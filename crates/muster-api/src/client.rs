@@ -9,6 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+/// The `Upgrade` protocol of dev environments' tunnels.
+pub const TUNNEL_PROTOCOL: &str = "muster-tunnel";
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// The server answered with an error.
@@ -758,6 +761,61 @@ impl Client {
     pub async fn service_endpoints(&self, name: &str) -> Result<EndpointList, ClientError> {
         self.get(&format!("/v1/services/{}/endpoints", encode(name)))
             .await
+    }
+
+    /// Opens tunnel `id` of this node (an agent's token): an upgraded
+    /// connection to the server, its bytes a user's `muster dev` session.
+    pub async fn open_tunnel(&self, node: &str, id: u64) -> Result<reqwest::Upgraded, ClientError> {
+        let url = format!("{}/v1/agents/{}/tunnels/{id}", self.current(), encode(node));
+        self.upgrade(self.http.post(&url), &url).await
+    }
+
+    /// Connects to dev environment `name`: `query` says what for
+    /// (`kind=shell&rows=24&cols=80&term=xterm` or `kind=forward&port=8888`).
+    pub async fn connect_dev(
+        &self,
+        name: &str,
+        query: &str,
+    ) -> Result<reqwest::Upgraded, ClientError> {
+        let url = format!("{}/v1/dev/{}/connect?{query}", self.current(), encode(name));
+        self.upgrade(self.http.get(&url), &url).await
+    }
+
+    async fn upgrade(
+        &self,
+        request: reqwest::RequestBuilder,
+        url: &str,
+    ) -> Result<reqwest::Upgraded, ClientError> {
+        let transport = |error: reqwest::Error| ClientError::Transport {
+            url: url.to_string(),
+            reason: transport_reason(&error),
+        };
+        let response = request
+            .bearer_auth(&self.token)
+            .header(reqwest::header::CONNECTION, "upgrade")
+            .header(reqwest::header::UPGRADE, TUNNEL_PROTOCOL)
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .map_err(transport)?;
+        let status = response.status().as_u16();
+        if status != 101 {
+            let bytes = response.bytes().await.unwrap_or_default();
+            let body = serde_json::from_slice::<ErrorBody>(&bytes).unwrap_or_else(|_| ErrorBody {
+                code: ErrorCode::Internal,
+                message: format!(
+                    "the server answered {status}: {}",
+                    String::from_utf8_lossy(&bytes)
+                ),
+            });
+            return Err(ClientError::Api { status, body });
+        }
+        response.upgrade().await.map_err(transport)
+    }
+
+    /// The caller's dev environments.
+    pub async fn dev_environments(&self) -> Result<DevList, ClientError> {
+        self.get("/v1/dev").await
     }
 
     /// A gateway's traffic per service, for the autoscaler.

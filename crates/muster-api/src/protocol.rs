@@ -523,6 +523,19 @@ pub struct HeartbeatResponse {
     pub version: u64,
     pub lease_ms: u64,
     pub desired: Vec<DesiredAllocation>,
+    /// Connections a user asked for into a dev environment on this node:
+    /// the agent opens each to the server
+    /// (`POST /v1/agents/{node}/tunnels/{id}`, upgraded) and joins it to
+    /// `127.0.0.1:port` (so nodes need no inbound ports).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tunnels: Vec<TunnelOpen>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TunnelOpen {
+    pub id: u64,
+    pub port: u16,
 }
 
 /// `POST /v1/agents/{node}/logs`: output of one allocation, at a byte
@@ -1404,4 +1417,40 @@ pub struct ServiceTraffic {
 pub struct TrafficAck {
     /// Services of the report the server knows.
     pub known: u32,
+}
+
+/// A dev environment (`muster dev list`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DevView {
+    pub name: String,
+    /// Its job (`muster describe`, `muster logs`).
+    pub job: u64,
+    pub user: String,
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    pub gpus: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_ms: Option<u64>,
+    /// Stopped once its GPUs stay idle this long.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_limit_s: Option<u64>,
+    /// How long its GPUs have been idle (below 5%), if they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_for_s: Option<u64>,
+    /// Stopped at the latest this long after its start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_lifetime_s: Option<u64>,
+    /// A warning (idle reclaim coming, or the lifetime ending).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DevList {
+    pub environments: Vec<DevView>,
 }

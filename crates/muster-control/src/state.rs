@@ -2803,15 +2803,18 @@ impl ControlPlane {
         Some(master.unwrap_or_else(|| "127.0.0.1".to_string()))
     }
 
+    /// Job `job`'s `MUSTER_MASTER_PORT` (a gang's rendezvous; a dev
+    /// environment's session helper; a service replica's `PORT` unless the
+    /// service fixes one).
+    pub fn master_port(&self, job: JobId) -> u16 {
+        self.config.master_port_base + (job.0 % 20_000) as u16
+    }
+
     /// The port a service replica serves on: the service's fixed port, or
     /// the one muster gives it in `PORT` (its job's `MUSTER_MASTER_PORT`).
     pub fn replica_port(&self, job: &Job) -> Option<u16> {
         let service = job.spec.service.as_ref()?;
-        Some(
-            service
-                .port
-                .unwrap_or(self.config.master_port_base + (job.id.0 % 20_000) as u16),
-        )
+        Some(service.port.unwrap_or_else(|| self.master_port(job.id)))
     }
 
     fn start_job(
@@ -2825,7 +2828,7 @@ impl ControlPlane {
         let Some(job) = self.jobs.get(&id) else {
             return;
         };
-        let port = (self.config.master_port_base + (id.0 % 20_000) as u16).to_string();
+        let port = self.master_port(id).to_string();
         let nnodes = tasks.len().to_string();
         let gpus_per_node = job.spec.gpus_per_node.gpu_count().max(1).to_string();
         let job_id = id.0.to_string();

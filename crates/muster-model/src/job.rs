@@ -415,6 +415,12 @@ pub struct JobSpec {
     pub service: Option<crate::service::ServiceRef>,
 }
 
+/// The command of a dev environment's job (`muster dev start`): the agent
+/// runs its own binary's session helper (`muster dev-session`) in its
+/// place, which serves `muster dev shell` and `muster dev forward` through
+/// the agent's own connection to the server.
+pub const DEV_SESSION_COMMAND: &str = "muster-dev-session";
+
 /// A host path mounted into a container job's tasks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
@@ -426,6 +432,12 @@ pub struct Mount {
 }
 
 impl JobSpec {
+    /// Whether it is a dev environment (its command is
+    /// [`DEV_SESSION_COMMAND`]).
+    pub fn is_dev_environment(&self) -> bool {
+        self.command.len() == 1 && self.command[0] == DEV_SESSION_COMMAND
+    }
+
     /// A one-task job with defaults everywhere, for builders and `muster run`.
     pub fn simple(name: &str, queue: &str, gpus: GpuRequest, command: Vec<String>) -> Self {
         JobSpec {

@@ -96,6 +96,12 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         )
         .route("/v1/endpoints", get(crate::services::endpoint_table))
         .route("/v1/traffic", post(crate::services::report_traffic))
+        .route("/v1/dev", get(crate::dev::list))
+        .route("/v1/dev/{name}/connect", get(crate::dev::connect))
+        .route(
+            "/v1/agents/{node}/tunnels/{id}",
+            post(crate::dev::open_tunnel),
+        )
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/nodes/{name}", get(get_node).delete(remove_node))
         .route("/v1/nodes/{name}/telemetry", get(node_history))
@@ -313,6 +319,8 @@ fn need_of(method: &axum::http::Method, path: &str) -> Need {
         (["nodes", _], false) | (["nodes", _, _], false) => Role::Operator,
         (["pools", _, "policy"], false) => Role::Operator,
         (["cost"], true) => Role::Operator,
+        // Dev environments: a user's own (the handlers check).
+        (["dev"] | ["dev", _, "connect"], true) => Role::User,
         // Gateways' traffic moves autoscaled services: not for any user.
         (["traffic"], false) => Role::Operator,
         _ => Role::Admin,
@@ -2501,6 +2509,7 @@ async fn heartbeat(
         version,
         lease_ms: shared.settings.lease_ms,
         desired,
+        tunnels: crate::dev::to_open(&shared, &name.0),
     }))
 }
 
@@ -2725,6 +2734,7 @@ async fn push_logs(
         crate::services::delete_service, crate::services::scale_service,
         crate::services::rollback_service, crate::services::service_endpoints,
         crate::services::endpoint_table, crate::services::report_traffic,
+        crate::dev::list, crate::dev::connect, crate::dev::open_tunnel,
     ),
     components(schemas(ErrorBody, ErrorCode)),
     modifiers(&BearerAuth, &ErrorAnswers),
@@ -2814,7 +2824,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 32, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 42, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",
@@ -2830,6 +2840,11 @@ mod tests {
             "CostReport",
             "JobUsage",
             "PriceList",
+            "ServiceRequest",
+            "ServiceView",
+            "EndpointTable",
+            "TrafficReport",
+            "DevList",
         ] {
             assert!(schemas.contains_key(name), "{name} is described");
         }

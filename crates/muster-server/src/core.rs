@@ -235,6 +235,15 @@ impl Core {
         }
     }
 
+    /// Ends node `node`'s heartbeat long poll now (its answer carries news
+    /// beside the desired set: a tunnel to open).
+    pub fn wake_node(&mut self, node: &NodeName) {
+        if let Some(sender) = self.versions.get(node) {
+            self.version_counter += 1;
+            sender.send_replace(self.version_counter);
+        }
+    }
+
     /// Records what `outputs` changed into `batch`, and bumps the desired
     /// version of each node whose allocations changed.
     fn record(&mut self, outputs: &[Output], batch: &mut Batch) {
@@ -373,6 +382,8 @@ pub struct Shared {
     pub logs: std::sync::Arc<crate::logstore::LogStore>,
     /// Services and their replicas (see [`crate::services`]).
     pub services: crate::services::ServiceState,
+    /// Dev environments' tunnels waiting for their agent (see [`crate::dev`]).
+    pub tunnels: std::sync::Mutex<crate::dev::Tunnels>,
     /// Becomes true when the server shuts down (ends long polls).
     pub shutdown: watch::Receiver<bool>,
 }
@@ -453,6 +464,7 @@ impl Shared {
             audit_pending: std::sync::Mutex::new(Vec::new()),
             logs: std::sync::Arc::new(logs),
             services: Default::default(),
+            tunnels: Default::default(),
             shutdown,
         }
     }

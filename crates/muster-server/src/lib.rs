@@ -32,6 +32,7 @@ mod api;
 mod auth;
 mod core;
 mod dashboard;
+mod dev;
 mod error;
 mod forward;
 pub mod gateway;

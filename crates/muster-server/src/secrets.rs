@@ -36,6 +36,8 @@ pub struct SecretRecord {
 /// Every secret, sealed, and the key that opens them.
 pub struct Secrets {
     cipher: ChaCha20Poly1305,
+    /// For values derived from the key (dev environments' tokens).
+    derive_key: [u8; 32],
     records: BTreeMap<(String, String), SecretRecord>,
 }
 
@@ -65,13 +67,34 @@ pub fn load_key(path: &std::path::Path) -> anyhow::Result<[u8; 32]> {
 
 impl Secrets {
     pub fn new(key: [u8; 32], records: Vec<SecretRecord>) -> Secrets {
+        use sha2::Digest;
+        let mut derive = sha2::Sha256::new();
+        derive.update(b"muster: values derived from secrets.key\0");
+        derive.update(key);
         Secrets {
+            derive_key: derive.finalize().into(),
             cipher: ChaCha20Poly1305::new(Key::from_slice(&key)),
             records: records
                 .into_iter()
                 .map(|r| ((r.name.clone(), r.queue.clone()), r))
                 .collect(),
         }
+    }
+
+    /// A value derived from the key for `label` and `id` (hex, 64
+    /// characters): the same for the same inputs, unguessable without the
+    /// key.
+    pub fn derive(&self, label: &str, id: u64) -> String {
+        use sha2::Digest;
+        let mut hash = sha2::Sha256::new();
+        hash.update(self.derive_key);
+        hash.update(label.as_bytes());
+        hash.update([0]);
+        hash.update(id.to_be_bytes());
+        hash.finalize()
+            .iter()
+            .map(|byte| format!("{byte:02x}"))
+            .collect()
     }
 
     /// Seals `value` as secret `name` of `queue`.
@@ -175,6 +198,12 @@ pub fn fill(
                 );
             }
         }
+        if job.spec.is_dev_environment() {
+            task.env.insert(
+                muster_agent_token_variable().to_string(),
+                secrets.derive("dev-session", job.id.0),
+            );
+        }
         for (variable, name) in &job.spec.secrets {
             match secrets.value(name, &job.spec.queue.0) {
                 Some(value) => {
@@ -189,6 +218,13 @@ pub fn fill(
             }
         }
     }
+}
+
+/// The variable a dev environment's session helper reads its token from
+/// (`muster_agent::devsession::TOKEN_VARIABLE`; the server does not depend
+/// on the agent crate).
+fn muster_agent_token_variable() -> &'static str {
+    "MUSTER_DEV_TOKEN"
 }
 
 /// Checks that every secret a spec names exists for its queue.

@@ -2556,6 +2556,103 @@ async fn the_authorization_matrix_holds_for_every_route() {
                 None,
                 only(&[Who::Metrics, Who::Operator, Who::Admin], 200),
             ),
+            // Services: any user reads and may try to change one (the
+            // handler lets only its owner or staff); a spec that is no
+            // service is refused after authorization.
+            (
+                Method::GET,
+                "/v1/services",
+                "/v1/services".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            (
+                Method::POST,
+                "/v1/services",
+                "/v1/services".into(),
+                Some(json!({ "spec": { "kind": "service" } })),
+                only(&USERS, 422),
+            ),
+            (
+                Method::GET,
+                "/v1/services/{name}",
+                "/v1/services/nope".into(),
+                None,
+                only(&USERS, 404),
+            ),
+            (
+                Method::PUT,
+                "/v1/services/{name}",
+                "/v1/services/nope".into(),
+                Some(json!({ "spec": { "kind": "service" } })),
+                only(&USERS, 422),
+            ),
+            (
+                Method::DELETE,
+                "/v1/services/{name}",
+                "/v1/services/nope".into(),
+                None,
+                only(&USERS, 404),
+            ),
+            (
+                Method::POST,
+                "/v1/services/{name}/scale",
+                "/v1/services/nope/scale".into(),
+                Some(json!({ "replicas": 1 })),
+                only(&USERS, 404),
+            ),
+            (
+                Method::POST,
+                "/v1/services/{name}/rollback",
+                "/v1/services/nope/rollback".into(),
+                Some(json!({})),
+                only(&USERS, 404),
+            ),
+            (
+                Method::GET,
+                "/v1/services/{name}/endpoints",
+                "/v1/services/nope/endpoints".into(),
+                None,
+                only(&USERS, 404),
+            ),
+            (
+                Method::GET,
+                "/v1/endpoints",
+                "/v1/endpoints".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            // Traffic moves autoscaled services: gateways run with staff
+            // tokens.
+            (
+                Method::POST,
+                "/v1/traffic",
+                "/v1/traffic".into(),
+                Some(json!({ "gateway": "g", "services": {} })),
+                only(&[Who::Operator, Who::Admin], 200),
+            ),
+            (
+                Method::GET,
+                "/v1/dev",
+                "/v1/dev".into(),
+                None,
+                only(&USERS, 200),
+            ),
+            // Not an upgrade: refused after authorization.
+            (
+                Method::GET,
+                "/v1/dev/{name}/connect",
+                "/v1/dev/nope/connect?kind=shell".into(),
+                None,
+                only(&USERS, 400),
+            ),
+            (
+                Method::POST,
+                "/v1/agents/{node}/tunnels/{id}",
+                "/v1/agents/gpu-1/tunnels/1".into(),
+                None,
+                only(&[Who::Node], 404),
+            ),
             // Cancels last: they change the job.
             (
                 Method::POST,

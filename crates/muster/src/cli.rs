@@ -62,6 +62,11 @@ pub enum Command {
     /// replaced when they fail and updated one at a time (`muster services
     /// create -f svc.yaml`, `scale`, `update`, `rollback`, `describe`).
     Services(crate::commands::ServicesArgs),
+    /// Interactive environments: `muster dev start NAME --gpus 1` in a
+    /// project directory, then `muster dev shell NAME`, `muster dev forward
+    /// NAME 8888` (through the server: nodes need no inbound port); idle
+    /// ones are reclaimed.
+    Dev(crate::commands::DevArgs),
     /// Route HTTP requests to services' ready replicas
     /// (`http://GATEWAY/NAME/...` or a host `NAME.DOMAIN`), with retries of
     /// idempotent requests, draining, and per-service metrics.

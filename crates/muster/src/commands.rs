@@ -39,11 +39,13 @@ macro_rules! outln {
 }
 
 mod cost;
+mod dev;
 mod history;
 mod services;
 mod tenants;
 mod top;
 pub use cost::{CostArgs, PricesArgs, cost, prices};
+pub use dev::{DevArgs, dev};
 pub use history::{HistoryArgs, history};
 pub use services::{ServicesArgs, services};
 pub use tenants::{AuditArgs, LoginArgs, SecretsArgs, UsersArgs, audit, login, secrets, users};

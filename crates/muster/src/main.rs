@@ -31,6 +31,13 @@ fn main() -> ExitCode {
             let code = muster_agent::supervise::main(&rest);
             return ExitCode::from(u8::try_from(code).unwrap_or(1));
         }
+        // `muster dev-session`: a dev environment's task (see
+        // muster_agent::devsession), started by its supervisor.
+        Some("dev-session") => {
+            let rest: Vec<String> = args.collect();
+            let code = muster_agent::devsession::main(&rest);
+            return ExitCode::from(u8::try_from(code).unwrap_or(1));
+        }
         // `muster container-task ...`: a container task's helper, started
         // by its supervisor (see muster_agent::container).
         Some("container-task") => {
@@ -69,6 +76,7 @@ fn main() -> ExitCode {
         cli::Command::Audit(args) => commands::audit(args),
         cli::Command::Secrets(args) => commands::secrets(args),
         cli::Command::Services(args) => commands::services(args),
+        cli::Command::Dev(args) => commands::dev(args),
         cli::Command::Prices(args) => commands::prices(args),
         cli::Command::Pools(args) => commands::pools(args),
         cli::Command::Completions { shell } => {
