@@ -825,7 +825,7 @@ impl Client {
     }
 
     /// Every service's ready replicas; with `after` (an instance and a
-    /// version of an earlier answer), waits (up to 30 s) for a version past
+    /// version of an earlier answer), waits (up to 10 s) for a version past
     /// it.
     pub async fn endpoint_table(
         &self,

@@ -776,6 +776,10 @@ pub struct QueueView {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_below_pct: Option<u32>,
     pub in_use_gpus: f64,
+    /// Of them, GPUs its jobs borrow on inference pools (given back the
+    /// moment a service needs them).
+    #[serde(default)]
+    pub borrowed_gpus: f64,
     pub pending_jobs: u32,
     pub running_jobs: u32,
     /// Monthly GPU budget (the price list's currency; `None`: none).
@@ -1254,6 +1258,7 @@ pub struct ServiceRequest {
 #[serde(deny_unknown_fields)]
 pub struct ScaleRequest {
     #[cfg_attr(feature = "openapi", schema(maximum = 1000))]
+    #[serde(deserialize_with = "whole_u32")]
     pub replicas: u32,
 }
 
@@ -1264,8 +1269,12 @@ pub struct ScaleRequest {
 pub struct RollbackRequest {
     /// The revision whose template to run again (default: the one before
     /// the current).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole_u32_or_null"
+    )]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 4294967295_u64))]
     pub revision: Option<u32>,
 }
 
@@ -1395,7 +1404,7 @@ pub struct EndpointTable {
 #[serde(deny_unknown_fields)]
 pub struct TrafficReport {
     /// The gateway (a name of its own, the same in every report).
-    #[cfg_attr(feature = "openapi", schema(max_length = 128))]
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 128))]
     pub gateway: String,
     pub services: BTreeMap<String, ServiceTraffic>,
 }
@@ -1405,11 +1414,38 @@ pub struct TrafficReport {
 #[serde(deny_unknown_fields)]
 pub struct ServiceTraffic {
     /// Requests received since the gateway started (a counter).
+    #[serde(deserialize_with = "whole_u64")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 9_007_199_254_740_991_u64))]
     pub requests: u64,
     /// Requests being served now.
+    #[serde(deserialize_with = "whole_u64")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 9_007_199_254_740_991_u64))]
     pub in_flight: u64,
     /// Requests held for want of a ready replica.
+    #[serde(deserialize_with = "whole_u64")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 9_007_199_254_740_991_u64))]
     pub waiting: u64,
+}
+
+/// A whole number given as an integer or as a float without a fraction
+/// (JSON Schema's integers include `2.0`), up to 2^53 - 1.
+fn whole_u64<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    const MAX: u64 = 9_007_199_254_740_991;
+    let number = serde_json::Number::deserialize(deserializer)?;
+    number
+        .as_u64()
+        .or_else(|| {
+            number
+                .as_f64()
+                .filter(|value| value.fract() == 0.0 && *value >= 0.0 && *value <= MAX as f64)
+                .map(|value| value as u64)
+        })
+        .filter(|value| *value <= MAX)
+        .ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "expected a whole number from 0 to {MAX}, got {number}"
+            ))
+        })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -23,6 +23,10 @@ use std::time::{Duration, Instant};
 
 type Shared_ = State<Arc<Shared>>;
 
+fn unprocessable(message: impl Into<String>) -> ApiError {
+    ApiError::invalid(message).with_status(StatusCode::UNPROCESSABLE_ENTITY)
+}
+
 /// How long a user's connection waits for the node's agent to open its
 /// tunnel.
 const OPEN_WAIT: Duration = Duration::from_secs(15);
@@ -206,16 +210,28 @@ fn environment(
     Ok((job.id, allocation.node.0.clone(), port))
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ConnectKind {
+    Shell,
+    Forward,
+}
+
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct ConnectQuery {
     /// `shell` (a shell on a terminal) or `forward` (to `port`).
-    kind: String,
+    #[param(inline)]
+    kind: ConnectKind,
     /// For `forward`: the port in the environment.
+    #[param(minimum = 1, maximum = 65535)]
     port: Option<u16>,
+    #[param(maximum = 65535)]
     rows: Option<u16>,
+    #[param(maximum = 65535)]
     cols: Option<u16>,
     /// The terminal type (`TERM`).
+    #[param(max_length = 63)]
     term: Option<String>,
 }
 
@@ -228,6 +244,7 @@ pub struct ConnectQuery {
         (status = 101, description = "upgraded: the session's bytes (its first line `ok` or `refused: why`)"),
         (status = 400, body = ErrorBody),
         (status = 404, body = ErrorBody),
+        (status = 422, description = "not an upgrade (`Connection: upgrade`, `Upgrade: muster-tunnel`), or a forward without a port", body = ErrorBody),
         (status = 503, description = "not running yet, or its agent did not open the tunnel in time", body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -239,25 +256,22 @@ pub async fn connect(
     crate::error::Params(query): crate::error::Params<ConnectQuery>,
     mut request: Request,
 ) -> Result<Response, ApiError> {
-    let header = match query.kind.as_str() {
-        "shell" => serde_json::json!({
+    let header = match query.kind {
+        ConnectKind::Shell => serde_json::json!({
             "kind": "shell",
-            "rows": query.rows.unwrap_or(24),
-            "cols": query.cols.unwrap_or(80),
+            "rows": query.rows.unwrap_or(24).max(1),
+            "cols": query.cols.unwrap_or(80).max(1),
             "term": query.term.clone().unwrap_or_else(|| "xterm-256color".into()),
         }),
-        "forward" => serde_json::json!({
+        ConnectKind::Forward => serde_json::json!({
             "kind": "forward",
-            "port": query.port.ok_or_else(|| ApiError::invalid("forward: say which port (port=8888)"))?,
+            "port": query.port.filter(|port| *port > 0).ok_or_else(|| {
+                unprocessable("forward: say which port of the environment (port=8888)")
+            })?,
         }),
-        other => {
-            return Err(ApiError::invalid(format!(
-                "kind: `shell` or `forward`, not {other:?}"
-            )));
-        }
     };
     if !upgrading(&request) {
-        return Err(ApiError::invalid(format!(
+        return Err(unprocessable(format!(
             "a dev connection is an upgrade: send `Connection: upgrade` and `Upgrade: {}` \
              (`muster dev shell` and `muster dev forward` do)",
             muster_api::client::TUNNEL_PROTOCOL

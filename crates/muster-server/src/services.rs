@@ -36,8 +36,9 @@ pub const MAX_SERVICES: usize = 1_000;
 const EVENTS: usize = 20;
 /// Between controller rounds.
 const ROUND: Duration = Duration::from_millis(250);
-/// The longest a `GET /v1/endpoints?after=` waits for a change.
-const ENDPOINTS_WAIT: Duration = Duration::from_secs(30);
+/// The longest a `GET /v1/endpoints?after=` waits for a change (a log
+/// read with `follow` waits as long: the API's longest wait for a user).
+const ENDPOINTS_WAIT: Duration = Duration::from_secs(10);
 
 /// A service as stored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -143,8 +144,9 @@ impl Default for Services {
     fn default() -> Self {
         let mut bytes = [0u8; 8];
         // A clock reading if the system has no randomness to give.
+        // Below 2^63: the API's integers are int64.
         let instance = match getrandom::fill(&mut bytes) {
-            Ok(()) => u64::from_le_bytes(bytes),
+            Ok(()) => u64::from_le_bytes(bytes) >> 1,
             Err(_) => now().0,
         };
         Services {
@@ -1440,13 +1442,13 @@ pub async fn report_traffic(
     State(shared): Shared_,
     Body(report): Body<TrafficReport>,
 ) -> Result<Json<TrafficAck>, ApiError> {
-    if report.gateway.is_empty() || report.gateway.len() > 128 {
+    if report.gateway.is_empty() || report.gateway.chars().count() > 128 {
         return Err(ApiError::invalid(
             "gateway: a name of 1 to 128 characters, the same in every report",
         ));
     }
     if report.services.len() > MAX_SERVICES {
-        return Err(ApiError::invalid(format!(
+        return Err(unprocessable(format!(
             "services: at most {MAX_SERVICES} a report"
         )));
     }
@@ -1469,11 +1471,13 @@ pub async fn report_traffic(
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct EndpointsQuery {
-    /// Answer once the table's version is past this one (at most 30 s
+    /// Answer once the table's version is past this one (at most 10 s
     /// later; then the same table).
+    #[param(maximum = 9_223_372_036_854_775_807_u64)]
     after: Option<u64>,
     /// The `instance` of the answer `after` came from: another instance's
     /// versions mean nothing here, so the answer is at once.
+    #[param(maximum = 9_223_372_036_854_775_807_u64)]
     instance: Option<u64>,
 }
 
@@ -1489,6 +1493,14 @@ pub async fn endpoint_table(
     State(shared): Shared_,
     Params(query): Params<EndpointsQuery>,
 ) -> Result<Json<EndpointTable>, ApiError> {
+    const MAX: u64 = i64::MAX as u64;
+    if query.after.is_some_and(|after| after > MAX)
+        || query.instance.is_some_and(|instance| instance > MAX)
+    {
+        return Err(ApiError::invalid(format!(
+            "after and instance are at most {MAX} (from an earlier answer)"
+        )));
+    }
     let same_instance = query
         .instance
         .is_none_or(|instance| instance == shared.services.lock().instance);

@@ -194,13 +194,25 @@ pub fn queue_views(core: &Core) -> Vec<QueueView> {
             JobState::Pending => view.pending_jobs += 1,
             _ => {
                 view.running_jobs += 1;
-                let milli: u64 = core
+                let mut milli = 0u64;
+                let mut borrowed = 0u64;
+                for allocation in core
                     .control()
                     .current_allocations(job)
                     .filter(|a| a.state.holds_resources())
-                    .flat_map(|a| a.gpus.iter().map(|&(_, m)| u64::from(m)))
-                    .sum();
+                {
+                    let held: u64 = allocation.gpus.iter().map(|&(_, m)| u64::from(m)).sum();
+                    milli += held;
+                    let on_inference = core
+                        .control()
+                        .node(&allocation.node)
+                        .is_some_and(|node| core.control().is_inference_pool(&node.spec.pool));
+                    if on_inference && job.spec.service.is_none() {
+                        borrowed += held;
+                    }
+                }
                 view.in_use_gpus += milli as f64 / 1000.0;
+                view.borrowed_gpus += borrowed as f64 / 1000.0;
             }
         }
     }
@@ -217,6 +229,7 @@ pub fn empty_queue_view(spec: &QueueSpec) -> QueueView {
         idle_after_s: spec.idle_after.map(|t| t.as_secs()),
         idle_below_pct: spec.idle_below_pct,
         in_use_gpus: 0.0,
+        borrowed_gpus: 0.0,
         pending_jobs: 0,
         running_jobs: 0,
         budget: spec.budget.map(|b| b.monthly_cents as f64 / 100.0),

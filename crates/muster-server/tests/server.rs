@@ -2638,13 +2638,13 @@ async fn the_authorization_matrix_holds_for_every_route() {
                 None,
                 only(&USERS, 200),
             ),
-            // Not an upgrade: refused after authorization.
+            // Not an upgrade: refused (422) after authorization.
             (
                 Method::GET,
                 "/v1/dev/{name}/connect",
                 "/v1/dev/nope/connect?kind=shell".into(),
                 None,
-                only(&USERS, 400),
+                only(&USERS, 422),
             ),
             (
                 Method::POST,

@@ -18,6 +18,7 @@ pub mod faults;
 pub mod jobs;
 pub mod mix;
 pub mod replay;
+pub mod services;
 pub mod trace;
 
 pub use alloc::{
@@ -29,5 +30,8 @@ pub use jobs::{MUSTER_HISTORY_HEADER, parse_muster_history, parse_openb_timed, p
 pub use mix::{MixChange, MixError, resample, write_openb_tasks};
 pub use replay::{
     QueueResult, ReplayConfig, ReplayJob, ReplayPolicy, ReplayResult, proportional_queues, replay,
+};
+pub use services::{
+    PoolSharing, ServiceMixConfig, ServiceMixResult, request_rate, run_service_mix,
 };
 pub use trace::{TraceError, TraceTask, parse_openb_nodes, parse_openb_tasks};

@@ -133,6 +133,52 @@ pub enum SimCommand {
     /// multi-GPU or CPU-only tasks, GPU-model constraints, heavier CPU), to
     /// check that a placement policy holds up beyond the published traces.
     Mix(MixArgs),
+    /// Serving beside training: autoscaled services whose request rate
+    /// follows a day's curve and a stream of training jobs, minute by
+    /// minute through the production autoscaler and scheduler, with the
+    /// inference pool dedicated to serving or lent to training (borrowers
+    /// preempted when a service needs room); prints the trade-off.
+    Services(ServicesSimArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ServicesSimArgs {
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub inference_nodes: u32,
+    #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u32).range(0..=10000))]
+    pub general_nodes: u32,
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub gpus_per_node: u32,
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub services: u32,
+    /// Each service's busiest request rate (requests/s).
+    #[arg(long, default_value_t = 160.0)]
+    pub peak_rps: f64,
+    /// The quietest hour's rate, as a share of the peak.
+    #[arg(long, default_value_t = 0.15)]
+    pub trough: f64,
+    /// The autoscaler's target, requests/s a replica (a replica serves 25% more).
+    #[arg(long, default_value_t = 20.0)]
+    pub target_rps: f64,
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub max_replicas: u32,
+    /// Seconds from a replica's start to its first request (model loading).
+    #[arg(long, default_value_t = 120)]
+    pub replica_startup: u64,
+    /// Seconds of grace a preempted borrower gets before a replica starts
+    /// in its place.
+    #[arg(long, default_value_t = 30)]
+    pub grace: u64,
+    /// Training's offered load, as a share of all the cluster's GPUs.
+    #[arg(long, default_value_t = 0.9)]
+    pub training_load: f64,
+    #[arg(long, default_value_t = 48, value_parser = clap::value_parser!(u64).range(1..=24 * 365))]
+    pub hours: u64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Also write the results as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

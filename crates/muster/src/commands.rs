@@ -2307,7 +2307,11 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
                     q.borrow_limit_gpus
                         .map_or("unlimited".to_string(), |b| b.to_string()),
                     q.weight.to_string(),
-                    format!("{}", q.in_use_gpus),
+                    if q.borrowed_gpus > 0.0 {
+                        format!("{} ({} borrowed)", q.in_use_gpus, q.borrowed_gpus)
+                    } else {
+                        format!("{}", q.in_use_gpus)
+                    },
                     q.running_jobs.to_string(),
                     q.pending_jobs.to_string(),
                     match (q.idle_below_pct, q.idle_after_s) {

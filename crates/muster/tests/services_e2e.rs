@@ -670,6 +670,13 @@ fn training_that_borrows_an_inference_pool_yields_to_a_service_scaling_up() {
         .expect("the pool");
     assert!(pool.inference);
     assert_eq!(pool.borrowed_gpu_milli, 1_000, "{pool:?}");
+    let queues = rt.block_on(client.queues()).expect("queues");
+    let queue = queues
+        .queues
+        .iter()
+        .find(|queue| queue.name == "default")
+        .expect("the training's queue");
+    assert_eq!(queue.borrowed_gpus, 1.0, "{queue:?}");
 
     // A service in the pool scales up: the borrower is stopped (with its
     // grace) and the replica starts within the grace period plus 5 s.

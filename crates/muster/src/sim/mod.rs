@@ -7,6 +7,7 @@ mod faults;
 mod mix;
 mod plot;
 mod replay;
+mod services;
 
 use crate::cli::{SimArgs, SimCommand};
 use anyhow::Context;
@@ -77,6 +78,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         SimCommand::Replay(args) => replay::run(&args),
         SimCommand::Faults(args) => faults::run(&args),
         SimCommand::Mix(args) => mix::run(&args),
+        SimCommand::Services(args) => services::run(&args),
     }
 }
 
