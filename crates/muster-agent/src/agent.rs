@@ -301,7 +301,23 @@ pub async fn run(
         in_flight: None,
         server: base.clone(),
         backend: Arc::clone(&config.backend),
+        checks: Arc::new(crate::checks::Checks::default()),
+        check_client: Arc::new(std::sync::Mutex::new(None)),
     };
+    let (_stop_checks, checks_stopped) = tokio::sync::watch::channel(false);
+    let check_runner = tokio::spawn(Arc::clone(&shell.checks).run(
+        Arc::clone(&shell.check_client),
+        config.name.clone(),
+        checks_stopped,
+    ));
+    // Stops the check runner however this function returns.
+    struct AbortOnDrop(tokio::task::JoinHandle<()>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let _check_runner = AbortOnDrop(check_runner);
     shell.carry_out(&mut core, outputs).await?;
     let mut health = tokio::time::interval(Duration::from_secs(1));
     health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -463,6 +479,10 @@ struct Shell {
     /// The server, with no token: each request's client is made from it.
     server: Client,
     backend: Arc<dyn GpuBackend>,
+    /// Services' command checks run beside their tasks, and the client
+    /// their results go with.
+    checks: Arc<crate::checks::Checks>,
+    check_client: Arc<std::sync::Mutex<Option<Client>>>,
 }
 
 /// The most tunnels an agent joins at once (more wait).
@@ -523,6 +543,30 @@ impl Shell {
                 }
             });
         }
+    }
+
+    /// Takes in the command checks the server's answer names.
+    fn update_checks(&self, desired: &[DesiredAllocation]) {
+        let config = self.runtime.config();
+        let root = crate::supervise::running_as_root();
+        self.checks.update(desired, |task| {
+            let plan = crate::runtime::record::UserPlan {
+                job_user: task.user.clone(),
+                fallback: config.task_user.clone(),
+                allow_root: config.allow_root,
+            };
+            let user = crate::supervise::choose_user(root, &plan, crate::supervise::lookup_user)
+                .ok()
+                .flatten()
+                .map(|user| (user.uid, user.gid));
+            let key = task_key(task.job, task.allocation, task.generation);
+            crate::checks::TaskContext {
+                env: crate::runtime::check_environment(&task.env, |name| std::env::var(name).ok()),
+                working_dir: task.working_dir.clone(),
+                user,
+                procs: config.cgroups.task(&key).procs_files(),
+            }
+        });
     }
 
     /// Carries the core's outputs out, in order, feeding it what comes of
@@ -751,6 +795,10 @@ impl Shell {
                     self.credential = Some(registered.node_token.clone());
                 }
                 self.client = Some(self.server.with_token(&registered.node_token));
+                *self
+                    .check_client
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = self.client.clone();
                 self.logs.set_token(&registered.node_token);
                 tracing::info!(epoch = registered.epoch, "registered");
                 Input::Registered {
@@ -799,6 +847,7 @@ impl Shell {
                 result: Ok(answer),
             } => {
                 self.open_tunnels(&answer.tunnels);
+                self.update_checks(&answer.desired);
                 Input::HeartbeatReply {
                     sequence,
                     version: answer.version,

@@ -21,6 +21,7 @@
 //! processes and talks to the driver; nothing pure depends on it.
 
 pub mod agent;
+pub mod checks;
 pub mod container;
 pub mod devsession;
 pub mod gpu;

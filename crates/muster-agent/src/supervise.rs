@@ -116,7 +116,8 @@ pub fn choose_user(
     Ok(Some(fallback))
 }
 
-fn lookup_user(name: &str) -> Option<TaskUser> {
+/// The user named `name` on this node.
+pub fn lookup_user(name: &str) -> Option<TaskUser> {
     let user = nix::unistd::User::from_name(name).ok()??;
     Some(TaskUser {
         name: user.name,

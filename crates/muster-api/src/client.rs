@@ -763,6 +763,20 @@ impl Client {
             .await
     }
 
+    /// This node's command-check results (an agent's token).
+    pub async fn report_checks(
+        &self,
+        node: &str,
+        report: &CheckReport,
+    ) -> Result<serde_json::Value, ClientError> {
+        self.post(
+            &format!("/v1/agents/{}/checks", encode(node)),
+            report,
+            Some(Duration::from_secs(5)),
+        )
+        .await
+    }
+
     /// Opens tunnel `id` of this node (an agent's token): an upgraded
     /// connection to the server, its bytes a user's `muster dev` session.
     pub async fn open_tunnel(&self, node: &str, id: u64) -> Result<reqwest::Upgraded, ClientError> {

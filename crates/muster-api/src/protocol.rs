@@ -515,6 +515,50 @@ pub struct DesiredAllocation {
     /// Host paths the container sees (allowed by the node's pool).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<crate::wire::MountSpec>,
+    /// Command checks of a service's replica the agent runs beside it and
+    /// reports (`POST /v1/agents/{node}/checks`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checks: Vec<CheckSpec>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct CheckSpec {
+    /// A liveness check (else readiness).
+    pub liveness: bool,
+    pub command: Vec<String>,
+    pub period_ms: u64,
+    pub timeout_ms: u64,
+    /// Before the first run, from the task's start.
+    #[serde(default)]
+    pub initial_delay_ms: u64,
+}
+
+/// `POST /v1/agents/{node}/checks`: results of command checks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CheckReport {
+    #[cfg_attr(feature = "openapi", schema(max_items = 10000))]
+    pub results: Vec<CheckResult>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CheckResult {
+    #[cfg_attr(feature = "openapi", schema(maximum = 9_007_199_254_740_991_u64))]
+    #[serde(deserialize_with = "whole_u64")]
+    pub allocation: u64,
+    pub liveness: bool,
+    /// The run's number (1, 2, ...) for this allocation and kind.
+    #[cfg_attr(feature = "openapi", schema(maximum = 9_007_199_254_740_991_u64))]
+    #[serde(deserialize_with = "whole_u64")]
+    pub run: u64,
+    pub ok: bool,
+    /// Why it failed (exit status, the end of its output, a timeout).
+    #[cfg_attr(feature = "openapi", schema(max_length = 1024))]
+    pub message: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

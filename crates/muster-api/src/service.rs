@@ -44,6 +44,7 @@ const AUTOSCALE_FIELDS: &[&str] = &[
 const PROBE_FIELDS: &[&str] = &[
     "http",
     "tcp",
+    "command",
     "period",
     "timeout",
     "failure_threshold",
@@ -237,6 +238,22 @@ pub fn parse_service_spec_value(value: &Value) -> Result<model::ServiceSpec, Spe
         .get("autoscale")
         .and_then(|value| reader.autoscale(value));
     if let Some(template) = &template
+        && template.image.is_some()
+    {
+        for (name, probe) in [("readiness", &readiness), ("liveness", &liveness)] {
+            if probe
+                .as_ref()
+                .is_some_and(|probe| matches!(probe.action, model::ProbeAction::Command(_)))
+            {
+                reader.fail(
+                    &format!("{name}.command"),
+                    "a command check runs on the node beside the replica, not inside its image: \
+                     use `http` or `tcp` for a service with an image",
+                );
+            }
+        }
+    }
+    if let Some(template) = &template
         && !is_service_name(&template.name)
     {
         reader.fail(
@@ -424,8 +441,33 @@ impl Reader {
 
     fn probe(&mut self, value: &Value, path: &str) -> Option<model::Probe> {
         let section = self.section(value, path, PROBE_FIELDS)?;
-        let action = match (section.get("http"), section.get("tcp")) {
-            (Some(Value::String(http)), None) if http.starts_with('/') && http.len() <= 1024 => {
+        let given: Vec<&str> = ["http", "tcp", "command"]
+            .into_iter()
+            .filter(|kind| section.contains_key(*kind))
+            .collect();
+        if given.len() != 1 {
+            self.fail(
+                path,
+                if given.is_empty() {
+                    "say what to check: `http: /healthz` (a GET answered 2xx or 3xx), `tcp: true` \
+                     (the port accepts connections) or `command: [ARGS]` (exits 0, run beside \
+                     the replica)"
+                        .to_string()
+                } else {
+                    format!(
+                        "one check: http, tcp or command, not {}",
+                        given.join(" and ")
+                    )
+                },
+            );
+            return None;
+        }
+        let action = match (
+            section.get("http"),
+            section.get("tcp"),
+            section.get("command"),
+        ) {
+            (Some(Value::String(http)), _, _) if http.starts_with('/') && http.len() <= 1024 => {
                 if http.chars().any(|c| c.is_control() || c == ' ') {
                     self.fail(
                         &format!("{path}.http"),
@@ -435,33 +477,47 @@ impl Reader {
                 }
                 model::ProbeAction::Http { path: http.clone() }
             }
-            (Some(other), None) => {
+            (Some(other), _, _) => {
                 self.fail(
                     &format!("{path}.http"),
                     format!("expected a path like \"/healthz\" (at most 1 KiB), got {other}"),
                 );
                 return None;
             }
-            (None, Some(Value::Bool(true))) => model::ProbeAction::Tcp,
-            (None, Some(other)) => {
+            (_, Some(Value::Bool(true)), _) => model::ProbeAction::Tcp,
+            (_, Some(other), _) => {
                 self.fail(
                     &format!("{path}.tcp"),
                     format!("expected true (a TCP connection to the port), got {other}"),
                 );
                 return None;
             }
-            (Some(_), Some(_)) => {
-                self.fail(path, "one check: http or tcp, not both");
-                return None;
+            (_, _, Some(Value::Array(items)))
+                if !items.is_empty()
+                    && items.len() <= 64
+                    && items.iter().all(|item| {
+                        item.as_str()
+                            .is_some_and(|arg| arg.len() <= 4096 && !arg.contains('\0'))
+                    }) =>
+            {
+                model::ProbeAction::Command(
+                    items
+                        .iter()
+                        .filter_map(|item| item.as_str().map(str::to_string))
+                        .collect(),
+                )
             }
-            (None, None) => {
+            (_, _, Some(other)) => {
                 self.fail(
-                    path,
-                    "say what to check: `http: /healthz` (a GET answered 2xx or 3xx) or \
-                     `tcp: true` (the port accepts connections)",
+                    &format!("{path}.command"),
+                    format!(
+                        "expected a list of 1 to 64 texts (the program and its arguments), got \
+                         {other}"
+                    ),
                 );
                 return None;
             }
+            (None, None, None) => return None,
         };
         let mut probe = model::Probe::new(action);
         let field = |name: &str| format!("{path}.{name}");
@@ -523,6 +579,9 @@ pub fn service_spec_value(spec: &model::ServiceSpec) -> Value {
             }
             model::ProbeAction::Tcp => {
                 out.insert("tcp".into(), true.into());
+            }
+            model::ProbeAction::Command(argv) => {
+                out.insert("command".into(), argv.clone().into());
             }
         }
         out.insert("period".into(), probe.period.as_secs().into());
@@ -590,7 +649,7 @@ command: [python3, -m, http.server]
 cpus: 1
 memory: 512MiB
 readiness: {http: /healthz, period: 1s, failure_threshold: 2}
-liveness: {tcp: true, period: 5s}
+liveness: {command: [sh, -c, 'test -d /proc/self'], period: 5s}
 update: {max_surge: 0, max_unavailable: 1, progress_deadline: 20s}
 spread: racks
 restart: {initial: 2s, max: 30s}
@@ -620,7 +679,11 @@ autoscale: {min_replicas: 0, max_replicas: 5, requests_per_second: 20, window: 3
         assert_eq!(readiness.failure_threshold, 2);
         assert_eq!(
             spec.liveness.as_ref().map(|probe| probe.action.clone()),
-            Some(model::ProbeAction::Tcp)
+            Some(model::ProbeAction::Command(vec![
+                "sh".into(),
+                "-c".into(),
+                "test -d /proc/self".into()
+            ]))
         );
         assert_eq!(spec.update.max_unavailable, 1);
         assert_eq!(spec.update.progress_deadline, Some(Duration::from_secs(20)));

@@ -35,6 +35,10 @@ pub enum ProbeAction {
     Http { path: String },
     /// A TCP connection to the replica's port opens in time.
     Tcp,
+    /// The command exits 0 in time, run on the replica's node by its
+    /// agent, in the replica's cgroup, as its user, with its environment
+    /// and working directory.
+    Command(Vec<String>),
 }
 
 /// A readiness or liveness check.

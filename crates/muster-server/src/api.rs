@@ -102,6 +102,10 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
             "/v1/agents/{node}/tunnels/{id}",
             post(crate::dev::open_tunnel),
         )
+        .route(
+            "/v1/agents/{node}/checks",
+            post(crate::services::agent_checks),
+        )
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/nodes/{name}", get(get_node).delete(remove_node))
         .route("/v1/nodes/{name}/telemetry", get(node_history))
@@ -2491,6 +2495,7 @@ async fn heartbeat(
             .map(desired_view)
             .collect::<Vec<_>>();
         crate::secrets::fill(&shared, core.control(), &mut desired);
+        crate::services::fill_checks(&shared, core.control(), &mut desired);
         // Every change so far is queued at or before this number.
         (version, desired, shared.writer.queued())
     };
@@ -2735,6 +2740,7 @@ async fn push_logs(
         crate::services::rollback_service, crate::services::service_endpoints,
         crate::services::endpoint_table, crate::services::report_traffic,
         crate::dev::list, crate::dev::connect, crate::dev::open_tunnel,
+        crate::services::agent_checks,
     ),
     components(schemas(ErrorBody, ErrorCode)),
     modifiers(&BearerAuth, &ErrorAnswers),
@@ -2824,7 +2830,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 42, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 43, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",

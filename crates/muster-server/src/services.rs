@@ -13,9 +13,9 @@ use crate::store::Batch;
 use axum::Json;
 use axum::extract::State;
 use muster_api::protocol::{
-    Endpoint, EndpointList, EndpointTable, ErrorBody, ErrorCode, ReplicaView, RevisionView,
-    RollbackRequest, ScaleRequest, ServiceEvent, ServiceList, ServiceRequest, ServiceView,
-    TrafficAck, TrafficReport,
+    CheckReport, CheckSpec, DesiredAllocation, Endpoint, EndpointList, EndpointTable, ErrorBody,
+    ErrorCode, ReplicaView, RevisionView, RollbackRequest, ScaleRequest, ServiceEvent, ServiceList,
+    ServiceRequest, ServiceView, TrafficAck, TrafficReport,
 };
 use muster_control::services::{
     Action, AutoscalerState, ControllerState, Load, ProbeState, Replica, ReplicaRun, Status,
@@ -89,6 +89,8 @@ struct Track {
     revision: u32,
     readiness: ProbeState,
     liveness: ProbeState,
+    /// The last command-check runs taken in (readiness, liveness).
+    runs: (u64, u64),
     draining_since: Option<Time>,
     stopping: bool,
 }
@@ -99,6 +101,7 @@ impl Track {
             revision,
             readiness: ProbeState::new(false),
             liveness: ProbeState::new(true),
+            runs: (0, 0),
             draining_since: None,
             stopping: false,
         }
@@ -164,6 +167,8 @@ impl Default for Services {
 pub struct ServiceState {
     services: std::sync::Mutex<Services>,
     traffic: std::sync::Mutex<Traffic>,
+    /// The agents' latest command-check results.
+    checks: std::sync::Mutex<CheckResults>,
     edit: tokio::sync::Mutex<()>,
     /// Bumped with the endpoint table's version.
     changed: tokio::sync::watch::Sender<u64>,
@@ -236,6 +241,10 @@ pub fn load(shared: &Shared, records: Vec<ServiceRecord>) {
     }
 }
 
+/// (allocation, liveness) → (run, result): the agents' latest command-check
+/// results (memory only; pruned to running replicas every round).
+type CheckResults = BTreeMap<(u64, bool), (u64, Result<(), String>)>;
+
 /// The gateways' latest reports (memory only).
 #[derive(Default)]
 struct Traffic {
@@ -300,6 +309,8 @@ impl Traffic {
 struct Seen {
     service: String,
     job: JobId,
+    /// Its task's allocation, while it runs.
+    allocation: Option<u64>,
     run: ReplicaRun,
     /// `ADDRESS:PORT` while it runs.
     endpoint: Option<String>,
@@ -316,11 +327,13 @@ fn observe(shared: &Shared, services: &Services) -> Vec<Seen> {
                 seen.push(Seen {
                     service: name.clone(),
                     job,
+                    allocation: None,
                     run: ReplicaRun::Ended { failed: false },
                     endpoint: None,
                 });
                 continue;
             };
+            let allocation_id = found.allocations.first().map(|id| id.0);
             let (run, endpoint) = match found.state {
                 JobState::Pending => (ReplicaRun::Pending, None),
                 JobState::Running | JobState::Stopping => {
@@ -352,6 +365,7 @@ fn observe(shared: &Shared, services: &Services) -> Vec<Seen> {
             seen.push(Seen {
                 service: name.clone(),
                 job,
+                allocation: allocation_id,
                 run,
                 endpoint,
             });
@@ -372,6 +386,8 @@ struct Check {
 async fn run_check(client: &reqwest::Client, check: &Check) -> Result<(), String> {
     let timeout = check.probe.timeout;
     match &check.probe.action {
+        // Run by the agents (see `agent_checks`), never here.
+        ProbeAction::Command(_) => Ok(()),
         ProbeAction::Tcp => {
             match tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&check.endpoint))
                 .await
@@ -468,6 +484,7 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
                 (true, &entry.spec.liveness, &track.liveness),
             ] {
                 if let Some(probe) = probe
+                    && !matches!(probe.action, ProbeAction::Command(_))
                     && state.due(probe, since, at)
                 {
                     checks.push(Check {
@@ -490,6 +507,57 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
     let mut finished: Vec<String> = Vec::new();
     {
         let mut services = shared.services.lock();
+        // The agents' command checks, each run taken in once.
+        {
+            let mut reported = match shared.services.checks.lock() {
+                Ok(reported) => reported,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            let live: std::collections::BTreeSet<u64> = seen
+                .iter()
+                .filter_map(|replica| replica.allocation)
+                .collect();
+            reported.retain(|(allocation, _), _| live.contains(allocation));
+            for replica in &seen {
+                let (ReplicaRun::Running { .. }, Some(allocation)) =
+                    (replica.run, replica.allocation)
+                else {
+                    continue;
+                };
+                let Some(entry) = services.entries.get_mut(&replica.service) else {
+                    continue;
+                };
+                let (readiness, liveness) =
+                    (entry.spec.readiness.clone(), entry.spec.liveness.clone());
+                let Some(track) = entry.replicas.get_mut(&replica.job) else {
+                    continue;
+                };
+                for (is_liveness, probe) in [(false, readiness), (true, liveness)] {
+                    let Some(probe) =
+                        probe.filter(|probe| matches!(probe.action, ProbeAction::Command(_)))
+                    else {
+                        continue;
+                    };
+                    let Some((run, result)) = reported.get(&(allocation, is_liveness)) else {
+                        continue;
+                    };
+                    let last = if is_liveness {
+                        &mut track.runs.1
+                    } else {
+                        &mut track.runs.0
+                    };
+                    if *run > *last {
+                        *last = *run;
+                        let state = if is_liveness {
+                            &mut track.liveness
+                        } else {
+                            &mut track.readiness
+                        };
+                        state.record(&probe, at, result.clone());
+                    }
+                }
+            }
+        }
         for (check, result) in checks.iter().zip(results) {
             let Some(entry) = services.entries.get_mut(&check.service) else {
                 continue;
@@ -622,6 +690,95 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
             }
         }
     }
+}
+
+/// Adds each replica's command checks to its node's desired set (the
+/// agent runs them beside the task).
+pub fn fill_checks(
+    shared: &Shared,
+    control: &muster_control::ControlPlane,
+    desired: &mut [DesiredAllocation],
+) {
+    let services = shared.services.lock();
+    for task in desired.iter_mut().filter(|task| !task.stop) {
+        let Some(job) = control.job(JobId(task.job)) else {
+            continue;
+        };
+        let Some(service) = &job.spec.service else {
+            continue;
+        };
+        let Some(entry) = services.entries.get(&service.name) else {
+            continue;
+        };
+        for (liveness, probe) in [(false, &entry.spec.readiness), (true, &entry.spec.liveness)] {
+            if let Some(probe) = probe
+                && let ProbeAction::Command(command) = &probe.action
+            {
+                task.checks.push(CheckSpec {
+                    liveness,
+                    command: command.clone(),
+                    period_ms: probe.period.as_millis() as u64,
+                    timeout_ms: probe.timeout.as_millis() as u64,
+                    initial_delay_ms: probe.initial_delay.as_millis() as u64,
+                });
+            }
+        }
+    }
+}
+
+/// A node's command-check results (its own token): the latest run of each
+/// check of its tasks, taken in by the next controller round.
+#[utoipa::path(
+    post, path = "/v1/agents/{node}/checks", tag = "agents",
+    params(("node" = String, Path, description = "the node's name")),
+    request_body = CheckReport,
+    responses((status = 200, description = "kept")),
+    security(("bearer" = []))
+)]
+pub async fn agent_checks(
+    State(shared): Shared_,
+    PathParams(node): PathParams<String>,
+    Body(report): Body<CheckReport>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let node = muster_model::NodeName(node);
+    let owned: std::collections::BTreeSet<u64> = {
+        let core = shared.read();
+        core.control()
+            .live_allocations(&node)
+            .map(|allocation| allocation.id.0)
+            .collect()
+    };
+    let mut checks = match shared.services.checks.lock() {
+        Ok(checks) => checks,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    let mut kept = 0u64;
+    for result in report.results {
+        // Only this node's tasks.
+        if !owned.contains(&result.allocation) {
+            continue;
+        }
+        let key = (result.allocation, result.liveness);
+        if checks.get(&key).is_some_and(|(run, _)| *run >= result.run) {
+            continue;
+        }
+        let outcome = if result.ok {
+            Ok(())
+        } else {
+            let mut message = result.message;
+            if message.len() > 1024 {
+                let mut end = 1024;
+                while !message.is_char_boundary(end) {
+                    end -= 1;
+                }
+                message.truncate(end);
+            }
+            Err(message)
+        };
+        checks.insert(key, (result.run, outcome));
+        kept += 1;
+    }
+    Ok(Json(serde_json::json!({ "kept": kept })))
 }
 
 /// The mean utilisation of the GPUs of `entry`'s running replicas, from

@@ -267,5 +267,7 @@ pub fn desired_view(task: DesiredTask) -> DesiredAllocation {
                 read_only: Some(read_only),
             })
             .collect(),
+        // Filled on the way out (crate::services::fill_checks).
+        checks: Vec::new(),
     }
 }

@@ -2648,6 +2648,13 @@ async fn the_authorization_matrix_holds_for_every_route() {
             ),
             (
                 Method::POST,
+                "/v1/agents/{node}/checks",
+                "/v1/agents/gpu-1/checks".into(),
+                Some(json!({ "results": [] })),
+                only(&[Who::Node], 200),
+            ),
+            (
+                Method::POST,
                 "/v1/agents/{node}/tunnels/{id}",
                 "/v1/agents/gpu-1/tunnels/1".into(),
                 None,

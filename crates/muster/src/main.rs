@@ -31,6 +31,13 @@ fn main() -> ExitCode {
             let code = muster_agent::supervise::main(&rest);
             return ExitCode::from(u8::try_from(code).unwrap_or(1));
         }
+        // `muster check-exec ...`: a service's command check, started by
+        // the agent (see muster_agent::checks).
+        Some("check-exec") => {
+            let rest: Vec<String> = args.collect();
+            let code = muster_agent::checks::exec_main(&rest);
+            return ExitCode::from(u8::try_from(code).unwrap_or(1));
+        }
         // `muster dev-session`: a dev environment's task (see
         // muster_agent::devsession), started by its supervisor.
         Some("dev-session") => {

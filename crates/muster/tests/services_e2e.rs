@@ -712,3 +712,98 @@ fn training_that_borrows_an_inference_pool_yields_to_a_service_scaling_up() {
         "{pool:?}"
     );
 }
+
+/// The uid and cgroup of process `pid`.
+fn uid_and_cgroup(pid: i32) -> (String, String) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let uid = status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_default()
+        .to_string();
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    (uid, cgroup.trim().to_string())
+}
+
+#[test]
+fn command_checks_run_beside_the_replica_as_its_user_and_gate_its_traffic() {
+    let cluster = Cluster::start("3s");
+    let _agent = cluster.agent_with("node-1", &cluster.url(), "1xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    let out = common::task_writable(cluster.dir.path(), "checks");
+    let with_checks = |version: &str, fail: bool| {
+        let mut spec = spec(version, fail);
+        spec["replicas"] = 2.into();
+        spec["env"]["CHECK_OUT"] = out.to_str().expect("utf-8").into();
+        spec["readiness"] = serde_json::json!({
+            "command": [
+                "python3", "-c",
+                "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ['PORT'], timeout=1)",
+            ],
+            "period": 1, "timeout": 2, "failure_threshold": 1,
+        });
+        spec["liveness"] = serde_json::json!({
+            "command": ["sh", "-c", "id -u > \"$CHECK_OUT/uid.$PORT\"; cat /proc/self/cgroup > \"$CHECK_OUT/cgroup.$PORT\""],
+            "period": 1,
+        });
+        spec
+    };
+    rt.block_on(client.create_service(with_checks("1", false)))
+        .expect("created");
+    wait_until(
+        "two replicas ready by their command checks",
+        Duration::from_secs(40),
+        || {
+            let now = service(&rt, &client);
+            now.ready == 2
+        },
+    );
+    // The checks ran as the replica's user, in its cgroup.
+    let view = service(&rt, &client);
+    for replica in &view.replica_list {
+        let port = replica
+            .endpoint
+            .as_deref()
+            .and_then(|endpoint| endpoint.rsplit(':').next())
+            .expect("an endpoint")
+            .to_string();
+        let pid = *pids_of_job(replica.job)
+            .first()
+            .expect("the replica's process");
+        let (uid, cgroup) = uid_and_cgroup(pid);
+        wait_until(
+            "the liveness check's record",
+            Duration::from_secs(10),
+            || out.join(format!("cgroup.{port}")).exists(),
+        );
+        let check_uid = std::fs::read_to_string(out.join(format!("uid.{port}")))
+            .expect("the check wrote its uid");
+        let check_cgroup = std::fs::read_to_string(out.join(format!("cgroup.{port}")))
+            .expect("the check wrote its cgroup");
+        assert_eq!(
+            check_uid.trim(),
+            uid,
+            "the check runs as the replica's user"
+        );
+        assert_eq!(
+            check_cgroup.trim(),
+            cgroup,
+            "the check runs in the replica's cgroup"
+        );
+    }
+    // A revision whose check fails stops its rollout, saying why.
+    rt.block_on(client.update_service("web", with_checks("2", true)))
+        .expect("updated");
+    wait_until("the rollout to stop", Duration::from_secs(40), || {
+        service(&rt, &client)
+            .rollout
+            .is_some_and(|rollout| rollout.contains("stopped"))
+    });
+    let why = service(&rt, &client).rollout.unwrap_or_default();
+    assert!(why.contains("exited 1"), "{why}");
+    assert!(why.contains("500"), "{why}");
+    assert_eq!(service(&rt, &client).ready, 2);
+}

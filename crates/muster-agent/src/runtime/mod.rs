@@ -1027,6 +1027,24 @@ async fn kill_remains(pid_path: &Path, cgroup: &cgroup::TaskCgroup) {
     .await;
 }
 
+/// The environment of a command check beside a task: what the task's own
+/// gets from the agent (see the module doc), then the task's variables.
+pub fn check_environment(
+    task_env: &BTreeMap<String, String>,
+    agent_var: impl Fn(&str) -> Option<String>,
+) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    for name in PASSED_THROUGH {
+        if let Some(value) = agent_var(name) {
+            env.insert(name.to_string(), value);
+        }
+    }
+    env.entry("PATH".to_string())
+        .or_insert_with(|| DEFAULT_PATH.to_string());
+    env.extend(task_env.clone());
+    env
+}
+
 /// The task's environment (see the module doc); `agent_var` reads the
 /// agent's own environment.
 fn task_environment(

@@ -1,0 +1,283 @@
+//! Command checks of services' replicas (`readiness: {command: [...]}`):
+//! the server names them in each task's desired entry; the agent runs each
+//! every period, beside the task: in the task's cgroup (its limits apply,
+//! and its clean-up kills what a check leaves), as the task's user, with
+//! its environment and working directory, through its own binary's
+//! `muster check-exec` (which joins the cgroup and drops privileges before
+//! it executes the command, by absolute path of this program). Results are
+//! reported to the server (`POST /v1/agents/{node}/checks`), which applies
+//! the thresholds.
+
+use muster_api::client::Client;
+use muster_api::protocol::{CheckReport, CheckResult, CheckSpec, DesiredAllocation};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// The most output of a failed check kept for its message.
+const MESSAGE_BYTES: usize = 400;
+
+/// How a task's checks run.
+#[derive(Debug, Clone)]
+pub struct TaskContext {
+    pub env: BTreeMap<String, String>,
+    pub working_dir: Option<String>,
+    /// (uid, gid) to run as; `None`: as the agent (not root).
+    pub user: Option<(u32, u32)>,
+    /// The task's `cgroup.procs` files.
+    pub procs: Vec<PathBuf>,
+}
+
+struct Entry {
+    spec: CheckSpec,
+    context: TaskContext,
+    known: Instant,
+    last: Option<Instant>,
+    running: bool,
+    runs: u64,
+}
+
+/// Every command check of this node's tasks, and results not yet sent.
+#[derive(Default)]
+pub struct Checks {
+    entries: Mutex<BTreeMap<(u64, bool), Entry>>,
+    results: Mutex<Vec<CheckResult>>,
+}
+
+impl Checks {
+    /// The checks the server's latest answer names: new ones start their
+    /// initial delay now, known ones keep their timing, others go.
+    pub fn update(
+        &self,
+        desired: &[DesiredAllocation],
+        context: impl Fn(&DesiredAllocation) -> TaskContext,
+    ) {
+        let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut next = BTreeMap::new();
+        for task in desired.iter().filter(|task| !task.stop) {
+            for spec in &task.checks {
+                let key = (task.allocation, spec.liveness);
+                let entry = match entries.remove(&key) {
+                    Some(mut entry) if entry.spec == *spec => {
+                        entry.context = context(task);
+                        entry
+                    }
+                    _ => Entry {
+                        spec: spec.clone(),
+                        context: context(task),
+                        known: Instant::now(),
+                        last: None,
+                        running: false,
+                        runs: 0,
+                    },
+                };
+                next.insert(key, entry);
+            }
+        }
+        *entries = next;
+    }
+
+    /// Runs what is due, and sends results, until `stop`.
+    pub async fn run(
+        self: Arc<Self>,
+        client: Arc<Mutex<Option<Client>>>,
+        node: String,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) {
+        let helper = match std::env::current_exe() {
+            Ok(path) => path,
+            Err(error) => {
+                tracing::warn!(%error, "command checks cannot run: this program's path is unknown");
+                return;
+            }
+        };
+        let mut last_send = Instant::now();
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                _ = stop.changed() => return,
+            }
+            self.start_due(&helper);
+            let pending = !self
+                .results
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_empty();
+            if pending && last_send.elapsed() >= Duration::from_millis(200) {
+                last_send = Instant::now();
+                let results = std::mem::take(
+                    &mut *self.results.lock().unwrap_or_else(PoisonError::into_inner),
+                );
+                let client = client
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone();
+                if let Some(client) = client
+                    && let Err(error) = client.report_checks(&node, &CheckReport { results }).await
+                {
+                    tracing::debug!(%error, "check results not taken");
+                }
+            }
+        }
+    }
+
+    fn start_due(self: &Arc<Self>, helper: &std::path::Path) {
+        let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+        for (&(allocation, liveness), entry) in entries.iter_mut() {
+            if entry.running
+                || entry.known.elapsed() < Duration::from_millis(entry.spec.initial_delay_ms)
+                || entry.last.is_some_and(|last| {
+                    last.elapsed() < Duration::from_millis(entry.spec.period_ms)
+                })
+            {
+                continue;
+            }
+            entry.running = true;
+            entry.last = Some(Instant::now());
+            entry.runs += 1;
+            let run = entry.runs;
+            let spec = entry.spec.clone();
+            let context = entry.context.clone();
+            let checks = self.clone();
+            let helper = helper.to_path_buf();
+            tokio::spawn(async move {
+                let outcome = run_one(&helper, &spec, &context).await;
+                if let Some(entry) = checks
+                    .entries
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get_mut(&(allocation, liveness))
+                {
+                    entry.running = false;
+                }
+                let (ok, message) = match outcome {
+                    Ok(()) => (true, String::new()),
+                    Err(message) => (false, message),
+                };
+                checks
+                    .results
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(CheckResult {
+                        allocation,
+                        liveness,
+                        run,
+                        ok,
+                        message,
+                    });
+            });
+        }
+    }
+}
+
+async fn run_one(
+    helper: &std::path::Path,
+    spec: &CheckSpec,
+    context: &TaskContext,
+) -> Result<(), String> {
+    let mut command = tokio::process::Command::new(helper);
+    command.arg("check-exec");
+    match context.user {
+        Some((uid, gid)) => command.args([uid.to_string(), gid.to_string()]),
+        None => command.args(["-", "-"]),
+    };
+    for procs in &context.procs {
+        command.arg(procs);
+    }
+    command
+        .arg("--")
+        .args(&spec.command)
+        .env_clear()
+        .envs(&context.env)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    if let Some(dir) = &context.working_dir {
+        command.current_dir(dir);
+    }
+    let shown = spec.command.join(" ");
+    let child = command
+        .spawn()
+        .map_err(|error| format!("`{shown}` could not start: {error}"))?;
+    let timeout = Duration::from_millis(spec.timeout_ms.max(1));
+    match tokio::time::timeout(timeout, child.wait_with_output()).await {
+        Err(_) => Err(format!(
+            "`{shown}` did not finish within {}s",
+            timeout.as_secs_f64()
+        )),
+        Ok(Err(error)) => Err(format!("`{shown}` failed: {error}")),
+        Ok(Ok(output)) if output.status.success() => Ok(()),
+        Ok(Ok(output)) => {
+            let mut said = String::from_utf8_lossy(&output.stderr).trim().to_string();
+            if said.is_empty() {
+                said = String::from_utf8_lossy(&output.stdout).trim().to_string();
+            }
+            if said.len() > MESSAGE_BYTES {
+                let mut start = said.len() - MESSAGE_BYTES;
+                while !said.is_char_boundary(start) {
+                    start += 1;
+                }
+                said = format!("...{}", &said[start..]);
+            }
+            let status = match output.status.code() {
+                Some(code) => format!("exited {code}"),
+                None => "was killed".to_string(),
+            };
+            Err(if said.is_empty() {
+                format!("`{shown}` {status}")
+            } else {
+                format!("`{shown}` {status}: {said}")
+            })
+        }
+    }
+}
+
+/// `muster check-exec UID GID [PROCS_FILE...] -- COMMAND...`: joins the
+/// task's cgroup (writes its own pid into each `cgroup.procs`), takes the
+/// task's user (`-` `-`: stays as it is), and executes the command with
+/// the environment and directory it was given. Returns only on failure.
+pub fn exec_main(args: &[String]) -> i32 {
+    match exec(args) {
+        Ok(never) => match never {},
+        Err(error) => {
+            eprintln!("muster check-exec: {error}");
+            127
+        }
+    }
+}
+
+fn exec(args: &[String]) -> Result<std::convert::Infallible, String> {
+    let split = args
+        .iter()
+        .position(|arg| arg == "--")
+        .ok_or("usage: muster check-exec UID GID [PROCS...] -- COMMAND...")?;
+    let (head, command) = (&args[..split], &args[split + 1..]);
+    if head.len() < 2 || command.is_empty() {
+        return Err("usage: muster check-exec UID GID [PROCS...] -- COMMAND...".into());
+    }
+    let me = std::process::id().to_string();
+    for procs in &head[2..] {
+        std::fs::write(procs, &me).map_err(|error| format!("cannot join {procs}: {error}"))?;
+    }
+    if head[0] != "-" {
+        let uid: u32 = head[0].parse().map_err(|_| "a bad uid")?;
+        let gid: u32 = head[1].parse().map_err(|_| "a bad gid")?;
+        let gid = nix::unistd::Gid::from_raw(gid);
+        nix::unistd::setgroups(&[gid]).map_err(|error| format!("setgroups: {error}"))?;
+        nix::unistd::setgid(gid).map_err(|error| format!("setgid: {error}"))?;
+        nix::unistd::setuid(nix::unistd::Uid::from_raw(uid))
+            .map_err(|error| format!("setuid: {error}"))?;
+    }
+    let argv: Vec<std::ffi::CString> = command
+        .iter()
+        .map(|arg| std::ffi::CString::new(arg.as_bytes()).map_err(|_| "a NUL in the command"))
+        .collect::<Result<_, _>>()?;
+    let error = nix::unistd::execvp(&argv[0], &argv).err();
+    Err(format!(
+        "cannot run {}: {}",
+        command[0],
+        error.map_or_else(|| "unknown".to_string(), |error| error.to_string())
+    ))
+}
