@@ -485,6 +485,73 @@ struct Shell {
     check_client: Arc<std::sync::Mutex<Option<Client>>>,
 }
 
+/// A session into a dev environment that runs in a container: the agent
+/// reads its first line (the server wrote it) and opens a shell in the
+/// container, or connects to the port (the container shares the node's
+/// network).
+async fn container_session<S>(
+    state_dir: &std::path::Path,
+    key: &str,
+    upstream: &mut S,
+) -> Result<(), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut line = Vec::new();
+    loop {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(10), upstream.read(&mut byte))
+            .await
+            .map_err(|_| "no session header".to_string())?
+            .map_err(|error| error.to_string())?;
+        if read == 0 {
+            return Err("the connection closed".to_string());
+        }
+        if byte[0] == b'\n' {
+            break;
+        }
+        line.push(byte[0]);
+        if line.len() > 4096 {
+            return Err("the session header is too long".to_string());
+        }
+    }
+    let header: crate::devsession::Header =
+        serde_json::from_slice(&line).map_err(|error| format!("a bad session header: {error}"))?;
+    match header.kind.as_str() {
+        "shell" => {
+            let term = header
+                .term
+                .filter(|term| term.len() < 64 && term.bytes().all(|b| b.is_ascii_graphic()))
+                .unwrap_or_else(|| "xterm-256color".to_string());
+            crate::container::exec_shell(
+                state_dir,
+                key,
+                header.rows.unwrap_or(24),
+                header.cols.unwrap_or(80),
+                &term,
+                upstream,
+            )
+            .await
+        }
+        "forward" => {
+            let port = header.port.ok_or("forward: no port")?;
+            let mut target = tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .map_err(|error| {
+                    format!("nothing answers on port {port} in the environment ({error})")
+                })?;
+            upstream
+                .write_all(b"ok\n")
+                .await
+                .map_err(|error| error.to_string())?;
+            let _ = tokio::io::copy_bidirectional(upstream, &mut target).await;
+            Ok(())
+        }
+        other => Err(format!("unknown kind {other:?}")),
+    }
+}
+
 /// The most tunnels an agent joins at once (more wait).
 const MAX_TUNNELS: usize = 64;
 
@@ -504,6 +571,7 @@ impl Shell {
         for tunnel in tunnels {
             let client = client.clone();
             let node = self.register.name.clone();
+            let state_dir = self.runtime.state_dir().to_path_buf();
             let tunnel = *tunnel;
             tokio::spawn(async move {
                 let Ok(_slot) = tunnel_slots().clone().acquire_owned().await else {
@@ -516,6 +584,17 @@ impl Shell {
                         return;
                     }
                 };
+                if let Some(task) = tunnel.container {
+                    let key = task_key(task.job, task.allocation, task.generation);
+                    if let Err(error) = container_session(&state_dir, &key, &mut upstream).await {
+                        let _ = tokio::io::AsyncWriteExt::write_all(
+                            &mut upstream,
+                            format!("refused: {error}\n").as_bytes(),
+                        )
+                        .await;
+                    }
+                    return;
+                }
                 // The helper may be starting still: a few seconds to listen.
                 let mut local = tokio::net::TcpStream::connect(("127.0.0.1", tunnel.port)).await;
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(5);

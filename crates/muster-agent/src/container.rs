@@ -41,6 +41,105 @@ use std::time::Duration;
 /// `docker run` uses).
 pub const CANNOT_RUN: i32 = 125;
 
+/// What a dev environment's container runs: nothing but staying up until
+/// it is stopped (its image needs a `sh`).
+const DEV_KEEP_ALIVE: &str = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done";
+
+/// A shell in the container of dev environment task `key` (an `exec` with
+/// a terminal of `rows` x `cols`, the container's user and directory):
+/// writes `ok` and a newline to `stream`, then its bytes both ways until
+/// the shell ends.
+pub async fn exec_shell<S>(
+    state_dir: &Path,
+    key: &str,
+    rows: u16,
+    cols: u16,
+    term: &str,
+    stream: &mut S,
+) -> Result<(), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let docker = Docker::connect_with_local_defaults()
+        .map_err(|error| format!("no Docker engine: {error}"))?;
+    let name = container_name(state_dir, key);
+    let exec = docker
+        .create_exec(
+            &name,
+            bollard::exec::CreateExecOptions {
+                attach_stdin: Some(true),
+                attach_stdout: Some(true),
+                attach_stderr: Some(true),
+                tty: Some(true),
+                env: Some(vec![format!("TERM={term}")]),
+                cmd: Some(vec![
+                    "sh".to_string(),
+                    "-c".to_string(),
+                    "if command -v bash >/dev/null 2>&1; then exec bash -l; fi; exec sh -l"
+                        .to_string(),
+                ]),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|error| format!("cannot start a shell in {name}: {error}"))?;
+    let started = docker
+        .start_exec(
+            &exec.id,
+            Some(bollard::exec::StartExecOptions {
+                detach: false,
+                tty: true,
+                output_capacity: None,
+            }),
+        )
+        .await
+        .map_err(|error| format!("cannot start a shell in {name}: {error}"))?;
+    let bollard::exec::StartExecResults::Attached {
+        mut output,
+        mut input,
+    } = started
+    else {
+        return Err("the shell started detached".to_string());
+    };
+    let _ = docker
+        .resize_exec(
+            &exec.id,
+            bollard::exec::ResizeExecOptions {
+                height: rows.max(1),
+                width: cols.max(1),
+            },
+        )
+        .await;
+    stream
+        .write_all(b"ok\n")
+        .await
+        .map_err(|error| error.to_string())?;
+    let mut buffer = vec![0u8; 16 * 1024];
+    loop {
+        tokio::select! {
+            next = output.next() => match next {
+                Some(Ok(chunk)) => {
+                    if stream.write_all(&chunk.into_bytes()).await.is_err() {
+                        break;
+                    }
+                }
+                _ => break,
+            },
+            read = stream.read(&mut buffer) => match read {
+                Ok(0) | Err(_) => break,
+                Ok(count) => {
+                    if input.write_all(&buffer[..count]).await.is_err() {
+                        break;
+                    }
+                }
+            },
+        }
+    }
+    let _ = stream.shutdown().await;
+    Ok(())
+}
+
 /// The container of the task `key` of the agent whose state is in
 /// `state_dir`: `muster-HASH-KEY`, HASH naming the agent (agents on one
 /// machine share its engine, and their keys may be alike), the same for
@@ -172,9 +271,21 @@ async fn run(state_dir: &Path, key: &str, user: &str) -> i32 {
         env.insert("CUDA_VISIBLE_DEVICES".into(), visible);
         env.insert("NVIDIA_VISIBLE_DEVICES".into(), plan.gpu_devices.join(","));
     }
+    // A dev environment's container only stays up: its shells are the
+    // agent's `exec`s into it (see `exec_shell`).
+    let command = if task.command.len() == 1 && task.command[0] == muster_model::DEV_SESSION_COMMAND
+    {
+        vec![
+            "sh".to_string(),
+            "-c".to_string(),
+            DEV_KEEP_ALIVE.to_string(),
+        ]
+    } else {
+        task.command.clone()
+    };
     let body = ContainerCreateBody {
         image: Some(plan.image.clone()),
-        cmd: Some(task.command.clone()),
+        cmd: Some(command),
         env: Some(env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
         working_dir: task
             .working_dir

@@ -580,6 +580,21 @@ pub struct HeartbeatResponse {
 pub struct TunnelOpen {
     pub id: u64,
     pub port: u16,
+    /// The environment runs in a container: the agent reads the session's
+    /// first line itself (a shell is an `exec` into the container of this
+    /// task; a forward, a connection to the port) instead of passing it to
+    /// a session helper.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<TunnelTask>,
+}
+
+/// The task a tunnel reaches (`j<job>-a<allocation>-g<generation>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TunnelTask {
+    pub job: u64,
+    pub allocation: u64,
+    pub generation: u64,
 }
 
 /// `POST /v1/agents/{node}/logs`: output of one allocation, at a byte

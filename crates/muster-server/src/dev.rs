@@ -39,6 +39,7 @@ const WARN_BEFORE: Duration = Duration::from_secs(15 * 60);
 struct Pending {
     node: String,
     port: u16,
+    container: Option<muster_api::protocol::TunnelTask>,
     asked: Instant,
     /// Sent in a heartbeat answer.
     sent: bool,
@@ -83,6 +84,7 @@ pub fn to_open(shared: &Shared, node: &str) -> Vec<TunnelOpen> {
             TunnelOpen {
                 id,
                 port: pending.port,
+                container: pending.container,
             }
         })
         .collect()
@@ -163,11 +165,9 @@ fn switching() -> Response {
 }
 
 /// The caller's running dev environment `name`.
-fn environment(
-    shared: &Shared,
-    identity: &Identity,
-    name: &str,
-) -> Result<(JobId, String, u16), ApiError> {
+type Environment = (JobId, String, u16, Option<muster_api::protocol::TunnelTask>);
+
+fn environment(shared: &Shared, identity: &Identity, name: &str) -> Result<Environment, ApiError> {
     let principal = identity
         .principal()
         .ok_or_else(|| ApiError::new(ErrorCode::PermissionDenied, "this needs a user's token"))?;
@@ -207,7 +207,16 @@ fn environment(
             )
         })?;
     let port = control.master_port(job.id);
-    Ok((job.id, allocation.node.0.clone(), port))
+    let container = job
+        .spec
+        .image
+        .is_some()
+        .then_some(muster_api::protocol::TunnelTask {
+            job: job.id.0,
+            allocation: allocation.id.0,
+            generation: allocation.generation,
+        });
+    Ok((job.id, allocation.node.0.clone(), port, container))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, utoipa::ToSchema)]
@@ -279,7 +288,7 @@ pub async fn connect(
     }
     // A task just placed is reported running within a heartbeat.
     let started = Instant::now();
-    let (job, node, port) = loop {
+    let (job, node, port, container) = loop {
         match environment(&shared, &identity, &name) {
             Err(error)
                 if error.body.code == ErrorCode::Unavailable
@@ -306,6 +315,7 @@ pub async fn connect(
             Pending {
                 node: node.clone(),
                 port,
+                container,
                 asked: Instant::now(),
                 sent: false,
                 opened,

@@ -290,3 +290,85 @@ fn a_dev_environment_gives_a_shell_and_forwards_a_port_and_is_reclaimed_when_idl
             .is_some_and(|env| env["state"] == "cancelled")
     });
 }
+
+#[test]
+fn a_dev_environment_in_a_container_gives_a_shell_in_it_and_forwards_a_port() {
+    let Some(image) = muster_testkit::docker::test_image() else {
+        return;
+    };
+    let cluster = Cluster::start("10s");
+    let _agent = cluster.agent_with("box-c", &cluster.url(), "1xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    let project = common::task_writable(cluster.dir.path(), "project");
+    std::fs::write(project.join("marker.txt"), "here\n").expect("a file");
+    std::fs::set_permissions(
+        project.join("marker.txt"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o644),
+    )
+    .expect("chmod");
+    let dir = project.to_str().expect("utf-8").to_string();
+    rt.block_on(client.set_pool_policy(
+        "default",
+        &muster_api::protocol::PoolPolicyUpdate {
+            stack_policy: "report".into(),
+            required: Default::default(),
+            allowed_mounts: vec![dir.clone()],
+            inference: false,
+        },
+    ))
+    .expect("the pool allows the project");
+    let started = muster(
+        &cluster,
+        &project,
+        &[
+            "dev", "start", "boxed", "--image", image, "--pool", "default",
+        ],
+    );
+    assert!(started.status.success(), "{started:?}");
+
+    // A shell inside the image, in the mounted project directory.
+    let mut terminal = Terminal::open(&cluster, "boxed");
+    // The test image has busybox's sh and no bash: the node has bash.
+    terminal.type_line(
+        "echo hi-$((2*3)); pwd; cat marker.txt; test -x /bin/bash || echo in-$((1+1))-container",
+    );
+    terminal.expect("hi-6", Duration::from_secs(30));
+    terminal.expect(&dir, Duration::from_secs(5));
+    terminal.expect("here", Duration::from_secs(5));
+    terminal.expect("in-2-container", Duration::from_secs(5));
+    // A server inside the container (busybox httpd), reached through
+    // `dev forward`.
+    terminal.type_line(&format!(
+        "httpd -p 127.0.0.1:18767 -h {dir} && echo serving-$((3+4))"
+    ));
+    terminal.expect("serving-7", Duration::from_secs(10));
+    let local = format!("127.0.0.1:{}", common::free_port());
+    let mut forward_args: Vec<String> = ["dev", "forward", "boxed", "18767", "--local", &local]
+        .iter()
+        .map(|arg| arg.to_string())
+        .collect();
+    forward_args.extend(flags(&cluster));
+    let _forward = common::cluster::Daemon(
+        std::process::Command::new(BIN)
+            .args(&forward_args)
+            .env("XDG_CONFIG_HOME", cluster.path("config"))
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("muster dev forward starts"),
+    );
+    let url = format!("http://{local}/marker.txt");
+    wait_until(
+        "the file through the forwarded port",
+        Duration::from_secs(20),
+        || {
+            rt.block_on(async { reqwest::get(&url).await?.text().await })
+                .is_ok_and(|text| text.trim() == "here")
+        },
+    );
+    terminal.type_line("exit");
+    assert!(terminal.wait_exit(Duration::from_secs(10)).success());
+    let stopped = muster(&cluster, &project, &["dev", "stop", "boxed"]);
+    assert!(stopped.status.success(), "{stopped:?}");
+}

@@ -37,6 +37,12 @@ pub enum DevCommand {
         queue: Option<String>,
         #[arg(long)]
         pool: Option<String>,
+        /// Run it in a container of this image (it needs a `sh`); with
+        /// --pool, this directory is mounted at the same path (the pool's
+        /// operator allows it with `muster pools set POOL --allow-mount
+        /// DIR`).
+        #[arg(long)]
+        image: Option<String>,
         /// Stop it once its GPUs have been idle (below 5%) this long; a
         /// warning shows in `muster dev list` and in its shells first.
         #[arg(long, value_name = "DURATION", default_value = "2h")]
@@ -97,6 +103,7 @@ pub fn dev(args: DevArgs) -> Result<u8, Failure> {
             memory,
             queue,
             pool,
+            image,
             idle,
             max_lifetime,
             env,
@@ -135,6 +142,21 @@ pub fn dev(args: DevArgs) -> Result<u8, Failure> {
             }
             if !variables.is_empty() {
                 spec["env"] = serde_json::Value::Object(variables);
+            }
+            if let Some(image) = &image {
+                spec["image"] = image.clone().into();
+                if pool.is_some() {
+                    spec["mounts"] = serde_json::json!([{"source": dir, "target": dir}]);
+                } else {
+                    if let Some(spec) = spec.as_object_mut() {
+                        spec.remove("working_dir");
+                    }
+                    eprintln!(
+                        "note: {dir} is not mounted in the container; name the pool (--pool \
+                         POOL) whose operator allows it (`muster pools set POOL --allow-mount \
+                         {dir}`) to have it there"
+                    );
+                }
             }
             for (key, value) in [
                 ("cpus", cpus),
