@@ -60,10 +60,24 @@ pub enum BenchCommand {
     /// leader is killed (SIGKILL), and the time from its death to the first
     /// submission the new leader accepts is measured, round after round.
     Failover(FailoverBench),
+    /// A service replica's death under load through a gateway: from the
+    /// kill (SIGKILL of its process) to its leaving the endpoints (traffic
+    /// on the others) and to a replacement being ready; requests failed.
+    ReplicaDeath(ReplicaDeathBench),
     /// Gateway overhead: the same GETs to a local HTTP backend, directly
     /// and through `muster gateway` (in this process), alternating rounds;
     /// latency percentiles of each, the added latency, and requests/s.
     Gateway(GatewayBench),
+}
+
+#[derive(Debug, Args)]
+pub struct ReplicaDeathBench {
+    /// Replicas killed, one a round (each round waits for 3 ready first).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub rounds: u64,
+    /// Concurrent clients sending GETs through the gateway.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub clients: u64,
 }
 
 #[derive(Debug, Args)]
@@ -302,6 +316,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::Metrics(args) => metrics(args),
             BenchCommand::Failover(args) => failover(args).await,
             BenchCommand::Gateway(args) => gateway(args).await,
+            BenchCommand::ReplicaDeath(args) => replica_death(args).await,
         }
     })
 }
@@ -2652,5 +2667,193 @@ async fn gateway(args: GatewayBench) -> Result<()> {
         100.0 * column(|row| row.5) / column(|row| row.2)
     );
     gateway.stop().await;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// A replica's death
+
+/// The pids of the processes whose environment names job `job` and whose
+/// command starts with `program`.
+fn pids_of_job(job: u64, program: &str) -> Vec<i32> {
+    let marker = format!("MUSTER_JOB_ID={job}\0");
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            (String::from_utf8_lossy(&environ).contains(&marker)
+                && String::from_utf8_lossy(&cmdline).starts_with(program))
+            .then_some(pid)
+        })
+        .collect()
+}
+
+async fn replica_death(args: ReplicaDeathBench) -> Result<()> {
+    muster_api::tls::provider();
+    let dir = temp_dir()?;
+    let mut server = start_child_server(dir.path(), Duration::from_secs(10)).await?;
+    let mut agent = start_child_agent(dir.path(), &server, "1xH100-80GB").await?;
+    let agent_log = dir.path().join("agent.log");
+    let client = server.client(&server.admin_token)?;
+    let spec = serde_json::json!({
+        "kind": "service",
+        "name": "bench-web",
+        "replicas": 3,
+        "gpus": 0,
+        "cpus": 0.25,
+        "memory": "256MiB",
+        // http.server takes its port as its last argument.
+        "command": ["sh", "-c", "exec python3 -m http.server --bind 127.0.0.1 \"$PORT\""],
+        "readiness": {"http": "/", "period": 1, "timeout": 1, "failure_threshold": 1},
+        "restart": {"initial": 1, "max": 4},
+        "drain": 1,
+    });
+    client
+        .create_service(spec)
+        .await
+        .context("cannot create the service")?;
+    let gateway = muster_server::gateway::start(
+        muster_server::gateway::GatewayConfig {
+            listen: "127.0.0.1:0".parse()?,
+            upstream_timeout: Duration::from_secs(30),
+            hold: Duration::from_secs(10),
+        },
+        muster_server::gateway::Endpoints::Server(client.clone()),
+    )
+    .await?;
+    let url = format!("http://{}/bench-web/", gateway.addr);
+    let ready = |view: &muster_api::protocol::ServiceView| view.ready;
+    let mut out = Latencies::default();
+    let mut replaced = Latencies::default();
+    let failures = Arc::new(AtomicU64::new(0));
+    let answered = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut load = Vec::new();
+    for _ in 0..args.clients {
+        let (failures, answered, stop, url) = (
+            failures.clone(),
+            answered.clone(),
+            stop.clone(),
+            url.clone(),
+        );
+        load.push(tokio::spawn(async move {
+            let http = match reqwest::Client::builder().no_proxy().build() {
+                Ok(http) => http,
+                Err(_) => return,
+            };
+            while !stop.load(Ordering::Relaxed) {
+                match http.get(&url).send().await {
+                    Ok(response) if response.status().is_success() => {
+                        let _ = response.bytes().await;
+                        answered.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {
+                        failures.fetch_add(1, Ordering::Relaxed);
+                        // Before the first replica is ready, or a real failure.
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+            }
+        }));
+    }
+    let mut counted_failures = 0u64;
+    for round in 1..=args.rounds {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let view = client.service("bench-web").await?;
+            if ready(&view) == 3 && view.replica_list.len() == 3 {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the service did not get 3 ready replicas within 60 s: {view:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Let the gateway learn the table, then count from here.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let before = failures.load(Ordering::Relaxed);
+        let view = client.service("bench-web").await?;
+        let victim = view.replica_list[0].job;
+        let pids = pids_of_job(victim, "python3");
+        if pids.is_empty() {
+            bail!("the process of replica job {victim} was not found");
+        }
+        let killed = Instant::now();
+        for pid in pids {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let mut gone = None;
+        loop {
+            if gone.is_none() {
+                let endpoints = client.service_endpoints("bench-web").await?;
+                if !endpoints
+                    .endpoints
+                    .iter()
+                    .any(|endpoint| endpoint.job == victim)
+                {
+                    gone = Some(killed.elapsed());
+                }
+            }
+            let view = client.service("bench-web").await?;
+            if gone.is_some()
+                && ready(&view) == 3
+                && !view
+                    .replica_list
+                    .iter()
+                    .any(|replica| replica.job == victim)
+            {
+                break;
+            }
+            if killed.elapsed() > Duration::from_secs(60) {
+                bail!("no replacement ready within 60 s of the kill: {view:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let ready_after = killed.elapsed();
+        let failed = failures.load(Ordering::Relaxed) - before;
+        counted_failures += failed;
+        let gone = gone.unwrap_or(ready_after);
+        println!(
+            "round {round}: out of the endpoints after {:.1} ms, a replacement ready after {:.0} ms, {failed} requests failed",
+            gone.as_secs_f64() * 1000.0,
+            ready_after.as_secs_f64() * 1000.0
+        );
+        out.push(gone);
+        replaced.push(ready_after);
+        agent.check_alive(&agent_log)?;
+        server.process.check_alive(&server.log)?;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for task in load {
+        let _ = task.await;
+    }
+    println!(
+        "muster bench replica-death: 3 replicas of python3's http.server (readiness: GET / every \
+         1 s), {} clients through an in-process gateway; SIGKILL of one replica's process a round",
+        args.clients
+    );
+    println!(
+        "  out of the endpoints (traffic on the others): {}",
+        out.summary()
+    );
+    println!(
+        "  a replacement ready:                         {}",
+        replaced.summary()
+    );
+    println!(
+        "  requests: {} answered, {counted_failures} failed during the rounds",
+        answered.load(Ordering::Relaxed)
+    );
+    gateway.stop().await;
+    drop(agent);
+    drop(server);
     Ok(())
 }
