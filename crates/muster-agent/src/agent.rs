@@ -644,6 +644,10 @@ impl Shell {
                 working_dir: task.working_dir.clone(),
                 user,
                 procs: config.cgroups.task(&key).procs_files(),
+                container: task
+                    .image
+                    .is_some()
+                    .then(|| (self.runtime.state_dir().to_path_buf(), key.clone())),
             }
         });
     }

@@ -4,7 +4,8 @@
 //! and its clean-up kills what a check leaves), as the task's user, with
 //! its environment and working directory, through its own binary's
 //! `muster check-exec` (which joins the cgroup and drops privileges before
-//! it executes the command, by absolute path of this program). Results are
+//! it executes the command, by absolute path of this program); a container
+//! task's checks run inside its container (a Docker `exec`). Results are
 //! reported to the server (`POST /v1/agents/{node}/checks`), which applies
 //! the thresholds.
 
@@ -27,6 +28,10 @@ pub struct TaskContext {
     pub user: Option<(u32, u32)>,
     /// The task's `cgroup.procs` files.
     pub procs: Vec<PathBuf>,
+    /// A container task: the agent's state directory and the task's key
+    /// (its checks run inside the container, see
+    /// [`crate::container::exec_check`]).
+    pub container: Option<(PathBuf, String)>,
 }
 
 struct Entry {
@@ -171,11 +176,43 @@ impl Checks {
     }
 }
 
+/// Why a check failed, in words: the command, its exit status and the end
+/// of what it printed.
+fn failure(shown: &str, code: Option<i64>, said: &str) -> String {
+    let mut said = said.trim().to_string();
+    if said.len() > MESSAGE_BYTES {
+        let mut start = said.len() - MESSAGE_BYTES;
+        while !said.is_char_boundary(start) {
+            start += 1;
+        }
+        said = format!("...{}", &said[start..]);
+    }
+    let status = match code {
+        Some(code) => format!("exited {code}"),
+        None => "was killed".to_string(),
+    };
+    if said.is_empty() {
+        format!("`{shown}` {status}")
+    } else {
+        format!("`{shown}` {status}: {said}")
+    }
+}
+
 async fn run_one(
     helper: &std::path::Path,
     spec: &CheckSpec,
     context: &TaskContext,
 ) -> Result<(), String> {
+    let timeout = Duration::from_millis(spec.timeout_ms.max(1));
+    if let Some((state_dir, key)) = &context.container {
+        let shown = spec.command.join(" ");
+        return crate::container::exec_check(state_dir, key, &spec.command, timeout)
+            .await
+            .map_err(|(code, said)| match code {
+                Some(code) => failure(&shown, Some(code), &said),
+                None => said,
+            });
+    }
     let mut command = tokio::process::Command::new(helper);
     command.arg("check-exec");
     match context.user {
@@ -201,7 +238,6 @@ async fn run_one(
     let child = command
         .spawn()
         .map_err(|error| format!("`{shown}` could not start: {error}"))?;
-    let timeout = Duration::from_millis(spec.timeout_ms.max(1));
     match tokio::time::timeout(timeout, child.wait_with_output()).await {
         Err(_) => Err(format!(
             "`{shown}` did not finish within {}s",
@@ -214,22 +250,7 @@ async fn run_one(
             if said.is_empty() {
                 said = String::from_utf8_lossy(&output.stdout).trim().to_string();
             }
-            if said.len() > MESSAGE_BYTES {
-                let mut start = said.len() - MESSAGE_BYTES;
-                while !said.is_char_boundary(start) {
-                    start += 1;
-                }
-                said = format!("...{}", &said[start..]);
-            }
-            let status = match output.status.code() {
-                Some(code) => format!("exited {code}"),
-                None => "was killed".to_string(),
-            };
-            Err(if said.is_empty() {
-                format!("`{shown}` {status}")
-            } else {
-                format!("`{shown}` {status}: {said}")
-            })
+            Err(failure(&shown, output.status.code().map(i64::from), &said))
         }
     }
 }

@@ -41,6 +41,68 @@ use std::time::Duration;
 /// `docker run` uses).
 pub const CANNOT_RUN: i32 = 125;
 
+/// Runs a command check in the container of task `key`: a Docker `exec`
+/// without a terminal, as the container's user, in its directory, within
+/// `timeout`. Ok on exit 0, else why (its exit status and the end of its
+/// output). (The engine cannot stop an `exec` that outlives its timeout: it
+/// ends with the container.)
+pub async fn exec_check(
+    state_dir: &Path,
+    key: &str,
+    command: &[String],
+    timeout: Duration,
+) -> Result<(), (Option<i64>, String)> {
+    let shown = command.join(" ");
+    let failed = |message: String| (None, message);
+    let docker = Docker::connect_with_local_defaults()
+        .map_err(|error| failed(format!("no Docker engine: {error}")))?;
+    let name = container_name(state_dir, key);
+    let exec = docker
+        .create_exec(
+            &name,
+            bollard::exec::CreateExecOptions {
+                attach_stdout: Some(true),
+                attach_stderr: Some(true),
+                cmd: Some(command.to_vec()),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|error| failed(format!("`{shown}` could not start in {name}: {error}")))?;
+    let run = async {
+        let mut said = Vec::new();
+        if let bollard::exec::StartExecResults::Attached { mut output, .. } = docker
+            .start_exec(&exec.id, None)
+            .await
+            .map_err(|error| failed(format!("`{shown}` could not start: {error}")))?
+        {
+            while let Some(Ok(chunk)) = output.next().await {
+                said.extend_from_slice(&chunk.into_bytes());
+                if said.len() > 64 * 1024 {
+                    said.drain(..said.len() - 64 * 1024);
+                }
+            }
+        }
+        let inspected = docker
+            .inspect_exec(&exec.id)
+            .await
+            .map_err(|error| failed(format!("`{shown}`: {error}")))?;
+        Ok::<_, (Option<i64>, String)>((inspected.exit_code, said))
+    };
+    match tokio::time::timeout(timeout, run).await {
+        Err(_) => Err(failed(format!(
+            "`{shown}` did not finish within {}s",
+            timeout.as_secs_f64()
+        ))),
+        Ok(Err(error)) => Err(error),
+        Ok(Ok((Some(0), _))) => Ok(()),
+        Ok(Ok((code, said))) => Err((
+            code.or(Some(-1)),
+            String::from_utf8_lossy(&said).trim().to_string(),
+        )),
+    }
+}
+
 /// What a dev environment's container runs: nothing but staying up until
 /// it is stopped (its image needs a `sh`).
 const DEV_KEEP_ALIVE: &str = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done";

@@ -238,22 +238,6 @@ pub fn parse_service_spec_value(value: &Value) -> Result<model::ServiceSpec, Spe
         .get("autoscale")
         .and_then(|value| reader.autoscale(value));
     if let Some(template) = &template
-        && template.image.is_some()
-    {
-        for (name, probe) in [("readiness", &readiness), ("liveness", &liveness)] {
-            if probe
-                .as_ref()
-                .is_some_and(|probe| matches!(probe.action, model::ProbeAction::Command(_)))
-            {
-                reader.fail(
-                    &format!("{name}.command"),
-                    "a command check runs on the node beside the replica, not inside its image: \
-                     use `http` or `tcp` for a service with an image",
-                );
-            }
-        }
-    }
-    if let Some(template) = &template
         && !is_service_name(&template.name)
     {
         reader.fail(

@@ -221,3 +221,65 @@ fn a_pull_shows_in_the_job_and_a_missing_image_fails_it() {
         "{text}"
     );
 }
+
+#[test]
+fn a_service_in_an_image_is_checked_by_commands_inside_its_container() {
+    let Some(image) = muster_testkit::docker::test_image() else {
+        return;
+    };
+    let cluster = Cluster::start("10s");
+    let url = cluster.url();
+    let _agent = cluster.agent_with("node-s", &url, "1xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    // Ready once /dev/shm/ready exists inside the container (its own /dev/shm;
+    // the image's /tmp is not the task user's to write).
+    let spec = |command: &str| {
+        serde_json::json!({
+            "kind": "service",
+            "name": "boxed-web",
+            "image": image,
+            "replicas": 1,
+            "command": ["sh", "-c", command],
+            "readiness": {"command": ["sh", "-c", "test -f /dev/shm/ready"], "period": 1, "failure_threshold": 1},
+            "update": {"progress_deadline": 4},
+        })
+    };
+    let _ = std::fs::remove_file("/dev/shm/ready");
+    rt.block_on(client.create_service(spec("sleep 1; echo > /dev/shm/ready; exec sleep 3600")))
+        .expect("created");
+    let mut last = None;
+    let ready = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        wait_until(
+            "the replica ready by a check in its container",
+            Duration::from_secs(60),
+            || {
+                let view = rt.block_on(client.service("boxed-web")).ok();
+                let ready = view.as_ref().is_some_and(|view| view.ready == 1);
+                last = view;
+                ready
+            },
+        )
+    }));
+    assert!(ready.is_ok(), "not ready: {last:#?}");
+    assert!(
+        !std::path::Path::new("/dev/shm/ready").exists(),
+        "the file is the container's"
+    );
+    // A revision that never makes the file: its rollout stops, saying why.
+    rt.block_on(client.update_service("boxed-web", spec("exec sleep 3600")))
+        .expect("updated");
+    wait_until("the rollout to stop", Duration::from_secs(60), || {
+        rt.block_on(client.service("boxed-web"))
+            .is_ok_and(|view| view.rollout.is_some_and(|why| why.contains("stopped")))
+    });
+    let view = rt
+        .block_on(client.service("boxed-web"))
+        .expect("the service");
+    let why = view.rollout.unwrap_or_default();
+    assert!(why.contains("test -f /dev/shm/ready` exited 1"), "{why}");
+    assert_eq!(view.ready, 1);
+    rt.block_on(client.delete_service("boxed-web"))
+        .expect("deleted");
+}
