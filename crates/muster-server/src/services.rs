@@ -169,6 +169,9 @@ pub struct ServiceState {
     traffic: std::sync::Mutex<Traffic>,
     /// The agents' latest command-check results.
     checks: std::sync::Mutex<CheckResults>,
+    /// Each service's command checks, as the last round published them
+    /// (a leaf lock: the heartbeat reads it with the state locked).
+    command_checks: std::sync::Mutex<BTreeMap<String, Vec<CheckSpec>>>,
     edit: tokio::sync::Mutex<()>,
     /// Bumped with the endpoint table's version.
     changed: tokio::sync::watch::Sender<u64>,
@@ -692,37 +695,51 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
     }
 }
 
+/// A service's command checks as the agents get them.
+fn command_checks(spec: &ServiceSpec) -> Vec<CheckSpec> {
+    [(false, &spec.readiness), (true, &spec.liveness)]
+        .into_iter()
+        .filter_map(|(liveness, probe)| {
+            let probe = probe.as_ref()?;
+            let ProbeAction::Command(command) = &probe.action else {
+                return None;
+            };
+            Some(CheckSpec {
+                liveness,
+                command: command.clone(),
+                period_ms: probe.period.as_millis() as u64,
+                timeout_ms: probe.timeout.as_millis() as u64,
+                initial_delay_ms: probe.initial_delay.as_millis() as u64,
+            })
+        })
+        .collect()
+}
+
 /// Adds each replica's command checks to its node's desired set (the
-/// agent runs them beside the task).
+/// agent runs them beside the task). Called with the state's lock held:
+/// it takes only the leaf lock of the checks each round publishes, never
+/// the services' own (which is held while the state is read).
 pub fn fill_checks(
     shared: &Shared,
     control: &muster_control::ControlPlane,
     desired: &mut [DesiredAllocation],
 ) {
-    let services = shared.services.lock();
+    let published = match shared.services.command_checks.lock() {
+        Ok(published) => published,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    if published.is_empty() {
+        return;
+    }
     for task in desired.iter_mut().filter(|task| !task.stop) {
-        let Some(job) = control.job(JobId(task.job)) else {
+        let Some(checks) = control
+            .job(JobId(task.job))
+            .and_then(|job| job.spec.service.as_ref())
+            .and_then(|service| published.get(&service.name))
+        else {
             continue;
         };
-        let Some(service) = &job.spec.service else {
-            continue;
-        };
-        let Some(entry) = services.entries.get(&service.name) else {
-            continue;
-        };
-        for (liveness, probe) in [(false, &entry.spec.readiness), (true, &entry.spec.liveness)] {
-            if let Some(probe) = probe
-                && let ProbeAction::Command(command) = &probe.action
-            {
-                task.checks.push(CheckSpec {
-                    liveness,
-                    command: command.clone(),
-                    period_ms: probe.period.as_millis() as u64,
-                    timeout_ms: probe.timeout.as_millis() as u64,
-                    initial_delay_ms: probe.initial_delay.as_millis() as u64,
-                });
-            }
-        }
+        task.checks.extend(checks.iter().cloned());
     }
 }
 
@@ -784,12 +801,13 @@ pub async fn agent_checks(
 /// The mean utilisation of the GPUs of `entry`'s running replicas, from
 /// their nodes' fresh telemetry.
 fn gpu_utilization(shared: &Shared, entry: &Entry, at: Time) -> Option<f64> {
+    // The state before the telemetry, as everywhere else.
+    let core = shared.read();
+    let control = core.control();
     let telemetry = match shared.telemetry.lock() {
         Ok(telemetry) => telemetry,
         Err(poisoned) => poisoned.into_inner(),
     };
-    let core = shared.read();
-    let control = core.control();
     let (mut sum, mut count) = (0.0, 0u32);
     for &job in entry.replicas.keys() {
         let Some(allocation) = control
@@ -819,6 +837,16 @@ fn gpu_utilization(shared: &Shared, entry: &Entry, at: Time) -> Option<f64> {
 /// Recomputes the endpoint table; a change bumps its version and wakes
 /// whoever follows it.
 fn publish(shared: &Shared, services: &mut Services, seen: &[Seen]) {
+    let checks: BTreeMap<String, Vec<CheckSpec>> = services
+        .entries
+        .iter()
+        .map(|(name, entry)| (name.clone(), command_checks(&entry.spec)))
+        .filter(|(_, checks)| !checks.is_empty())
+        .collect();
+    match shared.services.command_checks.lock() {
+        Ok(mut published) => *published = checks,
+        Err(poisoned) => *poisoned.into_inner() = checks,
+    }
     let mut table: BTreeMap<String, Vec<Endpoint>> = BTreeMap::new();
     for (name, entry) in &services.entries {
         let mut endpoints = Vec::new();
