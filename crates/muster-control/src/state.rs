@@ -1160,6 +1160,17 @@ impl ControlPlane {
         })
     }
 
+    /// Whether `allocation` of `job` borrows an inference pool: the job is
+    /// no service and the allocation's node is in such a pool (the
+    /// engine's own rule, for views).
+    pub fn borrows(&self, job: &Job, allocation: &Allocation) -> bool {
+        job.spec.service.is_none()
+            && self
+                .nodes
+                .get(&allocation.node)
+                .is_some_and(|node| self.is_inference_pool(&node.spec.pool))
+    }
+
     /// Whether `pool` is an inference pool (see [`PoolPolicy::inference`]).
     pub fn is_inference_pool(&self, pool: &muster_model::PoolName) -> bool {
         self.pool_policies
@@ -2430,12 +2441,6 @@ impl ControlPlane {
             if let Some(array) = job.array.filter(|array| array.limit.is_some()) {
                 *array_active.entry(array.array).or_insert(0) += 1;
             }
-            let borrowing = job.spec.service.is_none()
-                && tasks.iter().any(|task| {
-                    self.nodes
-                        .get(&task.node)
-                        .is_some_and(|node| self.is_inference_pool(&node.spec.pool))
-                });
             running.push(RunningJob {
                 id: job.id,
                 queue: job.spec.queue.clone(),
@@ -2455,7 +2460,7 @@ impl ControlPlane {
                 },
                 preemptible: job.spec.preemptible && !stopping,
                 checkpoint_interval_ms: job.spec.checkpoint.interval.map(|d| d.as_millis() as u64),
-                borrowing,
+                service: job.spec.service.is_some(),
             });
         }
         // Sized once: growing a vector of 100,000 jobs by doubling touches

@@ -246,7 +246,7 @@ fn main() {
             expected_end: job.estimated_runtime_ms.map(Time),
             preemptible: false,
             checkpoint_interval_ms: None,
-            borrowing: false,
+            service: false,
         });
     }
     let waiting: Vec<PendingJob> = jobs

@@ -218,6 +218,6 @@ fn planned(job: &PendingJob, tasks: &[Allocation], at: Time) -> RunningJob {
         expected_end: job.estimated_runtime_ms.map(|ms| at.plus_millis(ms)),
         preemptible: false,
         checkpoint_interval_ms: None,
-        borrowing: false,
+        service: false,
     }
 }

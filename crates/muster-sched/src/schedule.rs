@@ -126,9 +126,9 @@ pub struct RunningJob {
     pub preemptible: bool,
     /// How often it checkpoints; `None`: a preemption loses all its work.
     pub checkpoint_interval_ms: Option<u64>,
-    /// It runs on an inference pool's nodes and is not a service: any
-    /// service's replica may preempt it.
-    pub borrowing: bool,
+    /// A service's replica. Any other job on an inference pool's nodes
+    /// borrows them: a replica may preempt it (see [`Cycle::borrowing`]).
+    pub service: bool,
 }
 
 impl RunningJob {
@@ -915,7 +915,7 @@ impl Cycle<'_> {
                     .map(|estimate| self.now.plus_millis(estimate)),
                 preemptible: false, // not a victim within its own cycle
                 checkpoint_interval_ms: None,
-                borrowing: false,
+                service: false,
             }),
             queue,
             placements,
@@ -943,7 +943,7 @@ impl Cycle<'_> {
         if !victim.preemptible {
             return None;
         }
-        if victim.borrowing && job.request.reserved == crate::cluster::ReservedAccess::Service {
+        if job.request.reserved == crate::cluster::ReservedAccess::Service && self.borrowing(live) {
             return Some(PreemptionCause::Borrowed);
         }
         if live.queue == job_queue {
@@ -968,6 +968,17 @@ impl Cycle<'_> {
         } else {
             None
         }
+    }
+
+    /// Whether `live` borrows an inference pool: it is no service and one
+    /// of its tasks is on such a node.
+    fn borrowing(&self, live: &Live) -> bool {
+        let nodes = &self.placer.cluster().nodes;
+        !live.job.service
+            && live
+                .placements
+                .iter()
+                .any(|placement| nodes[placement.node as usize].reserved)
     }
 
     fn victim_cost(&self, victim: &RunningJob) -> (i32, u64, JobId) {
@@ -1000,7 +1011,7 @@ impl Cycle<'_> {
             && self
                 .live
                 .iter()
-                .any(|live| live.job.borrowing && !live.preempted));
+                .any(|live| !live.preempted && self.borrowing(live)));
         if !possible {
             return false;
         }

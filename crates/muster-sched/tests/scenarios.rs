@@ -617,6 +617,7 @@ mod inference_pools {
     fn a_service_takes_back_its_pool_from_a_borrower_whatever_its_queue() {
         // A borrower from a queue well within its guarantee, at a higher
         // priority than the replica: still preempted, for the pool's owner.
+        // (The engine sees it borrows: no service, on an inference node.)
         let mut snap = snapshot(vec![MakeNode::new("serve").inference().build()]);
         snap.now = Time::from_secs(100);
         let borrower = MakeJob::new(10)
@@ -625,7 +626,7 @@ mod inference_pools {
             .gpus(8)
             .reserved(ReservedAccess::Borrow)
             .build();
-        let mut running = running_from(
+        let running = running_from(
             &borrower,
             vec![Allocation {
                 node: NodeName::from("serve"),
@@ -636,7 +637,6 @@ mod inference_pools {
             Time::from_secs(0),
             None,
         );
-        running.borrowing = true;
         snap.running.push(running);
         snap.queues = vec![
             QueueSpec {
@@ -662,7 +662,7 @@ mod inference_pools {
         started(&outcome, 1);
         // The same job on a node of a general pool is not a borrower: the
         // replica waits.
-        snap.running[0].borrowing = false;
+        snap.nodes = vec![MakeNode::new("serve").build()];
         let outcome = cycle(&snap, &[replica], &SchedulingPolicy::default());
         assert!(outcome.preemptions.is_empty());
         reason(&outcome, 1);

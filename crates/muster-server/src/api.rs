@@ -1944,14 +1944,13 @@ async fn list_pools(State(shared): Shared_) -> Json<PoolList> {
             continue;
         };
         for allocation in core.control().live_allocations(&node.spec.name) {
+            let Some(job) = core.control().job(allocation.job) else {
+                continue;
+            };
             let milli: u64 = allocation.gpus.iter().map(|&(_, m)| u64::from(m)).sum();
-            let service = core
-                .control()
-                .job(allocation.job)
-                .is_some_and(|job| job.spec.service.is_some());
-            if service {
+            if job.spec.service.is_some() {
                 pool.service_gpu_milli += milli;
-            } else if pool.inference {
+            } else if core.control().borrows(job, allocation) {
                 pool.borrowed_gpu_milli += milli;
             }
         }

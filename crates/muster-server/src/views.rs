@@ -203,11 +203,7 @@ pub fn queue_views(core: &Core) -> Vec<QueueView> {
                 {
                     let held: u64 = allocation.gpus.iter().map(|&(_, m)| u64::from(m)).sum();
                     milli += held;
-                    let on_inference = core
-                        .control()
-                        .node(&allocation.node)
-                        .is_some_and(|node| core.control().is_inference_pool(&node.spec.pool));
-                    if on_inference && job.spec.service.is_none() {
+                    if core.control().borrows(job, allocation) {
                         borrowed += held;
                     }
                 }

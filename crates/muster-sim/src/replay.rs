@@ -627,7 +627,7 @@ pub fn replay(
                     preemptible: true,
                     checkpoint_interval_ms: (config.checkpoint_interval_s > 0)
                         .then_some(config.checkpoint_interval_s * 1000),
-                    borrowing: false,
+                    service: false,
                 },
             );
             running.insert(index, run);

@@ -358,7 +358,7 @@ pub fn run_service_mix(config: &ServiceMixConfig, sharing: PoolSharing) -> Servi
                     expected_end: Some(Time::from_secs(started + job.remaining_s)),
                     preemptible: true,
                     checkpoint_interval_ms: Some(config.checkpoint_interval.as_millis() as u64),
-                    borrowing: node.0.starts_with("inference"),
+                    service: false,
                 });
             }
         }
@@ -373,7 +373,7 @@ pub fn run_service_mix(config: &ServiceMixConfig, sharing: PoolSharing) -> Servi
                     expected_end: None,
                     preemptible: false,
                     checkpoint_interval_ms: None,
-                    borrowing: false,
+                    service: true,
                 });
             }
         }

@@ -281,7 +281,7 @@ pub fn running_from(
         expected_end,
         preemptible: true,
         checkpoint_interval_ms: None,
-        borrowing: false,
+        service: false,
     }
 }
 
