@@ -795,7 +795,7 @@ async fn find_job(shared: &Shared, id: JobId) -> Result<FoundJob, ApiError> {
 
 /// The principal of a request's identity (the authentication layer lets
 /// only users and the admin reach the job routes).
-fn principal_of(identity: &Identity) -> Result<crate::users::Principal, ApiError> {
+pub(crate) fn principal_of(identity: &Identity) -> Result<crate::users::Principal, ApiError> {
     identity.principal().ok_or_else(|| {
         ApiError::new(
             ErrorCode::PermissionDenied,
@@ -1071,7 +1071,7 @@ pub(crate) fn check_mounts(shared: &Shared, spec: &muster_model::JobSpec) -> Res
     )))
 }
 
-fn unprocessable(message: impl Into<String>) -> ApiError {
+pub(crate) fn unprocessable(message: impl Into<String>) -> ApiError {
     ApiError::invalid(message).with_status(StatusCode::UNPROCESSABLE_ENTITY)
 }
 

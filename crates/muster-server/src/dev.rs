@@ -6,7 +6,7 @@
 //! (`POST /v1/agents/{node}/tunnels/{id}`, upgraded) and joins it to the
 //! environment's session helper, and the server joins the two.
 
-use crate::api::Identity;
+use crate::api::{Identity, principal_of, unprocessable};
 use crate::core::{Shared, now};
 use crate::error::{ApiError, PathParams};
 use axum::Json;
@@ -22,10 +22,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 type Shared_ = State<Arc<Shared>>;
-
-fn unprocessable(message: impl Into<String>) -> ApiError {
-    ApiError::invalid(message).with_status(StatusCode::UNPROCESSABLE_ENTITY)
-}
 
 /// How long a user's connection waits for the node's agent to open its
 /// tunnel.
@@ -168,9 +164,7 @@ fn switching() -> Response {
 type Environment = (JobId, String, u16, Option<muster_api::protocol::TunnelTask>);
 
 fn environment(shared: &Shared, identity: &Identity, name: &str) -> Result<Environment, ApiError> {
-    let principal = identity
-        .principal()
-        .ok_or_else(|| ApiError::new(ErrorCode::PermissionDenied, "this needs a user's token"))?;
+    let principal = principal_of(identity)?;
     let core = shared.read();
     let control = core.control();
     let job = control
@@ -374,9 +368,7 @@ pub async fn list(
     State(shared): Shared_,
     axum::Extension(identity): axum::Extension<Identity>,
 ) -> Result<Json<DevList>, ApiError> {
-    let principal = identity
-        .principal()
-        .ok_or_else(|| ApiError::new(ErrorCode::PermissionDenied, "this needs a user's token"))?;
+    let principal = principal_of(&identity)?;
     let usage = match shared.usage.lock() {
         Ok(usage) => usage.clone(),
         Err(poisoned) => poisoned.into_inner().clone(),

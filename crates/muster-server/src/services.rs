@@ -6,7 +6,7 @@
 //! carries out the controller's actions (submit, drain, cancel) and serves
 //! `/v1/services` and the endpoint table the gateway follows.
 
-use crate::api::Identity;
+use crate::api::{Identity, principal_of, unprocessable};
 use crate::core::{Shared, now};
 use crate::error::{ApiError, Body, Params, PathParams};
 use crate::store::Batch;
@@ -926,23 +926,10 @@ async fn start_replica(shared: &Arc<Shared>, name: &str, revision: u32) {
 
 // ------------------------------------------------------------------ API
 
-fn principal(identity: &Identity) -> Result<crate::users::Principal, ApiError> {
-    identity.principal().ok_or_else(|| {
-        ApiError::new(
-            ErrorCode::PermissionDenied,
-            "this needs a user's token or the admin token",
-        )
-    })
-}
-
 fn not_found(name: &str) -> ApiError {
     ApiError::not_found(format!(
         "no service {name}; `muster services list` lists them"
     ))
-}
-
-fn unprocessable(message: impl Into<String>) -> ApiError {
-    ApiError::invalid(message).with_status(axum::http::StatusCode::UNPROCESSABLE_ENTITY)
 }
 
 /// Whether `principal` may change service `record` (its owner, or staff).
@@ -957,6 +944,26 @@ fn may_change(principal: &crate::users::Principal, record: &ServiceRecord) -> Re
             record.name, record.user
         ),
     ))
+}
+
+/// Service `name` as `principal` may change it: its record and current
+/// spec; refused while it is being deleted unless `deleting_ok`.
+fn changeable(
+    shared: &Shared,
+    principal: &crate::users::Principal,
+    name: &str,
+    deleting_ok: bool,
+) -> Result<(ServiceRecord, ServiceSpec), ApiError> {
+    let services = shared.services.lock();
+    let entry = services.entries.get(name).ok_or_else(|| not_found(name))?;
+    may_change(principal, &entry.record)?;
+    if entry.record.deleting && !deleting_ok {
+        return Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!("service {name} is being deleted"),
+        ));
+    }
+    Ok((entry.record.clone(), entry.spec.clone()))
 }
 
 fn may_read(shared: &Shared, principal: &crate::users::Principal, record: &ServiceRecord) -> bool {
@@ -1161,7 +1168,7 @@ pub async fn create_service(
     axum::Extension(identity): axum::Extension<Identity>,
     Body(request): Body<ServiceRequest>,
 ) -> Result<(axum::http::StatusCode, Json<ServiceView>), ApiError> {
-    let principal = principal(&identity)?;
+    let principal = principal_of(&identity)?;
     let spec = checked_spec(&shared, &principal, &request.spec)?;
     let _edit = shared.services.edit.lock().await;
     {
@@ -1240,7 +1247,7 @@ pub async fn update_service(
     PathParams(name): PathParams<String>,
     Body(request): Body<ServiceRequest>,
 ) -> Result<Json<ServiceView>, ApiError> {
-    let principal = principal(&identity)?;
+    let principal = principal_of(&identity)?;
     let spec = checked_spec(&shared, &principal, &request.spec)?;
     if spec.name != name {
         return Err(unprocessable(format!(
@@ -1249,21 +1256,7 @@ pub async fn update_service(
         )));
     }
     let _edit = shared.services.edit.lock().await;
-    let (mut record, old) = {
-        let services = shared.services.lock();
-        let entry = services
-            .entries
-            .get(&name)
-            .ok_or_else(|| not_found(&name))?;
-        may_change(&principal, &entry.record)?;
-        if entry.record.deleting {
-            return Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!("service {name} is being deleted"),
-            ));
-        }
-        (entry.record.clone(), entry.spec.clone())
-    };
+    let (mut record, old) = changeable(&shared, &principal, &name, false)?;
     let value = muster_api::service::service_spec_value(&spec);
     let new_revision = spec.template_differs(&old);
     if new_revision {
@@ -1347,7 +1340,7 @@ pub async fn scale_service(
     PathParams(name): PathParams<String>,
     Body(request): Body<ScaleRequest>,
 ) -> Result<Json<ServiceView>, ApiError> {
-    let principal = principal(&identity)?;
+    let principal = principal_of(&identity)?;
     if request.replicas > muster_model::MAX_REPLICAS {
         return Err(ApiError::invalid(format!(
             "replicas: at most {}, got {}",
@@ -1356,31 +1349,17 @@ pub async fn scale_service(
         )));
     }
     let _edit = shared.services.edit.lock().await;
-    let mut record = {
-        let services = shared.services.lock();
-        let entry = services
-            .entries
-            .get(&name)
-            .ok_or_else(|| not_found(&name))?;
-        may_change(&principal, &entry.record)?;
-        if entry.record.deleting {
-            return Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!("service {name} is being deleted"),
-            ));
-        }
-        if let Some(rule) = entry.spec.autoscale {
-            return Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!(
-                    "service {name} is autoscaled ({} to {} replicas); change `autoscale` in \
-                     its spec with `muster services update`",
-                    rule.min_replicas, rule.max_replicas
-                ),
-            ));
-        }
-        entry.record.clone()
-    };
+    let (mut record, spec) = changeable(&shared, &principal, &name, false)?;
+    if let Some(rule) = spec.autoscale {
+        return Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!(
+                "service {name} is autoscaled ({} to {} replicas); change `autoscale` in its \
+                 spec with `muster services update`",
+                rule.min_replicas, rule.max_replicas
+            ),
+        ));
+    }
     let before = record.replicas;
     record.replicas = request.replicas;
     save(&shared, &record).await?;
@@ -1413,23 +1392,9 @@ pub async fn rollback_service(
     PathParams(name): PathParams<String>,
     Body(request): Body<RollbackRequest>,
 ) -> Result<Json<ServiceView>, ApiError> {
-    let principal = principal(&identity)?;
+    let principal = principal_of(&identity)?;
     let _edit = shared.services.edit.lock().await;
-    let mut record = {
-        let services = shared.services.lock();
-        let entry = services
-            .entries
-            .get(&name)
-            .ok_or_else(|| not_found(&name))?;
-        may_change(&principal, &entry.record)?;
-        if entry.record.deleting {
-            return Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!("service {name} is being deleted"),
-            ));
-        }
-        entry.record.clone()
-    };
+    let (mut record, _) = changeable(&shared, &principal, &name, false)?;
     let target = match request.revision {
         Some(revision) => revision,
         None => record
@@ -1515,17 +1480,9 @@ pub async fn delete_service(
     axum::Extension(identity): axum::Extension<Identity>,
     PathParams(name): PathParams<String>,
 ) -> Result<Json<ServiceView>, ApiError> {
-    let principal = principal(&identity)?;
+    let principal = principal_of(&identity)?;
     let _edit = shared.services.edit.lock().await;
-    let mut record = {
-        let services = shared.services.lock();
-        let entry = services
-            .entries
-            .get(&name)
-            .ok_or_else(|| not_found(&name))?;
-        may_change(&principal, &entry.record)?;
-        entry.record.clone()
-    };
+    let (mut record, _) = changeable(&shared, &principal, &name, true)?;
     if !record.deleting {
         record.deleting = true;
         save(&shared, &record).await?;
@@ -1549,7 +1506,7 @@ pub async fn list_services(
     State(shared): Shared_,
     axum::Extension(identity): axum::Extension<Identity>,
 ) -> Result<Json<ServiceList>, ApiError> {
-    let principal = principal(&identity)?;
+    let principal = principal_of(&identity)?;
     let services = shared.services.lock();
     let list = services
         .entries
@@ -1579,7 +1536,7 @@ pub async fn get_service(
     axum::Extension(identity): axum::Extension<Identity>,
     PathParams(name): PathParams<String>,
 ) -> Result<Json<ServiceView>, ApiError> {
-    let principal = principal(&identity)?;
+    let principal = principal_of(&identity)?;
     {
         let services = shared.services.lock();
         let entry = services
