@@ -52,7 +52,9 @@ pub struct Checks {
 
 impl Checks {
     /// The checks the server's latest answer names: new ones start their
-    /// initial delay now, known ones keep their timing, others go.
+    /// initial delay now, known ones keep their timing and context (an
+    /// allocation's task does not change: its user is looked up once),
+    /// others go.
     pub fn update(
         &self,
         desired: &[DesiredAllocation],
@@ -64,10 +66,7 @@ impl Checks {
             for spec in &task.checks {
                 let key = (task.allocation, spec.liveness);
                 let entry = match entries.remove(&key) {
-                    Some(mut entry) if entry.spec == *spec => {
-                        entry.context = context(task);
-                        entry
-                    }
+                    Some(entry) if entry.spec == *spec => entry,
                     _ => Entry {
                         spec: spec.clone(),
                         context: context(task),

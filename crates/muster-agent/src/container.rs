@@ -335,8 +335,7 @@ async fn run(state_dir: &Path, key: &str, user: &str) -> i32 {
     }
     // A dev environment's container only stays up: its shells are the
     // agent's `exec`s into it (see `exec_shell`).
-    let command = if task.command.len() == 1 && task.command[0] == muster_model::DEV_SESSION_COMMAND
-    {
+    let command = if muster_model::is_dev_session_command(&task.command) {
         vec![
             "sh".to_string(),
             "-c".to_string(),

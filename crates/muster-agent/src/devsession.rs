@@ -24,7 +24,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
 /// The variable holding the environment's token.
-pub const TOKEN_VARIABLE: &str = "MUSTER_DEV_TOKEN";
+pub const TOKEN_VARIABLE: &str = muster_model::DEV_TOKEN_VARIABLE;
 /// The longest first line.
 const MAX_HEADER: u64 = 4096;
 

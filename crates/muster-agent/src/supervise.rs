@@ -265,10 +265,7 @@ fn start(
         ),
     };
     // A dev environment's task is this program's session helper.
-    let dev_session = if task.command.len() == 1
-        && task.command[0] == muster_model::DEV_SESSION_COMMAND
-        && helper.is_none()
-    {
+    let dev_session = if muster_model::is_dev_session_command(&task.command) && helper.is_none() {
         Some(
             std::env::current_exe()
                 .map_err(|e| format!("cannot find this program's own path: {e}"))?

@@ -323,10 +323,18 @@ pub fn reconcile(
 }
 
 fn note_failure(now: Time, spec: &ServiceSpec, state: &mut ControllerState, why: String) {
-    state.failures_in_row = state.failures_in_row.saturating_add(1);
-    state.last_failure = Some(now);
-    state.last_failure_why = Some(why);
-    state.next_start = now.plus_millis(backoff(spec, state.failures_in_row).as_millis() as u64);
+    state.failed(now, spec, why);
+}
+
+impl ControllerState {
+    /// A replica failed (or could not be submitted): one more failure in
+    /// a row, and no start before the backoff.
+    pub fn failed(&mut self, now: Time, spec: &ServiceSpec, why: String) {
+        self.failures_in_row = self.failures_in_row.saturating_add(1);
+        self.last_failure = Some(now);
+        self.last_failure_why = Some(why);
+        self.next_start = now.plus_millis(backoff(spec, self.failures_in_row).as_millis() as u64);
+    }
 }
 
 /// What an autoscaled service's replicas see, summed over the gateways.

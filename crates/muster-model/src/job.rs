@@ -421,6 +421,15 @@ pub struct JobSpec {
 /// the agent's own connection to the server.
 pub const DEV_SESSION_COMMAND: &str = "muster-dev-session";
 
+/// The variable of a dev environment's task that holds its token (the
+/// server derives it and puts it there; the session helper checks it).
+pub const DEV_TOKEN_VARIABLE: &str = "MUSTER_DEV_TOKEN";
+
+/// Whether `command` is a dev environment's ([`DEV_SESSION_COMMAND`]).
+pub fn is_dev_session_command(command: &[String]) -> bool {
+    command.len() == 1 && command[0] == DEV_SESSION_COMMAND
+}
+
 /// A host path mounted into a container job's tasks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
@@ -435,7 +444,7 @@ impl JobSpec {
     /// Whether it is a dev environment (its command is
     /// [`DEV_SESSION_COMMAND`]).
     pub fn is_dev_environment(&self) -> bool {
-        self.command.len() == 1 && self.command[0] == DEV_SESSION_COMMAND
+        is_dev_session_command(&self.command)
     }
 
     /// A one-task job with defaults everywhere, for builders and `muster run`.

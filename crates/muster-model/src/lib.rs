@@ -13,9 +13,10 @@ mod queue;
 mod service;
 
 pub use job::{
-    ArrayElement, ArraySpec, CheckpointPolicy, DEV_SESSION_COMMAND, Dependency, DependencyKind,
-    JobId, JobSpec, MAX_ARRAY_ELEMENTS, MAX_ARRAY_INDEX, MAX_DEPENDENCIES, Mount, PriorityClass,
-    RetryPolicy, Signal, TopologyConstraint, TopologyStrength,
+    ArrayElement, ArraySpec, CheckpointPolicy, DEV_SESSION_COMMAND, DEV_TOKEN_VARIABLE, Dependency,
+    DependencyKind, JobId, JobSpec, MAX_ARRAY_ELEMENTS, MAX_ARRAY_INDEX, MAX_DEPENDENCIES, Mount,
+    PriorityClass, RetryPolicy, Signal, TopologyConstraint, TopologyStrength,
+    is_dev_session_command,
 };
 pub use node::{
     CONTAINER_ENGINE, GpuModel, GpuSpec, MAX_GPU_TEXT_LENGTH, MAX_NODE_CPU_MILLI, MAX_NODE_GPUS,

@@ -227,6 +227,13 @@ impl State {
                 }),
             );
         }
+        // Counts of services that are gone go too.
+        match self.counts.write() {
+            Ok(mut counts) => counts.retain(|service, _| next.contains_key(service)),
+            Err(poisoned) => poisoned
+                .into_inner()
+                .retain(|service, _| next.contains_key(service)),
+        }
         *routes = next;
         drop(routes);
         self.updated.send_modify(|version| *version += 1);

@@ -200,7 +200,7 @@ pub fn fill(
         }
         if job.spec.is_dev_environment() {
             task.env.insert(
-                muster_agent_token_variable().to_string(),
+                muster_model::DEV_TOKEN_VARIABLE.to_string(),
                 secrets.derive("dev-session", job.id.0),
             );
         }
@@ -218,13 +218,6 @@ pub fn fill(
             }
         }
     }
-}
-
-/// The variable a dev environment's session helper reads its token from
-/// (`muster_agent::devsession::TOKEN_VARIABLE`; the server does not depend
-/// on the agent crate).
-fn muster_agent_token_variable() -> &'static str {
-    "MUSTER_DEV_TOKEN"
 }
 
 /// Checks that every secret a spec names exists for its queue.

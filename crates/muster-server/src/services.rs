@@ -909,16 +909,10 @@ async fn start_replica(shared: &Arc<Shared>, name: &str, revision: u32) {
         Err(error) => {
             let mut services = shared.services.lock();
             if let Some(entry) = services.entries.get_mut(name) {
-                entry.event(format!(
-                    "a replica could not be submitted: {}",
-                    error.body.message
-                ));
-                // Try again after the backoff, as after a failure.
-                let failures = entry.controller.failures_in_row.saturating_add(1);
-                entry.controller.failures_in_row = failures;
-                entry.controller.next_start = now().plus_millis(
-                    muster_control::services::backoff(&entry.spec, failures).as_millis() as u64,
-                );
+                let why = format!("a replica could not be submitted: {}", error.body.message);
+                entry.event(why.clone());
+                // Tried again after the backoff, as after a failure.
+                entry.controller.failed(now(), &entry.spec, why);
             }
         }
     }
@@ -1594,14 +1588,16 @@ pub async fn report_traffic(
             "services: at most {MAX_SERVICES} a report"
         )));
     }
-    let known = {
+    // Only services this server has: a report's other names are dropped,
+    // so what is kept is bounded by the services.
+    let mut report = report;
+    {
         let services = shared.services.lock();
         report
             .services
-            .keys()
-            .filter(|name| services.entries.contains_key(*name))
-            .count() as u32
-    };
+            .retain(|name, _| services.entries.contains_key(name));
+    }
+    let known = report.services.len() as u32;
     let mut traffic = match shared.services.traffic.lock() {
         Ok(traffic) => traffic,
         Err(poisoned) => poisoned.into_inner(),
