@@ -138,6 +138,9 @@ pub struct TypicalWorkload {
     sorted_cpu: Vec<u64>,
     total_weight: f64,
     memory_free: bool,
+    /// CPU (thousandths of a core) the typical GPU shapes ask per whole GPU,
+    /// weighted by frequency: the rate at which a node's CPUs feed its GPUs.
+    cpu_per_gpu: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -176,7 +179,19 @@ impl TypicalWorkload {
         let sorted_cpu = by_cpu.iter().map(|&j| shapes[j].cpu_milli).collect();
         let total_weight = shapes.iter().map(|s| s.weight).sum();
         let memory_free = shapes.iter().all(|s| s.memory_mib == 0);
+        let (cpu, gpus) =
+            shapes
+                .iter()
+                .filter(|s| s.gpus.total().0 > 0)
+                .fold((0.0, 0.0), |(cpu, gpus), s| {
+                    (
+                        cpu + s.weight * s.cpu_milli as f64,
+                        gpus + s.weight * f64::from(s.gpus.total().0),
+                    )
+                });
+        let cpu_per_gpu = if gpus > 0.0 { cpu / gpus * 1000.0 } else { 0.0 };
         TypicalWorkload {
+            cpu_per_gpu,
             shapes,
             requests,
             columns,
@@ -185,6 +200,21 @@ impl TypicalWorkload {
             total_weight,
             memory_free,
         }
+    }
+
+    /// Idle GPU capacity (thousandths) that `cpu` free cannot feed at the
+    /// typical workload's CPU per GPU: what a stream of typical tasks would
+    /// leave idle on the node for want of CPU. 0 without GPU shapes.
+    pub fn cpu_stranded(&self, idle: u64, cpu: u64) -> f64 {
+        if self.cpu_per_gpu <= 0.0 {
+            return 0.0;
+        }
+        (idle as f64 - cpu as f64 * 1000.0 / self.cpu_per_gpu).max(0.0)
+    }
+
+    /// CPU (thousandths of a core) the typical GPU shapes ask per whole GPU.
+    pub fn cpu_per_gpu(&self) -> f64 {
+        self.cpu_per_gpu
     }
 
     pub fn shapes(&self) -> &[TypicalShape] {
@@ -517,6 +547,18 @@ pub fn consolidation_tier(info: &NodeStatic, free: &NodeFree) -> u32 {
     }
 }
 
+/// How much a GPU that a placement strands for want of CPU counts against
+/// it, beside FGD's fragmentation (see [`Scorer::evaluate`] for
+/// `fgd-consolidate`). Less than a fragment: a fragment is certain loss for
+/// the next task of a typical shape, a stranded GPU only for the tasks that
+/// ask more CPU per GPU than the typical rate (CPU-light tasks, such as
+/// openb's GPU shares asking 3 CPUs, still use it). At full weight, CPU-heavy
+/// work crowds onto the CPU-rich nodes that big CPU-heavy tasks need (a mix
+/// with 30% multi-GPU tasks lost 0.58 points to FGD); at a third every openb
+/// trace and all 32 muster mixes are at or above FGD
+/// (docs/scheduling-results.md, "CPU stranding").
+pub const STRANDED_WEIGHT: f64 = 1.0 / 3.0;
+
 /// The GPUs chosen on a node: a bit per GPU index; each takes the task's
 /// per-GPU share.
 pub type GpuPick = u64;
@@ -760,6 +802,22 @@ impl Scorer {
         }
     }
 
+    /// What `fgd-consolidate` adds to a node's fragmentation after a
+    /// placement: the GPU capacity it newly strands for want of CPU
+    /// ([`TypicalWorkload::cpu_stranded`] after minus before), never less
+    /// than 0, counted at [`STRANDED_WEIGHT`]. FGD's typical shapes only see
+    /// the next task, so a CPU-only or CPU-heavy task that leaves a node too
+    /// few CPUs for its idle GPUs looks harmless to them as long as the
+    /// shapes still fit one at a time; counting the GPUs a stream of typical
+    /// tasks could no longer feed steers such tasks to CPU-rich nodes.
+    /// One-sided: a placement that *relieves* stranding earns nothing, or
+    /// nodes that are CPU-poor by build (16 CPUs for 2 GPUs) would draw every
+    /// light task and model-bound tasks lose those GPUs. Measured in
+    /// docs/scheduling-results.md ("CPU stranding").
+    fn stranding(before: f64, after: f64) -> f64 {
+        (after - before).max(0.0) * STRANDED_WEIGHT
+    }
+
     /// FGD's score: the sigmoid level of the drop in fragmentation; a shared
     /// task takes the GPU that scores best (lowest index on ties), whole GPUs
     /// come from [`pick_whole_gpus`].
@@ -774,6 +832,17 @@ impl Scorer {
         let cpu_after = free.cpu_milli - shape.cpu_milli;
         let memory_after = free.memory_mib - shape.memory_mib;
         let levels = self.fgd_levels(shape.gpus);
+        // `fgd-consolidate` also counts GPUs the placement strands for want
+        // of CPU (see [`Scorer::stranding`]).
+        let stranded_before = (self.policy == PlacementPolicy::FgdConsolidate).then(|| {
+            self.workload
+                .cpu_stranded(free.idle_gpu_milli(), free.cpu_milli)
+        });
+        let stranding = |idle_after: u64| {
+            stranded_before.map_or(0.0, |before| {
+                Self::stranding(before, self.workload.cpu_stranded(idle_after, cpu_after))
+            })
+        };
         let mut local = ProfileCache::default();
         let cache = match cache {
             Some(cache) => cache,
@@ -798,7 +867,7 @@ impl Scorer {
                         cpu_after,
                         memory_after,
                         fitting,
-                    );
+                    ) + stranding(profile.idle);
                     // Integer levels, as for nodes: ties go to the
                     // lowest-numbered GPU.
                     let level = sigmoid_level(before - frag, levels);
@@ -817,7 +886,8 @@ impl Scorer {
                 let profile = cache.get_or_compute(&self.workload, &free.gpu, info, 1000, pick);
                 let after =
                     self.workload
-                        .fragmentation_with(profile, info, cpu_after, memory_after);
+                        .fragmentation_with(profile, info, cpu_after, memory_after)
+                        + stranding(profile.idle);
                 Evaluation {
                     level: sigmoid_level(before - after, levels),
                     pick,
@@ -1151,6 +1221,103 @@ mod tests {
         // The half-GPU task fills GPU 0 of `partial` (no fragment left) but
         // splits a whole GPU of the empty node (a fragment for 1-GPU tasks).
         assert!(consolidate_level(&partial, &half) > consolidate_level(&empty, &half));
+    }
+
+    #[test]
+    fn cpu_stranding_matches_a_hand_computed_example() {
+        // Half the tasks take a whole GPU and 10 CPUs, half 500 thousandths
+        // and 2 CPUs: (0.5 x 10 + 0.5 x 2) CPUs per (0.5 x 1 + 0.5 x 0.5)
+        // GPUs = 8 CPUs per GPU. CPU-only shapes do not count.
+        let workload = TypicalWorkload::new(vec![
+            shape(GpuRequest::Whole(1), 10_000, 0.4),
+            shape(GpuRequest::Shared(GpuMilli(500)), 2_000, 0.4),
+            shape(GpuRequest::Whole(0), 30_000, 0.2),
+        ]);
+        assert!((workload.cpu_per_gpu() - 8_000.0).abs() < 1e-9);
+        // 4 idle GPUs, 16 CPUs: they feed 2 GPUs; 2,000 thousandths stranded.
+        assert!((workload.cpu_stranded(4_000, 16_000) - 2_000.0).abs() < 1e-9);
+        // Enough CPUs: nothing stranded.
+        assert_eq!(workload.cpu_stranded(4_000, 40_000), 0.0);
+        assert_eq!(workload.cpu_stranded(0, 0), 0.0);
+        // No GPU shapes: no rate, nothing stranded.
+        let cpu_only = TypicalWorkload::new(vec![shape(GpuRequest::Whole(0), 4_000, 1.0)]);
+        assert_eq!(cpu_only.cpu_stranded(8_000, 0), 0.0);
+    }
+
+    #[test]
+    fn a_cpu_only_task_goes_where_it_strands_no_gpus() {
+        // Typical: one GPU and 10 CPUs. Node A: 4 GPUs, 40 CPUs (just
+        // enough); node B: 4 GPUs, 80 CPUs. A CPU-only task of 8 CPUs leaves
+        // every typical shape fitting on both, so FGD scores them alike;
+        // on A it leaves 32 CPUs for 4 idle GPUs (3.2 fed, 800 thousandths
+        // stranded), on B none.
+        let workload = TypicalWorkload::new(vec![shape(GpuRequest::Whole(1), 10_000, 1.0)]);
+        let scale = Scale {
+            cpu_milli: 80_000.0,
+            gpus: 4.0,
+        };
+        let fgd = Scorer::new(PlacementPolicy::Fgd, workload.clone(), scale);
+        let consolidate = Scorer::new(PlacementPolicy::FgdConsolidate, workload, scale);
+        let lean = NodeStatic {
+            cpu_milli: 40_000,
+            ..node(4)
+        };
+        let rich = NodeStatic {
+            cpu_milli: 80_000,
+            ..node(4)
+        };
+        let empty = |info: &NodeStatic| NodeFree {
+            gpu: vec![1000; 4],
+            cpu_milli: info.cpu_milli,
+            memory_mib: info.memory_mib,
+        };
+        let task = TaskShape {
+            gpus: GpuRequest::Whole(0),
+            ..one_gpu_task(8_000)
+        };
+        let level = |scorer: &Scorer, info: &NodeStatic| {
+            scorer.evaluate_fitting(info, &empty(info), &task).level
+        };
+        assert_eq!(level(&fgd, &lean), level(&fgd, &rich), "FGD sees no harm");
+        // 25 levels for CPU-only tasks: 800 stranded, at a third, is
+        // sigmoid(-0.267) x 25 = 10.84, level 10 (12 with nothing
+        // stranded), times 3 tiers.
+        assert!((STRANDED_WEIGHT - 1.0 / 3.0).abs() < 1e-12);
+        assert_eq!(level(&consolidate, &rich), 12 * CONSOLIDATION_TIERS);
+        assert_eq!(level(&consolidate, &lean), 10 * CONSOLIDATION_TIERS);
+    }
+
+    #[test]
+    fn relieving_stranded_gpus_earns_nothing() {
+        // A node built CPU-poor (4 GPUs, 20 CPUs: 2 GPUs stranded at 10 CPUs
+        // a GPU) against a balanced one: a 1-GPU task of 1 CPU relieves the
+        // poor node (3 idle, 19 CPUs: 1.1 stranded), which must not raise its
+        // score above what FGD and the tiers give.
+        let workload = TypicalWorkload::new(vec![shape(GpuRequest::Whole(1), 10_000, 1.0)]);
+        let scale = Scale {
+            cpu_milli: 40_000.0,
+            gpus: 4.0,
+        };
+        let consolidate = Scorer::new(PlacementPolicy::FgdConsolidate, workload, scale);
+        let task = one_gpu_task(1_000);
+        for cpu_milli in [20_000, 40_000] {
+            let info = NodeStatic {
+                cpu_milli,
+                ..node(4)
+            };
+            let free = NodeFree {
+                gpu: vec![1000; 4],
+                cpu_milli,
+                memory_mib: info.memory_mib,
+            };
+            // No fragment for the typical shape either way: level 25 of 50
+            // (sigmoid(0)), empty-node tier.
+            assert_eq!(
+                consolidate.evaluate_fitting(&info, &free, &task).level,
+                25 * CONSOLIDATION_TIERS,
+                "{cpu_milli} CPUs"
+            );
+        }
     }
 
     #[test]

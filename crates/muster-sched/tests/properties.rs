@@ -182,11 +182,14 @@ proptest! {
     fn indexed_placer_decides_as_the_scan_does(
         raw_nodes in proptest::collection::vec(node_strategy(), 1..16),
         mix in proptest::collection::vec(prop_oneof![4 => Just(1u8), 1 => Just(2), 1 => Just(3)], 16),
-        raw_tasks in proptest::collection::vec((0u8..3, 1u32..9, 1u32..1000, 1u64..30, 0usize..4), 1..80),
+        raw_tasks in proptest::collection::vec((0u8..3, 1u32..9, 1u32..1000, 1u64..30, 0usize..4, 0usize..3), 1..80),
         policy in prop_oneof![Just(PlacementPolicy::Fgd), Just(PlacementPolicy::FgdConsolidate), Just(PlacementPolicy::BestFit), Just(PlacementPolicy::Packing)],
     ) {
         let mut cluster = ClusterState::new(build_mixed_nodes(&raw_nodes, &mix)).unwrap();
-        let shapes: Vec<TaskShape> = raw_tasks.iter().map(|&(kind, gpus, share, cpus, model)| {
+        // Memory varies so that shapes differing only in memory share an
+        // index, and nodes whose memory is taken (512 GiB each) are skipped
+        // when it is read.
+        let shapes: Vec<TaskShape> = raw_tasks.iter().map(|&(kind, gpus, share, cpus, model, memory)| {
             let models = if model < MODELS.len() {
                 cluster.model_mask(&[GpuModel::new(MODELS[model])])
             } else {
@@ -200,7 +203,7 @@ proptest! {
                     _ => GpuRequest::Whole(0),
                 },
                 cpu_milli: cpus * 1000,
-                memory_mib: 1024,
+                memory_mib: [1024, 64 * 1024, 300 * 1024][memory],
                 models,
                 pool: None,
                 min_gpu_memory_mib: 0,
