@@ -341,12 +341,46 @@ impl Placer {
         self.changes.push(node);
     }
 
-    /// The index of `shape`, built or brought up to date with the nodes
-    /// changed since it was last used.
+    /// The shape whose index serves `shape`: the same shape with its memory
+    /// rounded down to a power of two when the policy's levels do not depend
+    /// on memory (every policy but an FGD whose typical shapes ask for
+    /// memory), so that shapes that differ only in memory within a factor of
+    /// two share one index and each changed node is re-scored once for all
+    /// of them. The index counts a node feasible with the rounded memory;
+    /// nodes with less than the shape's own are skipped when it is read
+    /// ([`Placer::ranked_in_index`]), few since the band is narrow.
+    /// (Dropping memory from the key altogether saved more re-scoring but
+    /// made best-fit slower: on a full cluster its best-ranked nodes are
+    /// mostly out of memory, and the read skips them one by one.)
+    fn index_key(&self, shape: &TaskShape) -> TaskShape {
+        if shape.memory_mib > 0 && self.scorer.levels_ignore_memory() {
+            TaskShape {
+                memory_mib: 1 << (63 - shape.memory_mib.leading_zeros()),
+                ..*shape
+            }
+        } else {
+            *shape
+        }
+    }
+
+    /// The nodes of `shape`'s index (brought up to date by
+    /// [`Placer::index`]) that have its memory free, best first.
+    fn ranked_in_index<'a>(&'a self, shape: &'a TaskShape) -> impl Iterator<Item = NodeIndex> + 'a {
+        self.indexes
+            .get(&self.index_key(shape))
+            .into_iter()
+            .flat_map(ShapeIndex::ranked)
+            .filter(move |&node| self.cluster.free[node as usize].memory_mib >= shape.memory_mib)
+    }
+
+    /// The index of `shape` (see [`Placer::index_key`]), built or brought up
+    /// to date with the nodes changed since it was last used.
     fn index(&mut self, shape: &TaskShape) -> Option<&ShapeIndex> {
         if !self.indexed {
             return None;
         }
+        let key = self.index_key(shape);
+        let shape = &key;
         let Placer {
             cluster,
             scorer,
@@ -399,8 +433,11 @@ impl Placer {
         excluded: &dyn Fn(NodeIndex) -> bool,
         rng: &mut R,
     ) -> Vec<NodeIndex> {
-        if let Some(index) = self.index(shape) {
-            return index.ranked().filter(|&node| !excluded(node)).collect();
+        if self.index(shape).is_some() {
+            return self
+                .ranked_in_index(shape)
+                .filter(|&node| !excluded(node))
+                .collect();
         }
         let mut scored: Vec<(u32, NodeIndex)> = (0..self.cluster.len() as NodeIndex)
             .filter(|&node| !excluded(node))
@@ -460,7 +497,10 @@ impl Placer {
                 }
                 node
             }
-            _ if self.indexed => self.index(shape)?.ranked().find(|&node| !excluded(node))?,
+            _ if self.indexed => {
+                self.index(shape)?;
+                self.ranked_in_index(shape).find(|&node| !excluded(node))?
+            }
             _ => best_node_by_scan(&self.cluster, &self.scorer, shape, excluded)?.0,
         };
         self.placement_on(node, shape)
@@ -542,13 +582,7 @@ impl Placer {
             let cluster = &self.cluster;
             let candidates: Box<dyn Iterator<Item = NodeIndex> + '_> = match &scanned {
                 Some(list) => Box::new(list.iter().copied()),
-                None => Box::new(
-                    self.indexes
-                        .get(shape)
-                        .into_iter()
-                        .flat_map(ShapeIndex::ranked)
-                        .filter(|&node| !excluded(node)),
-                ),
+                None => Box::new(self.ranked_in_index(shape).filter(|&node| !excluded(node))),
             };
             // One task per real node: of a node's sub-nodes, only the best
             // ranked one is a candidate.

@@ -667,6 +667,14 @@ impl Scorer {
         }
     }
 
+    /// Whether a node's level for a shape that fits it is the same whatever
+    /// memory the shape asks: true for every policy but an FGD whose typical
+    /// shapes ask for memory (those from [`TypicalWorkload::from_tasks`] do
+    /// not, as in the FGD paper).
+    pub fn levels_ignore_memory(&self) -> bool {
+        !self.policy.uses_fragmentation() || self.workload.memory_free
+    }
+
     /// Scores `node` for `shape`, or `None` when the task does not fit.
     pub fn evaluate(
         &self,
