@@ -243,14 +243,14 @@ impl PlacerParts<'_> {
     /// `node`'s level for `shape`, the node known to pass the static filters.
     fn level(&mut self, node: NodeIndex, shape: &TaskShape) -> u32 {
         self.scorer
-            .evaluate_passing_static(
+            .level_passing_static(
                 self.cluster,
                 node,
                 shape,
                 self.fragmentation[node as usize],
                 self.profiles,
             )
-            .map_or(INFEASIBLE, |evaluation| evaluation.level)
+            .unwrap_or(INFEASIBLE)
     }
 }
 

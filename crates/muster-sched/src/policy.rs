@@ -138,6 +138,10 @@ pub struct TypicalWorkload {
     sorted_cpu: Vec<u64>,
     total_weight: f64,
     memory_free: bool,
+    /// The distinct shares the typical shapes ask, smallest first.
+    share_sizes: Vec<u16>,
+    /// For each free capacity 0..=1000, how many of `share_sizes` fit in it.
+    shares_fitting: Vec<u8>,
     /// CPU (thousandths of a core) the typical GPU shapes ask per whole GPU,
     /// weighted by frequency: the rate at which a node's CPUs feed its GPUs.
     cpu_per_gpu: f64,
@@ -179,6 +183,15 @@ impl TypicalWorkload {
         let sorted_cpu = by_cpu.iter().map(|&j| shapes[j].cpu_milli).collect();
         let total_weight = shapes.iter().map(|s| s.weight).sum();
         let memory_free = shapes.iter().all(|s| s.memory_mib == 0);
+        let mut share_sizes: Vec<u16> = shapes
+            .iter()
+            .filter_map(|shape| match shape.gpus {
+                GpuRequest::Shared(size) => Some(size.0.min(1000) as u16),
+                GpuRequest::Whole(_) => None,
+            })
+            .collect();
+        share_sizes.sort_unstable();
+        share_sizes.dedup();
         let (cpu, gpus) =
             shapes
                 .iter()
@@ -190,7 +203,12 @@ impl TypicalWorkload {
                     )
                 });
         let cpu_per_gpu = if gpus > 0.0 { cpu / gpus * 1000.0 } else { 0.0 };
+        let shares_fitting = (0..=1000u16)
+            .map(|free| share_sizes.partition_point(|&size| size <= free).min(255) as u8)
+            .collect();
         TypicalWorkload {
+            share_sizes,
+            shares_fitting,
             cpu_per_gpu,
             shapes,
             requests,
@@ -607,6 +625,90 @@ pub struct Scorer {
     pub policy: PlacementPolicy,
     pub workload: TypicalWorkload,
     pub scale: Scale,
+    /// [`WeightTable`]s by GPU model id, built when first needed (model ids
+    /// are the cluster's: a scorer serves one cluster).
+    tables: std::sync::Arc<Vec<std::sync::OnceLock<WeightTable>>>,
+}
+
+/// For one GPU model, the typical shapes' weights cumulated so that a node's
+/// FGD fragmentation is a sum over its GPUs, with no per-state table: row `k`
+/// holds, of the first `k` typical shapes by CPU that accept the model, the
+/// weight of the whole-GPU shapes asking at most `m` GPUs (`whole[m]`) and
+/// of the shares of at most the `q`-th smallest share size (`share[q + 1]`,
+/// `share[0]` = 0). A shape asking `c` whole GPUs saves (against counting all
+/// idle capacity as fragment) 1000 x the free whole GPUs if there are at
+/// least `c`; a share of `s` saves the free capacity of the GPUs with at
+/// least `s` free; so what the first `k` shapes save is
+/// `1000 x whole x whole[whole] + sum over GPUs of free x share[q(free)]`.
+/// Reading a row costs no cache miss, where a per-state profile
+/// ([`ProfileCache`]) costs two (measured in docs/benchmarks.md).
+#[derive(Debug, Clone)]
+struct WeightTable {
+    whole_columns: usize,
+    whole: Vec<f64>,
+    share_columns: usize,
+    share: Vec<f64>,
+}
+
+/// GPU model ids with a [`WeightTable`]; a node of a larger id (a cluster
+/// with more models) is scored through [`ProfileCache`].
+const TABLED_MODELS: usize = 64;
+
+impl WeightTable {
+    fn build(workload: &TypicalWorkload, node: &NodeStatic) -> Self {
+        let whole_columns = workload
+            .shapes
+            .iter()
+            .filter_map(|shape| match shape.gpus {
+                GpuRequest::Whole(count) => Some(count as usize),
+                GpuRequest::Shared(_) => None,
+            })
+            .max()
+            .unwrap_or(0)
+            + 1;
+        let share_columns = workload.share_sizes.len() + 1;
+        let rows = workload.by_cpu.len() + 1;
+        let mut table = WeightTable {
+            whole_columns,
+            whole: Vec::with_capacity(rows * whole_columns),
+            share_columns,
+            share: Vec::with_capacity(rows * share_columns),
+        };
+        let mut whole = vec![0.0; whole_columns];
+        let mut share = vec![0.0; share_columns - 1];
+        table.push_row(&whole, &share);
+        for &j in &workload.by_cpu {
+            if node.accepts(workload.columns.models[j]) {
+                let weight = workload.columns.weight[j];
+                match workload.shapes[j].gpus {
+                    GpuRequest::Whole(0) => {}
+                    GpuRequest::Whole(count) => whole[count as usize] += weight,
+                    GpuRequest::Shared(size) => {
+                        let q = workload
+                            .share_sizes
+                            .partition_point(|&s| u32::from(s) < size.0);
+                        share[q] += weight;
+                    }
+                }
+            }
+            table.push_row(&whole, &share);
+        }
+        table
+    }
+
+    fn push_row(&mut self, whole: &[f64], share: &[f64]) {
+        let mut sum = 0.0;
+        for &weight in whole {
+            sum += weight;
+            self.whole.push(sum);
+        }
+        self.share.push(0.0);
+        let mut sum = 0.0;
+        for &weight in share {
+            sum += weight;
+            self.share.push(sum);
+        }
+    }
 }
 
 /// Whole GPUs for a task: the NVLink domain with the fewest free whole GPUs
@@ -664,6 +766,11 @@ impl Scorer {
             policy,
             workload,
             scale,
+            tables: std::sync::Arc::new(
+                (0..TABLED_MODELS)
+                    .map(|_| std::sync::OnceLock::new())
+                    .collect(),
+            ),
         }
     }
 
@@ -704,9 +811,7 @@ impl Scorer {
         }
         let info = &cluster.nodes[node as usize];
         let free = &cluster.free[node as usize];
-        let profile = cache.get_or_compute(&self.workload, &free.gpu, info, 0, 0);
-        self.workload
-            .fragmentation_with(profile, info, free.cpu_milli, free.memory_mib)
+        self.fragmentation_of(info, &free.gpu, free.cpu_milli, free.memory_mib, cache)
     }
 
     /// Scores `node`, known to pass the static filters for `shape`, given
@@ -724,7 +829,28 @@ impl Scorer {
         }
         let info = &cluster.nodes[node as usize];
         let free = &cluster.free[node as usize];
-        Some(self.evaluate_fitting_from(info, free, shape, fragmentation_now, Some(cache)))
+        Some(self.evaluate_fitting_from(info, free, shape, fragmentation_now, Some(cache), true))
+    }
+
+    /// [`Scorer::evaluate_passing_static`]'s level alone: the same number,
+    /// without choosing which whole GPUs the task would take (a level does
+    /// not depend on which), for indexes that re-score nodes.
+    pub fn level_passing_static(
+        &self,
+        cluster: &ClusterState,
+        node: NodeIndex,
+        shape: &TaskShape,
+        fragmentation_now: f64,
+        cache: &mut ProfileCache,
+    ) -> Option<u32> {
+        if !cluster.has_room(node, shape) {
+            return None;
+        }
+        let info = &cluster.nodes[node as usize];
+        let free = &cluster.free[node as usize];
+        let evaluation =
+            self.evaluate_fitting_from(info, free, shape, fragmentation_now, Some(cache), false);
+        Some(evaluation.level)
     }
 
     /// Scores a node the task is known to fit.
@@ -735,14 +861,22 @@ impl Scorer {
         shape: &TaskShape,
     ) -> Evaluation {
         let before = if self.policy.uses_fragmentation() {
-            self.workload
-                .fragmentation(info, &free.gpu, free.cpu_milli, free.memory_mib)
+            self.fragmentation_of(
+                info,
+                &free.gpu,
+                free.cpu_milli,
+                free.memory_mib,
+                &mut ProfileCache::default(),
+            )
         } else {
             0.0
         };
-        self.evaluate_fitting_from(info, free, shape, before, None)
+        self.evaluate_fitting_from(info, free, shape, before, None, true)
     }
 
+    /// The level, and with `want_pick` the GPUs the task would take (for
+    /// whole GPUs, without it, `pick` is 0: no level depends on which whole
+    /// GPUs are taken).
     fn evaluate_fitting_from(
         &self,
         info: &NodeStatic,
@@ -750,16 +884,17 @@ impl Scorer {
         shape: &TaskShape,
         before: f64,
         cache: Option<&mut ProfileCache>,
+        want_pick: bool,
     ) -> Evaluation {
         match self.policy {
             PlacementPolicy::FgdConsolidate => {
-                let evaluation = self.evaluate_fgd(info, free, shape, before, cache);
+                let evaluation = self.evaluate_fgd(info, free, shape, before, cache, want_pick);
                 Evaluation {
                     level: evaluation.level * CONSOLIDATION_TIERS + consolidation_tier(info, free),
                     pick: evaluation.pick,
                 }
             }
-            PlacementPolicy::Fgd => self.evaluate_fgd(info, free, shape, before, cache),
+            PlacementPolicy::Fgd => self.evaluate_fgd(info, free, shape, before, cache, want_pick),
             PlacementPolicy::BestFit | PlacementPolicy::Packing | PlacementPolicy::Random => {
                 let cpu_after = free.cpu_milli - shape.cpu_milli;
                 let pick = match shape.gpus {
@@ -775,9 +910,10 @@ impl Scorer {
                             .unwrap_or(0);
                         1 << index
                     }
-                    GpuRequest::Whole(count) => {
+                    GpuRequest::Whole(count) if want_pick => {
                         pick_whole_gpus(info, &free.gpu, count).unwrap_or_default()
                     }
+                    GpuRequest::Whole(_) => 0,
                 };
                 let gpu_idle_after = free.idle_gpu_milli() - shape.gpus.total().0 as u64;
                 let level = match self.policy {
@@ -822,6 +958,46 @@ impl Scorer {
     /// nodes that are CPU-poor by build (16 CPUs for 2 GPUs) would draw every
     /// light task and model-bound tasks lose those GPUs. Measured in
     /// docs/scheduling-results.md ("CPU stranding").
+    /// FGD's fragmentation of `info` with `slots` free on its GPUs and
+    /// `cpu` and `memory` free: through the model's [`WeightTable`] when the
+    /// typical shapes ask no memory (always, for shapes from a trace),
+    /// otherwise through a GPU profile from `cache`. One node always goes
+    /// the same way, so drops in fragmentation compare like with like.
+    fn fragmentation_of(
+        &self,
+        info: &NodeStatic,
+        slots: &[u16],
+        cpu: u64,
+        memory: u64,
+        cache: &mut ProfileCache,
+    ) -> f64 {
+        let mut idle = 0u64;
+        let mut whole = 0usize;
+        for &slot in slots {
+            idle += u64::from(slot);
+            whole += usize::from(slot == 1000);
+        }
+        if idle == 0 {
+            return 0.0;
+        }
+        let workload = &self.workload;
+        let model = info.model as usize;
+        if !workload.memory_free || model >= TABLED_MODELS || workload.share_sizes.len() > 255 {
+            let profile = cache.get_or_compute(workload, slots, info, 0, 0);
+            return workload.fragmentation_with(profile, info, cpu, memory);
+        }
+        let table = self.tables[model].get_or_init(|| WeightTable::build(workload, info));
+        let k = workload.cpu_fitting(cpu);
+        let whole_row = &table.whole[k * table.whole_columns..][..table.whole_columns];
+        let share_row = &table.share[k * table.share_columns..][..table.share_columns];
+        let mut saved = 1000.0 * whole as f64 * whole_row[whole.min(table.whole_columns - 1)];
+        for &slot in slots {
+            let q = workload.shares_fitting[usize::from(slot.min(1000))];
+            saved += f64::from(slot) * share_row[usize::from(q)];
+        }
+        idle as f64 * workload.total_weight - saved
+    }
+
     fn stranding(before: f64, after: f64) -> f64 {
         (after - before).max(0.0) * STRANDED_WEIGHT
     }
@@ -836,16 +1012,16 @@ impl Scorer {
         shape: &TaskShape,
         before: f64,
         cache: Option<&mut ProfileCache>,
+        want_pick: bool,
     ) -> Evaluation {
         let cpu_after = free.cpu_milli - shape.cpu_milli;
         let memory_after = free.memory_mib - shape.memory_mib;
         let levels = self.fgd_levels(shape.gpus);
+        let idle_before = free.idle_gpu_milli();
         // `fgd-consolidate` also counts GPUs the placement strands for want
         // of CPU (see [`Scorer::stranding`]).
-        let stranded_before = (self.policy == PlacementPolicy::FgdConsolidate).then(|| {
-            self.workload
-                .cpu_stranded(free.idle_gpu_milli(), free.cpu_milli)
-        });
+        let stranded_before = (self.policy == PlacementPolicy::FgdConsolidate)
+            .then(|| self.workload.cpu_stranded(idle_before, free.cpu_milli));
         let stranding = |idle_after: u64| {
             stranded_before.map_or(0.0, |before| {
                 Self::stranding(before, self.workload.cpu_stranded(idle_after, cpu_after))
@@ -856,26 +1032,25 @@ impl Scorer {
             Some(cache) => cache,
             None => &mut local,
         };
+        // The GPUs' free capacity after the placement, on the stack (a node
+        // has at most 64 GPUs).
+        let mut buffer = [0u16; 64];
+        let gpus = free.gpu.len().min(buffer.len());
         match shape.gpus {
             GpuRequest::Shared(share) => {
                 let need = share.0 as u16;
-                let fitting = self.workload.cpu_fitting(cpu_after);
                 let mut best: Option<(u32, usize)> = None;
-                for (index, &slot) in free.gpu.iter().enumerate() {
+                for (index, &slot) in free.gpu.iter().enumerate().take(gpus) {
                     // GPUs with equal free capacity score the same:
                     // the lowest-numbered one stands for them.
                     if slot < need || free.gpu[..index].contains(&slot) {
                         continue;
                     }
-                    let profile =
-                        cache.get_or_compute(&self.workload, &free.gpu, info, need, 1 << index);
-                    let frag = self.workload.fragmentation_fitting(
-                        profile,
-                        info,
-                        cpu_after,
-                        memory_after,
-                        fitting,
-                    ) + stranding(profile.idle);
+                    let after = &mut buffer[..gpus];
+                    after.copy_from_slice(&free.gpu[..gpus]);
+                    after[index] -= need;
+                    let frag = self.fragmentation_of(info, after, cpu_after, memory_after, cache)
+                        + stranding(idle_before - u64::from(need));
                     // Integer levels, as for nodes: ties go to the
                     // lowest-numbered GPU.
                     let level = sigmoid_level(before - frag, levels);
@@ -890,12 +1065,27 @@ impl Scorer {
                 }
             }
             GpuRequest::Whole(count) => {
-                let pick = pick_whole_gpus(info, &free.gpu, count).unwrap_or_default();
-                let profile = cache.get_or_compute(&self.workload, &free.gpu, info, 1000, pick);
-                let after =
-                    self.workload
-                        .fragmentation_with(profile, info, cpu_after, memory_after)
-                        + stranding(profile.idle);
+                // Fragmentation depends on how many whole GPUs are taken,
+                // not which: score the state with the first `count` taken.
+                let after = &mut buffer[..gpus];
+                after.copy_from_slice(&free.gpu[..gpus]);
+                let mut left = count;
+                for slot in after.iter_mut() {
+                    if left == 0 {
+                        break;
+                    }
+                    if *slot == 1000 {
+                        *slot = 0;
+                        left -= 1;
+                    }
+                }
+                let pick = if want_pick {
+                    pick_whole_gpus(info, &free.gpu, count).unwrap_or_default()
+                } else {
+                    0
+                };
+                let after = self.fragmentation_of(info, after, cpu_after, memory_after, cache)
+                    + stranding(idle_before.saturating_sub(1000 * u64::from(count)));
                 Evaluation {
                     level: sigmoid_level(before - after, levels),
                     pick,
@@ -1059,6 +1249,66 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_weight_tables_agree_with_the_shape_loop() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        // Shapes of every kind, two held to model 1 (mask 1), shares of
+        // sizes that fall between and on free capacities.
+        let mut shapes = Vec::new();
+        for (i, gpus) in [
+            GpuRequest::Whole(0),
+            GpuRequest::Whole(1),
+            GpuRequest::Whole(2),
+            GpuRequest::Whole(8),
+            GpuRequest::Shared(GpuMilli(110)),
+            GpuRequest::Shared(GpuMilli(470)),
+            GpuRequest::Shared(GpuMilli(470)),
+            GpuRequest::Shared(GpuMilli(810)),
+            GpuRequest::Whole(1),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut typical = shape(gpus, 1_000 * (i as u64 * 7 % 20), 0.05 + i as f64 / 40.0);
+            if i == 2 || i == 6 {
+                typical.models = ModelMask(1);
+            }
+            shapes.push(typical);
+        }
+        let workload = TypicalWorkload::new(shapes);
+        let scale = Scale {
+            cpu_milli: 64_000.0,
+            gpus: 8.0,
+        };
+        let scorer = Scorer::new(PlacementPolicy::Fgd, workload.clone(), scale);
+        let mut cache = ProfileCache::default();
+        for _ in 0..5_000 {
+            let gpus = rng.random_range(1..=8);
+            let free: Vec<u16> = (0..gpus)
+                .map(|_| match rng.random_range(0..4) {
+                    0 => 0,
+                    1 => 1000,
+                    2 => [110, 190, 470, 530, 810, 890][rng.random_range(0..6)],
+                    _ => rng.random_range(0..=1000),
+                })
+                .collect();
+            let cpu = rng.random_range(0..24) * 1_000 + rng.random_range(0..2) * 500;
+            let model = rng.random_range(0..2u32);
+            let mut info = node(gpus);
+            info.model = model;
+            if model == 1 {
+                info.accepted_by.insert(1);
+            }
+            let table = scorer.fragmentation_of(&info, &free, cpu, 1 << 20, &mut cache);
+            let reference = workload.fragmentation(&info, &free, cpu, 1 << 20);
+            assert!(
+                (table - reference).abs() < 1e-9 * (1.0 + reference.abs()),
+                "{free:?} cpu {cpu} model {model}: {table} != {reference}"
+            );
         }
     }
 
