@@ -934,8 +934,6 @@ impl Client {
         .await
     }
 
-    /// Sends one chunk of a task's output; the answer says where the
-    /// server's copy ends.
     /// Sends a node's telemetry (its credential's client).
     pub async fn push_telemetry(
         &self,

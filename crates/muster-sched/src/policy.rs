@@ -1186,6 +1186,20 @@ mod tests {
         }
     }
 
+    /// `fgd` and `fgd-consolidate` scorers of typical one-GPU tasks asking
+    /// `cpu_milli`, on nodes of at most `max_cpu_milli` and `max_gpus`.
+    fn one_gpu_scorers(cpu_milli: u64, max_cpu_milli: f64, max_gpus: f64) -> (Scorer, Scorer) {
+        let workload = TypicalWorkload::new(vec![shape(GpuRequest::Whole(1), cpu_milli, 1.0)]);
+        let scale = Scale {
+            cpu_milli: max_cpu_milli,
+            gpus: max_gpus,
+        };
+        (
+            Scorer::new(PlacementPolicy::Fgd, workload.clone(), scale),
+            Scorer::new(PlacementPolicy::FgdConsolidate, workload, scale),
+        )
+    }
+
     #[test]
     fn fragmentation_matches_a_hand_computed_example() {
         // Free: 1000, 1000, 600, 200 thousandths; 8 CPUs free.
@@ -1431,13 +1445,7 @@ mod tests {
     fn consolidation_prefers_a_node_in_use_when_fgd_ties() {
         // Typical: one-GPU tasks; no placement here makes a fragment, so FGD
         // scores every node alike (and the name decides).
-        let workload = TypicalWorkload::new(vec![shape(GpuRequest::Whole(1), 0, 1.0)]);
-        let scale = Scale {
-            cpu_milli: 64_000.0,
-            gpus: 2.0,
-        };
-        let fgd = Scorer::new(PlacementPolicy::Fgd, workload.clone(), scale);
-        let consolidate = Scorer::new(PlacementPolicy::FgdConsolidate, workload, scale);
+        let (fgd, consolidate) = one_gpu_scorers(0, 64_000.0, 2.0);
         let info = node(2);
         let empty = NodeFree {
             gpu: vec![1000, 1000],
@@ -1509,13 +1517,7 @@ mod tests {
         // every typical shape fitting on both, so FGD scores them alike;
         // on A it leaves 32 CPUs for 4 idle GPUs (3.2 fed, 800 thousandths
         // stranded), on B none.
-        let workload = TypicalWorkload::new(vec![shape(GpuRequest::Whole(1), 10_000, 1.0)]);
-        let scale = Scale {
-            cpu_milli: 80_000.0,
-            gpus: 4.0,
-        };
-        let fgd = Scorer::new(PlacementPolicy::Fgd, workload.clone(), scale);
-        let consolidate = Scorer::new(PlacementPolicy::FgdConsolidate, workload, scale);
+        let (fgd, consolidate) = one_gpu_scorers(10_000, 80_000.0, 4.0);
         let lean = NodeStatic {
             cpu_milli: 40_000,
             ..node(4)
@@ -1551,12 +1553,7 @@ mod tests {
         // a GPU) against a balanced one: a 1-GPU task of 1 CPU relieves the
         // poor node (3 idle, 19 CPUs: 1.1 stranded), which must not raise its
         // score above what FGD and the tiers give.
-        let workload = TypicalWorkload::new(vec![shape(GpuRequest::Whole(1), 10_000, 1.0)]);
-        let scale = Scale {
-            cpu_milli: 40_000.0,
-            gpus: 4.0,
-        };
-        let consolidate = Scorer::new(PlacementPolicy::FgdConsolidate, workload, scale);
+        let (_, consolidate) = one_gpu_scorers(10_000, 40_000.0, 4.0);
         let task = one_gpu_task(1_000);
         for cpu_milli in [20_000, 40_000] {
             let info = NodeStatic {

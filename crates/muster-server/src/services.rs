@@ -64,6 +64,25 @@ pub struct RevisionRecord {
 }
 
 impl ServiceRecord {
+    /// Adds `spec` (as `service_spec_value` writes it) as the next revision
+    /// and makes it current, keeping [`muster_model::KEPT_REVISIONS`].
+    fn add_revision(&mut self, spec: serde_json::Value, created_ms: u64) {
+        let revision = self
+            .revisions
+            .iter()
+            .map(|kept| kept.revision)
+            .max()
+            .unwrap_or(0)
+            + 1;
+        self.revisions.push(RevisionRecord {
+            revision,
+            created_ms,
+            spec,
+        });
+        self.current = revision;
+        trim_revisions(self);
+    }
+
     fn revision(&self, revision: u32) -> Option<&RevisionRecord> {
         self.revisions.iter().find(|kept| kept.revision == revision)
     }
@@ -1254,20 +1273,7 @@ pub async fn update_service(
     let value = muster_api::service::service_spec_value(&spec);
     let new_revision = spec.template_differs(&old);
     if new_revision {
-        let revision = record
-            .revisions
-            .iter()
-            .map(|kept| kept.revision)
-            .max()
-            .unwrap_or(0)
-            + 1;
-        record.revisions.push(RevisionRecord {
-            revision,
-            created_ms: now().0,
-            spec: value,
-        });
-        record.current = revision;
-        trim_revisions(&mut record);
+        record.add_revision(value, now().0);
     } else if let Some(kept) = record
         .revisions
         .iter_mut()
@@ -1433,20 +1439,8 @@ pub async fn rollback_service(
     if let Some(rule) = spec.autoscale {
         spec.replicas = autoscaled.clamp(rule.min_replicas, rule.max_replicas);
     }
-    let revision = record
-        .revisions
-        .iter()
-        .map(|kept| kept.revision)
-        .max()
-        .unwrap_or(0)
-        + 1;
-    record.revisions.push(RevisionRecord {
-        revision,
-        created_ms: now().0,
-        spec: muster_api::service::service_spec_value(&spec),
-    });
-    record.current = revision;
-    trim_revisions(&mut record);
+    record.add_revision(muster_api::service::service_spec_value(&spec), now().0);
+    let revision = record.current;
     save(&shared, &record).await?;
     {
         let mut services = shared.services.lock();

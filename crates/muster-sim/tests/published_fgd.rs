@@ -22,8 +22,8 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
-#[test]
-fn fgd_with_the_published_tie_order_matches_the_published_fgd_on_cpu200() {
+/// Protocol A on `openb_pod_list_cpu200.csv` and the openb nodes.
+fn cpu200() -> AllocationExperiment {
     let nodes = parse_openb_nodes(
         &trace("openb_node_list_gpu_node.csv"),
         "openb_node_list_gpu_node.csv",
@@ -34,19 +34,26 @@ fn fgd_with_the_published_tie_order_matches_the_published_fgd_on_cpu200() {
         "openb_pod_list_cpu200.csv",
     )
     .expect("tasks");
-    let experiment = AllocationExperiment::new(nodes, &tasks).expect("experiment");
+    AllocationExperiment::new(nodes, &tasks).expect("experiment")
+}
+
+/// The median over seeds 0-2 of `policy`'s allocation (%) at 100% load.
+fn at_100(experiment: &AllocationExperiment, policy: PlacementPolicy) -> f64 {
     let capacity = experiment.capacity_milli() as f64;
-    let at_100 = |ties: Ties| {
-        let experiment = experiment.clone().with_ties(ties);
-        median(
-            (0..3)
-                .map(|seed| {
-                    let curve = experiment.run(PlacementPolicy::Fgd, seed);
-                    curve.allocated_milli[100] as f64 * 100.0 / capacity
-                })
-                .collect(),
-        )
-    };
+    median(
+        (0..3)
+            .map(|seed| {
+                let curve = experiment.run(policy, seed);
+                curve.allocated_milli[100] as f64 * 100.0 / capacity
+            })
+            .collect(),
+    )
+}
+
+#[test]
+fn fgd_with_the_published_tie_order_matches_the_published_fgd_on_cpu200() {
+    let experiment = cpu200();
+    let at_100 = |ties: Ties| at_100(&experiment.clone().with_ties(ties), PlacementPolicy::Fgd);
     let random = at_100(Ties::Random);
     let name = at_100(Ties::Name);
     // Published FGD on cpu200: 94.8% at 100% load (traces/README.md).
@@ -66,26 +73,7 @@ fn fgd_with_the_published_tie_order_matches_the_published_fgd_on_cpu200() {
 /// 94.8% over ten seeds); without the rule it was 94.9%.
 #[test]
 fn the_default_counts_stranded_gpus_and_beats_the_published_fgd_on_cpu200() {
-    let nodes = parse_openb_nodes(
-        &trace("openb_node_list_gpu_node.csv"),
-        "openb_node_list_gpu_node.csv",
-    )
-    .expect("nodes");
-    let tasks = parse_openb_tasks(
-        &trace("openb_pod_list_cpu200.csv"),
-        "openb_pod_list_cpu200.csv",
-    )
-    .expect("tasks");
-    let experiment = AllocationExperiment::new(nodes, &tasks).expect("experiment");
-    let capacity = experiment.capacity_milli() as f64;
-    let default = median(
-        (0..3)
-            .map(|seed| {
-                let curve = experiment.run(PlacementPolicy::FgdConsolidate, seed);
-                curve.allocated_milli[100] as f64 * 100.0 / capacity
-            })
-            .collect(),
-    );
+    let default = at_100(&cpu200(), PlacementPolicy::FgdConsolidate);
     assert!(
         default >= 94.8 + 0.5,
         "default on cpu200: {default:.2}% against the published FGD's 94.8%"

@@ -133,6 +133,37 @@ fn environment<'a>(list: &'a serde_json::Value, name: &str) -> Option<&'a serde_
         .find(|env| env["name"] == name)
 }
 
+/// `muster dev forward ENVIRONMENT PORT` to a free loopback port, with the
+/// cluster's flags; the process and the local address.
+fn dev_forward(
+    cluster: &Cluster,
+    environment: &str,
+    port: u16,
+) -> (common::cluster::Daemon, String) {
+    let local = format!("127.0.0.1:{}", common::free_port());
+    let mut args: Vec<String> = [
+        "dev",
+        "forward",
+        environment,
+        &port.to_string(),
+        "--local",
+        &local,
+    ]
+    .iter()
+    .map(|arg| arg.to_string())
+    .collect();
+    args.extend(flags(cluster));
+    let forward = common::cluster::Daemon(
+        std::process::Command::new(BIN)
+            .args(&args)
+            .env("XDG_CONFIG_HOME", cluster.path("config"))
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("muster dev forward starts"),
+    );
+    (forward, local)
+}
+
 #[test]
 fn a_dev_environment_gives_a_shell_and_forwards_a_port_and_is_reclaimed_when_idle() {
     let cluster = Cluster::start("3s");
@@ -187,20 +218,7 @@ fn a_dev_environment_gives_a_shell_and_forwards_a_port_and_is_reclaimed_when_idl
         "nohup python3 -m http.server 18765 --bind 127.0.0.1 >/dev/null 2>&1 & sleep 1; echo serving-$((2+3))",
     );
     terminal.expect("serving-5", Duration::from_secs(20));
-    let local = format!("127.0.0.1:{}", common::free_port());
-    let mut forward_args: Vec<String> = ["dev", "forward", "box", "18765", "--local", &local]
-        .iter()
-        .map(|arg| arg.to_string())
-        .collect();
-    forward_args.extend(flags(&cluster));
-    let _forward = common::cluster::Daemon(
-        std::process::Command::new(BIN)
-            .args(&forward_args)
-            .env("XDG_CONFIG_HOME", cluster.path("config"))
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("muster dev forward starts"),
-    );
+    let (_forward, local) = dev_forward(&cluster, "box", 18765);
     let url = format!("http://{local}/");
     let mut listing = String::new();
     wait_until(
@@ -344,20 +362,7 @@ fn a_dev_environment_in_a_container_gives_a_shell_in_it_and_forwards_a_port() {
         "httpd -p 127.0.0.1:18767 -h {dir} && echo serving-$((3+4))"
     ));
     terminal.expect("serving-7", Duration::from_secs(10));
-    let local = format!("127.0.0.1:{}", common::free_port());
-    let mut forward_args: Vec<String> = ["dev", "forward", "boxed", "18767", "--local", &local]
-        .iter()
-        .map(|arg| arg.to_string())
-        .collect();
-    forward_args.extend(flags(&cluster));
-    let _forward = common::cluster::Daemon(
-        std::process::Command::new(BIN)
-            .args(&forward_args)
-            .env("XDG_CONFIG_HOME", cluster.path("config"))
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("muster dev forward starts"),
-    );
+    let (_forward, local) = dev_forward(&cluster, "boxed", 18767);
     let url = format!("http://{local}/marker.txt");
     wait_until(
         "the file through the forwarded port",

@@ -362,6 +362,22 @@ impl Load {
     }
 }
 
+/// `muster gateway` on a free loopback port for `cluster` (the admin's
+/// token, the cluster's CA), with `extra` arguments; and its address.
+fn spawn_gateway(cluster: &Cluster, extra: &[&str]) -> (common::cluster::Daemon, String) {
+    let address = format!("127.0.0.1:{}", common::free_port());
+    let (url, token, ca) = (
+        cluster.url(),
+        cluster.token("admin.token"),
+        cluster.ca_sha256(),
+    );
+    let mut args = vec!["gateway", "--listen", &address];
+    args.extend_from_slice(extra);
+    args.extend(["--server", &url, "--token", &token, "--ca-sha256", &ca]);
+    let daemon = common::cluster::spawn(cluster.dir.path(), "gateway.log", &args);
+    (daemon, address)
+}
+
 #[test]
 fn the_gateway_serves_through_a_rolling_update_and_a_replica_s_death_without_failing() {
     let cluster = Cluster::start("3s");
@@ -371,22 +387,7 @@ fn the_gateway_serves_through_a_rolling_update_and_a_replica_s_death_without_fai
     let rt = runtime();
     let client = cluster.client();
     wait_for_nodes(&rt, &client, 2);
-    let gateway_address = format!("127.0.0.1:{}", common::free_port());
-    let _gateway = common::cluster::spawn(
-        cluster.dir.path(),
-        "gateway.log",
-        &[
-            "gateway",
-            "--listen",
-            &gateway_address,
-            "--server",
-            &cluster.url(),
-            "--token",
-            &cluster.token("admin.token"),
-            "--ca-sha256",
-            &cluster.ca_sha256(),
-        ],
-    );
+    let (_gateway, gateway_address) = spawn_gateway(&cluster, &[]);
     rt.block_on(client.create_service(spec("1", false)))
         .expect("created");
     wait_until("three ready replicas", Duration::from_secs(30), || {
@@ -516,24 +517,7 @@ fn load_through_the_gateway_scales_a_service_from_zero_to_its_maximum_and_back()
     let rt = runtime();
     let client = cluster.client();
     wait_for_nodes(&rt, &client, 2);
-    let gateway_address = format!("127.0.0.1:{}", common::free_port());
-    let _gateway = common::cluster::spawn(
-        cluster.dir.path(),
-        "gateway.log",
-        &[
-            "gateway",
-            "--listen",
-            &gateway_address,
-            "--hold",
-            "30s",
-            "--server",
-            &cluster.url(),
-            "--token",
-            &cluster.token("admin.token"),
-            "--ca-sha256",
-            &cluster.ca_sha256(),
-        ],
-    );
+    let (_gateway, gateway_address) = spawn_gateway(&cluster, &["--hold", "30s"]);
     let mut autoscaled = spec("1", false);
     autoscaled["replicas"] = 0.into();
     autoscaled["autoscale"] = serde_json::json!({

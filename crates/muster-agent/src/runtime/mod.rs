@@ -1051,15 +1051,9 @@ fn task_environment(
     launch: &TaskLaunch,
     agent_var: impl Fn(&str) -> Option<String>,
 ) -> BTreeMap<String, String> {
-    let mut env = BTreeMap::new();
-    for name in PASSED_THROUGH {
-        if let Some(value) = agent_var(name) {
-            env.insert(name.to_string(), value);
-        }
-    }
-    env.entry("PATH".to_string())
-        .or_insert_with(|| DEFAULT_PATH.to_string());
-    env.extend(launch.env.clone());
+    // What a check beside the task gets too, then the task's own variables
+    // from the agent.
+    let mut env = check_environment(&launch.env, agent_var);
     let indices = launch
         .gpu_indices
         .iter()
