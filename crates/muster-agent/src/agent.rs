@@ -555,6 +555,10 @@ where
 /// The most tunnels an agent joins at once (more wait).
 const MAX_TUNNELS: usize = 64;
 
+/// How long a tunnel waits for one of [`MAX_TUNNELS`] (less than the
+/// server's 15 s wait for the agent to connect it).
+const TUNNEL_SLOT_WAIT: Duration = Duration::from_secs(10);
+
 fn tunnel_slots() -> &'static Arc<tokio::sync::Semaphore> {
     static SLOTS: std::sync::OnceLock<Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
     SLOTS.get_or_init(|| Arc::new(tokio::sync::Semaphore::new(MAX_TUNNELS)))
@@ -574,7 +578,12 @@ impl Shell {
             let state_dir = self.runtime.state_dir().to_path_buf();
             let tunnel = *tunnel;
             tokio::spawn(async move {
-                let Ok(_slot) = tunnel_slots().clone().acquire_owned().await else {
+                // The server stops waiting for the agent after 15 s: a
+                // tunnel that finds no free slot by then is given up, not
+                // left waiting.
+                let slot = tunnel_slots().clone().acquire_owned();
+                let Ok(Ok(_slot)) = tokio::time::timeout(TUNNEL_SLOT_WAIT, slot).await else {
+                    tracing::warn!(tunnel = tunnel.id, "no free tunnel slot: not opened");
                     return;
                 };
                 let mut upstream = match client.open_tunnel(&node, tunnel.id).await {

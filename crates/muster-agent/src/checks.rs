@@ -234,24 +234,55 @@ async fn run_one(
         command.current_dir(dir);
     }
     let shown = spec.command.join(" ");
-    let child = command
+    let mut child = command
         .spawn()
         .map_err(|error| format!("`{shown}` could not start: {error}"))?;
-    match tokio::time::timeout(timeout, child.wait_with_output()).await {
+    // Only the end of what it prints is kept (a check may print without end).
+    let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+    let run = async {
+        let (status, stdout, stderr) = tokio::join!(child.wait(), tail(stdout), tail(stderr));
+        status.map(|status| (status, stdout, stderr))
+    };
+    match tokio::time::timeout(timeout, run).await {
         Err(_) => Err(format!(
             "`{shown}` did not finish within {}s",
             timeout.as_secs_f64()
         )),
         Ok(Err(error)) => Err(format!("`{shown}` failed: {error}")),
-        Ok(Ok(output)) if output.status.success() => Ok(()),
-        Ok(Ok(output)) => {
-            let mut said = String::from_utf8_lossy(&output.stderr).trim().to_string();
+        Ok(Ok((status, _, _))) if status.success() => Ok(()),
+        Ok(Ok((status, stdout, stderr))) => {
+            let mut said = String::from_utf8_lossy(&stderr).trim().to_string();
             if said.is_empty() {
-                said = String::from_utf8_lossy(&output.stdout).trim().to_string();
+                said = String::from_utf8_lossy(&stdout).trim().to_string();
             }
-            Err(failure(&shown, output.status.code().map(i64::from), &said))
+            Err(failure(&shown, status.code().map(i64::from), &said))
         }
     }
+}
+
+/// The last bytes `reader` gives until it ends (at most a few times what a
+/// message shows), however much it gives.
+async fn tail(reader: Option<impl tokio::io::AsyncRead + Unpin>) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    const KEEP: usize = 4 * MESSAGE_BYTES;
+    let Some(mut reader) = reader else {
+        return Vec::new();
+    };
+    let mut kept = Vec::with_capacity(2 * KEEP);
+    let mut chunk = [0u8; 4096];
+    while let Ok(read) = reader.read(&mut chunk).await {
+        if read == 0 {
+            break;
+        }
+        kept.extend_from_slice(&chunk[..read]);
+        if kept.len() > 2 * KEEP {
+            kept.drain(..kept.len() - KEEP);
+        }
+    }
+    if kept.len() > KEEP {
+        kept.drain(..kept.len() - KEEP);
+    }
+    kept
 }
 
 /// `muster check-exec UID GID [PROCS_FILE...] -- COMMAND...`: joins the
@@ -300,4 +331,24 @@ fn exec(args: &[String]) -> Result<std::convert::Infallible, String> {
         command[0],
         error.map_or_else(|| "unknown".to_string(), |error| error.to_string())
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_end_of_a_long_output_is_kept() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        // A megabyte, ending in a line that says what went wrong.
+        let mut output = vec![b'x'; 1 << 20];
+        output.extend_from_slice(b"\nthe end");
+        let kept = runtime.block_on(tail(Some(&output[..])));
+        assert!(kept.len() <= 4 * MESSAGE_BYTES, "{} bytes kept", kept.len());
+        assert!(kept.ends_with(b"\nthe end"));
+        assert_eq!(runtime.block_on(tail(Some(&b"short"[..]))), b"short");
+        assert!(runtime.block_on(tail(None::<&[u8]>)).is_empty());
+    }
 }

@@ -404,6 +404,17 @@ impl Reader {
             Some(value) => self.duration(value, "autoscale.window")?,
             None => Duration::from_secs(60),
         };
+        if window > model::MAX_AUTOSCALE_WINDOW {
+            self.fail(
+                "autoscale.window",
+                format!(
+                    "must be at most {}s, got {}s",
+                    model::MAX_AUTOSCALE_WINDOW.as_secs(),
+                    window.as_secs()
+                ),
+            );
+            return None;
+        }
         let (min_replicas, max_replicas) = (min_replicas?, max_replicas?);
         if max_replicas == 0 || max_replicas < min_replicas {
             self.fail(
@@ -515,6 +526,14 @@ impl Reader {
         if let Some(value) = section.get("timeout") {
             match self.duration(value, &field("timeout")) {
                 Some(Duration::ZERO) => self.fail(&field("timeout"), "must be at least 1s"),
+                Some(timeout) if timeout > model::MAX_PROBE_TIMEOUT => self.fail(
+                    &field("timeout"),
+                    format!(
+                        "must be at most {}s, got {}s",
+                        model::MAX_PROBE_TIMEOUT.as_secs(),
+                        timeout.as_secs()
+                    ),
+                ),
                 Some(timeout) => probe.timeout = timeout,
                 None => {}
             }
@@ -719,6 +738,40 @@ autoscale: {min_replicas: 2, max_replicas: 1, in_flight: 3, gpu_utilization: 50}
                 "{expected:?} missing in:\n{errors}"
             );
         }
+    }
+
+    #[test]
+    fn a_probe_timeout_and_an_autoscaling_window_are_bounded() {
+        let errors = parse_service_spec_yaml(
+            "
+kind: service
+name: web
+command: [x]
+readiness: {http: /healthz, timeout: 11s}
+autoscale: {min_replicas: 0, max_replicas: 2, requests_per_second: 5, window: 2h}
+",
+        )
+        .expect_err("invalid")
+        .to_string();
+        for expected in [
+            "readiness.timeout: must be at most 10s, got 11s",
+            "autoscale.window: must be at most 3600s, got 7200s",
+        ] {
+            assert!(
+                errors.contains(expected),
+                "{expected:?} missing in:\n{errors}"
+            );
+        }
+        parse_service_spec_yaml(
+            "
+kind: service
+name: web
+command: [x]
+readiness: {http: /healthz, timeout: 10s}
+autoscale: {min_replicas: 0, max_replicas: 2, requests_per_second: 5, window: 1h}
+",
+        )
+        .expect("at the limits");
     }
 
     #[test]

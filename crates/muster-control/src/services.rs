@@ -412,16 +412,21 @@ pub fn autoscale(
     {
         state.recent.pop_front();
     }
+    // Only the most wanted within the window matters: an earlier entry that
+    // wanted no more than this one never will, so the list stays decreasing
+    // (at most one entry per replica count) and its front is the most.
+    while state
+        .recent
+        .back()
+        .is_some_and(|(_, count)| *count <= wanted)
+    {
+        state.recent.pop_back();
+    }
     state.recent.push_back((now, wanted));
     if wanted >= current {
         return (wanted, why);
     }
-    let most = state
-        .recent
-        .iter()
-        .map(|(_, count)| *count)
-        .max()
-        .unwrap_or(wanted);
+    let most = state.recent.front().map_or(wanted, |(_, count)| *count);
     (most.min(current), why)
 }
 
@@ -702,6 +707,30 @@ mod tests {
             rollout.contains("rollout to revision 2 stopped"),
             "{rollout}"
         );
+    }
+
+    #[test]
+    fn the_autoscalers_memory_holds_at_most_one_entry_per_replica_count() {
+        let rule = Autoscale {
+            min_replicas: 0,
+            max_replicas: 8,
+            metric: ScaleMetric::RequestRate(10.0),
+            window: Duration::from_secs(3600),
+        };
+        let mut state = AutoscalerState::default();
+        let mut current = 0;
+        // An hour of rounds every 250 ms with a load going up and down.
+        for round in 0..14_400u64 {
+            let rate = ((round * 7919) % 97) as f64;
+            let load = Load {
+                request_rate: rate,
+                ..Load::default()
+            };
+            current = autoscale(Time(round * 250), &rule, current, &load, &mut state).0;
+            assert!(state.recent.len() <= 9, "{} entries", state.recent.len());
+        }
+        // The most wanted in the window (loads up to 96/s: 8 replicas) holds.
+        assert_eq!(current, 8);
     }
 
     #[test]

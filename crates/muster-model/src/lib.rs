@@ -11,6 +11,7 @@ mod node;
 mod quantity;
 mod queue;
 mod service;
+mod text;
 
 pub use job::{
     ArrayElement, ArraySpec, CheckpointPolicy, DEV_SESSION_COMMAND, DEV_TOKEN_VARIABLE, Dependency,
@@ -26,6 +27,8 @@ pub use node::{
 pub use quantity::{CpuMilli, GpuMilli, GpuRequest, MemoryMib, Time};
 pub use queue::{Budget, QueueName, QueueSpec};
 pub use service::{
-    Autoscale, KEPT_REVISIONS, MAX_REPLICAS, MAX_SERVICE_NAME_LENGTH, Probe, ProbeAction,
-    RestartBackoff, ScaleMetric, ServiceRef, ServiceSpec, Spread, UpdateStrategy,
+    Autoscale, KEPT_REVISIONS, MAX_AUTOSCALE_WINDOW, MAX_PROBE_TIMEOUT, MAX_REPLICAS,
+    MAX_SERVICE_NAME_LENGTH, Probe, ProbeAction, RestartBackoff, ScaleMetric, ServiceRef,
+    ServiceSpec, Spread, UpdateStrategy,
 };
+pub use text::truncate_at_char_boundary;

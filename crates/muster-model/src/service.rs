@@ -57,6 +57,15 @@ pub struct Probe {
     pub initial_delay: Duration,
 }
 
+/// The longest a check may take: the controller waits for a round's HTTP
+/// and TCP checks together, so one replica that accepts and never answers
+/// holds every service's next round that long.
+pub const MAX_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The longest autoscaling window: the autoscaler keeps what it wanted over
+/// the window, every controller round.
+pub const MAX_AUTOSCALE_WINDOW: Duration = Duration::from_secs(3600);
+
 impl Probe {
     /// A check of `action` with the defaults: every 2 s, 1 s each, failing
     /// after 3 failures, passing after 1 success, from the start.

@@ -2458,13 +2458,7 @@ async fn heartbeat(
                 .take(64)
                 .map(|pull| {
                     let mut status = pull.status.clone();
-                    if status.len() > 512 {
-                        let mut end = 512;
-                        while !status.is_char_boundary(end) {
-                            end -= 1;
-                        }
-                        status.truncate(end);
-                    }
+                    muster_model::truncate_at_char_boundary(&mut status, 512);
                     (pull.allocation, status)
                 })
                 .collect();

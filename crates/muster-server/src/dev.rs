@@ -28,11 +28,17 @@ type Shared_ = State<Arc<Shared>>;
 const OPEN_WAIT: Duration = Duration::from_secs(15);
 /// The most tunnels waiting to be opened at once.
 const MAX_PENDING: usize = 1_000;
+
+/// Tunnels one user may have waiting for their agents at once, so that no
+/// user takes the others' share of [`MAX_PENDING`].
+const MAX_PENDING_PER_USER: usize = 32;
 /// A warning shows this long before an idle environment is stopped (or a
 /// third of its idle limit, if less).
 const WARN_BEFORE: Duration = Duration::from_secs(15 * 60);
 
 struct Pending {
+    /// Who asked (at most [`MAX_PENDING_PER_USER`] each).
+    user: String,
     node: String,
     port: u16,
     container: Option<muster_api::protocol::TunnelTask>,
@@ -280,6 +286,7 @@ pub async fn connect(
             muster_api::client::TUNNEL_PROTOCOL
         )));
     }
+    let user = principal_of(&identity)?.name;
     // A task just placed is reported running within a heartbeat.
     let started = Instant::now();
     let (job, node, port, container) = loop {
@@ -302,11 +309,27 @@ pub async fn connect(
                 "too many dev connections are being opened; try again in a moment",
             ));
         }
+        if tunnels
+            .pending
+            .values()
+            .filter(|pending| pending.user == user)
+            .count()
+            >= MAX_PENDING_PER_USER
+        {
+            return Err(ApiError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "you have {MAX_PENDING_PER_USER} dev connections being opened; wait for \
+                     them to open or fail"
+                ),
+            ));
+        }
         tunnels.next += 1;
         let id = tunnels.next;
         tunnels.pending.insert(
             id,
             Pending {
+                user: user.clone(),
                 node: node.clone(),
                 port,
                 container,

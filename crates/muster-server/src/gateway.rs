@@ -129,6 +129,25 @@ struct Metrics {
 }
 
 impl Metrics {
+    /// Drops a service's series (it is gone from the endpoint table), so
+    /// that services created and deleted over time do not pile up here.
+    fn forget(&self, service: &str) {
+        let label = ServiceLabel {
+            service: service.to_string(),
+        };
+        self.seconds.remove(&label);
+        self.in_flight.remove(&label);
+        self.upstream_errors.remove(&label);
+        self.retries.remove(&label);
+        // Codes are counted by hundreds, 1xx to 9xx.
+        for hundreds in 1..=9 {
+            self.requests.remove(&ResultLabels {
+                service: service.to_string(),
+                code: format!("{hundreds}xx"),
+            });
+        }
+    }
+
     fn new() -> Self {
         let mut registry = Registry::default();
         let requests = Family::<ResultLabels, Counter>::default();
@@ -227,7 +246,10 @@ impl State {
                 }),
             );
         }
-        // Counts of services that are gone go too.
+        // Counts and metrics of services that are gone go too.
+        for service in routes.keys().filter(|service| !next.contains_key(*service)) {
+            self.metrics.forget(service);
+        }
         match self.counts.write() {
             Ok(mut counts) => counts.retain(|service, _| next.contains_key(service)),
             Err(poisoned) => poisoned
@@ -769,5 +791,45 @@ impl Body for Tracked {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exposition(metrics: &Metrics) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &metrics.registry)
+            .expect("encodes");
+        text
+    }
+
+    #[test]
+    fn a_gone_services_series_are_dropped() {
+        let metrics = Metrics::new();
+        for service in ["web", "llm"] {
+            let label = ServiceLabel {
+                service: service.to_string(),
+            };
+            metrics.seconds.get_or_create(&label).observe(0.1);
+            metrics.in_flight.get_or_create(&label).inc();
+            metrics.upstream_errors.get_or_create(&label).inc();
+            metrics.retries.get_or_create(&label).inc();
+            for code in ["2xx", "5xx"] {
+                metrics
+                    .requests
+                    .get_or_create(&ResultLabels {
+                        service: service.to_string(),
+                        code: code.to_string(),
+                    })
+                    .inc();
+            }
+        }
+        assert!(exposition(&metrics).contains("service=\"web\""));
+        metrics.forget("web");
+        let text = exposition(&metrics);
+        assert!(!text.contains("service=\"web\""), "{text}");
+        assert!(text.contains("service=\"llm\",code=\"5xx\""), "{text}");
     }
 }

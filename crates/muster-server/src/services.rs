@@ -406,7 +406,8 @@ struct Check {
 }
 
 async fn run_check(client: &reqwest::Client, check: &Check) -> Result<(), String> {
-    let timeout = check.probe.timeout;
+    // Specs stored before the limit keep theirs only up to it.
+    let timeout = check.probe.timeout.min(muster_model::MAX_PROBE_TIMEOUT);
     match &check.probe.action {
         // Run by the agents (see `agent_checks`), never here.
         ProbeAction::Command(_) => Ok(()),
@@ -483,6 +484,12 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
     let (seen, checks) = {
         let services = shared.services.lock();
         if services.entries.is_empty() {
+            // No replica to keep results for (an agent may still report
+            // for a moment after the last service goes).
+            match shared.services.checks.lock() {
+                Ok(mut reported) => reported.clear(),
+                Err(poisoned) => poisoned.into_inner().clear(),
+            }
             return;
         }
         let seen = observe(shared, &services);
@@ -802,13 +809,7 @@ pub async fn agent_checks(
             Ok(())
         } else {
             let mut message = result.message;
-            if message.len() > 1024 {
-                let mut end = 1024;
-                while !message.is_char_boundary(end) {
-                    end -= 1;
-                }
-                message.truncate(end);
-            }
+            muster_model::truncate_at_char_boundary(&mut message, 1024);
             Err(message)
         };
         checks.insert(key, (result.run, outcome));

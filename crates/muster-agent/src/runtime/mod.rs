@@ -440,13 +440,7 @@ impl ProcessRuntime {
             .filter_map(|key| {
                 let text = std::fs::read_to_string(self.file(&key, "pull")).ok()?;
                 let mut status = text.trim().to_string();
-                if status.len() > 512 {
-                    let mut end = 512;
-                    while !status.is_char_boundary(end) {
-                        end -= 1;
-                    }
-                    status.truncate(end);
-                }
+                muster_model::truncate_at_char_boundary(&mut status, 512);
                 Some((key, status))
             })
             .take(MAX_PULLING)
