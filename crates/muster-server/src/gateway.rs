@@ -800,8 +800,7 @@ mod tests {
 
     fn exposition(metrics: &Metrics) -> String {
         let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &metrics.registry)
-            .expect("encodes");
+        prometheus_client::encoding::text::encode(&mut text, &metrics.registry).expect("encodes");
         text
     }
 
