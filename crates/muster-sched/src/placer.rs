@@ -19,45 +19,84 @@ use std::collections::BTreeMap;
 
 const INFEASIBLE: u32 = u32::MAX;
 
+/// The nodes at one level of a [`ShapeIndex`]: a short sorted list while
+/// few, a bit per node of the cluster once more. Most levels hold a few
+/// nodes (a share's levels under `fgd-consolidate` number thousands), and a
+/// bit set for each would cost the cluster's size per level.
 #[derive(Debug, Clone)]
 struct Bucket {
     count: u32,
+    /// The nodes, ascending, while `bits` is empty.
+    few: Vec<NodeIndex>,
     bits: Vec<u64>,
+    nodes: usize,
 }
 
 impl Bucket {
+    /// Nodes kept as a list before a bucket turns into a bit set.
+    const FEW: usize = 32;
+
     fn new(nodes: usize) -> Self {
         Bucket {
             count: 0,
-            bits: vec![0; nodes.div_ceil(64)],
+            few: Vec::new(),
+            bits: Vec::new(),
+            nodes,
         }
     }
 
     fn insert(&mut self, node: NodeIndex) {
+        if self.bits.is_empty() {
+            if self.few.len() < Self::FEW {
+                if let Err(at) = self.few.binary_search(&node) {
+                    self.few.insert(at, node);
+                    self.count += 1;
+                }
+                return;
+            }
+            self.bits = vec![0; self.nodes.div_ceil(64)];
+            for &old in &self.few {
+                self.bits[old as usize / 64] |= 1 << (old % 64);
+            }
+            self.few = Vec::new();
+        }
         self.bits[node as usize / 64] |= 1 << (node % 64);
         self.count += 1;
     }
 
     fn remove(&mut self, node: NodeIndex) {
+        if self.bits.is_empty() {
+            if let Ok(at) = self.few.binary_search(&node) {
+                self.few.remove(at);
+                self.count -= 1;
+            }
+            return;
+        }
         self.bits[node as usize / 64] &= !(1 << (node % 64));
         self.count -= 1;
     }
 
+    /// The nodes, ascending.
     fn iter(&self) -> impl Iterator<Item = NodeIndex> + '_ {
-        self.bits
+        self.few
             .iter()
-            .enumerate()
-            .flat_map(|(word_index, &word)| {
-                let mut word = word;
-                std::iter::from_fn(move || {
-                    if word == 0 {
-                        return None;
-                    }
-                    let bit = word.trailing_zeros();
-                    word &= word - 1;
-                    Some(word_index as u32 * 64 + bit)
-                })
-            })
+            .copied()
+            .chain(
+                self.bits
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(word_index, &word)| {
+                        let mut word = word;
+                        std::iter::from_fn(move || {
+                            if word == 0 {
+                                return None;
+                            }
+                            let bit = word.trailing_zeros();
+                            word &= word - 1;
+                            Some(word_index as u32 * 64 + bit)
+                        })
+                    }),
+            )
     }
 }
 
@@ -68,7 +107,11 @@ struct ShapeIndex {
     excluded: Vec<bool>,
     level_of: Vec<u32>,
     /// Indexed by level (levels are at most [`crate::policy::MAX_LEVEL`]).
-    buckets: Vec<Option<Bucket>>,
+    buckets: Vec<Option<Box<Bucket>>>,
+    /// One past the highest level with a node: where reading starts, so
+    /// that levels emptied at the top are passed over once, not at every
+    /// read.
+    top: usize,
     /// How much of the placer's change log this index has taken in.
     seen: usize,
 }
@@ -89,6 +132,7 @@ impl ShapeIndex {
                 .collect(),
             level_of: vec![INFEASIBLE; cluster.len()],
             buckets: Vec::new(),
+            top: 0,
         };
         let mut memo: Vec<Option<u32>> = vec![None; placer.class_count];
         for node in 0..cluster.len() as NodeIndex {
@@ -124,6 +168,15 @@ impl ShapeIndex {
             && let Some(Some(bucket)) = self.buckets.get_mut(old as usize)
         {
             bucket.remove(node);
+            if bucket.count == 0 && old as usize + 1 == self.top {
+                while self.top > 0
+                    && self.buckets[self.top - 1]
+                        .as_ref()
+                        .is_none_or(|bucket| bucket.count == 0)
+                {
+                    self.top -= 1;
+                }
+            }
         }
         if level != INFEASIBLE {
             let slot = level as usize;
@@ -131,20 +184,21 @@ impl ShapeIndex {
                 self.buckets.resize_with(slot + 1, || None);
             }
             self.buckets[slot]
-                .get_or_insert_with(|| Bucket::new(nodes))
+                .get_or_insert_with(|| Box::new(Bucket::new(nodes)))
                 .insert(node);
+            self.top = self.top.max(slot + 1);
         }
         self.level_of[node as usize] = level;
     }
 
     /// Feasible nodes, best level first, smallest index first within a level.
     fn ranked(&self) -> impl Iterator<Item = NodeIndex> + '_ {
-        self.buckets
+        self.buckets[..self.top]
             .iter()
             .rev()
             .flatten()
             .filter(|bucket| bucket.count > 0)
-            .flat_map(Bucket::iter)
+            .flat_map(|bucket| bucket.iter())
     }
 }
 
@@ -708,4 +762,60 @@ pub fn grants(pick: GpuPick, milli: u16) -> Vec<crate::cluster::GpuGrant> {
         .filter(|index| pick & (1 << index) != 0)
         .map(|index| crate::cluster::GpuGrant { index, milli })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use std::collections::BTreeSet;
+
+    /// A bucket lists its nodes in ascending order through inserts and
+    /// removals, as a short list and after turning into a bit set, and a
+    /// shape index reads its levels from the highest with a node.
+    #[test]
+    fn buckets_and_levels_read_in_order() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let nodes = 300;
+        let mut bucket = Bucket::new(nodes);
+        let mut model = BTreeSet::new();
+        for step in 0..2_000 {
+            let node = rng.random_range(0..nodes as NodeIndex);
+            // Mostly inserts at first (past the list's limit), then both.
+            if model.contains(&node) && (step > 500 || rng.random_bool(0.1)) {
+                bucket.remove(node);
+                model.remove(&node);
+            } else if !model.contains(&node) {
+                bucket.insert(node);
+                model.insert(node);
+            }
+            assert_eq!(bucket.count as usize, model.len());
+            assert!(bucket.iter().eq(model.iter().copied()), "step {step}");
+        }
+
+        let mut index = ShapeIndex {
+            excluded: vec![false; 4],
+            level_of: vec![INFEASIBLE; 4],
+            buckets: Vec::new(),
+            top: 0,
+            seen: 0,
+        };
+        index.set(4, 0, 5);
+        index.set(4, 1, 900);
+        index.set(4, 2, 900);
+        index.set(4, 3, 7);
+        assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 2, 3, 0]);
+        // The top level emptied: reading starts lower, and so on down.
+        index.set(4, 1, 6);
+        index.set(4, 2, INFEASIBLE);
+        assert_eq!(index.top, 8);
+        assert_eq!(index.ranked().collect::<Vec<_>>(), [3, 1, 0]);
+        index.set(4, 3, 6);
+        assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 3, 0]);
+        for node in 0..4 {
+            index.set(4, node, INFEASIBLE);
+        }
+        assert_eq!(index.top, 0);
+        assert_eq!(index.ranked().count(), 0);
+    }
 }

@@ -145,6 +145,16 @@ pub struct TypicalWorkload {
     /// CPU (thousandths of a core) the typical GPU shapes ask per whole GPU,
     /// weighted by frequency: the rate at which a node's CPUs feed its GPUs.
     cpu_per_gpu: f64,
+    /// For each free capacity 0..=1000 a shared GPU is left with, the idle
+    /// capacity it is expected to end with (see
+    /// [`TypicalWorkload::expected_share_waste`]); empty: every gap is dead.
+    share_waste: Vec<f64>,
+    /// Gaps smaller than this stay empty (see
+    /// [`TypicalWorkload::dead_gaps_below`]).
+    dead_below: u16,
+    /// The largest waste class of `share_waste` (see
+    /// [`TypicalWorkload::waste_rank`]).
+    worst_waste_class: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -206,10 +216,18 @@ impl TypicalWorkload {
         let shares_fitting = (0..=1000u16)
             .map(|free| share_sizes.partition_point(|&size| size <= free).min(255) as u8)
             .collect();
+        let (share_waste, dead_below) = share_waste_table(&shapes);
+        let worst_waste_class = (0..=1000u16)
+            .map(|free| waste_class_of(share_waste.get(usize::from(free)).copied(), free))
+            .max()
+            .unwrap_or(0);
         TypicalWorkload {
             share_sizes,
             shares_fitting,
             cpu_per_gpu,
+            share_waste,
+            dead_below,
+            worst_waste_class,
             shapes,
             requests,
             columns,
@@ -233,6 +251,52 @@ impl TypicalWorkload {
     /// CPU (thousandths of a core) the typical GPU shapes ask per whole GPU.
     pub fn cpu_per_gpu(&self) -> f64 {
         self.cpu_per_gpu
+    }
+
+    /// The idle capacity (thousandths) a shared GPU left with `free`
+    /// thousandths is expected to end with, if typical shares keep coming:
+    /// all of it when the gap is dead (smaller than
+    /// [`TypicalWorkload::dead_gaps_below`], or no typical share fits it);
+    /// otherwise the mean, weighted by frequency, over the typical shares
+    /// that fit of what the gap they leave ends with. A gap that a common
+    /// share fills exactly ends with little; one that only rare shares fit,
+    /// or that every fitting share leaves dead, with much.
+    pub fn expected_share_waste(&self, free: u16) -> f64 {
+        self.share_waste
+            .get(usize::from(free))
+            .copied()
+            .unwrap_or(f64::from(free))
+    }
+
+    /// Gaps on a shared GPU smaller than this are dead: the only typical
+    /// shares that fit them are outnumbered by the slivers that larger
+    /// shares leave. A share of more than half a GPU has a GPU to itself
+    /// and leaves a sliver only smaller shares fill; going through the
+    /// slivers from the smallest, each takes the shares that fit it and
+    /// no smaller sliver took, and a sliver size is oversubscribed when
+    /// it comes more often than they do. Every typical share that fits the
+    /// largest oversubscribed sliver is spoken for, so a gap only those fit
+    /// stays empty; the first typical share larger than that sliver is
+    /// where gaps come alive. On openb, the 810-thousandths share (13% of
+    /// tasks) leaves 190 and the shares of 190 or less are 1.3% of tasks:
+    /// gaps under 220 (the next share size) are dead. 0 when no sliver is
+    /// oversubscribed.
+    pub fn dead_gaps_below(&self) -> u16 {
+        self.dead_below
+    }
+
+    /// How little waste a shared GPU left with `free` thousandths is
+    /// expected to end with: [`TypicalWorkload::expected_share_waste`] in
+    /// steps of [`WASTE_STEP`], counted down from the largest any gap has
+    /// (0: the most waste). Dense, so that a placer's index of a share's
+    /// levels stays short: on openb every gap is expected to end with less
+    /// than 220, 23 ranks.
+    fn waste_rank(&self, free: u16) -> u32 {
+        let class = waste_class_of(
+            self.share_waste.get(usize::from(free)).copied(),
+            free.min(1000),
+        );
+        self.worst_waste_class.saturating_sub(class)
     }
 
     pub fn shapes(&self) -> &[TypicalShape] {
@@ -539,10 +603,103 @@ impl ProfileCache {
     }
 }
 
+/// [`TypicalWorkload::expected_share_waste`] for every free capacity
+/// 0..=1000, and [`TypicalWorkload::dead_gaps_below`], from the typical
+/// shapes' shares (their weights; GPU models are not considered).
+fn share_waste_table(shapes: &[TypicalShape]) -> (Vec<f64>, u16) {
+    // Share sizes and their weights, smallest first.
+    let mut sizes: Vec<(u16, f64)> = Vec::new();
+    for shape in shapes {
+        if let GpuRequest::Shared(size) = shape.gpus {
+            let size = size.0.clamp(1, 1000) as u16;
+            match sizes.iter_mut().find(|(s, _)| *s == size) {
+                Some(entry) => entry.1 += shape.weight,
+                None => sizes.push((size, shape.weight)),
+            }
+        }
+    }
+    sizes.sort_by_key(|&(size, _)| size);
+    // The slivers of shares over half a GPU, smallest first, each against
+    // the shares no smaller sliver took.
+    let mut slivers: Vec<(u16, f64)> = sizes
+        .iter()
+        .filter(|&&(size, _)| size > 500)
+        .map(|&(size, weight)| (1000 - size, weight))
+        .collect();
+    slivers.sort_by_key(|&(sliver, _)| sliver);
+    let small: Vec<(u16, f64)> = sizes
+        .iter()
+        .copied()
+        .filter(|&(size, _)| size <= 500)
+        .collect();
+    let mut next = 0;
+    let mut spare = 0.0;
+    let mut oversubscribed = None;
+    for &(sliver, demand) in &slivers {
+        let mut supply = spare;
+        while next < small.len() && small[next].0 <= sliver {
+            supply += small[next].1;
+            next += 1;
+        }
+        if demand > supply {
+            oversubscribed = Some(sliver);
+            spare = 0.0;
+        } else {
+            spare = supply - demand;
+        }
+    }
+    let dead_below = oversubscribed.map_or(0, |sliver| {
+        sizes
+            .iter()
+            .map(|&(size, _)| size)
+            .find(|&size| size > sliver)
+            .unwrap_or(1001)
+    });
+    let mut waste = vec![0.0; 1001];
+    for free in 1..=1000usize {
+        let (mut weight, mut sum) = (0.0, 0.0);
+        if free >= usize::from(dead_below) {
+            for &(size, w) in sizes
+                .iter()
+                .take_while(|&&(size, _)| usize::from(size) <= free)
+            {
+                weight += w;
+                sum += w * waste[free - usize::from(size)];
+            }
+        }
+        waste[free] = if weight > 0.0 {
+            sum / weight
+        } else {
+            free as f64
+        };
+    }
+    (waste, dead_below)
+}
+
+/// A waste (thousandths; `None`: the whole gap) in steps of [`WASTE_STEP`].
+fn waste_class_of(waste: Option<f64>, free: u16) -> u32 {
+    let waste = waste.unwrap_or(f64::from(free));
+    ((waste / WASTE_STEP).round() as u32).min(WASTE_CLASSES - 1)
+}
+
+/// How finely `fgd-consolidate` compares the waste a share's GPU is
+/// expected to end with (thousandths): a hundredth of a GPU. Within a
+/// step, FGD's score decides.
+const WASTE_STEP: f64 = 10.0;
+
+/// Steps of expected waste, 0..=1000 thousandths.
+const WASTE_CLASSES: u32 = 101;
+
+/// FGD's levels (0..=100) times the consolidation tiers: the part of
+/// `fgd-consolidate`'s level below the share's waste class.
+const FGD_KEYS: u32 = 101 * CONSOLIDATION_TIERS;
+
 /// The highest score level any policy gives: FGD, best-fit and packing
 /// score 0..=100; `fgd-consolidate` splits each FGD level into
-/// [`CONSOLIDATION_TIERS`] tiers.
-pub const MAX_LEVEL: u32 = 100 * CONSOLIDATION_TIERS + CONSOLIDATION_TIERS - 1;
+/// [`CONSOLIDATION_TIERS`] tiers, and puts a share's levels above one
+/// another by the waste its GPU is expected to end with (least waste
+/// highest; [`WASTE_CLASSES`] steps).
+pub const MAX_LEVEL: u32 = WASTE_CLASSES * FGD_KEYS - 1;
 
 /// Tiers within an FGD level for `fgd-consolidate`: empty node, node with
 /// only CPU work, node with GPU work.
@@ -888,13 +1045,19 @@ impl Scorer {
     ) -> Evaluation {
         match self.policy {
             PlacementPolicy::FgdConsolidate => {
-                let evaluation = self.evaluate_fgd(info, free, shape, before, cache, want_pick);
+                let (evaluation, waste_rank) =
+                    self.evaluate_fgd(info, free, shape, before, cache, want_pick);
                 Evaluation {
-                    level: evaluation.level * CONSOLIDATION_TIERS + consolidation_tier(info, free),
+                    level: waste_rank * FGD_KEYS
+                        + evaluation.level * CONSOLIDATION_TIERS
+                        + consolidation_tier(info, free),
                     pick: evaluation.pick,
                 }
             }
-            PlacementPolicy::Fgd => self.evaluate_fgd(info, free, shape, before, cache, want_pick),
+            PlacementPolicy::Fgd => {
+                self.evaluate_fgd(info, free, shape, before, cache, want_pick)
+                    .0
+            }
             PlacementPolicy::BestFit | PlacementPolicy::Packing | PlacementPolicy::Random => {
                 let cpu_after = free.cpu_milli - shape.cpu_milli;
                 let pick = match shape.gpus {
@@ -1004,7 +1167,16 @@ impl Scorer {
 
     /// FGD's score: the sigmoid level of the drop in fragmentation; a shared
     /// task takes the GPU that scores best (lowest index on ties), whole GPUs
-    /// come from [`pick_whole_gpus`].
+    /// come from [`pick_whole_gpus`]. With the level, for `fgd-consolidate`
+    /// and a share, the rank of the waste the chosen GPU is expected to end
+    /// with (higher is less; 0 otherwise): such a share takes, before FGD's
+    /// level is asked, the GPU whose gap after it is expected to end least
+    /// wasted ([`TypicalWorkload::expected_share_waste`], in steps of
+    /// [`WASTE_STEP`]). FGD looks one task ahead and fills the tightest gap
+    /// it can, so a 230 share lands beside a 650 one and leaves 120 that
+    /// nothing typical fills, where a fresh GPU would have taken three more
+    /// shares; measured in docs/scheduling-results.md ("Shares by expected
+    /// waste").
     fn evaluate_fgd(
         &self,
         info: &NodeStatic,
@@ -1013,7 +1185,7 @@ impl Scorer {
         before: f64,
         cache: Option<&mut ProfileCache>,
         want_pick: bool,
-    ) -> Evaluation {
+    ) -> (Evaluation, u32) {
         let cpu_after = free.cpu_milli - shape.cpu_milli;
         let memory_after = free.memory_mib - shape.memory_mib;
         let levels = self.fgd_levels(shape.gpus);
@@ -1039,11 +1211,30 @@ impl Scorer {
         match shape.gpus {
             GpuRequest::Shared(share) => {
                 let need = share.0 as u16;
-                let mut best: Option<(u32, usize)> = None;
+                // The best waste rank first (a table read per GPU), so that
+                // FGD scores only the GPUs that have it.
+                let rank_of = |slot: u16| match self.policy {
+                    PlacementPolicy::FgdConsolidate => self.workload.waste_rank(slot - need),
+                    _ => 0,
+                };
+                let top_rank = free
+                    .gpu
+                    .iter()
+                    .take(gpus)
+                    .filter(|&&slot| slot >= need)
+                    .map(|&slot| rank_of(slot))
+                    .max()
+                    .unwrap_or(0);
+                // (waste rank, level, GPU)
+                let mut best: Option<(u32, u32, usize)> = None;
                 for (index, &slot) in free.gpu.iter().enumerate().take(gpus) {
                     // GPUs with equal free capacity score the same:
                     // the lowest-numbered one stands for them.
                     if slot < need || free.gpu[..index].contains(&slot) {
+                        continue;
+                    }
+                    let rank = rank_of(slot);
+                    if rank < top_rank {
                         continue;
                     }
                     let after = &mut buffer[..gpus];
@@ -1054,15 +1245,18 @@ impl Scorer {
                     // Integer levels, as for nodes: ties go to the
                     // lowest-numbered GPU.
                     let level = sigmoid_level(before - frag, levels);
-                    if best.is_none_or(|(l, _)| level > l) {
-                        best = Some((level, index));
+                    if best.is_none_or(|(r, l, _)| (rank, level) > (r, l)) {
+                        best = Some((rank, level, index));
                     }
                 }
-                let (level, index) = best.unwrap_or((sigmoid_level(0.0, levels), 0));
-                Evaluation {
-                    level,
-                    pick: 1 << index,
-                }
+                let (rank, level, index) = best.unwrap_or((0, sigmoid_level(0.0, levels), 0));
+                (
+                    Evaluation {
+                        level,
+                        pick: 1 << index,
+                    },
+                    rank,
+                )
             }
             GpuRequest::Whole(count) => {
                 // Fragmentation depends on how many whole GPUs are taken,
@@ -1086,10 +1280,13 @@ impl Scorer {
                 };
                 let after = self.fragmentation_of(info, after, cpu_after, memory_after, cache)
                     + stranding(idle_before.saturating_sub(1000 * u64::from(count)));
-                Evaluation {
-                    level: sigmoid_level(before - after, levels),
-                    pick,
-                }
+                (
+                    Evaluation {
+                        level: sigmoid_level(before - after, levels),
+                        pick,
+                    },
+                    0,
+                )
             }
         }
     }
@@ -1508,6 +1705,96 @@ mod tests {
         // No GPU shapes: no rate, nothing stranded.
         let cpu_only = TypicalWorkload::new(vec![shape(GpuRequest::Whole(0), 4_000, 1.0)]);
         assert_eq!(cpu_only.cpu_stranded(8_000, 0), 0.0);
+    }
+
+    #[test]
+    fn expected_share_waste_matches_a_hand_computed_example() {
+        // Shares of 800 (60% of tasks) leave slivers of 200 that only the
+        // 200 shares (10%) fit: oversubscribed, so every gap that only
+        // shares of 200 or less fit is dead, up to the next share size, 300.
+        let shares = |sizes: &[(u32, f64)]| {
+            let mut shapes: Vec<TypicalShape> = sizes
+                .iter()
+                .map(|&(size, weight)| shape(GpuRequest::Shared(GpuMilli(size)), 1_000, weight))
+                .collect();
+            let rest = 1.0 - sizes.iter().map(|s| s.1).sum::<f64>();
+            shapes.push(shape(GpuRequest::Whole(1), 8_000, rest));
+            TypicalWorkload::new(shapes)
+        };
+        let workload = shares(&[(800, 0.6), (200, 0.1), (300, 0.2)]);
+        assert_eq!(workload.dead_gaps_below(), 300);
+        let waste = |free: u16| workload.expected_share_waste(free);
+        assert_eq!(waste(0), 0.0);
+        assert_eq!(waste(250), 250.0, "dead: only a 200 share fits");
+        // 300: a 200 share (1 part in 3) leaves a dead 100, a 300 share
+        // (2 parts) fills it: (100 x 0.1 + 0 x 0.2) / 0.3.
+        assert!((waste(300) - 100.0 / 3.0).abs() < 1e-9, "{}", waste(300));
+        // 500: a 200 share leaves 300 (33.3 expected), a 300 share a dead
+        // 200: (33.33 x 0.1 + 200 x 0.2) / 0.3.
+        let expected = (100.0 / 3.0 * 0.1 + 200.0 * 0.2) / 0.3;
+        assert!((waste(500) - expected).abs() < 1e-9, "{}", waste(500));
+        // No sliver outnumbers what fits it (600 leaves 400, and 400 shares
+        // are more common): no dead gaps beyond those no share fits.
+        let workload = shares(&[(600, 0.2), (400, 0.5)]);
+        assert_eq!(workload.dead_gaps_below(), 0);
+        assert_eq!(workload.expected_share_waste(399), 399.0);
+        assert_eq!(workload.expected_share_waste(400), 0.0);
+        // 800: a 600 share leaves a dead 200, a 400 share fills it exactly.
+        let expected = 200.0 * 0.2 / 0.7;
+        assert!((workload.expected_share_waste(800) - expected).abs() < 1e-9);
+        // Without typical shares every gap is dead.
+        let whole = TypicalWorkload::new(vec![shape(GpuRequest::Whole(1), 8_000, 1.0)]);
+        assert_eq!(whole.expected_share_waste(370), 370.0);
+    }
+
+    #[test]
+    fn a_share_goes_where_its_gpu_is_expected_to_end_least_wasted() {
+        // Typical: whole GPUs (half the tasks), shares of 500 and 250.
+        // A 250 share on a GPU with 400 free leaves 150 that nothing fits;
+        // on a fresh GPU it leaves 750, which a 500 and a 250 fill. FGD,
+        // one task ahead, prefers the tight fit (the 400 gap was already
+        // useless to whole-GPU tasks and 500 shares); the default takes the
+        // fresh GPU.
+        let workload = TypicalWorkload::new(vec![
+            shape(GpuRequest::Whole(1), 8_000, 0.5),
+            shape(GpuRequest::Shared(GpuMilli(500)), 1_000, 0.3),
+            shape(GpuRequest::Shared(GpuMilli(250)), 1_000, 0.2),
+        ]);
+        assert_eq!(workload.expected_share_waste(150), 150.0);
+        assert_eq!(workload.expected_share_waste(750), 0.0);
+        let scale = Scale {
+            cpu_milli: 64_000.0,
+            gpus: 2.0,
+        };
+        let fgd = Scorer::new(PlacementPolicy::Fgd, workload.clone(), scale);
+        let consolidate = Scorer::new(PlacementPolicy::FgdConsolidate, workload, scale);
+        let info = node(1);
+        let free = |slot: u16| NodeFree {
+            gpu: vec![slot],
+            cpu_milli: info.cpu_milli,
+            memory_mib: info.memory_mib,
+        };
+        let task = TaskShape {
+            gpus: GpuRequest::Shared(GpuMilli(250)),
+            ..one_gpu_task(1_000)
+        };
+        let level =
+            |scorer: &Scorer, slot: u16| scorer.evaluate_fitting(&info, &free(slot), &task).level;
+        assert!(level(&fgd, 400) > level(&fgd, 1000), "FGD fills the gap");
+        assert!(
+            level(&consolidate, 1000) > level(&consolidate, 400),
+            "the default takes the fresh GPU"
+        );
+        // Within a node, the same choice of GPU.
+        let two = node(2);
+        let both = NodeFree {
+            gpu: vec![400, 1000],
+            cpu_milli: two.cpu_milli,
+            memory_mib: two.memory_mib,
+        };
+        assert_eq!(fgd.evaluate_fitting(&two, &both, &task).pick, 0b01);
+        assert_eq!(consolidate.evaluate_fitting(&two, &both, &task).pick, 0b10);
+        assert!(consolidate.evaluate_fitting(&two, &both, &task).level <= MAX_LEVEL);
     }
 
     #[test]
