@@ -37,10 +37,16 @@ impl Bucket {
     const FEW: usize = 32;
 
     fn new(nodes: usize) -> Self {
+        // A bit set no larger than the list would grow to: start with it.
+        let words = nodes.div_ceil(64);
         Bucket {
             count: 0,
             few: Vec::new(),
-            bits: Vec::new(),
+            bits: if words * 2 <= Self::FEW {
+                vec![0; words]
+            } else {
+                Vec::new()
+            },
             nodes,
         }
     }
@@ -776,21 +782,25 @@ mod tests {
     #[test]
     fn buckets_and_levels_read_in_order() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        let nodes = 300;
-        let mut bucket = Bucket::new(nodes);
-        let mut model = BTreeSet::new();
-        for step in 0..2_000 {
-            let node = rng.random_range(0..nodes as NodeIndex);
-            // Mostly inserts at first (past the list's limit), then both.
-            if model.contains(&node) && (step > 500 || rng.random_bool(0.1)) {
-                bucket.remove(node);
-                model.remove(&node);
-            } else if !model.contains(&node) {
-                bucket.insert(node);
-                model.insert(node);
+        // A small cluster's buckets start as bit sets; a large one's as
+        // lists that turn into bit sets past 32 nodes.
+        for nodes in [300, 5_000] {
+            let mut bucket = Bucket::new(nodes);
+            assert_eq!(bucket.bits.is_empty(), nodes > 1024);
+            let mut model = BTreeSet::new();
+            for step in 0..2_000 {
+                let node = rng.random_range(0..nodes as NodeIndex);
+                // Mostly inserts at first (past the list's limit), then both.
+                if model.contains(&node) && (step > 500 || rng.random_bool(0.1)) {
+                    bucket.remove(node);
+                    model.remove(&node);
+                } else if !model.contains(&node) {
+                    bucket.insert(node);
+                    model.insert(node);
+                }
+                assert_eq!(bucket.count as usize, model.len());
+                assert!(bucket.iter().eq(model.iter().copied()), "step {step}");
             }
-            assert_eq!(bucket.count as usize, model.len());
-            assert!(bucket.iter().eq(model.iter().copied()), "step {step}");
         }
 
         let mut index = ShapeIndex {

@@ -152,9 +152,8 @@ pub struct TypicalWorkload {
     /// Gaps smaller than this stay empty (see
     /// [`TypicalWorkload::dead_gaps_below`]).
     dead_below: u16,
-    /// The largest waste class of `share_waste` (see
-    /// [`TypicalWorkload::waste_rank`]).
-    worst_waste_class: u32,
+    /// [`TypicalWorkload::waste_rank`] of each free capacity 0..=1000.
+    waste_ranks: Vec<u8>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -217,17 +216,21 @@ impl TypicalWorkload {
             .map(|free| share_sizes.partition_point(|&size| size <= free).min(255) as u8)
             .collect();
         let (share_waste, dead_below) = share_waste_table(&shapes);
-        let worst_waste_class = (0..=1000u16)
+        let classes: Vec<u32> = (0..=1000u16)
             .map(|free| waste_class_of(share_waste.get(usize::from(free)).copied(), free))
-            .max()
-            .unwrap_or(0);
+            .collect();
+        let worst = classes.iter().copied().max().unwrap_or(0);
+        let waste_ranks = classes
+            .iter()
+            .map(|&class| (worst - class).min(u32::from(u8::MAX)) as u8)
+            .collect();
         TypicalWorkload {
             share_sizes,
             shares_fitting,
             cpu_per_gpu,
             share_waste,
             dead_below,
-            worst_waste_class,
+            waste_ranks,
             shapes,
             requests,
             columns,
@@ -290,13 +293,11 @@ impl TypicalWorkload {
     /// steps of [`WASTE_STEP`], counted down from the largest any gap has
     /// (0: the most waste). Dense, so that a placer's index of a share's
     /// levels stays short: on openb every gap is expected to end with less
-    /// than 220, 23 ranks.
+    /// than 220, 23 ranks. A table read.
     fn waste_rank(&self, free: u16) -> u32 {
-        let class = waste_class_of(
-            self.share_waste.get(usize::from(free)).copied(),
-            free.min(1000),
-        );
-        self.worst_waste_class.saturating_sub(class)
+        self.waste_ranks
+            .get(usize::from(free))
+            .map_or(0, |&rank| u32::from(rank))
     }
 
     pub fn shapes(&self) -> &[TypicalShape] {
