@@ -608,18 +608,20 @@ impl ProfileCache {
 /// 0..=1000, and [`TypicalWorkload::dead_gaps_below`], from the typical
 /// shapes' shares (their weights; GPU models are not considered).
 fn share_waste_table(shapes: &[TypicalShape]) -> (Vec<f64>, u16) {
-    // Share sizes and their weights, smallest first.
-    let mut sizes: Vec<(u16, f64)> = Vec::new();
+    // Share sizes and their weights, smallest first (at most 1,000 sizes
+    // however many shapes: the work below is bounded).
+    let mut by_size = vec![0.0; 1001];
     for shape in shapes {
         if let GpuRequest::Shared(size) = shape.gpus {
-            let size = size.0.clamp(1, 1000) as u16;
-            match sizes.iter_mut().find(|(s, _)| *s == size) {
-                Some(entry) => entry.1 += shape.weight,
-                None => sizes.push((size, shape.weight)),
-            }
+            by_size[size.0.clamp(1, 1000) as usize] += shape.weight;
         }
     }
-    sizes.sort_by_key(|&(size, _)| size);
+    let sizes: Vec<(u16, f64)> = by_size
+        .iter()
+        .enumerate()
+        .filter(|&(_, &weight)| weight > 0.0)
+        .map(|(size, &weight)| (size as u16, weight))
+        .collect();
     // The slivers of shares over half a GPU, smallest first, each against
     // the shares no smaller sliver took.
     let mut slivers: Vec<(u16, f64)> = sizes
@@ -1746,6 +1748,45 @@ mod tests {
         // Without typical shares every gap is dead.
         let whole = TypicalWorkload::new(vec![shape(GpuRequest::Whole(1), 8_000, 1.0)]);
         assert_eq!(whole.expected_share_waste(370), 370.0);
+    }
+
+    #[test]
+    fn expected_share_waste_stays_within_the_gap_for_any_workload() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for _ in 0..200 {
+            // Up to 300 shapes, shares of any size (some repeated, some out
+            // of range), whole GPUs and CPU-only tasks.
+            let count = rng.random_range(1..300);
+            let shapes: Vec<TypicalShape> = (0..count)
+                .map(|_| {
+                    let gpus = match rng.random_range(0..4) {
+                        0 => GpuRequest::Whole(rng.random_range(0..9)),
+                        _ => GpuRequest::Shared(GpuMilli(rng.random_range(0..1_200))),
+                    };
+                    shape(gpus, 1_000, rng.random_range(0.0..1.0) / count as f64)
+                })
+                .collect();
+            let sizes: Vec<u16> = shapes
+                .iter()
+                .filter_map(|s| match s.gpus {
+                    GpuRequest::Shared(size) => Some(size.0.clamp(1, 1000) as u16),
+                    GpuRequest::Whole(_) => None,
+                })
+                .collect();
+            let workload = TypicalWorkload::new(shapes);
+            let dead = workload.dead_gaps_below();
+            assert!(dead == 0 || dead == 1001 || sizes.contains(&dead), "{dead}");
+            assert_eq!(workload.expected_share_waste(0), 0.0);
+            for free in 0..=1000u16 {
+                let waste = workload.expected_share_waste(free);
+                assert!((0.0..=f64::from(free)).contains(&waste), "{free}: {waste}");
+                if free < dead {
+                    assert_eq!(waste, f64::from(free));
+                }
+                assert!(workload.waste_rank(free) < WASTE_CLASSES);
+            }
+        }
     }
 
     #[test]
