@@ -147,12 +147,14 @@ pub struct TypicalWorkload {
     cpu_per_gpu: f64,
     /// For each free capacity 0..=1000 a shared GPU is left with, the idle
     /// capacity it is expected to end with (see
-    /// [`TypicalWorkload::expected_share_waste`]); empty: every gap is dead.
+    /// [`TypicalWorkload::expected_share_waste`]); empty (a `Default`
+    /// workload, with no shapes): every gap counts as dead.
     share_waste: Vec<f64>,
     /// Gaps smaller than this stay empty (see
     /// [`TypicalWorkload::dead_gaps_below`]).
     dead_below: u16,
-    /// [`TypicalWorkload::waste_rank`] of each free capacity 0..=1000.
+    /// [`TypicalWorkload::waste_rank`] of each free capacity 0..=1000;
+    /// empty (a `Default` workload): every rank 0, FGD alone decides.
     waste_ranks: Vec<u8>,
 }
 
@@ -1177,9 +1179,9 @@ impl Scorer {
     /// wasted ([`TypicalWorkload::expected_share_waste`], in steps of
     /// [`WASTE_STEP`]). FGD looks one task ahead and fills the tightest gap
     /// it can, so a 230 share lands beside a 650 one and leaves 120 that
-    /// nothing typical fills, where a fresh GPU would have taken three more
-    /// shares; measured in docs/scheduling-results.md ("Shares by expected
-    /// waste").
+    /// nothing typical fills, where a fresh GPU would have taken a 470 and
+    /// a 230 more; measured in docs/scheduling-results.md ("Shares by
+    /// expected waste").
     fn evaluate_fgd(
         &self,
         info: &NodeStatic,
