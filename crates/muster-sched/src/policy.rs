@@ -218,8 +218,9 @@ impl TypicalWorkload {
             .map(|free| share_sizes.partition_point(|&size| size <= free).min(255) as u8)
             .collect();
         let (share_waste, dead_below) = share_waste_table(&shapes);
-        let classes: Vec<u32> = (0..=1000u16)
-            .map(|free| waste_class_of(share_waste.get(usize::from(free)).copied(), free))
+        let classes: Vec<u32> = share_waste
+            .iter()
+            .map(|&waste| waste_class(waste))
             .collect();
         let worst = classes.iter().copied().max().unwrap_or(0);
         let waste_ranks = classes
@@ -414,6 +415,12 @@ impl TypicalWorkload {
         }
     }
 
+    /// How many typical shapes ask at most `cpu`: the row of a
+    /// [`WeightTable`] or of a profile's savings that applies.
+    fn cpu_fitting(&self, cpu: u64) -> usize {
+        self.sorted_cpu.partition_point(|&c| c <= cpu)
+    }
+
     /// Fragmentation of `node` if its GPUs had `profile`, with `cpu` and
     /// `memory` free.
     pub fn fragmentation_with(
@@ -423,32 +430,12 @@ impl TypicalWorkload {
         cpu: u64,
         memory: u64,
     ) -> f64 {
-        self.fragmentation_fitting(profile, node, cpu, memory, self.cpu_fitting(cpu))
-    }
-
-    /// How many typical shapes ask at most `cpu` (what
-    /// [`TypicalWorkload::fragmentation_fitting`] takes, so that scoring
-    /// several GPUs of one node for one task searches once).
-    pub fn cpu_fitting(&self, cpu: u64) -> usize {
-        self.sorted_cpu.partition_point(|&c| c <= cpu)
-    }
-
-    /// [`TypicalWorkload::fragmentation_with`], `fitting` being
-    /// [`TypicalWorkload::cpu_fitting`] of `cpu`.
-    pub fn fragmentation_fitting(
-        &self,
-        profile: &GpuProfile,
-        node: &NodeStatic,
-        cpu: u64,
-        memory: u64,
-        fitting: usize,
-    ) -> f64 {
         if profile.idle == 0 {
             return 0.0;
         }
         let idle = profile.idle;
         if self.memory_free && profile.model == node.model {
-            return idle as f64 * self.total_weight - profile.saved.get(fitting);
+            return idle as f64 * self.total_weight - profile.saved.get(self.cpu_fitting(cpu));
         }
         let columns = &self.columns;
         let mut total = 0.0;
@@ -559,13 +546,10 @@ impl ProfileCache {
         workload: &TypicalWorkload,
         free: &[u16],
         node: &NodeStatic,
-        per_gpu: u16,
-        pick: GpuPick,
     ) -> &GpuProfile {
         let mut buffer = [0u16; 64];
         let after = &mut buffer[..free.len().min(64)];
         after.copy_from_slice(&free[..after.len()]);
-        apply_pick(after, pick, per_gpu);
         after.sort_unstable();
         let packed = (after.len() <= PACKED_GPUS).then(|| {
             after.iter().fold(u128::from(node.model), |key, &slot| {
@@ -681,9 +665,8 @@ fn share_waste_table(shapes: &[TypicalShape]) -> (Vec<f64>, u16) {
     (waste, dead_below)
 }
 
-/// A waste (thousandths; `None`: the whole gap) in steps of [`WASTE_STEP`].
-fn waste_class_of(waste: Option<f64>, free: u16) -> u32 {
-    let waste = waste.unwrap_or(f64::from(free));
+/// A waste (thousandths) in steps of [`WASTE_STEP`].
+fn waste_class(waste: f64) -> u32 {
     ((waste / WASTE_STEP).round() as u32).min(WASTE_CLASSES - 1)
 }
 
@@ -986,12 +969,7 @@ impl Scorer {
         fragmentation_now: f64,
         cache: &mut ProfileCache,
     ) -> Option<Evaluation> {
-        if !cluster.has_room(node, shape) {
-            return None;
-        }
-        let info = &cluster.nodes[node as usize];
-        let free = &cluster.free[node as usize];
-        Some(self.evaluate_fitting_from(info, free, shape, fragmentation_now, Some(cache), true))
+        self.passing_static(cluster, node, shape, fragmentation_now, cache, true)
     }
 
     /// [`Scorer::evaluate_passing_static`]'s level alone: the same number,
@@ -1005,14 +983,33 @@ impl Scorer {
         fragmentation_now: f64,
         cache: &mut ProfileCache,
     ) -> Option<u32> {
+        self.passing_static(cluster, node, shape, fragmentation_now, cache, false)
+            .map(|evaluation| evaluation.level)
+    }
+
+    /// The two above: `want_pick` chooses the whole GPUs too.
+    fn passing_static(
+        &self,
+        cluster: &ClusterState,
+        node: NodeIndex,
+        shape: &TaskShape,
+        fragmentation_now: f64,
+        cache: &mut ProfileCache,
+        want_pick: bool,
+    ) -> Option<Evaluation> {
         if !cluster.has_room(node, shape) {
             return None;
         }
         let info = &cluster.nodes[node as usize];
         let free = &cluster.free[node as usize];
-        let evaluation =
-            self.evaluate_fitting_from(info, free, shape, fragmentation_now, Some(cache), false);
-        Some(evaluation.level)
+        Some(self.evaluate_fitting_from(
+            info,
+            free,
+            shape,
+            fragmentation_now,
+            Some(cache),
+            want_pick,
+        ))
     }
 
     /// Scores a node the task is known to fit.
@@ -1114,18 +1111,6 @@ impl Scorer {
         }
     }
 
-    /// What `fgd-consolidate` adds to a node's fragmentation after a
-    /// placement: the GPU capacity it newly strands for want of CPU
-    /// ([`TypicalWorkload::cpu_stranded`] after minus before), never less
-    /// than 0, counted at [`STRANDED_WEIGHT`]. FGD's typical shapes only see
-    /// the next task, so a CPU-only or CPU-heavy task that leaves a node too
-    /// few CPUs for its idle GPUs looks harmless to them as long as the
-    /// shapes still fit one at a time; counting the GPUs a stream of typical
-    /// tasks could no longer feed steers such tasks to CPU-rich nodes.
-    /// One-sided: a placement that *relieves* stranding earns nothing, or
-    /// nodes that are CPU-poor by build (16 CPUs for 2 GPUs) would draw every
-    /// light task and model-bound tasks lose those GPUs. Measured in
-    /// docs/scheduling-results.md ("CPU stranding").
     /// FGD's fragmentation of `info` with `slots` free on its GPUs and
     /// `cpu` and `memory` free: through the model's [`WeightTable`] when the
     /// typical shapes ask no memory (always, for shapes from a trace),
@@ -1151,7 +1136,7 @@ impl Scorer {
         let workload = &self.workload;
         let model = info.model as usize;
         if !workload.memory_free || model >= TABLED_MODELS || workload.share_sizes.len() > 255 {
-            let profile = cache.get_or_compute(workload, slots, info, 0, 0);
+            let profile = cache.get_or_compute(workload, slots, info);
             return workload.fragmentation_with(profile, info, cpu, memory);
         }
         let table = self.tables[model].get_or_init(|| WeightTable::build(workload, info));
@@ -1166,6 +1151,18 @@ impl Scorer {
         idle as f64 * workload.total_weight - saved
     }
 
+    /// What `fgd-consolidate` adds to a node's fragmentation after a
+    /// placement: the GPU capacity it newly strands for want of CPU
+    /// ([`TypicalWorkload::cpu_stranded`] after minus before), never less
+    /// than 0, counted at [`STRANDED_WEIGHT`]. FGD's typical shapes only see
+    /// the next task, so a CPU-only or CPU-heavy task that leaves a node too
+    /// few CPUs for its idle GPUs looks harmless to them as long as the
+    /// shapes still fit one at a time; counting the GPUs a stream of typical
+    /// tasks could no longer feed steers such tasks to CPU-rich nodes.
+    /// One-sided: a placement that *relieves* stranding earns nothing, or
+    /// nodes that are CPU-poor by build (16 CPUs for 2 GPUs) would draw every
+    /// light task and model-bound tasks lose those GPUs. Measured in
+    /// docs/scheduling-results.md ("CPU stranding").
     fn stranding(before: f64, after: f64) -> f64 {
         (after - before).max(0.0) * STRANDED_WEIGHT
     }
@@ -1218,18 +1215,25 @@ impl Scorer {
                 let need = share.0 as u16;
                 // The best waste rank first (a table read per GPU), so that
                 // FGD scores only the GPUs that have it.
-                let rank_of = |slot: u16| match self.policy {
-                    PlacementPolicy::FgdConsolidate => self.workload.waste_rank(slot - need),
-                    _ => 0,
+                let by_waste = self.policy == PlacementPolicy::FgdConsolidate;
+                let rank_of = |slot: u16| {
+                    if by_waste {
+                        self.workload.waste_rank(slot - need)
+                    } else {
+                        0
+                    }
                 };
-                let top_rank = free
-                    .gpu
-                    .iter()
-                    .take(gpus)
-                    .filter(|&&slot| slot >= need)
-                    .map(|&slot| rank_of(slot))
-                    .max()
-                    .unwrap_or(0);
+                let top_rank = if by_waste {
+                    free.gpu
+                        .iter()
+                        .take(gpus)
+                        .filter(|&&slot| slot >= need)
+                        .map(|&slot| rank_of(slot))
+                        .max()
+                        .unwrap_or(0)
+                } else {
+                    0
+                };
                 // (waste rank, level, GPU)
                 let mut best: Option<(u32, u32, usize)> = None;
                 for (index, &slot) in free.gpu.iter().enumerate().take(gpus) {
@@ -1342,15 +1346,6 @@ fn packing_level(info: &NodeStatic, free: &NodeFree, gpus: GpuRequest) -> u32 {
 }
 
 const MAX_PACKING: u32 = 100;
-
-/// Subtracts `milli` from each picked GPU.
-pub fn apply_pick(gpu: &mut [u16], pick: GpuPick, milli: u16) {
-    for (index, slot) in gpu.iter_mut().enumerate() {
-        if pick & (1 << index) != 0 {
-            *slot = slot.saturating_sub(milli);
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {
