@@ -194,15 +194,8 @@ impl TypicalWorkload {
         let sorted_cpu = by_cpu.iter().map(|&j| shapes[j].cpu_milli).collect();
         let total_weight = shapes.iter().map(|s| s.weight).sum();
         let memory_free = shapes.iter().all(|s| s.memory_mib == 0);
-        let mut share_sizes: Vec<u16> = shapes
-            .iter()
-            .filter_map(|shape| match shape.gpus {
-                GpuRequest::Shared(size) => Some(size.0.min(1000) as u16),
-                GpuRequest::Whole(_) => None,
-            })
-            .collect();
-        share_sizes.sort_unstable();
-        share_sizes.dedup();
+        let share_weights = share_weights(&shapes);
+        let share_sizes: Vec<u16> = share_weights.iter().map(|&(size, _)| size).collect();
         let (cpu, gpus) =
             shapes
                 .iter()
@@ -217,7 +210,7 @@ impl TypicalWorkload {
         let shares_fitting = (0..=1000u16)
             .map(|free| share_sizes.partition_point(|&size| size <= free).min(255) as u8)
             .collect();
-        let (share_waste, dead_below) = share_waste_table(&shapes);
+        let (share_waste, dead_below) = share_waste_table(&share_weights);
         let classes: Vec<u32> = share_waste
             .iter()
             .map(|&waste| waste_class(waste))
@@ -590,24 +583,28 @@ impl ProfileCache {
     }
 }
 
-/// [`TypicalWorkload::expected_share_waste`] for every free capacity
-/// 0..=1000, and [`TypicalWorkload::dead_gaps_below`], from the typical
-/// shapes' shares (their weights; GPU models are not considered).
-fn share_waste_table(shapes: &[TypicalShape]) -> (Vec<f64>, u16) {
-    // Share sizes and their weights, smallest first (at most 1,000 sizes
-    // however many shapes: the work below is bounded).
+/// The distinct shares the typical shapes ask and their weights, smallest
+/// first (at most 1,000 sizes however many shapes, so what is built from
+/// them is bounded).
+fn share_weights(shapes: &[TypicalShape]) -> Vec<(u16, f64)> {
     let mut by_size = vec![0.0; 1001];
     for shape in shapes {
         if let GpuRequest::Shared(size) = shape.gpus {
             by_size[size.0.clamp(1, 1000) as usize] += shape.weight;
         }
     }
-    let sizes: Vec<(u16, f64)> = by_size
+    by_size
         .iter()
         .enumerate()
         .filter(|&(_, &weight)| weight > 0.0)
         .map(|(size, &weight)| (size as u16, weight))
-        .collect();
+        .collect()
+}
+
+/// [`TypicalWorkload::expected_share_waste`] for every free capacity
+/// 0..=1000, and [`TypicalWorkload::dead_gaps_below`], from the typical
+/// shares' [`share_weights`] (GPU models are not considered).
+fn share_waste_table(sizes: &[(u16, f64)]) -> (Vec<f64>, u16) {
     // The slivers of shares over half a GPU, smallest first, each against
     // the shares no smaller sliver took.
     let mut slivers: Vec<(u16, f64)> = sizes
