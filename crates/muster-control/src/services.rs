@@ -709,23 +709,31 @@ mod tests {
         );
     }
 
+    /// Autoscaling from 0 to `max_replicas` at 10 requests/s a replica.
+    fn request_rate_rule(max_replicas: u32, window: Duration) -> Autoscale {
+        Autoscale {
+            min_replicas: 0,
+            max_replicas,
+            metric: ScaleMetric::RequestRate(10.0),
+            window,
+        }
+    }
+
+    fn request_load(rate: f64) -> Load {
+        Load {
+            request_rate: rate,
+            ..Load::default()
+        }
+    }
+
     #[test]
     fn the_autoscalers_memory_holds_at_most_one_entry_per_replica_count() {
-        let rule = Autoscale {
-            min_replicas: 0,
-            max_replicas: 8,
-            metric: ScaleMetric::RequestRate(10.0),
-            window: Duration::from_secs(3600),
-        };
+        let rule = request_rate_rule(8, Duration::from_secs(3600));
         let mut state = AutoscalerState::default();
         let mut current = 0;
         // An hour of rounds every 250 ms with a load going up and down.
         for round in 0..14_400u64 {
-            let rate = ((round * 7919) % 97) as f64;
-            let load = Load {
-                request_rate: rate,
-                ..Load::default()
-            };
+            let load = request_load(((round * 7919) % 97) as f64);
             current = autoscale(Time(round * 250), &rule, current, &load, &mut state).0;
             assert!(state.recent.len() <= 9, "{} entries", state.recent.len());
         }
@@ -735,17 +743,9 @@ mod tests {
 
     #[test]
     fn autoscaling_follows_the_load_up_at_once_and_down_after_the_window() {
-        let rule = Autoscale {
-            min_replicas: 0,
-            max_replicas: 4,
-            metric: ScaleMetric::RequestRate(10.0),
-            window: Duration::from_secs(10),
-        };
+        let rule = request_rate_rule(4, Duration::from_secs(10));
         let mut state = AutoscalerState::default();
-        let load = |rate: f64| Load {
-            request_rate: rate,
-            ..Load::default()
-        };
+        let load = request_load;
         // Idle at zero; a held request asks for one.
         assert_eq!(autoscale(Time(0), &rule, 0, &load(0.0), &mut state).0, 0);
         let held = Load {
