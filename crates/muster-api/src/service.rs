@@ -92,6 +92,17 @@ pub fn parse_service_spec_yaml(text: &str) -> Result<model::ServiceSpec, SpecErr
 
 /// Reads and validates a service spec from a parsed YAML or JSON value.
 pub fn parse_service_spec_value(value: &Value) -> Result<model::ServiceSpec, SpecErrors> {
+    parse_value(value, false)
+}
+
+/// Reads a service spec the server stored when it accepted it: a limit
+/// added since (a probe's timeout, an autoscaling window) is applied, not
+/// refused, so that a service accepted before it is still run.
+pub fn parse_stored_service_spec_value(value: &Value) -> Result<model::ServiceSpec, SpecErrors> {
+    parse_value(value, true)
+}
+
+fn parse_value(value: &Value, stored: bool) -> Result<model::ServiceSpec, SpecErrors> {
     let Value::Object(map) = value else {
         return Err(SpecErrors::single(SpecError::document(
             "a service spec is a mapping of fields (kind: service, name: ..., replicas: ...)",
@@ -124,7 +135,7 @@ pub fn parse_service_spec_value(value: &Value) -> Result<model::ServiceSpec, Spe
         }
         job.insert(key.clone(), field.clone());
     }
-    let mut reader = Reader { errors };
+    let mut reader = Reader { errors, stored };
     let template = match crate::parse::parse_job_spec_value(&Value::Object(job)) {
         // Serving is not preempted by training unless the spec says so,
         // and outranks it.
@@ -270,11 +281,30 @@ pub fn parse_service_spec_value(value: &Value) -> Result<model::ServiceSpec, Spe
 
 struct Reader {
     errors: Vec<SpecError>,
+    /// Reading a stored spec: see [`parse_stored_service_spec_value`].
+    stored: bool,
 }
 
 impl Reader {
     fn fail(&mut self, path: &str, message: impl Into<String>) {
         self.errors.push(SpecError::new(path, message));
+    }
+
+    /// `value`, if at most `max`; past it, an error (or `max`, for a stored
+    /// spec).
+    fn at_most(&mut self, path: &str, value: Duration, max: Duration) -> Option<Duration> {
+        if value <= max || self.stored {
+            return Some(value.min(max));
+        }
+        self.fail(
+            path,
+            format!(
+                "must be at most {}s, got {}s",
+                max.as_secs(),
+                value.as_secs()
+            ),
+        );
+        None
     }
 
     fn whole(&mut self, value: &Value, path: &str, minimum: u32, maximum: u32) -> Option<u32> {
@@ -404,17 +434,7 @@ impl Reader {
             Some(value) => self.duration(value, "autoscale.window")?,
             None => Duration::from_secs(60),
         };
-        if window > model::MAX_AUTOSCALE_WINDOW {
-            self.fail(
-                "autoscale.window",
-                format!(
-                    "must be at most {}s, got {}s",
-                    model::MAX_AUTOSCALE_WINDOW.as_secs(),
-                    window.as_secs()
-                ),
-            );
-            return None;
-        }
+        let window = self.at_most("autoscale.window", window, model::MAX_AUTOSCALE_WINDOW)?;
         let (min_replicas, max_replicas) = (min_replicas?, max_replicas?);
         if max_replicas == 0 || max_replicas < min_replicas {
             self.fail(
@@ -526,15 +546,13 @@ impl Reader {
         if let Some(value) = section.get("timeout") {
             match self.duration(value, &field("timeout")) {
                 Some(Duration::ZERO) => self.fail(&field("timeout"), "must be at least 1s"),
-                Some(timeout) if timeout > model::MAX_PROBE_TIMEOUT => self.fail(
-                    &field("timeout"),
-                    format!(
-                        "must be at most {}s, got {}s",
-                        model::MAX_PROBE_TIMEOUT.as_secs(),
-                        timeout.as_secs()
-                    ),
-                ),
-                Some(timeout) => probe.timeout = timeout,
+                Some(timeout) => {
+                    if let Some(timeout) =
+                        self.at_most(&field("timeout"), timeout, model::MAX_PROBE_TIMEOUT)
+                    {
+                        probe.timeout = timeout;
+                    }
+                }
                 None => {}
             }
         }
@@ -772,6 +790,22 @@ autoscale: {min_replicas: 0, max_replicas: 2, requests_per_second: 5, window: 1h
 ",
         )
         .expect("at the limits");
+        // A spec stored before the limits is read with them applied.
+        let stored = parse_stored_service_spec_value(&serde_json::json!({
+            "kind": "service",
+            "name": "web",
+            "command": ["x"],
+            "readiness": {"http": "/healthz", "timeout": "11s"},
+            "autoscale": {"min_replicas": 0, "max_replicas": 2,
+                          "requests_per_second": 5, "window": "2h"},
+        }))
+        .expect("a stored spec past the limits is read");
+        let readiness = stored.readiness.expect("readiness");
+        assert_eq!(readiness.timeout, model::MAX_PROBE_TIMEOUT);
+        assert_eq!(
+            stored.autoscale.expect("autoscale").window,
+            model::MAX_AUTOSCALE_WINDOW
+        );
     }
 
     #[test]

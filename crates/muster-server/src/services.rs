@@ -95,7 +95,7 @@ impl ServiceRecord {
                 self.name, self.current
             )
         })?;
-        let mut spec = muster_api::service::parse_service_spec_value(&kept.spec)
+        let mut spec = muster_api::service::parse_stored_service_spec_value(&kept.spec)
             .map_err(|errors| format!("service {}: {errors}", self.name))?;
         spec.replicas = if self.deleting { 0 } else { self.replicas };
         Ok(spec)
@@ -406,8 +406,9 @@ struct Check {
 }
 
 async fn run_check(client: &reqwest::Client, check: &Check) -> Result<(), String> {
-    // Specs stored before the limit keep theirs only up to it.
-    let timeout = check.probe.timeout.min(muster_model::MAX_PROBE_TIMEOUT);
+    // At most MAX_PROBE_TIMEOUT, stored specs included (their reading
+    // applies it).
+    let timeout = check.probe.timeout;
     match &check.probe.action {
         // Run by the agents (see `agent_checks`), never here.
         ProbeAction::Command(_) => Ok(()),
@@ -1427,7 +1428,7 @@ pub async fn rollback_service(
                 .join(", ")
         ))
     })?;
-    let mut spec = muster_api::service::parse_service_spec_value(&kept.spec)
+    let mut spec = muster_api::service::parse_stored_service_spec_value(&kept.spec)
         .map_err(|errors| unprocessable(errors.to_string()))?;
     spec.replicas = record.replicas;
     let autoscaled = {
