@@ -401,25 +401,31 @@ impl Placer {
         self.changes.push(node);
     }
 
-    /// The shape whose index serves `shape`: the same shape with its memory
-    /// rounded down to a power of two when the policy's levels do not depend
-    /// on memory (every policy but an FGD whose typical shapes ask for
-    /// memory), so that shapes that differ only in memory within a factor of
-    /// two share one index and each changed node is re-scored once for all
-    /// of them. The index counts a node feasible with the rounded memory;
-    /// nodes with less than the shape's own are skipped when it is read
-    /// ([`Placer::ranked_in_index`]), few since the band is narrow.
-    /// (Dropping memory from the key altogether saved more re-scoring but
-    /// made best-fit slower: on a full cluster its best-ranked nodes are
-    /// mostly out of memory, and the read skips them one by one.)
+    /// The shape whose index serves `shape`, when the policy's levels do
+    /// not depend on memory (every policy but an FGD whose typical shapes
+    /// ask for memory): for FGD, the same shape asking no memory; for the
+    /// others, its memory rounded down to a power of two. Shapes that differ
+    /// only in memory then share one index and each changed node is
+    /// re-scored once for all of them. The index counts a node feasible with
+    /// the key's memory; nodes with less than the shape's own are skipped
+    /// when it is read ([`Placer::ranked_in_index`]). Dropping memory
+    /// altogether makes FGD's cycle about 6% faster (a quarter fewer
+    /// re-scorings, docs/benchmarks.md) but best-fit's slower: on a full
+    /// cluster best-fit's best-ranked nodes are mostly out of memory (it
+    /// fills nodes), and the read skips them one by one; within a factor of
+    /// two, few are skipped.
     fn index_key(&self, shape: &TaskShape) -> TaskShape {
-        if shape.memory_mib > 0 && self.scorer.levels_ignore_memory() {
-            TaskShape {
-                memory_mib: 1 << (63 - shape.memory_mib.leading_zeros()),
-                ..*shape
-            }
+        if shape.memory_mib == 0 || !self.scorer.levels_ignore_memory() {
+            return *shape;
+        }
+        let memory_mib = if self.scorer.policy.uses_fragmentation() {
+            0
         } else {
-            *shape
+            1 << (63 - shape.memory_mib.leading_zeros())
+        };
+        TaskShape {
+            memory_mib,
+            ..*shape
         }
     }
 

@@ -135,7 +135,8 @@ pub struct TypicalWorkload {
     /// any shape, fragmentation is a step function of free CPU, read off a
     /// prefix sum (see [`GpuProfile`]).
     by_cpu: Vec<usize>,
-    sorted_cpu: Vec<u64>,
+    /// How many of `shapes` ask at most a given CPU, read in one step.
+    cpu_steps: CpuSteps,
     total_weight: f64,
     memory_free: bool,
     /// The distinct shares the typical shapes ask, smallest first.
@@ -145,6 +146,8 @@ pub struct TypicalWorkload {
     /// CPU (thousandths of a core) the typical GPU shapes ask per whole GPU,
     /// weighted by frequency: the rate at which a node's CPUs feed its GPUs.
     cpu_per_gpu: f64,
+    /// `1000 / cpu_per_gpu` (0 without GPU shapes).
+    gpu_milli_per_cpu: f64,
     /// For each free capacity 0..=1000 a shared GPU is left with, the idle
     /// capacity it is expected to end with (see
     /// [`TypicalWorkload::expected_share_waste`]); empty (a `Default`
@@ -156,6 +159,85 @@ pub struct TypicalWorkload {
     /// [`TypicalWorkload::waste_rank`] of each free capacity 0..=1000;
     /// empty (a `Default` workload): every rank 0, FGD alone decides.
     waste_ranks: Vec<u8>,
+}
+
+/// A count of sorted CPU sizes at most a given CPU (a [`WeightTable`]'s
+/// row), read without a binary search: FGD asks it for every node it scores,
+/// and a search over openb's typical shapes cost about a fifth of a scoring
+/// (docs/benchmarks.md). A CPU at or above the largest size (a node with
+/// CPUs to spare, the common case) counts all; otherwise a grid of at most
+/// [`CpuSteps::CELLS`] cells over the sizes gives the first distinct size
+/// in the CPU's cell, and the sizes from there are passed over in order
+/// (few: the cells are finer than the gaps between most sizes).
+#[derive(Debug, Clone, PartialEq, Default)]
+struct CpuSteps {
+    /// The distinct sizes, ascending.
+    values: Vec<u64>,
+    /// For each distinct size, how many sizes are at most it.
+    counts: Vec<usize>,
+    /// A CPU's cell is `cpu >> shift`.
+    shift: u32,
+    /// For each cell, the first distinct size at or above the cell's start.
+    first: Vec<u16>,
+}
+
+impl CpuSteps {
+    const CELLS: u64 = 512;
+
+    /// From sizes in ascending order.
+    fn new(sorted: Vec<u64>) -> Self {
+        let mut values: Vec<u64> = Vec::new();
+        let mut counts: Vec<usize> = Vec::new();
+        for (index, &size) in sorted.iter().enumerate() {
+            if values.last() == Some(&size) {
+                if let Some(count) = counts.last_mut() {
+                    *count = index + 1;
+                }
+            } else {
+                values.push(size);
+                counts.push(index + 1);
+            }
+        }
+        let largest = values.last().copied().unwrap_or(0);
+        let mut shift = 0;
+        while (largest >> shift) >= Self::CELLS {
+            shift += 1;
+        }
+        let first = (0..=(largest >> shift))
+            .map(|cell| {
+                let start = cell << shift;
+                values
+                    .partition_point(|&size| size < start)
+                    .min(usize::from(u16::MAX)) as u16
+            })
+            .collect();
+        CpuSteps {
+            values,
+            counts,
+            shift,
+            first,
+        }
+    }
+
+    /// How many sizes are at most `cpu`.
+    fn fitting(&self, cpu: u64) -> usize {
+        let Some(&largest) = self.values.last() else {
+            return 0;
+        };
+        if cpu >= largest {
+            return self.counts.last().copied().unwrap_or(0);
+        }
+        // `cpu` is below the largest size, so its cell is in the grid and
+        // the walk stops at a size above it.
+        let mut index = self
+            .first
+            .get((cpu >> self.shift) as usize)
+            .map_or(0, |&first| usize::from(first));
+        while self.values.get(index).is_some_and(|&size| size <= cpu) {
+            index += 1;
+        }
+        index.checked_sub(1).map_or(0, |at| self.counts[at])
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -191,7 +273,7 @@ impl TypicalWorkload {
         };
         let mut by_cpu: Vec<usize> = (0..shapes.len()).collect();
         by_cpu.sort_by_key(|&j| (shapes[j].cpu_milli, j));
-        let sorted_cpu = by_cpu.iter().map(|&j| shapes[j].cpu_milli).collect();
+        let cpu_steps = CpuSteps::new(by_cpu.iter().map(|&j| shapes[j].cpu_milli).collect());
         let total_weight = shapes.iter().map(|s| s.weight).sum();
         let memory_free = shapes.iter().all(|s| s.memory_mib == 0);
         let share_weights = share_weights(&shapes);
@@ -224,6 +306,11 @@ impl TypicalWorkload {
             share_sizes,
             shares_fitting,
             cpu_per_gpu,
+            gpu_milli_per_cpu: if cpu_per_gpu > 0.0 {
+                1000.0 / cpu_per_gpu
+            } else {
+                0.0
+            },
             share_waste,
             dead_below,
             waste_ranks,
@@ -231,7 +318,7 @@ impl TypicalWorkload {
             requests,
             columns,
             by_cpu,
-            sorted_cpu,
+            cpu_steps,
             total_weight,
             memory_free,
         }
@@ -242,6 +329,14 @@ impl TypicalWorkload {
     /// leave idle on the node for want of CPU. 0 without GPU shapes.
     pub fn cpu_stranded(&self, idle: u64, cpu: u64) -> f64 {
         if self.cpu_per_gpu <= 0.0 {
+            return 0.0;
+        }
+        // Most nodes have CPU to spare: a multiplication shows it, where
+        // the division below would cost as much as the rest of a scoring.
+        // The margin (far above two roundings' error) makes the shortcut
+        // answer 0 only where the division would: there the division's
+        // quotient is certainly above `idle`.
+        if cpu as f64 * self.gpu_milli_per_cpu > idle as f64 * (1.0 + 1e-9) {
             return 0.0;
         }
         (idle as f64 - cpu as f64 * 1000.0 / self.cpu_per_gpu).max(0.0)
@@ -411,7 +506,7 @@ impl TypicalWorkload {
     /// How many typical shapes ask at most `cpu`: the row of a
     /// [`WeightTable`] or of a profile's savings that applies.
     fn cpu_fitting(&self, cpu: u64) -> usize {
-        self.sorted_cpu.partition_point(|&c| c <= cpu)
+        self.cpu_steps.fitting(cpu)
     }
 
     /// Fragmentation of `node` if its GPUs had `profile`, with `cpu` and
@@ -897,9 +992,82 @@ pub fn pick_whole_gpus(node: &NodeStatic, free: &[u16], count: u32) -> Option<Gp
     Some(pick)
 }
 
+/// FGD's score for a drop in fragmentation: `levels / (1 + e^(-drop/1000))`
+/// truncated to a level in `0..=levels`. The definition; scoring reads it
+/// from [`SigmoidSteps`].
 fn sigmoid_level(drop: f64, levels: f64) -> u32 {
     let value = levels / (1.0 + (-drop / 1000.0).exp());
     value.clamp(0.0, levels) as u32
+}
+
+/// [`sigmoid_level`] for one number of levels, read from the drops where
+/// each level starts instead of computed: an exponential and two divisions
+/// were a quarter of an FGD scoring (docs/benchmarks.md). The same levels
+/// for every drop, as long as the formula never decreases as the drop grows
+/// (the test `the_sigmoid_steps_agree_with_the_formula` sweeps it): each
+/// threshold is the least `f64` at which the formula reaches its level,
+/// found by bisection over the `f64`s in order.
+#[derive(Debug)]
+struct SigmoidSteps {
+    levels: u32,
+    /// `starts[l]`: the least drop whose level is more than `l`.
+    starts: Vec<f64>,
+    /// The level at the start of each [`SigmoidSteps::CELL`]-wide cell of
+    /// drops from [`SigmoidSteps::LOW`]: where the walk to the exact level
+    /// starts (at most a step away: levels are at least 40 apart near 0).
+    at_cell: Vec<u32>,
+}
+
+impl SigmoidSteps {
+    const LOW: f64 = -6000.0;
+    const CELL: f64 = 32.0;
+    const CELLS: usize = 375;
+
+    fn new(levels: u32) -> Self {
+        // f64s in order as integers (finite values).
+        let key = |x: f64| {
+            let bits = x.to_bits() as i64;
+            if bits < 0 { i64::MIN - bits } else { bits }
+        };
+        let value = |k: i64| f64::from_bits((if k < 0 { i64::MIN - k } else { k }) as u64);
+        let f = |drop: f64| sigmoid_level(drop, f64::from(levels));
+        let starts: Vec<f64> = (1..=levels)
+            .map(|level| {
+                // f(low) < level <= f(high): a drop of a million has every
+                // level (the exponential underflows to 0).
+                let (mut low, mut high) = (key(-1e6), key(1e6));
+                while i128::from(high) - i128::from(low) > 1 {
+                    let middle = ((i128::from(low) + i128::from(high)) / 2) as i64;
+                    if f(value(middle)) >= level {
+                        high = middle;
+                    } else {
+                        low = middle;
+                    }
+                }
+                value(high)
+            })
+            .collect();
+        let at_cell = (0..Self::CELLS)
+            .map(|cell| f(Self::LOW + cell as f64 * Self::CELL))
+            .collect();
+        SigmoidSteps {
+            levels,
+            starts,
+            at_cell,
+        }
+    }
+
+    fn level(&self, drop: f64) -> u32 {
+        let cell = ((drop - Self::LOW) / Self::CELL).clamp(0.0, (Self::CELLS - 1) as f64) as usize;
+        let mut level = self.at_cell[cell];
+        while level < self.levels && drop >= self.starts[level as usize] {
+            level += 1;
+        }
+        while level > 0 && drop < self.starts[level as usize - 1] {
+            level -= 1;
+        }
+        level
+    }
 }
 
 impl Scorer {
@@ -1092,19 +1260,26 @@ impl Scorer {
         }
     }
 
-    /// How many levels FGD's score has for a task asking `gpus`: 100 (the
-    /// published FGD, `fgd`), or, for `fgd-consolidate`, as fine as what
-    /// the task asks: 100 for a share of a GPU (its drops in fragmentation
-    /// are fractions of a GPU), 50 for whole GPUs, 25 for CPU only. Coarser
-    /// levels leave nodes whose fragmentation barely differs level, so the
-    /// consolidation tiers and the cluster's order decide between them and
-    /// work packs onto fewer nodes; measured on the eight openb traces in
+    /// FGD's levels for a task asking `gpus`: 100 (the published FGD,
+    /// `fgd`), or, for `fgd-consolidate`, as fine as what the task asks: 100
+    /// for a share of a GPU (its drops in fragmentation are fractions of a
+    /// GPU), 50 for whole GPUs, 25 for CPU only. Coarser levels leave nodes
+    /// whose fragmentation barely differs level, so the consolidation tiers
+    /// and the cluster's order decide between them and work packs onto
+    /// fewer nodes; measured on the eight openb traces in
     /// docs/scheduling-results.md ("Score resolution").
-    fn fgd_levels(&self, gpus: GpuRequest) -> f64 {
+    fn fgd_steps(&self, gpus: GpuRequest) -> &'static SigmoidSteps {
+        static STEPS: std::sync::LazyLock<[SigmoidSteps; 3]> = std::sync::LazyLock::new(|| {
+            [
+                SigmoidSteps::new(100),
+                SigmoidSteps::new(50),
+                SigmoidSteps::new(25),
+            ]
+        });
         match (self.policy, gpus) {
-            (PlacementPolicy::FgdConsolidate, GpuRequest::Whole(0)) => 25.0,
-            (PlacementPolicy::FgdConsolidate, GpuRequest::Whole(_)) => 50.0,
-            _ => 100.0,
+            (PlacementPolicy::FgdConsolidate, GpuRequest::Whole(0)) => &STEPS[2],
+            (PlacementPolicy::FgdConsolidate, GpuRequest::Whole(_)) => &STEPS[1],
+            _ => &STEPS[0],
         }
     }
 
@@ -1187,7 +1362,7 @@ impl Scorer {
     ) -> (Evaluation, u32) {
         let cpu_after = free.cpu_milli - shape.cpu_milli;
         let memory_after = free.memory_mib - shape.memory_mib;
-        let levels = self.fgd_levels(shape.gpus);
+        let steps = self.fgd_steps(shape.gpus);
         let idle_before = free.idle_gpu_milli();
         // `fgd-consolidate` also counts GPUs the placement strands for want
         // of CPU (see [`Scorer::stranding`]).
@@ -1250,12 +1425,12 @@ impl Scorer {
                         + stranding(idle_before - u64::from(need));
                     // Integer levels, as for nodes: ties go to the
                     // lowest-numbered GPU.
-                    let level = sigmoid_level(before - frag, levels);
+                    let level = steps.level(before - frag);
                     if best.is_none_or(|(r, l, _)| (rank, level) > (r, l)) {
                         best = Some((rank, level, index));
                     }
                 }
-                let (rank, level, index) = best.unwrap_or((0, sigmoid_level(0.0, levels), 0));
+                let (rank, level, index) = best.unwrap_or((0, steps.level(0.0), 0));
                 (
                     Evaluation {
                         level,
@@ -1288,7 +1463,7 @@ impl Scorer {
                     + stranding(idle_before.saturating_sub(1000 * u64::from(count)));
                 (
                     Evaluation {
-                        level: sigmoid_level(before - after, levels),
+                        level: steps.level(before - after),
                         pick,
                     },
                     0,
@@ -1928,5 +2103,78 @@ mod tests {
             ..empty
         };
         assert_eq!(packing_level(&sick, &sick_free, GpuRequest::Whole(1)), 30);
+    }
+
+    #[test]
+    fn the_sigmoid_steps_agree_with_the_formula() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for levels in [100u32, 50, 25] {
+            let steps = SigmoidSteps::new(levels);
+            let check = |drop: f64| {
+                assert_eq!(
+                    steps.level(drop),
+                    sigmoid_level(drop, f64::from(levels)),
+                    "{levels} levels, drop {drop:e}"
+                );
+            };
+            // Every quarter from -60,000 to 60,000 (fragmentation drops are
+            // sums of thousandths of GPUs times weights below 1).
+            for quarter in -240_000..=240_000 {
+                check(f64::from(quarter) / 4.0);
+            }
+            // At and just below each level's start, where a wrong threshold
+            // would show.
+            for &start in &steps.starts {
+                check(start);
+                check(start.next_down());
+                check(start.next_up());
+            }
+            for _ in 0..100_000 {
+                check(rng.random_range(-1e7..1e7));
+                check(rng.random_range(-5000.0..5000.0));
+            }
+            for drop in [
+                0.0,
+                -0.0,
+                f64::MAX,
+                f64::MIN,
+                f64::INFINITY,
+                f64::NEG_INFINITY,
+            ] {
+                check(drop);
+            }
+            // A level starts where the formula reaches it and not before.
+            assert_eq!(steps.starts.len(), levels as usize);
+            assert!(steps.starts.windows(2).all(|w| w[0] < w[1]));
+        }
+    }
+
+    #[test]
+    fn cpu_steps_count_as_a_search_does() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for case in 0..300 {
+            let len = rng.random_range(0..60);
+            let top = if case % 3 == 0 { 200_000 } else { 5_000_000 };
+            // Duplicates are common: several typical shapes ask one CPU.
+            let mut sizes: Vec<u64> = (0..len)
+                .map(|_| rng.random_range(0..top) / 1000 * 1000 + rng.random_range(0..2) * 152)
+                .collect();
+            sizes.sort_unstable();
+            let steps = CpuSteps::new(sizes.clone());
+            let mut probes: Vec<u64> = (0..200).map(|_| rng.random_range(0..top * 2)).collect();
+            for &size in &sizes {
+                probes.extend([size.saturating_sub(1), size, size + 1]);
+            }
+            probes.extend([0, u64::MAX]);
+            for cpu in probes {
+                assert_eq!(
+                    steps.fitting(cpu),
+                    sizes.partition_point(|&size| size <= cpu),
+                    "sizes {sizes:?}, cpu {cpu}"
+                );
+            }
+        }
     }
 }
