@@ -29,6 +29,11 @@ struct Bucket {
     /// The nodes, ascending, while `bits` is empty.
     few: Vec<NodeIndex>,
     bits: Vec<u64>,
+    /// A bit per word of `bits`, set while the word has a node: a bucket
+    /// that once held many nodes and now holds few is read without going
+    /// through its empty words (157 at 10,000 nodes; reading them was most
+    /// of the default's reads, docs/benchmarks.md).
+    words: Vec<u64>,
     nodes: usize,
 }
 
@@ -39,16 +44,33 @@ impl Bucket {
     fn new(nodes: usize) -> Self {
         // A bit set no larger than the list would grow to: start with it.
         let words = nodes.div_ceil(64);
-        Bucket {
+        let mut bucket = Bucket {
             count: 0,
             few: Vec::new(),
-            bits: if words * 2 <= Self::FEW {
-                vec![0; words]
-            } else {
-                Vec::new()
-            },
+            bits: Vec::new(),
+            words: Vec::new(),
             nodes,
+        };
+        if words * 2 <= Self::FEW {
+            bucket.make_bit_set();
         }
+        bucket
+    }
+
+    /// Turns the list into a bit set.
+    fn make_bit_set(&mut self) {
+        let words = self.nodes.div_ceil(64);
+        self.bits = vec![0; words];
+        self.words = vec![0; words.div_ceil(64)];
+        for old in std::mem::take(&mut self.few) {
+            self.set_bit(old);
+        }
+    }
+
+    fn set_bit(&mut self, node: NodeIndex) {
+        let word = node as usize / 64;
+        self.bits[word] |= 1 << (node % 64);
+        self.words[word / 64] |= 1 << (word % 64);
     }
 
     fn insert(&mut self, node: NodeIndex) {
@@ -60,13 +82,9 @@ impl Bucket {
                 }
                 return;
             }
-            self.bits = vec![0; self.nodes.div_ceil(64)];
-            for &old in &self.few {
-                self.bits[old as usize / 64] |= 1 << (old % 64);
-            }
-            self.few = Vec::new();
+            self.make_bit_set();
         }
-        self.bits[node as usize / 64] |= 1 << (node % 64);
+        self.set_bit(node);
         self.count += 1;
     }
 
@@ -78,7 +96,11 @@ impl Bucket {
             }
             return;
         }
-        self.bits[node as usize / 64] &= !(1 << (node % 64));
+        let word = node as usize / 64;
+        self.bits[word] &= !(1 << (node % 64));
+        if self.bits[word] == 0 {
+            self.words[word / 64] &= !(1 << (word % 64));
+        }
         self.count -= 1;
     }
 
@@ -87,23 +109,25 @@ impl Bucket {
         self.few
             .iter()
             .copied()
-            .chain(
-                self.bits
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(word_index, &word)| {
-                        let mut word = word;
-                        std::iter::from_fn(move || {
-                            if word == 0 {
-                                return None;
-                            }
-                            let bit = word.trailing_zeros();
-                            word &= word - 1;
-                            Some(word_index as u32 * 64 + bit)
-                        })
-                    }),
-            )
+            .chain(ones(&self.words).flat_map(|word| {
+                ones(&self.bits[word as usize..=word as usize]).map(move |bit| word * 64 + bit)
+            }))
     }
+}
+
+/// The set bits of `words`, ascending, numbered from the first word's.
+fn ones(words: &[u64]) -> impl Iterator<Item = u32> + '_ {
+    words.iter().enumerate().flat_map(|(index, &word)| {
+        let mut word = word;
+        std::iter::from_fn(move || {
+            if word == 0 {
+                return None;
+            }
+            let bit = word.trailing_zeros();
+            word &= word - 1;
+            Some(index as u32 * 64 + bit)
+        })
+    })
 }
 
 /// Score levels of every node for one task shape.
@@ -114,10 +138,12 @@ struct ShapeIndex {
     level_of: Vec<u32>,
     /// Indexed by level (levels are at most [`crate::policy::MAX_LEVEL`]).
     buckets: Vec<Option<Box<Bucket>>>,
-    /// One past the highest level with a node: where reading starts, so
-    /// that levels emptied at the top are passed over once, not at every
-    /// read.
-    top: usize,
+    /// A bit per level, set while the level has a node: reading goes from
+    /// one level with nodes to the next without visiting the empty ones
+    /// between (a share's levels under `fgd-consolidate` number thousands,
+    /// most of them empty; stepping through them was most of the default's
+    /// reads, docs/benchmarks.md).
+    occupied: Vec<u64>,
     /// How much of the placer's change log this index has taken in.
     seen: usize,
 }
@@ -138,7 +164,7 @@ impl ShapeIndex {
                 .collect(),
             level_of: vec![INFEASIBLE; cluster.len()],
             buckets: Vec::new(),
-            top: 0,
+            occupied: Vec::new(),
         };
         let mut memo: Vec<Option<u32>> = vec![None; placer.class_count];
         for node in 0..cluster.len() as NodeIndex {
@@ -174,14 +200,8 @@ impl ShapeIndex {
             && let Some(Some(bucket)) = self.buckets.get_mut(old as usize)
         {
             bucket.remove(node);
-            if bucket.count == 0 && old as usize + 1 == self.top {
-                while self.top > 0
-                    && self.buckets[self.top - 1]
-                        .as_ref()
-                        .is_none_or(|bucket| bucket.count == 0)
-                {
-                    self.top -= 1;
-                }
+            if bucket.count == 0 {
+                self.occupied[old as usize / 64] &= !(1 << (old % 64));
             }
         }
         if level != INFEASIBLE {
@@ -192,19 +212,32 @@ impl ShapeIndex {
             self.buckets[slot]
                 .get_or_insert_with(|| Box::new(Bucket::new(nodes)))
                 .insert(node);
-            self.top = self.top.max(slot + 1);
+            if self.occupied.len() <= slot / 64 {
+                self.occupied.resize(slot / 64 + 1, 0);
+            }
+            self.occupied[slot / 64] |= 1 << (slot % 64);
         }
         self.level_of[node as usize] = level;
     }
 
     /// Feasible nodes, best level first, smallest index first within a level.
     fn ranked(&self) -> impl Iterator<Item = NodeIndex> + '_ {
-        self.buckets[..self.top]
+        self.occupied
             .iter()
+            .enumerate()
             .rev()
-            .flatten()
-            .filter(|bucket| bucket.count > 0)
-            .flat_map(|bucket| bucket.iter())
+            .flat_map(|(word_index, &word)| {
+                let mut word = word;
+                std::iter::from_fn(move || {
+                    if word == 0 {
+                        return None;
+                    }
+                    let bit = 63 - word.leading_zeros();
+                    word &= !(1 << bit);
+                    Some(word_index * 64 + bit as usize)
+                })
+            })
+            .flat_map(|level| self.buckets[level].iter().flat_map(|bucket| bucket.iter()))
     }
 }
 
@@ -813,7 +846,7 @@ mod tests {
             excluded: vec![false; 4],
             level_of: vec![INFEASIBLE; 4],
             buckets: Vec::new(),
-            top: 0,
+            occupied: Vec::new(),
             seen: 0,
         };
         index.set(4, 0, 5);
@@ -821,17 +854,20 @@ mod tests {
         index.set(4, 2, 900);
         index.set(4, 3, 7);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 2, 3, 0]);
-        // The top level emptied: reading starts lower, and so on down.
+        // The top level emptied: reading starts lower, and so on down
+        // (levels 64 apart and more: other words of the level bit set).
+        index.set(4, 0, 200);
+        assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 2, 0, 3]);
+        index.set(4, 0, 5);
         index.set(4, 1, 6);
         index.set(4, 2, INFEASIBLE);
-        assert_eq!(index.top, 8);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [3, 1, 0]);
         index.set(4, 3, 6);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 3, 0]);
         for node in 0..4 {
             index.set(4, node, INFEASIBLE);
         }
-        assert_eq!(index.top, 0);
+        assert!(index.occupied.iter().all(|&word| word == 0));
         assert_eq!(index.ranked().count(), 0);
     }
 }

@@ -865,6 +865,9 @@ pub struct Scorer {
     /// [`WeightTable`]s by GPU model id, built when first needed (model ids
     /// are the cluster's: a scorer serves one cluster).
     tables: std::sync::Arc<Vec<std::sync::OnceLock<WeightTable>>>,
+    /// FGD's levels for shares, whole GPUs and CPU only (see
+    /// [`Scorer::fgd_steps`]).
+    steps: [&'static SigmoidSteps; 3],
 }
 
 /// For one GPU model, the typical shapes' weights cumulated so that a node's
@@ -1010,11 +1013,13 @@ fn sigmoid_level(drop: f64, levels: f64) -> u32 {
 #[derive(Debug)]
 struct SigmoidSteps {
     levels: u32,
-    /// `starts[l]`: the least drop whose level is more than `l`.
+    /// `starts[l]`: the least drop whose level is more than `l`; infinite
+    /// for `l = levels`.
     starts: Vec<f64>,
     /// The level at the start of each [`SigmoidSteps::CELL`]-wide cell of
     /// drops from [`SigmoidSteps::LOW`]: where the walk to the exact level
-    /// starts (at most a step away: levels are at least 40 apart near 0).
+    /// starts (at most a step away: levels start at least 40 apart, and a
+    /// cell is 32 wide).
     at_cell: Vec<u32>,
 }
 
@@ -1046,6 +1051,7 @@ impl SigmoidSteps {
                 }
                 value(high)
             })
+            .chain([f64::INFINITY])
             .collect();
         let at_cell = (0..Self::CELLS)
             .map(|cell| f(Self::LOW + cell as f64 * Self::CELL))
@@ -1057,12 +1063,18 @@ impl SigmoidSteps {
         }
     }
 
+    #[inline]
     fn level(&self, drop: f64) -> u32 {
         let cell = ((drop - Self::LOW) / Self::CELL).clamp(0.0, (Self::CELLS - 1) as f64) as usize;
         let mut level = self.at_cell[cell];
+        // At most one level starts within a cell: one step up, without a
+        // branch to mispredict; the loops only for a drop that rounding put
+        // in the next cell.
+        level += u32::from(drop >= self.starts[level as usize]);
         while level < self.levels && drop >= self.starts[level as usize] {
             level += 1;
         }
+        level = level.min(self.levels);
         while level > 0 && drop < self.starts[level as usize - 1] {
             level -= 1;
         }
@@ -1081,6 +1093,18 @@ impl Scorer {
                     .map(|_| std::sync::OnceLock::new())
                     .collect(),
             ),
+            steps: {
+                static STEPS: std::sync::LazyLock<[SigmoidSteps; 3]> =
+                    std::sync::LazyLock::new(|| {
+                        [
+                            SigmoidSteps::new(100),
+                            SigmoidSteps::new(50),
+                            SigmoidSteps::new(25),
+                        ]
+                    });
+                let steps: &'static [SigmoidSteps; 3] = &STEPS;
+                [&steps[0], &steps[1], &steps[2]]
+            },
         }
     }
 
@@ -1269,17 +1293,10 @@ impl Scorer {
     /// fewer nodes; measured on the eight openb traces in
     /// docs/scheduling-results.md ("Score resolution").
     fn fgd_steps(&self, gpus: GpuRequest) -> &'static SigmoidSteps {
-        static STEPS: std::sync::LazyLock<[SigmoidSteps; 3]> = std::sync::LazyLock::new(|| {
-            [
-                SigmoidSteps::new(100),
-                SigmoidSteps::new(50),
-                SigmoidSteps::new(25),
-            ]
-        });
         match (self.policy, gpus) {
-            (PlacementPolicy::FgdConsolidate, GpuRequest::Whole(0)) => &STEPS[2],
-            (PlacementPolicy::FgdConsolidate, GpuRequest::Whole(_)) => &STEPS[1],
-            _ => &STEPS[0],
+            (PlacementPolicy::FgdConsolidate, GpuRequest::Whole(0)) => self.steps[2],
+            (PlacementPolicy::FgdConsolidate, GpuRequest::Whole(_)) => self.steps[1],
+            _ => self.steps[0],
         }
     }
 
@@ -1296,31 +1313,30 @@ impl Scorer {
         memory: u64,
         cache: &mut ProfileCache,
     ) -> f64 {
-        let mut idle = 0u64;
-        let mut whole = 0usize;
-        for &slot in slots {
-            idle += u64::from(slot);
-            whole += usize::from(slot == 1000);
-        }
+        let (idle, whole) = idle_and_whole(slots);
         if idle == 0 {
             return 0.0;
         }
+        match Tabled::of(self, info, cpu) {
+            Some(tabled) => tabled.fragmentation(slots, idle, whole, |_, slot| slot),
+            None => {
+                let workload = &self.workload;
+                let profile = cache.get_or_compute(workload, slots, info);
+                workload.fragmentation_with(profile, info, cpu, memory)
+            }
+        }
+    }
+
+    /// The [`WeightTable`] that scores `info`, or `None` where GPU profiles
+    /// do: typical shapes that ask memory, model ids past
+    /// [`TABLED_MODELS`], more than 255 share sizes.
+    fn table(&self, info: &NodeStatic) -> Option<&WeightTable> {
         let workload = &self.workload;
         let model = info.model as usize;
         if !workload.memory_free || model >= TABLED_MODELS || workload.share_sizes.len() > 255 {
-            let profile = cache.get_or_compute(workload, slots, info);
-            return workload.fragmentation_with(profile, info, cpu, memory);
+            return None;
         }
-        let table = self.tables[model].get_or_init(|| WeightTable::build(workload, info));
-        let k = workload.cpu_fitting(cpu);
-        let whole_row = &table.whole[k * table.whole_columns..][..table.whole_columns];
-        let share_row = &table.share[k * table.share_columns..][..table.share_columns];
-        let mut saved = 1000.0 * whole as f64 * whole_row[whole.min(table.whole_columns - 1)];
-        for &slot in slots {
-            let q = workload.shares_fitting[usize::from(slot.min(1000))];
-            saved += f64::from(slot) * share_row[usize::from(q)];
-        }
-        idle as f64 * workload.total_weight - saved
+        Some(self.tables[model].get_or_init(|| WeightTable::build(workload, info)))
     }
 
     /// What `fgd-consolidate` adds to a node's fragmentation after a
@@ -1363,25 +1379,35 @@ impl Scorer {
         let cpu_after = free.cpu_milli - shape.cpu_milli;
         let memory_after = free.memory_mib - shape.memory_mib;
         let steps = self.fgd_steps(shape.gpus);
-        let idle_before = free.idle_gpu_milli();
+        // A node has at most 64 GPUs here (the rest are not scored).
+        let slots = &free.gpu[..free.gpu.len().min(64)];
+        let mut after = AfterFragmentation::new(self, info, slots, cpu_after, memory_after, cache);
+        let idle_before = if slots.len() == free.gpu.len() {
+            after.idle
+        } else {
+            free.idle_gpu_milli()
+        };
+        let idle_after = match shape.gpus {
+            GpuRequest::Shared(share) => idle_before - u64::from(share.0),
+            GpuRequest::Whole(count) => idle_before.saturating_sub(1000 * u64::from(count)),
+        };
         // `fgd-consolidate` also counts GPUs the placement strands for want
-        // of CPU (see [`Scorer::stranding`]).
-        let stranded_before = (self.policy == PlacementPolicy::FgdConsolidate)
-            .then(|| self.workload.cpu_stranded(idle_before, free.cpu_milli));
-        let stranding = |idle_after: u64| {
-            stranded_before.map_or(0.0, |before| {
-                Self::stranding(before, self.workload.cpu_stranded(idle_after, cpu_after))
-            })
+        // of CPU (see [`Scorer::stranding`]); the same for every GPU a share
+        // could take. Nothing stranded after, nothing newly stranded: the
+        // stranding before is asked only otherwise.
+        let stranding = if self.policy == PlacementPolicy::FgdConsolidate {
+            let stranded = self.workload.cpu_stranded(idle_after, cpu_after);
+            if stranded > 0.0 {
+                Self::stranding(
+                    self.workload.cpu_stranded(idle_before, free.cpu_milli),
+                    stranded,
+                )
+            } else {
+                0.0
+            }
+        } else {
+            0.0
         };
-        let mut local = ProfileCache::default();
-        let cache = match cache {
-            Some(cache) => cache,
-            None => &mut local,
-        };
-        // The GPUs' free capacity after the placement, on the stack (a node
-        // has at most 64 GPUs).
-        let mut buffer = [0u16; 64];
-        let gpus = free.gpu.len().min(buffer.len());
         match shape.gpus {
             GpuRequest::Shared(share) => {
                 let need = share.0 as u16;
@@ -1395,42 +1421,37 @@ impl Scorer {
                         0
                     }
                 };
-                let top_rank = if by_waste {
-                    free.gpu
-                        .iter()
-                        .take(gpus)
-                        .filter(|&&slot| slot >= need)
-                        .map(|&slot| rank_of(slot))
-                        .max()
-                        .unwrap_or(0)
-                } else {
-                    0
-                };
-                // (waste rank, level, GPU)
-                let mut best: Option<(u32, u32, usize)> = None;
-                for (index, &slot) in free.gpu.iter().enumerate().take(gpus) {
+                // Each GPU's rank (ranks are below 256), or `NO_FIT`.
+                const NO_FIT: u16 = u16::MAX;
+                let mut ranks = [NO_FIT; 64];
+                let mut top_rank = 0;
+                for (rank, &slot) in ranks.iter_mut().zip(slots) {
+                    if slot >= need {
+                        let r = rank_of(slot);
+                        top_rank = top_rank.max(r);
+                        *rank = r as u16;
+                    }
+                }
+                // (level, GPU)
+                let mut best: Option<(u32, usize)> = None;
+                for (index, &slot) in slots.iter().enumerate() {
                     // GPUs with equal free capacity score the same:
                     // the lowest-numbered one stands for them.
-                    if slot < need || free.gpu[..index].contains(&slot) {
+                    if u32::from(ranks[index]) != top_rank || slots[..index].contains(&slot) {
                         continue;
                     }
-                    let rank = rank_of(slot);
-                    if rank < top_rank {
-                        continue;
-                    }
-                    let after = &mut buffer[..gpus];
-                    after.copy_from_slice(&free.gpu[..gpus]);
-                    after[index] -= need;
-                    let frag = self.fragmentation_of(info, after, cpu_after, memory_after, cache)
-                        + stranding(idle_before - u64::from(need));
+                    let frag = after.with_share(index, need) + stranding;
                     // Integer levels, as for nodes: ties go to the
                     // lowest-numbered GPU.
                     let level = steps.level(before - frag);
-                    if best.is_none_or(|(r, l, _)| (rank, level) > (r, l)) {
-                        best = Some((rank, level, index));
+                    if best.is_none_or(|(l, _)| level > l) {
+                        best = Some((level, index));
                     }
                 }
-                let (rank, level, index) = best.unwrap_or((0, steps.level(0.0), 0));
+                let (rank, (level, index)) = match best {
+                    Some(best) => (top_rank, best),
+                    None => (0, (steps.level(0.0), 0)),
+                };
                 (
                     Evaluation {
                         level,
@@ -1442,8 +1463,164 @@ impl Scorer {
             GpuRequest::Whole(count) => {
                 // Fragmentation depends on how many whole GPUs are taken,
                 // not which: score the state with the first `count` taken.
-                let after = &mut buffer[..gpus];
-                after.copy_from_slice(&free.gpu[..gpus]);
+                let pick = if want_pick {
+                    pick_whole_gpus(info, &free.gpu, count).unwrap_or_default()
+                } else {
+                    0
+                };
+                let frag = after.with_whole(count) + stranding;
+                (
+                    Evaluation {
+                        level: steps.level(before - frag),
+                        pick,
+                    },
+                    0,
+                )
+            }
+        }
+    }
+}
+
+/// FGD's fragmentation of one node's GPUs after a placement, for the GPUs a
+/// scoring tries ([`Scorer::evaluate_fgd`]): the same numbers as
+/// [`Scorer::fragmentation_of`] on the node's GPUs with the placement
+/// taken (the same sum, [`Tabled::fragmentation`], so equal to the last
+/// bit), without copying the GPUs and with the [`WeightTable`] row found
+/// and the node's idle capacity and whole GPUs counted once per scoring.
+/// A node scored through GPU profiles goes through
+/// [`Scorer::fragmentation_of`] for each.
+struct AfterFragmentation<'a> {
+    scorer: &'a Scorer,
+    info: &'a NodeStatic,
+    slots: &'a [u16],
+    cpu: u64,
+    memory: u64,
+    idle: u64,
+    whole: usize,
+    tabled: Option<Tabled<'a>>,
+    cache: Option<&'a mut ProfileCache>,
+}
+
+/// Free GPU capacity (thousandths) and whole free GPUs.
+fn idle_and_whole(slots: &[u16]) -> (u64, usize) {
+    slots.iter().fold((0, 0), |(idle, whole), &slot| {
+        (idle + u64::from(slot), whole + usize::from(slot == 1000))
+    })
+}
+
+/// A [`WeightTable`]'s row for a node's free CPU.
+struct Tabled<'a> {
+    workload: &'a TypicalWorkload,
+    whole_row: &'a [f64],
+    share_row: &'a [f64],
+}
+
+impl<'a> Tabled<'a> {
+    /// The row of `info`'s table for `cpu` free, if a table scores it.
+    #[inline]
+    fn of(scorer: &'a Scorer, info: &NodeStatic, cpu: u64) -> Option<Self> {
+        let table = scorer.table(info)?;
+        let workload = &scorer.workload;
+        let k = workload.cpu_fitting(cpu);
+        Some(Tabled {
+            workload,
+            whole_row: &table.whole[k * table.whole_columns..][..table.whole_columns],
+            share_row: &table.share[k * table.share_columns..][..table.share_columns],
+        })
+    }
+
+    /// FGD's fragmentation of GPUs with `slot_after(i, slots[i])` free, of
+    /// which `idle` thousandths and `whole` whole GPUs: the idle capacity
+    /// times all the typical shapes' weight, less what they save (see
+    /// [`WeightTable`]), summed GPU by GPU in order.
+    fn fragmentation(
+        &self,
+        slots: &[u16],
+        idle: u64,
+        whole: usize,
+        mut slot_after: impl FnMut(usize, u16) -> u16,
+    ) -> f64 {
+        if idle == 0 {
+            return 0.0;
+        }
+        let columns = self.whole_row.len();
+        // (Counts as `u32`: converted in one instruction, where a `u64`
+        // takes several; the same value.)
+        let mut saved = 1000.0 * f64::from(whole as u32) * self.whole_row[whole.min(columns - 1)];
+        for (i, &slot) in slots.iter().enumerate() {
+            let slot = slot_after(i, slot);
+            let q = self.workload.shares_fitting[usize::from(slot.min(1000))];
+            saved += f64::from(slot) * self.share_row[usize::from(q)];
+        }
+        f64::from(idle as u32) * self.workload.total_weight - saved
+    }
+}
+
+impl<'a> AfterFragmentation<'a> {
+    fn new(
+        scorer: &'a Scorer,
+        info: &'a NodeStatic,
+        slots: &'a [u16],
+        cpu: u64,
+        memory: u64,
+        cache: Option<&'a mut ProfileCache>,
+    ) -> Self {
+        let (idle, whole) = idle_and_whole(slots);
+        let tabled = Tabled::of(scorer, info, cpu);
+        AfterFragmentation {
+            scorer,
+            info,
+            slots,
+            cpu,
+            memory,
+            idle,
+            whole,
+            tabled,
+            cache,
+        }
+    }
+
+    /// With a share of `need` taken from GPU `index`.
+    fn with_share(&mut self, index: usize, need: u16) -> f64 {
+        let slot = self.slots[index];
+        let idle = self.idle - u64::from(need);
+        let whole = self.whole - usize::from(slot == 1000 && need > 0);
+        match &self.tabled {
+            Some(tabled) => tabled.fragmentation(self.slots, idle, whole, |i, free| {
+                if i == index { free - need } else { free }
+            }),
+            None => {
+                let mut buffer = [0u16; 64];
+                let after = &mut buffer[..self.slots.len()];
+                after.copy_from_slice(self.slots);
+                after[index] -= need;
+                self.profiled(&buffer[..self.slots.len()])
+            }
+        }
+    }
+
+    /// With `count` whole GPUs taken (the first ones: fragmentation depends
+    /// on how many, not which).
+    fn with_whole(&mut self, count: u32) -> f64 {
+        let taken = (count as usize).min(self.whole);
+        let idle = self.idle - 1000 * taken as u64;
+        let whole = self.whole - taken;
+        match &self.tabled {
+            Some(tabled) => {
+                let mut left = taken;
+                tabled.fragmentation(self.slots, idle, whole, |_, free| {
+                    if left > 0 && free == 1000 {
+                        left -= 1;
+                        0
+                    } else {
+                        free
+                    }
+                })
+            }
+            None => {
+                let mut buffer = [0u16; 64];
+                let after = &mut buffer[..self.slots.len()];
+                after.copy_from_slice(self.slots);
                 let mut left = count;
                 for slot in after.iter_mut() {
                     if left == 0 {
@@ -1454,22 +1631,19 @@ impl Scorer {
                         left -= 1;
                     }
                 }
-                let pick = if want_pick {
-                    pick_whole_gpus(info, &free.gpu, count).unwrap_or_default()
-                } else {
-                    0
-                };
-                let after = self.fragmentation_of(info, after, cpu_after, memory_after, cache)
-                    + stranding(idle_before.saturating_sub(1000 * u64::from(count)));
-                (
-                    Evaluation {
-                        level: steps.level(before - after),
-                        pick,
-                    },
-                    0,
-                )
+                self.profiled(&buffer[..self.slots.len()])
             }
         }
+    }
+
+    fn profiled(&mut self, after: &[u16]) -> f64 {
+        let mut local = ProfileCache::default();
+        let cache = match self.cache.as_deref_mut() {
+            Some(cache) => cache,
+            None => &mut local,
+        };
+        self.scorer
+            .fragmentation_of(self.info, after, self.cpu, self.memory, cache)
     }
 }
 
@@ -1635,12 +1809,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_weight_tables_agree_with_the_shape_loop() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        // Shapes of every kind, two held to model 1 (mask 1), shares of
-        // sizes that fall between and on free capacities.
+    /// Typical shapes of every kind, two held to model 1 (mask 1), shares
+    /// of sizes that fall between and on free capacities.
+    fn mixed_workload() -> TypicalWorkload {
         let mut shapes = Vec::new();
         for (i, gpus) in [
             GpuRequest::Whole(0),
@@ -1662,7 +1833,36 @@ mod tests {
             }
             shapes.push(typical);
         }
-        let workload = TypicalWorkload::new(shapes);
+        TypicalWorkload::new(shapes)
+    }
+
+    /// A random node state for [`mixed_workload`]: free GPUs (often whole,
+    /// empty or a typical gap), free CPU, and the node (model 0 or 1).
+    fn random_state(rng: &mut impl rand::Rng) -> (NodeStatic, Vec<u16>, u64) {
+        let gpus = rng.random_range(1..=8);
+        let free: Vec<u16> = (0..gpus)
+            .map(|_| match rng.random_range(0..4) {
+                0 => 0,
+                1 => 1000,
+                2 => [110, 190, 470, 530, 810, 890][rng.random_range(0..6)],
+                _ => rng.random_range(0..=1000),
+            })
+            .collect();
+        let cpu = rng.random_range(0..24) * 1_000 + rng.random_range(0..2) * 500;
+        let model = rng.random_range(0..2u32);
+        let mut info = node(gpus);
+        info.model = model;
+        if model == 1 {
+            info.accepted_by.insert(1);
+        }
+        (info, free, cpu)
+    }
+
+    #[test]
+    fn the_weight_tables_agree_with_the_shape_loop() {
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let workload = mixed_workload();
         let scale = Scale {
             cpu_milli: 64_000.0,
             gpus: 8.0,
@@ -1670,28 +1870,85 @@ mod tests {
         let scorer = Scorer::new(PlacementPolicy::Fgd, workload.clone(), scale);
         let mut cache = ProfileCache::default();
         for _ in 0..5_000 {
-            let gpus = rng.random_range(1..=8);
-            let free: Vec<u16> = (0..gpus)
-                .map(|_| match rng.random_range(0..4) {
-                    0 => 0,
-                    1 => 1000,
-                    2 => [110, 190, 470, 530, 810, 890][rng.random_range(0..6)],
-                    _ => rng.random_range(0..=1000),
-                })
-                .collect();
-            let cpu = rng.random_range(0..24) * 1_000 + rng.random_range(0..2) * 500;
-            let model = rng.random_range(0..2u32);
-            let mut info = node(gpus);
-            info.model = model;
-            if model == 1 {
-                info.accepted_by.insert(1);
-            }
+            let (info, free, cpu) = random_state(&mut rng);
+            let model = info.model;
             let table = scorer.fragmentation_of(&info, &free, cpu, 1 << 20, &mut cache);
             let reference = workload.fragmentation(&info, &free, cpu, 1 << 20);
             assert!(
                 (table - reference).abs() < 1e-9 * (1.0 + reference.abs()),
                 "{free:?} cpu {cpu} model {model}: {table} != {reference}"
             );
+        }
+    }
+
+    /// A scoring's fragmentation after a placement
+    /// ([`AfterFragmentation`]) is [`Scorer::fragmentation_of`] of the state
+    /// after it to the last bit, for every share on every GPU it fits and
+    /// every count of whole GPUs, through the weight tables and through
+    /// GPU profiles (a workload whose shapes ask memory): the levels, and so
+    /// the decisions, do not change with how it is computed.
+    #[test]
+    fn fragmentation_after_a_placement_is_that_of_the_state_after_to_the_bit() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let scale = Scale {
+            cpu_milli: 64_000.0,
+            gpus: 8.0,
+        };
+        let tabled = mixed_workload();
+        let mut with_memory: Vec<TypicalShape> = tabled.shapes().to_vec();
+        with_memory[3].memory_mib = 4_096;
+        for workload in [tabled, TypicalWorkload::new(with_memory)] {
+            let scorer = Scorer::new(PlacementPolicy::FgdConsolidate, workload, scale);
+            let mut cache = ProfileCache::default();
+            for _ in 0..2_000 {
+                let (info, free, cpu) = random_state(&mut rng);
+                let cpu_after = cpu / 2;
+                let memory = rng.random_range(0..1u64 << 20);
+                let reference = |after: &[u16], cache: &mut ProfileCache| {
+                    scorer.fragmentation_of(&info, after, cpu_after, memory, cache)
+                };
+                for need in [1u16, 110, 470, 530, 1000] {
+                    for index in 0..free.len() {
+                        if free[index] < need {
+                            continue;
+                        }
+                        let mut after = free.clone();
+                        after[index] -= need;
+                        let expected = reference(&after, &mut cache);
+                        let got = AfterFragmentation::new(
+                            &scorer,
+                            &info,
+                            &free,
+                            cpu_after,
+                            memory,
+                            Some(&mut cache),
+                        )
+                        .with_share(index, need);
+                        assert_eq!(
+                            got.to_bits(),
+                            expected.to_bits(),
+                            "{free:?} share {need} on {index}"
+                        );
+                    }
+                }
+                let whole = free.iter().filter(|&&slot| slot == 1000).count() as u32;
+                for count in 0..=whole {
+                    let mut after = free.clone();
+                    let mut left = count;
+                    for slot in after.iter_mut() {
+                        if left > 0 && *slot == 1000 {
+                            *slot = 0;
+                            left -= 1;
+                        }
+                    }
+                    let expected = reference(&after, &mut cache);
+                    let got =
+                        AfterFragmentation::new(&scorer, &info, &free, cpu_after, memory, None)
+                            .with_whole(count);
+                    assert_eq!(got.to_bits(), expected.to_bits(), "{free:?} {count} whole");
+                }
+            }
         }
     }
 
@@ -2145,7 +2402,7 @@ mod tests {
                 check(drop);
             }
             // A level starts where the formula reaches it and not before.
-            assert_eq!(steps.starts.len(), levels as usize);
+            assert_eq!(steps.starts.len(), levels as usize + 1);
             assert!(steps.starts.windows(2).all(|w| w[0] < w[1]));
         }
     }
