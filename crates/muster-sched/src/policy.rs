@@ -1016,11 +1016,12 @@ struct SigmoidSteps {
     /// `starts[l]`: the least drop whose level is more than `l`; infinite
     /// for `l = levels`.
     starts: Vec<f64>,
-    /// The level at the start of each [`SigmoidSteps::CELL`]-wide cell of
-    /// drops from [`SigmoidSteps::LOW`]: where the walk to the exact level
-    /// starts (at most a step away: levels start at least 40 apart, and a
-    /// cell is 32 wide).
-    at_cell: Vec<u32>,
+    /// For each [`SigmoidSteps::CELL`]-wide cell of drops from
+    /// [`SigmoidSteps::LOW`], the level at its start and the first start
+    /// at or above it: a drop in the cell has that level, or one more from
+    /// that start on (levels start at least 40 apart, and a cell is 32
+    /// wide), read in one step.
+    cells: Vec<(f64, u32)>,
 }
 
 impl SigmoidSteps {
@@ -1053,28 +1054,43 @@ impl SigmoidSteps {
             })
             .chain([f64::INFINITY])
             .collect();
-        let at_cell = (0..Self::CELLS)
-            .map(|cell| f(Self::LOW + cell as f64 * Self::CELL))
+        let cells = (0..Self::CELLS)
+            .map(|cell| {
+                let level = f(Self::LOW + cell as f64 * Self::CELL);
+                (starts[level as usize], level)
+            })
             .collect();
         SigmoidSteps {
             levels,
             starts,
-            at_cell,
+            cells,
         }
     }
 
     #[inline]
     fn level(&self, drop: f64) -> u32 {
         let cell = ((drop - Self::LOW) / Self::CELL).clamp(0.0, (Self::CELLS - 1) as f64) as usize;
-        let mut level = self.at_cell[cell];
+        let (next, base) = self.cells[cell];
         // At most one level starts within a cell: one step up, without a
-        // branch to mispredict; the loops only for a drop that rounding put
-        // in the next cell.
-        level += u32::from(drop >= self.starts[level as usize]);
+        // branch to mispredict.
+        let level = (base + u32::from(drop >= next)).min(self.levels);
+        // Checked against the starts around it (a drop outside the cells,
+        // or one that rounding put in the next cell, walks on).
+        let low = level == 0 || drop >= self.starts[level as usize - 1];
+        let high = level == self.levels || drop < self.starts[level as usize];
+        if low && high {
+            level
+        } else {
+            self.walk(drop, level)
+        }
+    }
+
+    /// The level of `drop` from `level` on, a start at a time.
+    #[cold]
+    fn walk(&self, drop: f64, mut level: u32) -> u32 {
         while level < self.levels && drop >= self.starts[level as usize] {
             level += 1;
         }
-        level = level.min(self.levels);
         while level > 0 && drop < self.starts[level as usize - 1] {
             level -= 1;
         }
