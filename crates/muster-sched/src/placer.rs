@@ -26,13 +26,15 @@ const INFEASIBLE: u32 = u32::MAX;
 #[derive(Debug, Clone)]
 struct Bucket {
     count: u32,
-    /// The nodes, ascending, while `bits` is empty.
-    few: Vec<NodeIndex>,
+    /// The nodes, ascending, in `few[..count]` while `bits` is empty; held
+    /// in the bucket, so that moving a node between levels (most of an
+    /// index's upkeep under FGD, whose nodes change level at every change)
+    /// follows one pointer less.
+    few: [NodeIndex; Bucket::FEW],
     bits: Vec<u64>,
     /// A bit per word of `bits`, set while the word has a node: a bucket
     /// that once held many nodes and now holds few is read without going
-    /// through its empty words (157 at 10,000 nodes; reading them was most
-    /// of the default's reads, docs/benchmarks.md).
+    /// through its empty words (157 at 10,000 nodes).
     words: Vec<u64>,
     nodes: usize,
 }
@@ -46,7 +48,7 @@ impl Bucket {
         let words = nodes.div_ceil(64);
         let mut bucket = Bucket {
             count: 0,
-            few: Vec::new(),
+            few: [0; Self::FEW],
             bits: Vec::new(),
             words: Vec::new(),
             nodes,
@@ -62,8 +64,8 @@ impl Bucket {
         let words = self.nodes.div_ceil(64);
         self.bits = vec![0; words];
         self.words = vec![0; words.div_ceil(64)];
-        for old in std::mem::take(&mut self.few) {
-            self.set_bit(old);
+        for at in 0..self.count as usize {
+            self.set_bit(self.few[at]);
         }
     }
 
@@ -75,9 +77,11 @@ impl Bucket {
 
     fn insert(&mut self, node: NodeIndex) {
         if self.bits.is_empty() {
-            if self.few.len() < Self::FEW {
-                if let Err(at) = self.few.binary_search(&node) {
-                    self.few.insert(at, node);
+            let len = self.count as usize;
+            if len < Self::FEW {
+                if let Err(at) = self.few[..len].binary_search(&node) {
+                    self.few.copy_within(at..len, at + 1);
+                    self.few[at] = node;
                     self.count += 1;
                 }
                 return;
@@ -90,8 +94,9 @@ impl Bucket {
 
     fn remove(&mut self, node: NodeIndex) {
         if self.bits.is_empty() {
-            if let Ok(at) = self.few.binary_search(&node) {
-                self.few.remove(at);
+            let len = self.count as usize;
+            if let Ok(at) = self.few[..len].binary_search(&node) {
+                self.few.copy_within(at + 1..len, at);
                 self.count -= 1;
             }
             return;
@@ -106,7 +111,12 @@ impl Bucket {
 
     /// The nodes, ascending.
     fn iter(&self) -> impl Iterator<Item = NodeIndex> + '_ {
-        self.few
+        let listed = if self.bits.is_empty() {
+            self.count as usize
+        } else {
+            0
+        };
+        self.few[..listed]
             .iter()
             .copied()
             .chain(ones(&self.words).flat_map(|word| {
