@@ -329,6 +329,9 @@ pub struct Placer {
     class_count: usize,
     /// GPU profiles, shared by every node and shape that needs one.
     profiles: ProfileCache,
+    /// The nodes an index re-scores when it is brought up to date, and
+    /// their levels (kept to reuse the space).
+    rescored: Vec<(NodeIndex, u32)>,
 }
 
 /// The parts of a [`Placer`] a shape index is built and updated from.
@@ -401,6 +404,7 @@ impl Placer {
             class_of,
             class_count,
             profiles,
+            rescored: Vec::new(),
         }
     }
 
@@ -418,6 +422,7 @@ impl Placer {
             class_of: Vec::new(),
             class_count: 0,
             profiles: ProfileCache::default(),
+            rescored: Vec::new(),
         }
     }
 
@@ -501,6 +506,7 @@ impl Placer {
             class_of,
             class_count,
             profiles,
+            rescored,
             ..
         } = self;
         let mut parts = PlacerParts {
@@ -516,6 +522,11 @@ impl Placer {
             .entry(*shape)
             .or_insert_with(|| ShapeIndex::build(&mut parts, shape, changes.len()));
         let seen = index.seen;
+        // In three passes, each over memory of its own (the index's arrays,
+        // the nodes and the scorer's tables, the index's levels), rather
+        // than all three for each node in turn: which nodes to re-score,
+        // their levels, then their moves.
+        rescored.clear();
         for (position, &node) in changes.iter().enumerate().skip(seen) {
             let at = node as usize;
             if parts.latest_change[at] as usize != position || index.excluded[at] {
@@ -528,7 +539,12 @@ impl Placer {
             {
                 continue;
             }
-            let level = parts.level(node, shape);
+            rescored.push((node, 0));
+        }
+        for (node, level) in rescored.iter_mut() {
+            *level = parts.level(*node, shape);
+        }
+        for &(node, level) in rescored.iter() {
             index.set(parts.cluster.len(), node, level);
         }
         index.seen = changes.len();
