@@ -163,8 +163,8 @@ pub struct TypicalWorkload {
 
 /// A count of sorted CPU sizes at most a given CPU (a [`WeightTable`]'s
 /// row), read without a binary search: FGD asks it for every node it scores,
-/// and a search over openb's typical shapes cost about a fifth of a scoring
-/// (docs/benchmarks.md). A CPU at or above the largest size (a node with
+/// and a search over openb's typical shapes was about a fifth of the time
+/// of FGD's fragmentation sum (`perf`). A CPU at or above the largest size (a node with
 /// CPUs to spare, the common case) counts all; otherwise a grid of at most
 /// [`CpuSteps::CELLS`] cells over the sizes gives the first distinct size
 /// in the CPU's cell, and the sizes from there are passed over in order
@@ -332,7 +332,7 @@ impl TypicalWorkload {
             return 0.0;
         }
         // Most nodes have CPU to spare: a multiplication shows it, where
-        // the division below would cost as much as the rest of a scoring.
+        // the division below is slow.
         // The margin (far above two roundings' error) makes the shortcut
         // answer 0 only where the division would: there the division's
         // quotient is certainly above `idle`.
