@@ -633,13 +633,13 @@ impl Placer {
 
     /// The placement of `shape` on `node` under the policy's GPU choice.
     pub fn placement_on(&mut self, node: NodeIndex, shape: &TaskShape) -> Option<TaskPlacement> {
-        let evaluation = if self.indexed {
+        let pick = if self.indexed {
             // As the index scored it: the node's fragmentation and GPU
             // profiles are already known.
             if !self.cluster.fits(node, shape) {
                 return None;
             }
-            self.scorer.evaluate_passing_static(
+            self.scorer.pick_passing_static(
                 &self.cluster,
                 node,
                 shape,
@@ -647,11 +647,11 @@ impl Placer {
                 &mut self.profiles,
             )?
         } else {
-            self.scorer.evaluate(&self.cluster, node, shape)?
+            self.scorer.evaluate(&self.cluster, node, shape)?.pick
         };
         Some(TaskPlacement {
             node,
-            gpus: grants(evaluation.pick, shape.per_gpu_milli()),
+            gpus: grants(pick, shape.per_gpu_milli()),
             cpu_milli: shape.cpu_milli,
             memory_mib: shape.memory_mib,
         })

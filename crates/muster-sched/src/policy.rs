@@ -1164,22 +1164,38 @@ impl Scorer {
         self.fragmentation_of(info, &free.gpu, free.cpu_milli, free.memory_mib, cache)
     }
 
-    /// Scores `node`, known to pass the static filters for `shape`, given
-    /// its current fragmentation.
-    pub fn evaluate_passing_static(
+    /// The GPUs a task takes on `node`, known to pass the static filters
+    /// for `shape`, given its current fragmentation; `None` without room.
+    /// Whole GPUs come from [`pick_whole_gpus`] unscored (which ones does
+    /// not depend on the level, for any policy); a share's GPU is the one
+    /// the policy scores best.
+    pub fn pick_passing_static(
         &self,
         cluster: &ClusterState,
         node: NodeIndex,
         shape: &TaskShape,
         fragmentation_now: f64,
         cache: &mut ProfileCache,
-    ) -> Option<Evaluation> {
-        self.passing_static(cluster, node, shape, fragmentation_now, cache, true)
+    ) -> Option<GpuPick> {
+        match shape.gpus {
+            GpuRequest::Whole(count) => {
+                if !cluster.has_room(node, shape) {
+                    return None;
+                }
+                let info = &cluster.nodes[node as usize];
+                let free = &cluster.free[node as usize];
+                Some(pick_whole_gpus(info, &free.gpu, count).unwrap_or_default())
+            }
+            GpuRequest::Shared(_) => self
+                .passing_static(cluster, node, shape, fragmentation_now, cache, true)
+                .map(|evaluation| evaluation.pick),
+        }
     }
 
-    /// [`Scorer::evaluate_passing_static`]'s level alone: the same number,
-    /// without choosing which whole GPUs the task would take (a level does
-    /// not depend on which), for indexes that re-score nodes.
+    /// The level [`Scorer::evaluate`] gives `node`, known to pass the
+    /// static filters for `shape`, given its current fragmentation, without
+    /// choosing which whole GPUs the task would take (a level does not
+    /// depend on which), for indexes that re-score nodes.
     pub fn level_passing_static(
         &self,
         cluster: &ClusterState,
