@@ -135,8 +135,8 @@ pub struct TypicalWorkload {
     /// any shape, fragmentation is a step function of free CPU, read off a
     /// prefix sum (see [`GpuProfile`]).
     by_cpu: Vec<usize>,
-    /// How many of `shapes` ask at most a given CPU, read in one step.
-    cpu_steps: CpuSteps,
+    /// The CPU of `shapes` in `by_cpu`'s order.
+    sorted_cpu: Vec<u64>,
     total_weight: f64,
     memory_free: bool,
     /// The distinct shares the typical shapes ask, smallest first.
@@ -159,85 +159,6 @@ pub struct TypicalWorkload {
     /// [`TypicalWorkload::waste_rank`] of each free capacity 0..=1000;
     /// empty (a `Default` workload): every rank 0, FGD alone decides.
     waste_ranks: Vec<u8>,
-}
-
-/// A count of sorted CPU sizes at most a given CPU (a [`WeightTable`]'s
-/// row), read without a binary search: FGD asks it for every node it scores,
-/// and a search over openb's typical shapes was about a fifth of the time
-/// of FGD's fragmentation sum (`perf`). A CPU at or above the largest size (a node with
-/// CPUs to spare, the common case) counts all; otherwise a grid of at most
-/// [`CpuSteps::CELLS`] cells over the sizes gives the first distinct size
-/// in the CPU's cell, and the sizes from there are passed over in order
-/// (few: the cells are finer than the gaps between most sizes).
-#[derive(Debug, Clone, PartialEq, Default)]
-struct CpuSteps {
-    /// The distinct sizes, ascending.
-    values: Vec<u64>,
-    /// For each distinct size, how many sizes are at most it.
-    counts: Vec<usize>,
-    /// A CPU's cell is `cpu >> shift`.
-    shift: u32,
-    /// For each cell, the first distinct size at or above the cell's start.
-    first: Vec<u16>,
-}
-
-impl CpuSteps {
-    const CELLS: u64 = 512;
-
-    /// From sizes in ascending order.
-    fn new(sorted: Vec<u64>) -> Self {
-        let mut values: Vec<u64> = Vec::new();
-        let mut counts: Vec<usize> = Vec::new();
-        for (index, &size) in sorted.iter().enumerate() {
-            if values.last() == Some(&size) {
-                if let Some(count) = counts.last_mut() {
-                    *count = index + 1;
-                }
-            } else {
-                values.push(size);
-                counts.push(index + 1);
-            }
-        }
-        let largest = values.last().copied().unwrap_or(0);
-        let mut shift = 0;
-        while (largest >> shift) >= Self::CELLS {
-            shift += 1;
-        }
-        let first = (0..=(largest >> shift))
-            .map(|cell| {
-                let start = cell << shift;
-                values
-                    .partition_point(|&size| size < start)
-                    .min(usize::from(u16::MAX)) as u16
-            })
-            .collect();
-        CpuSteps {
-            values,
-            counts,
-            shift,
-            first,
-        }
-    }
-
-    /// How many sizes are at most `cpu`.
-    fn fitting(&self, cpu: u64) -> usize {
-        let Some(&largest) = self.values.last() else {
-            return 0;
-        };
-        if cpu >= largest {
-            return self.counts.last().copied().unwrap_or(0);
-        }
-        // `cpu` is below the largest size, so its cell is in the grid and
-        // the walk stops at a size above it.
-        let mut index = self
-            .first
-            .get((cpu >> self.shift) as usize)
-            .map_or(0, |&first| usize::from(first));
-        while self.values.get(index).is_some_and(|&size| size <= cpu) {
-            index += 1;
-        }
-        index.checked_sub(1).map_or(0, |at| self.counts[at])
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -273,7 +194,7 @@ impl TypicalWorkload {
         };
         let mut by_cpu: Vec<usize> = (0..shapes.len()).collect();
         by_cpu.sort_by_key(|&j| (shapes[j].cpu_milli, j));
-        let cpu_steps = CpuSteps::new(by_cpu.iter().map(|&j| shapes[j].cpu_milli).collect());
+        let sorted_cpu = by_cpu.iter().map(|&j| shapes[j].cpu_milli).collect();
         let total_weight = shapes.iter().map(|s| s.weight).sum();
         let memory_free = shapes.iter().all(|s| s.memory_mib == 0);
         let share_weights = share_weights(&shapes);
@@ -318,7 +239,7 @@ impl TypicalWorkload {
             requests,
             columns,
             by_cpu,
-            cpu_steps,
+            sorted_cpu,
             total_weight,
             memory_free,
         }
@@ -506,7 +427,11 @@ impl TypicalWorkload {
     /// How many typical shapes ask at most `cpu`: the row of a
     /// [`WeightTable`] or of a profile's savings that applies.
     fn cpu_fitting(&self, cpu: u64) -> usize {
-        self.cpu_steps.fitting(cpu)
+        // Most nodes FGD scores have CPU for every typical shape: no search.
+        match self.sorted_cpu.last() {
+            Some(&largest) if cpu >= largest => self.sorted_cpu.len(),
+            _ => self.sorted_cpu.partition_point(|&c| c <= cpu),
+        }
     }
 
     /// Fragmentation of `node` if its GPUs had `profile`, with `cpu` and
@@ -2436,34 +2361,6 @@ mod tests {
             // A level starts where the formula reaches it and not before.
             assert_eq!(steps.starts.len(), levels as usize + 1);
             assert!(steps.starts.windows(2).all(|w| w[0] < w[1]));
-        }
-    }
-
-    #[test]
-    fn cpu_steps_count_as_a_search_does() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        for case in 0..300 {
-            let len = rng.random_range(0..60);
-            let top = if case % 3 == 0 { 200_000 } else { 5_000_000 };
-            // Duplicates are common: several typical shapes ask one CPU.
-            let mut sizes: Vec<u64> = (0..len)
-                .map(|_| rng.random_range(0..top) / 1000 * 1000 + rng.random_range(0..2) * 152)
-                .collect();
-            sizes.sort_unstable();
-            let steps = CpuSteps::new(sizes.clone());
-            let mut probes: Vec<u64> = (0..200).map(|_| rng.random_range(0..top * 2)).collect();
-            for &size in &sizes {
-                probes.extend([size.saturating_sub(1), size, size + 1]);
-            }
-            probes.extend([0, u64::MAX]);
-            for cpu in probes {
-                assert_eq!(
-                    steps.fitting(cpu),
-                    sizes.partition_point(|&size| size <= cpu),
-                    "sizes {sizes:?}, cpu {cpu}"
-                );
-            }
         }
     }
 }
