@@ -1112,7 +1112,7 @@ impl Scorer {
                 Some(pick_whole_gpus(info, &free.gpu, count).unwrap_or_default())
             }
             GpuRequest::Shared(_) => self
-                .passing_static(cluster, node, shape, fragmentation_now, cache, true)
+                .passing_static(cluster, node, shape, fragmentation_now, cache)
                 .map(|evaluation| evaluation.pick),
         }
     }
@@ -1129,11 +1129,12 @@ impl Scorer {
         fragmentation_now: f64,
         cache: &mut ProfileCache,
     ) -> Option<u32> {
-        self.passing_static(cluster, node, shape, fragmentation_now, cache, false)
+        self.passing_static(cluster, node, shape, fragmentation_now, cache)
             .map(|evaluation| evaluation.level)
     }
 
-    /// The two above: `want_pick` chooses the whole GPUs too.
+    /// The two above: the level, and a share's GPU (whole GPUs are not
+    /// chosen).
     fn passing_static(
         &self,
         cluster: &ClusterState,
@@ -1141,21 +1142,13 @@ impl Scorer {
         shape: &TaskShape,
         fragmentation_now: f64,
         cache: &mut ProfileCache,
-        want_pick: bool,
     ) -> Option<Evaluation> {
         if !cluster.has_room(node, shape) {
             return None;
         }
         let info = &cluster.nodes[node as usize];
         let free = &cluster.free[node as usize];
-        Some(self.evaluate_fitting_from(
-            info,
-            free,
-            shape,
-            fragmentation_now,
-            Some(cache),
-            want_pick,
-        ))
+        Some(self.evaluate_fitting_from(info, free, shape, fragmentation_now, Some(cache), false))
     }
 
     /// Scores a node the task is known to fit.
@@ -1542,18 +1535,11 @@ impl<'a> AfterFragmentation<'a> {
         let slot = self.slots[index];
         let idle = self.idle - u64::from(need);
         let whole = self.whole - usize::from(slot == 1000 && need > 0);
-        match &self.tabled {
-            Some(tabled) => tabled.fragmentation(self.slots, idle, whole, |i, free| {
-                if i == index { free - need } else { free }
-            }),
-            None => {
-                let mut buffer = [0u16; 64];
-                let after = &mut buffer[..self.slots.len()];
-                after.copy_from_slice(self.slots);
-                after[index] -= need;
-                self.profiled(&buffer[..self.slots.len()])
-            }
-        }
+        self.after(
+            idle,
+            whole,
+            |i, free| if i == index { free - need } else { free },
+        )
     }
 
     /// With `count` whole GPUs taken (the first ones: fragmentation depends
@@ -1562,31 +1548,31 @@ impl<'a> AfterFragmentation<'a> {
         let taken = (count as usize).min(self.whole);
         let idle = self.idle - 1000 * taken as u64;
         let whole = self.whole - taken;
-        match &self.tabled {
-            Some(tabled) => {
-                let mut left = taken;
-                tabled.fragmentation(self.slots, idle, whole, |_, free| {
-                    if left > 0 && free == 1000 {
-                        left -= 1;
-                        0
-                    } else {
-                        free
-                    }
-                })
+        let mut left = taken;
+        self.after(idle, whole, |_, free| {
+            if left > 0 && free == 1000 {
+                left -= 1;
+                0
+            } else {
+                free
             }
+        })
+    }
+
+    /// With `slot_after(i, slots[i])` free on each GPU, of which `idle`
+    /// thousandths and `whole` whole GPUs.
+    fn after(
+        &mut self,
+        idle: u64,
+        whole: usize,
+        mut slot_after: impl FnMut(usize, u16) -> u16,
+    ) -> f64 {
+        match &self.tabled {
+            Some(tabled) => tabled.fragmentation(self.slots, idle, whole, slot_after),
             None => {
                 let mut buffer = [0u16; 64];
-                let after = &mut buffer[..self.slots.len()];
-                after.copy_from_slice(self.slots);
-                let mut left = count;
-                for slot in after.iter_mut() {
-                    if left == 0 {
-                        break;
-                    }
-                    if *slot == 1000 {
-                        *slot = 0;
-                        left -= 1;
-                    }
+                for (i, (after, &slot)) in buffer.iter_mut().zip(self.slots).enumerate() {
+                    *after = slot_after(i, slot);
                 }
                 self.profiled(&buffer[..self.slots.len()])
             }
