@@ -11,7 +11,7 @@ use std::time::Duration;
 
 mod common;
 
-use common::cluster::{Cluster, runtime, state, wait_for_nodes};
+use common::cluster::{Cluster, runtime, state, wait_for_nodes, whole_log};
 use common::wait_until;
 
 fn containers_named(prefix: &str) -> String {
@@ -47,10 +47,7 @@ fn a_job_with_an_image_runs_in_a_container() {
         state(&rt, &client, id) == "failed"
     });
     let job = rt.block_on(client.job(id)).expect("job");
-    let logs = rt
-        .block_on(client.logs(id, 0, 0, None, false))
-        .expect("logs");
-    let text = String::from_utf8_lossy(&logs.data).into_owned();
+    let text = whole_log(&rt, &client, id, 0);
     assert_eq!(job.exit_code, Some(4), "{job:?}\n{text}");
     assert!(text.contains("hello from /tmp"), "{text}");
     assert!(text.contains(&format!("MUSTER_JOB_ID={id}")), "{text}");
@@ -114,10 +111,7 @@ fn a_two_node_container_gang_talks_over_the_host_network() {
         state == "succeeded" || state == "failed"
     });
     let job = rt.block_on(client.job(id)).expect("job");
-    let logs = rt
-        .block_on(client.logs(id, 0, 0, None, false))
-        .expect("rank 0's log");
-    let text = String::from_utf8_lossy(&logs.data).into_owned();
+    let text = whole_log(&rt, &client, id, 0);
     assert_eq!(job.state, "succeeded", "{job:?}\n{text}");
     assert!(
         text.contains("hello-from-rank-1"),
@@ -212,10 +206,7 @@ fn a_pull_shows_in_the_job_and_a_missing_image_fails_it() {
         job.tasks.iter().all(|task| task.pulling.is_none()),
         "{job:?}"
     );
-    let logs = rt
-        .block_on(client.logs(id, 0, 0, None, false))
-        .expect("logs");
-    let text = String::from_utf8_lossy(&logs.data).into_owned();
+    let text = whole_log(&rt, &client, id, 0);
     assert!(
         text.contains(&format!("cannot pull the image {image}")),
         "{text}"

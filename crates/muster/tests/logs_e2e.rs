@@ -362,18 +362,17 @@ fn a_task_writing_at_full_speed_does_not_delay_heartbeats() {
     assert!(cancelled.status.success(), "{cancelled:?}");
 }
 
-#[test]
-fn a_restarted_agent_resumes_shipping_where_the_server_is() {
-    let mut env = Env::new();
+/// A server, and the arguments of an agent (`node-a`) for it that ships
+/// logs at no more than `log_rate` per second; `env` speaks to the server.
+fn server_and_slow_agent(env: &mut Env, log_rate: &str) -> (Daemon, Vec<String>) {
     let listen = env.url.trim_start_matches("http://").to_string();
     let data = env.path("server-data");
     let data_arg = data.to_str().expect("a UTF-8 path").to_string();
-    let _server = env.start(
+    let server = env.start(
         "server",
         &["server", "--listen", &listen, "--data-dir", &data_arg],
     );
     let join = data.join("join.token");
-    let join = join.to_str().expect("a UTF-8 path");
     let token = std::fs::read_to_string(data.join("admin.token")).expect("admin token");
     env.flags = vec![
         "--server".into(),
@@ -382,13 +381,12 @@ fn a_restarted_agent_resumes_shipping_where_the_server_is() {
         token.trim().to_string(),
     ];
     let state = env.path("node-a");
-    let state_arg = state.to_str().expect("a UTF-8 path").to_string();
     let agent_args = [
         "agent",
         "--server",
         &env.url,
         "--join-token-file",
-        join,
+        join.to_str().expect("a UTF-8 path"),
         "--name",
         "node-a",
         "--address",
@@ -396,11 +394,48 @@ fn a_restarted_agent_resumes_shipping_where_the_server_is() {
         "--simulate-gpus",
         "1xH100-80GB",
         "--state-dir",
-        &state_arg,
-        // Slow, so that the agent dies halfway through.
+        state.to_str().expect("a UTF-8 path"),
         "--log-rate",
-        "256KiB",
+        log_rate,
     ];
+    (server, agent_args.map(String::from).to_vec())
+}
+
+/// A job that wrote faster than its node ships ends before its log is at
+/// the server; `muster logs` after the end still prints all of it.
+#[test]
+fn logs_read_after_the_end_are_whole_while_the_node_still_sends_them() {
+    let mut env = Env::new();
+    let (_server, agent_args) = server_and_slow_agent(&mut env, "64KiB");
+    let agent_args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
+    let _agent = env.start("agent", &agent_args);
+    // 512 KiB at 64 KiB/s: about 8 s of shipping after a task that ends at
+    // once (its end reaches the server with the next heartbeat).
+    let expected = awkward_bytes(512 * 1024, 17);
+    let file = env.readable_file("late.bin", &expected);
+    let output = env.muster(&[
+        "run",
+        "--detach",
+        "--",
+        "cat",
+        file.to_str().expect("UTF-8"),
+    ]);
+    assert!(output.status.success(), "{output:?}");
+    let id = String::from_utf8_lossy(&output.stdout).trim().to_string();
+    wait_until("the job to end", Duration::from_secs(30), || {
+        env.json(&["describe", &id, "--json"])["state"] == "succeeded"
+    });
+    let output = env.muster(&["logs", &id]);
+    assert!(output.status.success(), "{output:?}");
+    assert_same_bytes("muster logs after the end", &output.stdout, &expected);
+}
+
+#[test]
+fn a_restarted_agent_resumes_shipping_where_the_server_is() {
+    let mut env = Env::new();
+    // Slow, so that the agent dies halfway through.
+    let (_server, agent_args) = server_and_slow_agent(&mut env, "256KiB");
+    let agent_args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
     let agent = env.start("agent", &agent_args);
     let expected = awkward_bytes(2 * 1024 * 1024, 13);
     let file = env.readable_file("restart.bin", &expected);

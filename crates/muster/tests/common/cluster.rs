@@ -184,3 +184,28 @@ pub fn state(rt: &tokio::runtime::Runtime, client: &Client, id: u64) -> String {
         .map(|job| job.state)
         .unwrap_or_default()
 }
+
+/// Rank `rank`'s whole log of job `id`, once the job has ended: read,
+/// following, until the server says it has every byte (`complete`), since
+/// the agent ships a task's output apart from its exit, so a job can end
+/// before the last of its output reaches the server.
+pub fn whole_log(rt: &tokio::runtime::Runtime, client: &Client, id: u64, rank: u32) -> String {
+    let mut bytes = Vec::new();
+    let mut offset = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let page = rt
+            .block_on(client.logs(id, rank, offset, None, true))
+            .expect("the log reads");
+        bytes.extend_from_slice(&page.data);
+        offset = page.next_offset;
+        if page.complete {
+            return String::from_utf8_lossy(&bytes).into_owned();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "job {id} rank {rank}'s log was not complete within a minute; so far: {}",
+            String::from_utf8_lossy(&bytes)
+        );
+    }
+}
