@@ -286,7 +286,15 @@ struct Load {
 }
 
 impl Load {
-    fn start(rt: &tokio::runtime::Runtime, url: String, clients: usize, limit: u64) -> Load {
+    /// `clients` clients sending `limit` requests in all, each as fast as
+    /// it is answered, or one every `pace` at most.
+    fn start(
+        rt: &tokio::runtime::Runtime,
+        url: String,
+        clients: usize,
+        limit: u64,
+        pace: Option<Duration>,
+    ) -> Load {
         let answers = std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<
             String,
             u64,
@@ -308,9 +316,17 @@ impl Load {
                         .timeout(Duration::from_secs(10))
                         .build()
                         .expect("client");
+                    let mut ticks = pace.map(|pace| {
+                        let mut ticks = tokio::time::interval(pace);
+                        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                        ticks
+                    });
                     while !stop.load(std::sync::atomic::Ordering::Relaxed)
                         && sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < limit
                     {
+                        if let Some(ticks) = ticks.as_mut() {
+                            ticks.tick().await;
+                        }
                         match http.get(&url).send().await {
                             Ok(response) if response.status().is_success() => {
                                 let body = response.text().await.unwrap_or_default();
@@ -413,7 +429,7 @@ fn the_gateway_serves_through_a_rolling_update_and_a_replica_s_death_without_fai
     assert_eq!(unknown.status().as_u16(), 404);
 
     // A rolling update under load.
-    let load = Load::start(&rt, url.clone(), 8, 20_000);
+    let load = Load::start(&rt, url.clone(), 8, 20_000, None);
     wait_until("requests flowing", Duration::from_secs(10), || {
         load.answered() > 200
     });
@@ -448,7 +464,7 @@ fn the_gateway_serves_through_a_rolling_update_and_a_replica_s_death_without_fai
     // A replica's process killed under load: no request fails (the gateway
     // sends a GET that finds it dead to another), and traffic is on the
     // others once it leaves the endpoints.
-    let load = Load::start(&rt, url, 4, 20_000);
+    let load = Load::start(&rt, url, 4, 20_000, None);
     wait_until("requests flowing", Duration::from_secs(10), || {
         load.answered() > 200
     });
@@ -563,13 +579,18 @@ fn load_through_the_gateway_scales_a_service_from_zero_to_its_maximum_and_back()
         first.elapsed().as_secs_f64()
     );
 
-    // Load raises the replicas to the maximum.
-    let load = Load::start(&rt, url, 8, 1_000_000);
-    wait_until("three ready replicas", Duration::from_secs(30), || {
-        let now = service(&rt, &client);
-        now.replicas == 3 && now.ready == 3
-    });
-    let view = service(&rt, &client);
+    // Load raises the replicas to the maximum: 80 requests/s (8 clients,
+    // each at most 10 a second), four replicas' worth at 20 each. Paced, as
+    // real traffic is: unpaced, the clients saturate the replicas (half a
+    // CPU each) on a busy machine, their readiness checks time out, and
+    // the ready count flaps below three.
+    let load = Load::start(&rt, url, 8, 1_000_000, Some(Duration::from_millis(100)));
+    let view = common::wait_for_state(
+        "three ready replicas",
+        Duration::from_secs(30),
+        || service(&rt, &client),
+        |now| now.replicas == 3 && now.ready == 3,
+    );
     assert!(
         view.autoscaling
             .as_deref()

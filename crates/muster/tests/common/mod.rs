@@ -28,6 +28,27 @@ pub fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     panic!("timed out waiting for {what}");
 }
 
+/// As [`wait_until`], and on a time-out says what `state` was last.
+pub fn wait_for_state<T: std::fmt::Debug>(
+    what: &str,
+    limit: Duration,
+    mut state: impl FnMut() -> T,
+    done: impl Fn(&T) -> bool,
+) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        let now = state();
+        if done(&now) {
+            return now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; last: {now:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// How many live (not zombie) processes have `marker` in their command line.
 pub fn processes_with(marker: &str) -> usize {
     let Ok(entries) = std::fs::read_dir("/proc") else {
