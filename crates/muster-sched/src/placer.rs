@@ -23,104 +23,99 @@ const INFEASIBLE: u32 = u32::MAX;
 /// few, a bit per node of the cluster once more. Most levels hold a few
 /// nodes (a share's levels under `fgd-consolidate` number thousands), and a
 /// bit set for each would cost the cluster's size per level.
-#[derive(Debug, Clone)]
+///
+/// Held by value in the index's list of levels, with its count, and its
+/// bits and their summary in one allocation: moving a node between levels
+/// (most of an index's upkeep under FGD, whose nodes change level at every
+/// change) reads the level's entry and then the word it changes, not a
+/// pointer to a bucket and then one to its bits.
+#[derive(Debug, Clone, Default)]
 struct Bucket {
     count: u32,
-    /// The nodes, ascending, in `few[..count]` while `bits` is empty; held
-    /// in the bucket, so that moving a node between levels (most of an
-    /// index's upkeep under FGD, whose nodes change level at every change)
-    /// follows one pointer less.
-    few: [NodeIndex; Bucket::FEW],
-    bits: Vec<u64>,
-    /// A bit per word of `bits`, set while the word has a node: a bucket
-    /// that once held many nodes and now holds few is read without going
+    /// The nodes, ascending, in `few[..count]` while `set` is empty.
+    few: Option<Box<[NodeIndex; Bucket::FEW]>>,
+    /// Once the bucket has held more than [`Bucket::FEW`] nodes: a bit per
+    /// node (`words` words, as many as the cluster needs), then a bit per
+    /// word of those, set while the word has a node, so that a bucket that
+    /// once held many nodes and now holds few is read without going
     /// through its empty words (157 at 10,000 nodes).
-    words: Vec<u64>,
-    nodes: usize,
+    set: Box<[u64]>,
 }
 
 impl Bucket {
     /// Nodes kept as a list before a bucket turns into a bit set.
     const FEW: usize = 32;
 
-    fn new(nodes: usize) -> Self {
-        // A bit set no larger than the list would grow to: start with it.
-        let words = nodes.div_ceil(64);
-        let mut bucket = Bucket {
-            count: 0,
-            few: [0; Self::FEW],
-            bits: Vec::new(),
-            words: Vec::new(),
-            nodes,
-        };
-        if words * 2 <= Self::FEW {
-            bucket.make_bit_set();
-        }
-        bucket
-    }
-
-    /// Turns the list into a bit set.
-    fn make_bit_set(&mut self) {
-        let words = self.nodes.div_ceil(64);
-        self.bits = vec![0; words];
-        self.words = vec![0; words.div_ceil(64)];
-        for at in 0..self.count as usize {
-            self.set_bit(self.few[at]);
+    /// Turns the list into a bit set of `words` words (and their summary).
+    fn make_bit_set(&mut self, words: usize) {
+        self.set = vec![0; words + words.div_ceil(64)].into_boxed_slice();
+        if let Some(few) = self.few.take() {
+            for &node in &few[..self.count as usize] {
+                self.set_bit(words, node);
+            }
         }
     }
 
-    fn set_bit(&mut self, node: NodeIndex) {
+    fn set_bit(&mut self, words: usize, node: NodeIndex) {
         let word = node as usize / 64;
-        self.bits[word] |= 1 << (node % 64);
-        self.words[word / 64] |= 1 << (word % 64);
+        self.set[word] |= 1 << (node % 64);
+        self.set[words + word / 64] |= 1 << (word % 64);
     }
 
-    fn insert(&mut self, node: NodeIndex) {
-        if self.bits.is_empty() {
+    /// Adds `node`, which it does not hold, in a cluster of `words` words
+    /// of nodes.
+    fn insert(&mut self, words: usize, node: NodeIndex) {
+        if self.set.is_empty() {
             let len = self.count as usize;
-            if len < Self::FEW {
-                if let Err(at) = self.few[..len].binary_search(&node) {
-                    self.few.copy_within(at..len, at + 1);
-                    self.few[at] = node;
+            // A bit set no larger than the list would grow to: straight
+            // away.
+            if len < Self::FEW && words * 2 > Self::FEW {
+                let few = self.few.get_or_insert_with(|| Box::new([0; Self::FEW]));
+                if let Err(at) = few[..len].binary_search(&node) {
+                    few.copy_within(at..len, at + 1);
+                    few[at] = node;
                     self.count += 1;
                 }
                 return;
             }
-            self.make_bit_set();
+            self.make_bit_set(words);
         }
-        self.set_bit(node);
+        self.set_bit(words, node);
         self.count += 1;
     }
 
-    fn remove(&mut self, node: NodeIndex) {
-        if self.bits.is_empty() {
+    /// Takes `node`, which it holds, out.
+    fn remove(&mut self, words: usize, node: NodeIndex) {
+        if self.set.is_empty() {
             let len = self.count as usize;
-            if let Ok(at) = self.few[..len].binary_search(&node) {
-                self.few.copy_within(at + 1..len, at);
+            if let Some(few) = self.few.as_mut()
+                && let Ok(at) = few[..len].binary_search(&node)
+            {
+                few.copy_within(at + 1..len, at);
                 self.count -= 1;
             }
             return;
         }
         let word = node as usize / 64;
-        self.bits[word] &= !(1 << (node % 64));
-        if self.bits[word] == 0 {
-            self.words[word / 64] &= !(1 << (word % 64));
+        self.set[word] &= !(1 << (node % 64));
+        if self.set[word] == 0 {
+            self.set[words + word / 64] &= !(1 << (word % 64));
         }
         self.count -= 1;
     }
 
     /// The nodes, ascending.
-    fn iter(&self) -> impl Iterator<Item = NodeIndex> + '_ {
-        let listed = if self.bits.is_empty() {
-            self.count as usize
-        } else {
-            0
+    fn iter(&self, words: usize) -> impl Iterator<Item = NodeIndex> + '_ {
+        let listed: &[NodeIndex] = match &self.few {
+            Some(few) if self.set.is_empty() => &few[..self.count as usize],
+            _ => &[],
         };
-        self.few[..listed]
+        let (bits, summary) = self.set.split_at(words.min(self.set.len()));
+        listed
             .iter()
             .copied()
-            .chain(ones(&self.words).flat_map(|word| {
-                ones(&self.bits[word as usize..=word as usize]).map(move |bit| word * 64 + bit)
+            .chain(ones(summary).flat_map(move |word| {
+                ones(&bits[word as usize..=word as usize]).map(move |bit| word * 64 + bit)
             }))
     }
 }
@@ -147,7 +142,7 @@ struct ShapeIndex {
     excluded: Vec<bool>,
     level_of: Vec<u32>,
     /// Indexed by level (levels are at most [`crate::policy::MAX_LEVEL`]).
-    buckets: Vec<Option<Box<Bucket>>>,
+    buckets: Vec<Bucket>,
     /// A bit per level, set while the level has a node: reading goes from
     /// one level with nodes to the next without visiting the empty ones
     /// between (a share's levels under `fgd-consolidate` number thousands,
@@ -206,10 +201,11 @@ impl ShapeIndex {
         if old == level {
             return;
         }
+        let words = nodes.div_ceil(64);
         if old != INFEASIBLE
-            && let Some(Some(bucket)) = self.buckets.get_mut(old as usize)
+            && let Some(bucket) = self.buckets.get_mut(old as usize)
         {
-            bucket.remove(node);
+            bucket.remove(words, node);
             if bucket.count == 0 {
                 self.occupied[old as usize / 64] &= !(1 << (old % 64));
             }
@@ -217,11 +213,9 @@ impl ShapeIndex {
         if level != INFEASIBLE {
             let slot = level as usize;
             if self.buckets.len() <= slot {
-                self.buckets.resize_with(slot + 1, || None);
+                self.buckets.resize_with(slot + 1, Bucket::default);
             }
-            self.buckets[slot]
-                .get_or_insert_with(|| Box::new(Bucket::new(nodes)))
-                .insert(node);
+            self.buckets[slot].insert(words, node);
             if self.occupied.len() <= slot / 64 {
                 self.occupied.resize(slot / 64 + 1, 0);
             }
@@ -232,6 +226,7 @@ impl ShapeIndex {
 
     /// Feasible nodes, best level first, smallest index first within a level.
     fn ranked(&self) -> impl Iterator<Item = NodeIndex> + '_ {
+        let words = self.level_of.len().div_ceil(64);
         self.occupied
             .iter()
             .enumerate()
@@ -247,7 +242,7 @@ impl ShapeIndex {
                     Some(word_index * 64 + bit as usize)
                 })
             })
-            .flat_map(|level| self.buckets[level].iter().flat_map(|bucket| bucket.iter()))
+            .flat_map(move |level| self.buckets[level].iter(words))
     }
 }
 
@@ -849,22 +844,25 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         // A small cluster's buckets start as bit sets; a large one's as
         // lists that turn into bit sets past 32 nodes.
-        for nodes in [300, 5_000] {
-            let mut bucket = Bucket::new(nodes);
-            assert_eq!(bucket.bits.is_empty(), nodes > 1024);
+        for nodes in [300_usize, 5_000] {
+            let words = nodes.div_ceil(64);
+            let mut bucket = Bucket::default();
+            bucket.insert(words, 0);
+            assert_eq!(bucket.set.is_empty(), nodes > 1024);
+            bucket.remove(words, 0);
             let mut model = BTreeSet::new();
             for step in 0..2_000 {
                 let node = rng.random_range(0..nodes as NodeIndex);
                 // Mostly inserts at first (past the list's limit), then both.
                 if model.contains(&node) && (step > 500 || rng.random_bool(0.1)) {
-                    bucket.remove(node);
+                    bucket.remove(words, node);
                     model.remove(&node);
                 } else if !model.contains(&node) {
-                    bucket.insert(node);
+                    bucket.insert(words, node);
                     model.insert(node);
                 }
                 assert_eq!(bucket.count as usize, model.len());
-                assert!(bucket.iter().eq(model.iter().copied()), "step {step}");
+                assert!(bucket.iter(words).eq(model.iter().copied()), "step {step}");
             }
         }
 
