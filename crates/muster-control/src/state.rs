@@ -400,6 +400,10 @@ impl std::error::Error for ControlError {}
 /// Half-life of queues' decayed GPU usage (fair share): one week.
 pub const USAGE_HALF_LIFE_MS: u64 = 7 * 24 * 3600 * 1000;
 
+/// How many `MUSTER_MASTER_PORT`s jobs take in turn from
+/// [`ControlConfig::master_port_base`] on.
+pub const MASTER_PORTS: u16 = 20_000;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ControlConfig {
     /// A node whose last heartbeat is older than this is lost.
@@ -2812,7 +2816,7 @@ impl ControlPlane {
     /// environment's session helper; a service replica's `PORT` unless the
     /// service fixes one).
     pub fn master_port(&self, job: JobId) -> u16 {
-        self.config.master_port_base + (job.0 % 20_000) as u16
+        self.config.master_port_base + (job.0 % u64::from(MASTER_PORTS)) as u16
     }
 
     /// The port a service replica serves on: the service's fixed port, or

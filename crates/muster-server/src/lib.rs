@@ -123,6 +123,9 @@ pub struct ServerConfig {
     /// plain HTTP. The library's default is plain HTTP; `muster server`'s
     /// is the generated CA.
     pub tls: tls::TlsMode,
+    /// The first of the [`muster_control::MASTER_PORTS`] ports jobs get as
+    /// `MUSTER_MASTER_PORT` (job N: this plus N modulo their number).
+    pub master_port_base: u16,
 }
 
 pub use ratelimit::RateLimit;
@@ -164,6 +167,7 @@ impl ServerConfig {
             audit_retention_ms: 400 * 86_400_000,
             rate_limit: Some(DEFAULT_RATE_LIMIT),
             tls: tls::TlsMode::Off,
+            master_port_base: ControlConfig::default().master_port_base,
         }
     }
 }
@@ -328,7 +332,7 @@ impl Server {
             retention_ms: config.retention_ms,
             stack_policy: config.stack_policy,
             service_levels: config.service_levels.clone(),
-            ..ControlConfig::default()
+            master_port_base: config.master_port_base,
         };
         let core = Core::restore(control_config, loaded, now())
             .with_context(|| format!("cannot load the state in {}", data_dir.display()))?;

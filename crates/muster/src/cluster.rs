@@ -100,6 +100,20 @@ pub struct ServerArgs {
     /// aside; past it, 429 with Retry-After), or `off`.
     #[arg(long, value_name = "RATE", default_value = "1000/s:5000", value_parser = parse_rate_limit)]
     pub rate_limit: RateLimitArg,
+    #[command(flatten)]
+    pub ports: PortArgs,
+}
+
+/// The ports muster gives jobs on their nodes.
+#[derive(Debug, Args)]
+pub struct PortArgs {
+    /// The first of the 20,000 ports jobs get as MUSTER_MASTER_PORT, job N
+    /// this plus N modulo 20,000: a gang's rendezvous, a dev environment's
+    /// session helper, a service replica's PORT. Pick a range the nodes'
+    /// other programs (and their ephemeral ports) leave free.
+    #[arg(long, value_name = "PORT", default_value_t = 29_500,
+          value_parser = clap::value_parser!(u16).range(1024..=45_535))]
+    pub master_port_base: u16,
 }
 
 /// `--rate-limit`: a limit, or none (`off`).
@@ -385,6 +399,8 @@ pub struct UpArgs {
     pub isolation: IsolationArgs,
     #[command(flatten)]
     pub tls: TlsArgs,
+    #[command(flatten)]
+    pub ports: PortArgs,
 }
 
 /// A size in bytes: a whole number with an optional binary unit (B, KiB,
@@ -509,6 +525,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
             service_levels: args.service_levels.clone(),
             store: args.store.clone(),
             migrate_from: args.migrate_from.clone(),
+            master_port_base: args.ports.master_port_base,
             ..server_config(
                 args.listen,
                 data_dir.clone(),
@@ -760,6 +777,7 @@ pub fn up(args: UpArgs) -> Result<()> {
     runtime()?.block_on(async {
         let started = muster_server::Server::start(muster_server::ServerConfig {
             tls,
+            master_port_base: args.ports.master_port_base,
             ..server_config(
                 args.listen,
                 data_dir.clone(),

@@ -653,6 +653,14 @@ fn bad_input_gets_clear_errors() {
         all.extend_from_slice(&["--server", env.url.as_str(), "--token", token]);
         env.muster(&all)
     };
+    // A port range that does not fit in the ports there are.
+    let output = env.muster(&["server", "--master-port-base", "50000"]);
+    assert!(!output.status.success(), "{output:?}");
+    let errors = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        errors.contains("--master-port-base") && errors.contains("1024..=45535"),
+        "{errors}"
+    );
     // A bad token is refused with its own exit code.
     let output = with("wrong", &["ps"]);
     assert_eq!(output.status.code(), Some(4), "{output:?}");

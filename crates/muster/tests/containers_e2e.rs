@@ -91,6 +91,7 @@ fn a_two_node_container_gang_talks_over_the_host_network() {
     // Rank 0 listens on the master port; rank 1 connects to it (retrying
     // while rank 0 starts) and sends a line, which rank 0 prints.
     let script = "if [ \"$MUSTER_NODE_RANK\" = 0 ]; then \
+                    echo port=$MUSTER_MASTER_PORT; \
                     timeout 60 nc -l -p $MUSTER_MASTER_PORT; \
                   else \
                     for i in $(seq 1 100); do \
@@ -117,6 +118,9 @@ fn a_two_node_container_gang_talks_over_the_host_network() {
         text.contains("hello-from-rank-1"),
         "rank 0 heard rank 1: {text}"
     );
+    // On the port of the cluster's range (`--master-port-base`) for the job.
+    let port = u64::from(cluster.master_port_base()) + id;
+    assert!(text.contains(&format!("port={port}\n")), "{text}");
 }
 
 /// A registry on loopback that answers every request only after `delay`,

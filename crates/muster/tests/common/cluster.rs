@@ -112,12 +112,30 @@ impl Cluster {
                 data.to_str().expect("utf-8 path"),
                 "--lease",
                 self.lease,
+                "--master-port-base",
+                &self.master_port_base().to_string(),
             ],
         ));
         let address = self.address.clone();
         wait_until("the server", Duration::from_secs(30), || {
             TcpStream::connect(&address).is_ok()
         });
+    }
+
+    /// This cluster's range of jobs' `MUSTER_MASTER_PORT`s: one of 220
+    /// ranges of 100 ports from 10,000 (below the kernel's ephemeral
+    /// ports), picked by the server's port, so that the clusters of tests
+    /// running at once do not hand their jobs (job ids start at 1 in each)
+    /// the same ports on this one host: gangs, dev environments and service
+    /// replicas listen on them.
+    pub fn master_port_base(&self) -> u16 {
+        let port: u16 = self
+            .address
+            .rsplit(':')
+            .next()
+            .and_then(|port| port.parse().ok())
+            .expect("the server's address has a port");
+        10_000 + (port % 220) * 100
     }
 
     pub fn token(&self, name: &str) -> String {
