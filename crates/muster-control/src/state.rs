@@ -404,6 +404,20 @@ pub const USAGE_HALF_LIFE_MS: u64 = 7 * 24 * 3600 * 1000;
 /// [`ControlConfig::master_port_base`] on.
 pub const MASTER_PORTS: u16 = 20_000;
 
+/// The default [`ControlConfig::master_port_base`] (PyTorch's customary
+/// rendezvous port).
+pub const DEFAULT_MASTER_PORT_BASE: u16 = 29_500;
+
+/// The highest [`ControlConfig::master_port_base`] whose ports all exist.
+pub const MAX_MASTER_PORT_BASE: u16 = u16::MAX - MASTER_PORTS;
+
+/// Job `job`'s `MUSTER_MASTER_PORT` when the range starts at `base` (at
+/// most [`MAX_MASTER_PORT_BASE`]): `base` plus the job's id modulo
+/// [`MASTER_PORTS`].
+pub fn master_port(base: u16, job: JobId) -> u16 {
+    base + (job.0 % u64::from(MASTER_PORTS)) as u16
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ControlConfig {
     /// A node whose last heartbeat is older than this is lost.
@@ -496,7 +510,7 @@ impl Default for ControlConfig {
     fn default() -> Self {
         ControlConfig {
             lease_ms: 10_000,
-            master_port_base: 29_500,
+            master_port_base: DEFAULT_MASTER_PORT_BASE,
             retention_ms: DEFAULT_RETENTION_MS,
             stack_policy: StackPolicy::Report,
             service_levels: muster_sched::ServiceLevels::default(),
@@ -2816,7 +2830,7 @@ impl ControlPlane {
     /// environment's session helper; a service replica's `PORT` unless the
     /// service fixes one).
     pub fn master_port(&self, job: JobId) -> u16 {
-        self.config.master_port_base + (job.0 % u64::from(MASTER_PORTS)) as u16
+        master_port(self.config.master_port_base, job)
     }
 
     /// The port a service replica serves on: the service's fixed port, or

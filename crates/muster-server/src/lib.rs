@@ -167,7 +167,7 @@ impl ServerConfig {
             audit_retention_ms: 400 * 86_400_000,
             rate_limit: Some(DEFAULT_RATE_LIMIT),
             tls: tls::TlsMode::Off,
-            master_port_base: ControlConfig::default().master_port_base,
+            master_port_base: muster_control::DEFAULT_MASTER_PORT_BASE,
         }
     }
 }

@@ -111,8 +111,9 @@ pub struct PortArgs {
     /// this plus N modulo 20,000: a gang's rendezvous, a dev environment's
     /// session helper, a service replica's PORT. Pick a range the nodes'
     /// other programs (and their ephemeral ports) leave free.
-    #[arg(long, value_name = "PORT", default_value_t = 29_500,
-          value_parser = clap::value_parser!(u16).range(1024..=45_535))]
+    #[arg(long, value_name = "PORT", default_value_t = muster_control::DEFAULT_MASTER_PORT_BASE,
+          value_parser = clap::value_parser!(u16)
+              .range(1024..=i64::from(muster_control::MAX_MASTER_PORT_BASE)))]
     pub master_port_base: u16,
 }
 

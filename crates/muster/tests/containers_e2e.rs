@@ -119,7 +119,7 @@ fn a_two_node_container_gang_talks_over_the_host_network() {
         "rank 0 heard rank 1: {text}"
     );
     // On the port of the cluster's range (`--master-port-base`) for the job.
-    let port = u64::from(cluster.master_port_base()) + id;
+    let port = cluster.master_port(id);
     assert!(text.contains(&format!("port={port}\n")), "{text}");
 }
 

@@ -252,7 +252,7 @@ fn a_dev_environment_gives_a_shell_and_forwards_a_port_and_is_reclaimed_when_idl
     let job = environment(&list, "box").expect("listed")["job"]
         .as_u64()
         .expect("a job id");
-    let port = cluster.master_port_base() + (job % 20_000) as u16;
+    let port = cluster.master_port(job);
     let mut raw = std::net::TcpStream::connect(("127.0.0.1", port)).expect("the helper listens");
     raw.write_all(b"{\"token\":\"guess\",\"kind\":\"shell\"}\n")
         .expect("write");

@@ -138,6 +138,11 @@ impl Cluster {
         10_000 + (port % 220) * 100
     }
 
+    /// Job `job`'s `MUSTER_MASTER_PORT` in this cluster.
+    pub fn master_port(&self, job: u64) -> u16 {
+        muster_control::master_port(self.master_port_base(), muster_model::JobId(job))
+    }
+
     pub fn token(&self, name: &str) -> String {
         std::fs::read_to_string(self.path("server").join(name))
             .expect("token file")
