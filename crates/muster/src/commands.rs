@@ -610,8 +610,7 @@ fn job_exit_status(job: &JobView) -> u8 {
 
 /// Prints a task's output from `offset`, page by page, until the job has
 /// ended and every byte was printed (`follow`), or until the end of what
-/// the server has now (of a job that has ended: every byte, once the
-/// server has it); returns the offset reached.
+/// the server has now; returns the offset reached.
 async fn print_logs(
     client: &Client,
     id: u64,
@@ -721,12 +720,11 @@ async fn print_rank_logs(
     id: u64,
     rank: u32,
     mut offset: u64,
-    mut follow: bool,
+    follow: bool,
     format: LogFormat,
 ) -> Result<u64> {
     let mut task = None;
     let mut partial = Vec::new();
-    let mut asked_whether_ended = false;
     loop {
         let page = client
             .task_logs(id, rank, task, offset, None, follow)
@@ -741,22 +739,6 @@ async fn print_rank_logs(
             write_lines(id, rank, format, &mut partial, &page.data);
         }
         offset = page.next_offset;
-        if !follow && !page.more && !page.complete && !asked_whether_ended {
-            // A task's output reaches the server apart from its exit, so a
-            // job that just ended may not have all of it there yet: read an
-            // ended job's log to its end (the server says it is complete
-            // once the node sent the last byte, or within seconds when the
-            // node is gone), as a user asking after the end expects.
-            asked_whether_ended = true;
-            let ended = client.job(id).await.is_ok_and(|job| {
-                muster_control::JobState::parse(&job.state)
-                    .is_some_and(muster_control::JobState::is_final)
-            });
-            if ended {
-                follow = true;
-                continue;
-            }
-        }
         if page.complete || (!follow && !page.more) {
             flush_lines(id, rank, format, &mut partial);
             return Ok(offset);
@@ -1676,18 +1658,25 @@ pub fn logs(args: LogsArgs) -> Result<u8, Failure> {
                     }
                 }
             }
+            let job = client.job(job_id).await?;
+            // A job that has ended is read to the end of its log: its nodes
+            // send their output apart from its exit, and may still be
+            // sending the last of it (the server says when it has it all,
+            // or within seconds when a node is gone).
+            let follow = args.follow
+                || muster_control::JobState::parse(&job.state)
+                    .is_some_and(muster_control::JobState::is_final);
             match args.rank {
                 Some(rank) => {
                     let format = LogFormat::of(json, 1);
-                    print_logs(&client, job_id, rank, 0, args.follow, format).await?;
+                    print_logs(&client, job_id, rank, 0, follow, format).await?;
                 }
                 None => {
-                    let job = client.job(job_id).await?;
                     let format = LogFormat::of(json, job.nodes);
                     if job.nodes > 1 {
-                        print_all_ranks(&client, job_id, job.nodes, args.follow, format).await?;
+                        print_all_ranks(&client, job_id, job.nodes, follow, format).await?;
                     } else {
-                        print_logs(&client, job_id, 0, 0, args.follow, format).await?;
+                        print_logs(&client, job_id, 0, 0, follow, format).await?;
                     }
                 }
             }
