@@ -191,17 +191,22 @@ impl ShapeIndex {
             } else {
                 placer.level(node, shape)
             };
-            index.set(cluster.len(), node, level);
+            index.set(node, level);
         }
         index
     }
 
-    fn set(&mut self, nodes: usize, node: NodeIndex, level: u32) {
+    /// The words of a bucket's bit set: one bit per node of the cluster.
+    fn words(&self) -> usize {
+        self.level_of.len().div_ceil(64)
+    }
+
+    fn set(&mut self, node: NodeIndex, level: u32) {
         let old = self.level_of[node as usize];
         if old == level {
             return;
         }
-        let words = nodes.div_ceil(64);
+        let words = self.words();
         if old != INFEASIBLE
             && let Some(bucket) = self.buckets.get_mut(old as usize)
         {
@@ -226,7 +231,7 @@ impl ShapeIndex {
 
     /// Feasible nodes, best level first, smallest index first within a level.
     fn ranked(&self) -> impl Iterator<Item = NodeIndex> + '_ {
-        let words = self.level_of.len().div_ceil(64);
+        let words = self.words();
         self.occupied
             .iter()
             .enumerate()
@@ -540,7 +545,7 @@ impl Placer {
             *level = parts.level(*node, shape);
         }
         for &(node, level) in rescored.iter() {
-            index.set(parts.cluster.len(), node, level);
+            index.set(node, level);
         }
         index.seen = changes.len();
         Some(index)
@@ -873,23 +878,23 @@ mod tests {
             occupied: Vec::new(),
             seen: 0,
         };
-        index.set(4, 0, 5);
-        index.set(4, 1, 900);
-        index.set(4, 2, 900);
-        index.set(4, 3, 7);
+        index.set(0, 5);
+        index.set(1, 900);
+        index.set(2, 900);
+        index.set(3, 7);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 2, 3, 0]);
         // The top level emptied: reading starts lower, and so on down
         // (levels 64 apart and more: other words of the level bit set).
-        index.set(4, 0, 200);
+        index.set(0, 200);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 2, 0, 3]);
-        index.set(4, 0, 5);
-        index.set(4, 1, 6);
-        index.set(4, 2, INFEASIBLE);
+        index.set(0, 5);
+        index.set(1, 6);
+        index.set(2, INFEASIBLE);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [3, 1, 0]);
-        index.set(4, 3, 6);
+        index.set(3, 6);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 3, 0]);
         for node in 0..4 {
-            index.set(4, node, INFEASIBLE);
+            index.set(node, INFEASIBLE);
         }
         assert!(index.occupied.iter().all(|&word| word == 0));
         assert_eq!(index.ranked().count(), 0);
