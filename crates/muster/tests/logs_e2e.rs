@@ -362,9 +362,24 @@ fn a_task_writing_at_full_speed_does_not_delay_heartbeats() {
     assert!(cancelled.status.success(), "{cancelled:?}");
 }
 
-/// A server, and the arguments of an agent (`node-a`) for it that ships
-/// logs at no more than `log_rate` per second; `env` speaks to the server.
-fn server_and_slow_agent(env: &mut Env, log_rate: &str) -> (Daemon, Vec<String>) {
+/// A server, and how to start an agent (`node-a`) for it that ships logs
+/// at no more than a given rate.
+struct SlowShipping {
+    _server: Daemon,
+    agent_args: Vec<String>,
+}
+
+impl SlowShipping {
+    /// The agent, as the process `name`.
+    fn start_agent(&self, env: &Env, name: &'static str) -> Daemon {
+        let args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
+        env.start(name, &args)
+    }
+}
+
+/// A server whose agent ships at most `log_rate` per second; `env` speaks
+/// to the server.
+fn server_and_slow_agent(env: &mut Env, log_rate: &str) -> SlowShipping {
     let listen = env.url.trim_start_matches("http://").to_string();
     let data = env.path("server-data");
     let data_arg = data.to_str().expect("a UTF-8 path").to_string();
@@ -398,7 +413,10 @@ fn server_and_slow_agent(env: &mut Env, log_rate: &str) -> (Daemon, Vec<String>)
         "--log-rate",
         log_rate,
     ];
-    (server, agent_args.map(String::from).to_vec())
+    SlowShipping {
+        _server: server,
+        agent_args: agent_args.map(String::from).to_vec(),
+    }
 }
 
 /// A job that wrote faster than its node ships ends before its log is at
@@ -406,9 +424,8 @@ fn server_and_slow_agent(env: &mut Env, log_rate: &str) -> (Daemon, Vec<String>)
 #[test]
 fn logs_read_after_the_end_are_whole_while_the_node_still_sends_them() {
     let mut env = Env::new();
-    let (_server, agent_args) = server_and_slow_agent(&mut env, "64KiB");
-    let agent_args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
-    let _agent = env.start("agent", &agent_args);
+    let cluster = server_and_slow_agent(&mut env, "64KiB");
+    let _agent = cluster.start_agent(&env, "agent");
     // 512 KiB at 64 KiB/s: about 8 s of shipping after a task that ends at
     // once (its end reaches the server with the next heartbeat).
     let expected = awkward_bytes(512 * 1024, 17);
@@ -434,9 +451,8 @@ fn logs_read_after_the_end_are_whole_while_the_node_still_sends_them() {
 fn a_restarted_agent_resumes_shipping_where_the_server_is() {
     let mut env = Env::new();
     // Slow, so that the agent dies halfway through.
-    let (_server, agent_args) = server_and_slow_agent(&mut env, "256KiB");
-    let agent_args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
-    let agent = env.start("agent", &agent_args);
+    let cluster = server_and_slow_agent(&mut env, "256KiB");
+    let agent = cluster.start_agent(&env, "agent");
     let expected = awkward_bytes(2 * 1024 * 1024, 13);
     let file = env.readable_file("restart.bin", &expected);
     let script = format!("cat {}; sleep 3", file.display());
@@ -448,7 +464,7 @@ fn a_restarted_agent_resumes_shipping_where_the_server_is() {
         shipped > 0 && shipped < expected.len() / 2
     });
     drop(agent);
-    let _agent = env.start("agent-again", &agent_args);
+    let _agent = cluster.start_agent(&env, "agent-again");
     let output = env.muster(&["logs", "-f", &id]);
     assert!(output.status.success(), "{output:?}");
     assert_same_bytes("after the agent restart", &output.stdout, &expected);

@@ -17,18 +17,12 @@ pub fn free_port() -> u16 {
 }
 
 /// Polls `done` every 50 ms until it holds, for at most `limit`.
-pub fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if done() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out waiting for {what}");
+pub fn wait_until(what: &str, limit: Duration, done: impl FnMut() -> bool) {
+    wait_for_state(what, limit, done, |&done| done);
 }
 
-/// As [`wait_until`], and on a time-out says what `state` was last.
+/// Polls `state` every 50 ms until `done` holds for it, for at most
+/// `limit`, and returns it; on a time-out says what it was last.
 pub fn wait_for_state<T: std::fmt::Debug>(
     what: &str,
     limit: Duration,
