@@ -13,7 +13,7 @@
 
 use crate::cluster::{ClusterState, FilterReason, NodeIndex, TaskPlacement, TaskShape};
 use crate::policy::{Evaluation, GpuPick, PlacementPolicy, ProfileCache, Scorer};
-use muster_model::TopologyStrength;
+use muster_model::{GpuRequest, TopologyStrength};
 use rand::Rng;
 use std::collections::BTreeMap;
 
@@ -141,6 +141,10 @@ struct ShapeIndex {
     /// Nodes the shape can never use (pool, cordon, health, model, GPU memory).
     excluded: Vec<bool>,
     level_of: Vec<u32>,
+    /// For a share, the GPU each feasible node would give it, found with
+    /// its level (empty for other shapes): the placement reads it instead
+    /// of scoring the chosen node again.
+    gpu_of: Vec<u8>,
     /// Indexed by level (levels are at most [`crate::policy::MAX_LEVEL`]).
     buckets: Vec<Bucket>,
     /// A bit per level, set while the level has a node: reading goes from
@@ -168,10 +172,15 @@ impl ShapeIndex {
                 .map(|node| cluster.static_filter(node, shape).is_some())
                 .collect(),
             level_of: vec![INFEASIBLE; cluster.len()],
+            gpu_of: if matches!(shape.gpus, GpuRequest::Shared(_)) {
+                vec![0; cluster.len()]
+            } else {
+                Vec::new()
+            },
             buckets: Vec::new(),
             occupied: Vec::new(),
         };
-        let mut memo: Vec<Option<u32>> = vec![None; placer.class_count];
+        let mut memo: Vec<Option<(u32, u8)>> = vec![None; placer.class_count];
         for node in 0..cluster.len() as NodeIndex {
             // A node without room now is infeasible (the level it starts
             // with): no score. In a busy cluster that is most.
@@ -179,19 +188,19 @@ impl ShapeIndex {
                 continue;
             }
             let class = placer.class_of[node as usize];
-            let level = if placer.latest_change[node as usize] == u32::MAX {
+            let (level, gpu) = if placer.latest_change[node as usize] == u32::MAX {
                 match memo[class as usize] {
-                    Some(level) => level,
+                    Some(scored) => scored,
                     None => {
-                        let level = placer.level(node, shape);
-                        memo[class as usize] = Some(level);
-                        level
+                        let scored = placer.level(node, shape);
+                        memo[class as usize] = Some(scored);
+                        scored
                     }
                 }
             } else {
                 placer.level(node, shape)
             };
-            index.set(node, level);
+            index.set(node, level, gpu);
         }
         index
     }
@@ -201,7 +210,11 @@ impl ShapeIndex {
         self.level_of.len().div_ceil(64)
     }
 
-    fn set(&mut self, node: NodeIndex, level: u32) {
+    /// Puts `node` at `level`, a share's `gpu` with it.
+    fn set(&mut self, node: NodeIndex, level: u32, gpu: u8) {
+        if let Some(slot) = self.gpu_of.get_mut(node as usize) {
+            *slot = gpu;
+        }
         let old = self.level_of[node as usize];
         if old == level {
             return;
@@ -331,7 +344,7 @@ pub struct Placer {
     profiles: ProfileCache,
     /// The nodes an index re-scores when it is brought up to date, and
     /// their levels (kept to reuse the space).
-    rescored: Vec<(NodeIndex, u32)>,
+    rescored: Vec<(NodeIndex, u32, u8)>,
 }
 
 /// The parts of a [`Placer`] a shape index is built and updated from.
@@ -346,17 +359,20 @@ struct PlacerParts<'a> {
 }
 
 impl PlacerParts<'_> {
-    /// `node`'s level for `shape`, the node known to pass the static filters.
-    fn level(&mut self, node: NodeIndex, shape: &TaskShape) -> u32 {
+    /// `node`'s level for `shape`, the node known to pass the static
+    /// filters, and for a share the GPU it would take there (0 otherwise).
+    fn level(&mut self, node: NodeIndex, shape: &TaskShape) -> (u32, u8) {
         self.scorer
-            .level_passing_static(
+            .evaluation_passing_static(
                 self.cluster,
                 node,
                 shape,
                 self.fragmentation[node as usize],
                 self.profiles,
             )
-            .unwrap_or(INFEASIBLE)
+            .map_or((INFEASIBLE, 0), |evaluation| {
+                (evaluation.level, evaluation.pick.trailing_zeros() as u8)
+            })
     }
 }
 
@@ -539,13 +555,13 @@ impl Placer {
             {
                 continue;
             }
-            rescored.push((node, 0));
+            rescored.push((node, 0, 0));
         }
-        for (node, level) in rescored.iter_mut() {
-            *level = parts.level(*node, shape);
+        for (node, level, gpu) in rescored.iter_mut() {
+            (*level, *gpu) = parts.level(*node, shape);
         }
-        for &(node, level) in rescored.iter() {
-            index.set(node, level);
+        for &(node, level, gpu) in rescored.iter() {
+            index.set(node, level, gpu);
         }
         index.seen = changes.len();
         Some(index)
@@ -638,6 +654,21 @@ impl Placer {
             // profiles are already known.
             if !self.cluster.fits(node, shape) {
                 return None;
+            }
+            // A share's GPU as its index found it, where the index has
+            // taken in every change (so the node is as it was scored).
+            if let GpuRequest::Shared(_) = shape.gpus
+                && let Some(index) = self.indexes.get(&self.index_key(shape))
+                && index.seen == self.changes.len()
+                && index.level_of[node as usize] != INFEASIBLE
+            {
+                let gpu = u32::from(index.gpu_of[node as usize]);
+                return Some(TaskPlacement {
+                    node,
+                    gpus: grants(1 << gpu, shape.per_gpu_milli()),
+                    cpu_milli: shape.cpu_milli,
+                    memory_mib: shape.memory_mib,
+                });
             }
             self.scorer.pick_passing_static(
                 &self.cluster,
@@ -874,27 +905,28 @@ mod tests {
         let mut index = ShapeIndex {
             excluded: vec![false; 4],
             level_of: vec![INFEASIBLE; 4],
+            gpu_of: Vec::new(),
             buckets: Vec::new(),
             occupied: Vec::new(),
             seen: 0,
         };
-        index.set(0, 5);
-        index.set(1, 900);
-        index.set(2, 900);
-        index.set(3, 7);
+        index.set(0, 5, 0);
+        index.set(1, 900, 0);
+        index.set(2, 900, 0);
+        index.set(3, 7, 0);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 2, 3, 0]);
         // The top level emptied: reading starts lower, and so on down
         // (levels 64 apart and more: other words of the level bit set).
-        index.set(0, 200);
+        index.set(0, 200, 0);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 2, 0, 3]);
-        index.set(0, 5);
-        index.set(1, 6);
-        index.set(2, INFEASIBLE);
+        index.set(0, 5, 0);
+        index.set(1, 6, 0);
+        index.set(2, INFEASIBLE, 0);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [3, 1, 0]);
-        index.set(3, 6);
+        index.set(3, 6, 0);
         assert_eq!(index.ranked().collect::<Vec<_>>(), [1, 3, 0]);
         for node in 0..4 {
-            index.set(node, INFEASIBLE);
+            index.set(node, INFEASIBLE, 0);
         }
         assert!(index.occupied.iter().all(|&word| word == 0));
         assert_eq!(index.ranked().count(), 0);

@@ -717,7 +717,9 @@ pub fn consolidation_tier(info: &NodeStatic, free: &NodeFree) -> u32 {
         .gpu
         .iter()
         .zip(&info.gpu_healthy)
-        .any(|(&slot, &healthy)| healthy && slot < 1000);
+        .fold(false, |any, (&slot, &healthy)| {
+            any | (healthy & (slot < 1000))
+        });
     if gpu_in_use {
         2
     } else if free.cpu_milli < info.cpu_milli || free.memory_mib < info.memory_mib {
@@ -1112,30 +1114,17 @@ impl Scorer {
                 Some(pick_whole_gpus(info, &free.gpu, count).unwrap_or_default())
             }
             GpuRequest::Shared(_) => self
-                .passing_static(cluster, node, shape, fragmentation_now, cache)
+                .evaluation_passing_static(cluster, node, shape, fragmentation_now, cache)
                 .map(|evaluation| evaluation.pick),
         }
     }
 
     /// The level [`Scorer::evaluate`] gives `node`, known to pass the
-    /// static filters for `shape`, given its current fragmentation, without
-    /// choosing which whole GPUs the task would take (a level does not
-    /// depend on which), for indexes that re-score nodes.
-    pub fn level_passing_static(
-        &self,
-        cluster: &ClusterState,
-        node: NodeIndex,
-        shape: &TaskShape,
-        fragmentation_now: f64,
-        cache: &mut ProfileCache,
-    ) -> Option<u32> {
-        self.passing_static(cluster, node, shape, fragmentation_now, cache)
-            .map(|evaluation| evaluation.level)
-    }
-
-    /// The two above: the level, and a share's GPU (whole GPUs are not
-    /// chosen).
-    fn passing_static(
+    /// static filters for `shape`, given its current fragmentation, and a
+    /// share's GPU, without choosing which whole GPUs the task would take
+    /// (a level does not depend on which: `pick` is 0 for them), for
+    /// indexes that re-score nodes; `None` without room.
+    pub fn evaluation_passing_static(
         &self,
         cluster: &ClusterState,
         node: NodeIndex,
@@ -1371,32 +1360,46 @@ impl Scorer {
                         0
                     }
                 };
-                // Each GPU's rank (ranks are below 256), or `NO_FIT`.
+                // Each GPU's rank (ranks are below 256), or `NO_FIT`. The
+                // loops below decide without branching on the GPUs' values
+                // (a node's free capacities are as good as random to a
+                // branch predictor, and a missed branch costs about what a
+                // GPU's term does).
                 const NO_FIT: u16 = u16::MAX;
                 let mut ranks = [NO_FIT; 64];
                 let mut top_rank = 0;
                 for (rank, &slot) in ranks.iter_mut().zip(slots) {
-                    if slot >= need {
-                        let r = rank_of(slot);
-                        top_rank = top_rank.max(r);
-                        *rank = r as u16;
-                    }
+                    let fits = slot >= need;
+                    let r = rank_of(slot.max(need));
+                    top_rank = top_rank.max(if fits { r } else { 0 });
+                    *rank = if fits { r as u16 } else { NO_FIT };
+                }
+                // The GPUs to score: those with the top rank, and of GPUs
+                // with equal free capacity (which score the same) the
+                // lowest-numbered one, found through a bit per capacity.
+                let mut seen = [0u64; 1001_usize.div_ceil(64)];
+                let mut candidates = 0u64;
+                for (index, &slot) in slots.iter().enumerate() {
+                    let slot = slot.min(1000);
+                    let (word, bit) = (usize::from(slot) / 64, slot % 64);
+                    let first = (seen[word] >> bit) & 1 == 0;
+                    seen[word] |= 1 << bit;
+                    let top = u32::from(ranks[index]) == top_rank;
+                    candidates |= u64::from(first & top) << index;
                 }
                 // (level, GPU)
                 let mut best: Option<(u32, usize)> = None;
-                for (index, &slot) in slots.iter().enumerate() {
-                    // GPUs with equal free capacity score the same:
-                    // the lowest-numbered one stands for them.
-                    if u32::from(ranks[index]) != top_rank || slots[..index].contains(&slot) {
-                        continue;
-                    }
+                while candidates != 0 {
+                    let index = candidates.trailing_zeros() as usize;
+                    candidates &= candidates - 1;
                     let frag = after.with_share(index, need) + stranding;
                     // Integer levels, as for nodes: ties go to the
                     // lowest-numbered GPU.
                     let level = steps.level(before - frag);
-                    if best.is_none_or(|(l, _)| level > l) {
-                        best = Some((level, index));
-                    }
+                    best = match best {
+                        Some((l, _)) if level <= l => best,
+                        _ => Some((level, index)),
+                    };
                 }
                 let (rank, (level, index)) = match best {
                     Some(best) => (top_rank, best),
@@ -1550,12 +1553,10 @@ impl<'a> AfterFragmentation<'a> {
         let whole = self.whole - taken;
         let mut left = taken;
         self.after(idle, whole, |_, free| {
-            if left > 0 && free == 1000 {
-                left -= 1;
-                0
-            } else {
-                free
-            }
+            // Without a branch on the GPU's value (see `evaluate_fgd`).
+            let take = left > 0 && free == 1000;
+            left -= usize::from(take);
+            if take { 0 } else { free }
         })
     }
 
