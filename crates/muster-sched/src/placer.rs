@@ -17,7 +17,12 @@ use muster_model::{GpuRequest, TopologyStrength};
 use rand::Rng;
 use std::collections::BTreeMap;
 
+/// The level of a node without room for the shape.
 const INFEASIBLE: u32 = u32::MAX;
+/// The level of a node the shape can never use (pool, cordon, health,
+/// model, GPU memory): kept with the levels, so that bringing an index up
+/// to date reads one array per changed node, not two.
+const EXCLUDED: u32 = u32::MAX - 1;
 
 /// The nodes at one level of a [`ShapeIndex`]: a short sorted list while
 /// few, a bit per node of the cluster once more. Most levels hold a few
@@ -138,8 +143,7 @@ fn ones(words: &[u64]) -> impl Iterator<Item = u32> + '_ {
 /// Score levels of every node for one task shape.
 #[derive(Debug, Clone)]
 struct ShapeIndex {
-    /// Nodes the shape can never use (pool, cordon, health, model, GPU memory).
-    excluded: Vec<bool>,
+    /// Each node's level, [`INFEASIBLE`] or [`EXCLUDED`].
     level_of: Vec<u32>,
     /// For a share, the GPU each feasible node would give it, found with
     /// its level (empty for other shapes): the placement reads it instead
@@ -168,10 +172,12 @@ impl ShapeIndex {
         let cluster = placer.cluster;
         let mut index = ShapeIndex {
             seen,
-            excluded: (0..cluster.len() as NodeIndex)
-                .map(|node| cluster.static_filter(node, shape).is_some())
+            level_of: (0..cluster.len() as NodeIndex)
+                .map(|node| match cluster.static_filter(node, shape) {
+                    Some(_) => EXCLUDED,
+                    None => INFEASIBLE,
+                })
                 .collect(),
-            level_of: vec![INFEASIBLE; cluster.len()],
             gpu_of: if matches!(shape.gpus, GpuRequest::Shared(_)) {
                 vec![0; cluster.len()]
             } else {
@@ -184,7 +190,7 @@ impl ShapeIndex {
         for node in 0..cluster.len() as NodeIndex {
             // A node without room now is infeasible (the level it starts
             // with): no score. In a busy cluster that is most.
-            if index.excluded[node as usize] || !cluster.has_room(node, shape) {
+            if index.level_of[node as usize] == EXCLUDED || !cluster.has_room(node, shape) {
                 continue;
             }
             let class = placer.class_of[node as usize];
@@ -220,7 +226,7 @@ impl ShapeIndex {
             return;
         }
         let words = self.words();
-        if old != INFEASIBLE
+        if old < EXCLUDED
             && let Some(bucket) = self.buckets.get_mut(old as usize)
         {
             bucket.remove(words, node);
@@ -228,7 +234,7 @@ impl ShapeIndex {
                 self.occupied[old as usize / 64] &= !(1 << (old % 64));
             }
         }
-        if level != INFEASIBLE {
+        if level < EXCLUDED {
             let slot = level as usize;
             if self.buckets.len() <= slot {
                 self.buckets.resize_with(slot + 1, Bucket::default);
@@ -545,13 +551,15 @@ impl Placer {
         rescored.clear();
         for (position, &node) in changes.iter().enumerate().skip(seen) {
             let at = node as usize;
-            if parts.latest_change[at] as usize != position || index.excluded[at] {
+            if parts.latest_change[at] as usize != position {
                 continue;
             }
+            let level = index.level_of[at];
             // Resources only shrink between releases: a node that had no
             // room when the index last looked, and gave nothing back since,
             // still has none.
-            if index.level_of[at] == INFEASIBLE && last_release[at].wrapping_add(1) as usize <= seen
+            if level == EXCLUDED
+                || (level == INFEASIBLE && last_release[at].wrapping_add(1) as usize <= seen)
             {
                 continue;
             }
@@ -660,7 +668,7 @@ impl Placer {
             if let GpuRequest::Shared(_) = shape.gpus
                 && let Some(index) = self.indexes.get(&self.index_key(shape))
                 && index.seen == self.changes.len()
-                && index.level_of[node as usize] != INFEASIBLE
+                && index.level_of[node as usize] < EXCLUDED
             {
                 let gpu = u32::from(index.gpu_of[node as usize]);
                 return Some(TaskPlacement {
@@ -903,7 +911,6 @@ mod tests {
         }
 
         let mut index = ShapeIndex {
-            excluded: vec![false; 4],
             level_of: vec![INFEASIBLE; 4],
             gpu_of: Vec::new(),
             buckets: Vec::new(),
