@@ -408,14 +408,32 @@ pub const MASTER_PORTS: u16 = 20_000;
 /// rendezvous port).
 pub const DEFAULT_MASTER_PORT_BASE: u16 = 29_500;
 
+/// The lowest [`ControlConfig::master_port_base`]: jobs' ports stay out of
+/// the privileged ones.
+pub const MIN_MASTER_PORT_BASE: u16 = 1024;
+
 /// The highest [`ControlConfig::master_port_base`] whose ports all exist.
 pub const MAX_MASTER_PORT_BASE: u16 = u16::MAX - MASTER_PORTS;
 
-/// Job `job`'s `MUSTER_MASTER_PORT` when the range starts at `base` (at
-/// most [`MAX_MASTER_PORT_BASE`]): `base` plus the job's id modulo
-/// [`MASTER_PORTS`].
+/// Why `base` cannot be a [`ControlConfig::master_port_base`], if it
+/// cannot: outside [`MIN_MASTER_PORT_BASE`]..=[`MAX_MASTER_PORT_BASE`].
+pub fn check_master_port_base(base: u16) -> Result<(), String> {
+    if (MIN_MASTER_PORT_BASE..=MAX_MASTER_PORT_BASE).contains(&base) {
+        Ok(())
+    } else {
+        Err(format!(
+            "the master port base {base} is outside {MIN_MASTER_PORT_BASE}..={MAX_MASTER_PORT_BASE} \
+             (its {MASTER_PORTS} ports must be unprivileged and exist); pick one inside"
+        ))
+    }
+}
+
+/// Job `job`'s `MUSTER_MASTER_PORT` when the range starts at `base`: `base`
+/// plus the job's id modulo [`MASTER_PORTS`]. A `base` past
+/// [`MAX_MASTER_PORT_BASE`] (refused where a configuration is read, see
+/// [`check_master_port_base`]) counts as that, so the port always exists.
 pub fn master_port(base: u16, job: JobId) -> u16 {
-    base + (job.0 % u64::from(MASTER_PORTS)) as u16
+    base.min(MAX_MASTER_PORT_BASE) + (job.0 % u64::from(MASTER_PORTS)) as u16
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -3210,6 +3228,29 @@ impl ControlPlane {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Jobs' ports stay within the range the base starts, which must be
+    /// unprivileged and fit below 65,536; a base the configuration would
+    /// refuse still gives ports that exist.
+    #[test]
+    fn master_ports_stay_in_their_range() {
+        assert_eq!(master_port(DEFAULT_MASTER_PORT_BASE, JobId(1)), 29_501);
+        assert_eq!(master_port(10_000, JobId(20_003)), 10_003);
+        let last = JobId(u64::from(MASTER_PORTS) - 1);
+        assert_eq!(master_port(MAX_MASTER_PORT_BASE, last), u16::MAX - 1);
+        assert_eq!(master_port(u16::MAX, last), u16::MAX - 1);
+        assert!(check_master_port_base(MIN_MASTER_PORT_BASE).is_ok());
+        assert!(check_master_port_base(MAX_MASTER_PORT_BASE).is_ok());
+        for refused in [
+            0,
+            MIN_MASTER_PORT_BASE - 1,
+            MAX_MASTER_PORT_BASE + 1,
+            u16::MAX,
+        ] {
+            let error = check_master_port_base(refused).expect_err("refused");
+            assert!(error.contains("1024..=45535"), "{error}");
+        }
+    }
 
     fn ended(queue: &str, seconds: u64) -> Job {
         Job {

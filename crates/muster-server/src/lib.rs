@@ -237,6 +237,8 @@ impl Server {
     /// control plane, and starts the API, the scheduler and the lease
     /// ticker.
     pub async fn start(config: ServerConfig) -> anyhow::Result<ServerHandle> {
+        muster_control::check_master_port_base(config.master_port_base)
+            .map_err(|error| anyhow::anyhow!("{error} (--master-port-base)"))?;
         let data_dir = config.data_dir.clone();
         create_private_dir(&data_dir).with_context(|| {
             format!(

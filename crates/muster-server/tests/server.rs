@@ -1288,6 +1288,26 @@ async fn a_second_server_on_the_same_data_directory_is_refused() {
     .await;
 }
 
+/// A library caller's master port base whose ports do not all exist is
+/// refused at start, as the command line refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_port_base_past_the_ports_there_are_is_refused() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = test_config(dir.path());
+        config.master_port_base = 60_000;
+        let error = match Server::start(config).await {
+            Ok(_) => panic!("a server started with ports past 65535"),
+            Err(error) => error.to_string(),
+        };
+        assert!(
+            error.contains("60000") && error.contains("--master-port-base"),
+            "{error}"
+        );
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finished_jobs_leave_memory_and_stay_listed_and_readable_from_the_store() {
     bounded(async {

@@ -113,7 +113,8 @@ pub struct PortArgs {
     /// other programs (and their ephemeral ports) leave free.
     #[arg(long, value_name = "PORT", default_value_t = muster_control::DEFAULT_MASTER_PORT_BASE,
           value_parser = clap::value_parser!(u16)
-              .range(1024..=i64::from(muster_control::MAX_MASTER_PORT_BASE)))]
+              .range(i64::from(muster_control::MIN_MASTER_PORT_BASE)
+                  ..=i64::from(muster_control::MAX_MASTER_PORT_BASE)))]
     pub master_port_base: u16,
 }
 
