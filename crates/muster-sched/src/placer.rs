@@ -655,6 +655,18 @@ impl Placer {
         self.placement_on(node, shape)
     }
 
+    /// A share's GPU on `node` as its index found it with the node's level,
+    /// where the index has taken in every change (so the node is as it was
+    /// scored) and counts the node feasible.
+    fn indexed_share_gpu(&self, node: NodeIndex, shape: &TaskShape) -> Option<u8> {
+        let GpuRequest::Shared(_) = shape.gpus else {
+            return None;
+        };
+        let index = self.indexes.get(&self.index_key(shape))?;
+        (index.seen == self.changes.len() && index.level_of[node as usize] < EXCLUDED)
+            .then(|| index.gpu_of[node as usize])
+    }
+
     /// The placement of `shape` on `node` under the policy's GPU choice.
     pub fn placement_on(&mut self, node: NodeIndex, shape: &TaskShape) -> Option<TaskPlacement> {
         let pick = if self.indexed {
@@ -663,28 +675,16 @@ impl Placer {
             if !self.cluster.fits(node, shape) {
                 return None;
             }
-            // A share's GPU as its index found it, where the index has
-            // taken in every change (so the node is as it was scored).
-            if let GpuRequest::Shared(_) = shape.gpus
-                && let Some(index) = self.indexes.get(&self.index_key(shape))
-                && index.seen == self.changes.len()
-                && index.level_of[node as usize] < EXCLUDED
-            {
-                let gpu = u32::from(index.gpu_of[node as usize]);
-                return Some(TaskPlacement {
+            match self.indexed_share_gpu(node, shape) {
+                Some(gpu) => 1 << gpu,
+                None => self.scorer.pick_passing_static(
+                    &self.cluster,
                     node,
-                    gpus: grants(1 << gpu, shape.per_gpu_milli()),
-                    cpu_milli: shape.cpu_milli,
-                    memory_mib: shape.memory_mib,
-                });
+                    shape,
+                    self.fragmentation[node as usize],
+                    &mut self.profiles,
+                )?,
             }
-            self.scorer.pick_passing_static(
-                &self.cluster,
-                node,
-                shape,
-                self.fragmentation[node as usize],
-                &mut self.profiles,
-            )?
         } else {
             self.scorer.evaluate(&self.cluster, node, shape)?.pick
         };
