@@ -12,7 +12,7 @@
 //! every node for every task; a property test holds the two together.
 
 use crate::cluster::{ClusterState, FilterReason, NodeIndex, TaskPlacement, TaskShape};
-use crate::policy::{Evaluation, GpuPick, PlacementPolicy, ProfileCache, Scorer};
+use crate::policy::{Evaluation, GpuPick, NodeNow, PlacementPolicy, ProfileCache, Scorer};
 use muster_model::{GpuRequest, TopologyStrength};
 use rand::Rng;
 use std::collections::BTreeMap;
@@ -334,6 +334,9 @@ pub struct Placer {
     indexed: bool,
     /// Each node's current fragmentation (FGD), kept with the indexes.
     fragmentation: Vec<f64>,
+    /// Under FGD, what scoring each node reads of it now (empty under
+    /// other policies, whose scorings read the cluster).
+    now: Vec<NodeNow>,
     /// Nodes in the order they changed (one entry per change); indexes take
     /// it in when they are next used. Bounded by the placements and releases
     /// of one placer's life (one scheduling cycle).
@@ -358,6 +361,7 @@ struct PlacerParts<'a> {
     cluster: &'a ClusterState,
     scorer: &'a Scorer,
     fragmentation: &'a [f64],
+    now: &'a [NodeNow],
     latest_change: &'a [u32],
     class_of: &'a [u32],
     class_count: usize,
@@ -368,17 +372,21 @@ impl PlacerParts<'_> {
     /// `node`'s level for `shape`, the node known to pass the static
     /// filters, and for a share the GPU it would take there (0 otherwise).
     fn level(&mut self, node: NodeIndex, shape: &TaskShape) -> (u32, u8) {
-        self.scorer
-            .evaluation_passing_static(
+        match self.now.get(node as usize) {
+            Some(now) => self
+                .scorer
+                .evaluation_now(self.cluster, node, now, shape, self.profiles),
+            None => self.scorer.evaluation_passing_static(
                 self.cluster,
                 node,
                 shape,
                 self.fragmentation[node as usize],
                 self.profiles,
-            )
-            .map_or((INFEASIBLE, 0), |evaluation| {
-                (evaluation.level, evaluation.pick.trailing_zeros() as u8)
-            })
+            ),
+        }
+        .map_or((INFEASIBLE, 0), |evaluation| {
+            (evaluation.level, evaluation.pick.trailing_zeros() as u8)
+        })
     }
 }
 
@@ -406,12 +414,20 @@ impl Placer {
         } else {
             Vec::new()
         };
+        let now = if indexed && scorer.policy.uses_fragmentation() {
+            (0..cluster.len() as NodeIndex)
+                .map(|node| scorer.node_now(&cluster, node, &mut profiles))
+                .collect()
+        } else {
+            Vec::new()
+        };
         Placer {
             cluster,
             scorer,
             indexes: BTreeMap::new(),
             indexed,
             fragmentation,
+            now,
             changes: Vec::new(),
             latest_change: if indexed {
                 vec![u32::MAX; cluster_len]
@@ -438,6 +454,7 @@ impl Placer {
             indexes: BTreeMap::new(),
             indexed: false,
             fragmentation: Vec::new(),
+            now: Vec::new(),
             changes: Vec::new(),
             latest_change: Vec::new(),
             last_release: Vec::new(),
@@ -464,9 +481,19 @@ impl Placer {
         if !self.indexed {
             return;
         }
-        self.fragmentation[node as usize] =
-            self.scorer
-                .fragmentation_now(&self.cluster, node, &mut self.profiles);
+        match self.now.get_mut(node as usize) {
+            Some(now) => {
+                *now = self
+                    .scorer
+                    .node_now(&self.cluster, node, &mut self.profiles);
+                self.fragmentation[node as usize] = now.fragmentation();
+            }
+            None => {
+                self.fragmentation[node as usize] =
+                    self.scorer
+                        .fragmentation_now(&self.cluster, node, &mut self.profiles);
+            }
+        }
         self.latest_change[node as usize] = self.changes.len() as u32;
         self.changes.push(node);
     }
@@ -522,6 +549,7 @@ impl Placer {
             scorer,
             indexes,
             fragmentation,
+            now,
             changes,
             latest_change,
             last_release,
@@ -535,6 +563,7 @@ impl Placer {
             cluster,
             scorer,
             fragmentation,
+            now,
             latest_change,
             class_of,
             class_count: *class_count,

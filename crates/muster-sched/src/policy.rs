@@ -142,7 +142,7 @@ pub struct TypicalWorkload {
     /// The distinct shares the typical shapes ask, smallest first.
     share_sizes: Vec<u16>,
     /// For each free capacity 0..=1000, how many of `share_sizes` fit in it.
-    shares_fitting: Vec<u8>,
+    shares_fitting: PerCapacity<u8>,
     /// CPU (thousandths of a core) the typical GPU shapes ask per whole GPU,
     /// weighted by frequency: the rate at which a node's CPUs feed its GPUs.
     cpu_per_gpu: f64,
@@ -157,8 +157,30 @@ pub struct TypicalWorkload {
     /// [`TypicalWorkload::dead_gaps_below`]).
     dead_below: u16,
     /// [`TypicalWorkload::waste_rank`] of each free capacity 0..=1000;
-    /// empty (a `Default` workload): every rank 0, FGD alone decides.
-    waste_ranks: Vec<u8>,
+    /// all 0 for a `Default` workload: FGD alone decides.
+    waste_ranks: PerCapacity<u8>,
+}
+
+/// A value for each free capacity of a GPU, 0..=1000 thousandths, read
+/// without a bounds check (a capacity above 1000 reads 1000's).
+#[derive(Debug, Clone, PartialEq)]
+struct PerCapacity<T>(Box<[T; 1001]>);
+
+impl<T: Copy> PerCapacity<T> {
+    fn from_fn(mut f: impl FnMut(u16) -> T) -> Self {
+        PerCapacity(Box::new(std::array::from_fn(|free| f(free as u16))))
+    }
+
+    #[inline]
+    fn get(&self, free: u16) -> T {
+        self.0[usize::from(free.min(1000))]
+    }
+}
+
+impl<T: Copy + Default> Default for PerCapacity<T> {
+    fn default() -> Self {
+        PerCapacity::from_fn(|_| T::default())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -210,19 +232,20 @@ impl TypicalWorkload {
                     )
                 });
         let cpu_per_gpu = if gpus > 0.0 { cpu / gpus * 1000.0 } else { 0.0 };
-        let shares_fitting = (0..=1000u16)
-            .map(|free| share_sizes.partition_point(|&size| size <= free).min(255) as u8)
-            .collect();
+        let shares_fitting = PerCapacity::from_fn(|free| {
+            share_sizes.partition_point(|&size| size <= free).min(255) as u8
+        });
         let (share_waste, dead_below) = share_waste_table(&share_weights);
         let classes: Vec<u32> = share_waste
             .iter()
             .map(|&waste| waste_class(waste))
             .collect();
         let worst = classes.iter().copied().max().unwrap_or(0);
-        let waste_ranks = classes
-            .iter()
-            .map(|&class| (worst - class).min(u32::from(u8::MAX)) as u8)
-            .collect();
+        let waste_ranks = PerCapacity::from_fn(|free| {
+            classes
+                .get(usize::from(free))
+                .map_or(0, |&class| (worst - class).min(u32::from(u8::MAX)) as u8)
+        });
         TypicalWorkload {
             share_sizes,
             shares_fitting,
@@ -306,10 +329,9 @@ impl TypicalWorkload {
     /// (0: the most waste). Dense, so that a placer's index of a share's
     /// levels stays short: on openb every gap is expected to end with less
     /// than 220, 23 ranks. A table read.
+    #[inline]
     fn waste_rank(&self, free: u16) -> u32 {
-        self.waste_ranks
-            .get(usize::from(free))
-            .map_or(0, |&rank| u32::from(rank))
+        u32::from(self.waste_ranks.get(free))
     }
 
     pub fn shapes(&self) -> &[TypicalShape] {
@@ -1091,6 +1113,89 @@ impl Scorer {
         self.fragmentation_of(info, &free.gpu, free.cpu_milli, free.memory_mib, cache)
     }
 
+    /// What scoring `node` reads of it now (see [`NodeNow`]); its
+    /// fragmentation is [`Scorer::fragmentation_now`].
+    pub(crate) fn node_now(
+        &self,
+        cluster: &ClusterState,
+        node: NodeIndex,
+        cache: &mut ProfileCache,
+    ) -> NodeNow {
+        let fragmentation = self.fragmentation_now(cluster, node, cache);
+        let info = &cluster.nodes[node as usize];
+        let free = &cluster.free[node as usize];
+        let len = free.gpu.len();
+        // `table` builds the model's table if it is not yet: the fast
+        // path reads it without building it.
+        if !self.policy.uses_fragmentation() || len > 8 || self.table(info).is_none() {
+            return NodeNow {
+                fragmentation,
+                ..NodeNow::default()
+            };
+        }
+        let mut slots = [0u16; 8];
+        slots[..len].copy_from_slice(&free.gpu);
+        let (idle, whole) = idle_and_whole(&slots);
+        NodeNow {
+            fragmentation,
+            cpu: free.cpu_milli,
+            memory: free.memory_mib,
+            slots,
+            idle: idle as u32,
+            most: slots.iter().copied().max().unwrap_or(0),
+            model: info.model as u8,
+            whole: whole as u8,
+            tier: consolidation_tier(info, free) as u8,
+            fast: true,
+        }
+    }
+
+    /// [`Scorer::evaluation_passing_static`] for `node`, read from `now`,
+    /// its [`Scorer::node_now`], where that is complete; the same
+    /// evaluation to the last bit (a test holds them together).
+    #[inline]
+    pub(crate) fn evaluation_now(
+        &self,
+        cluster: &ClusterState,
+        node: NodeIndex,
+        now: &NodeNow,
+        shape: &TaskShape,
+        cache: &mut ProfileCache,
+    ) -> Option<Evaluation> {
+        let table = match self.tables.get(usize::from(now.model)) {
+            Some(table) if now.fast => table.get(),
+            _ => None,
+        };
+        let Some(table) = table else {
+            return self.evaluation_passing_static(cluster, node, shape, now.fragmentation, cache);
+        };
+        // [`ClusterState::has_room`], from the record.
+        let gpus_fit = match shape.gpus {
+            GpuRequest::Whole(count) => u32::from(now.whole) >= count,
+            GpuRequest::Shared(share) => u32::from(now.most) >= share.0,
+        };
+        if !(gpus_fit && now.cpu >= shape.cpu_milli && now.memory >= shape.memory_mib) {
+            return None;
+        }
+        let cpu_after = now.cpu - shape.cpu_milli;
+        let after = AfterFragmentation {
+            slots: &now.slots,
+            len: now.slots.len(),
+            cpu: cpu_after,
+            idle: u64::from(now.idle),
+            whole: usize::from(now.whole),
+            sum: Summing::Tabled(Tabled::row(&self.workload, table, cpu_after)),
+        };
+        let (evaluation, rank) = self.evaluate_fgd_after(
+            after,
+            now.cpu,
+            u64::from(now.idle),
+            shape,
+            now.fragmentation,
+        );
+        Some(self.fgd_evaluation(evaluation, rank, || u32::from(now.tier)))
+    }
+
     /// The GPUs a task takes on `node`, known to pass the static filters
     /// for `shape`, given its current fragmentation; `None` without room.
     /// Whole GPUs come from [`pick_whole_gpus`] unscored (which ones does
@@ -1174,19 +1279,10 @@ impl Scorer {
         want_pick: bool,
     ) -> Evaluation {
         match self.policy {
-            PlacementPolicy::FgdConsolidate => {
+            PlacementPolicy::FgdConsolidate | PlacementPolicy::Fgd => {
                 let (evaluation, waste_rank) =
                     self.evaluate_fgd(info, free, shape, before, cache, want_pick);
-                Evaluation {
-                    level: waste_rank * FGD_KEYS
-                        + evaluation.level * CONSOLIDATION_TIERS
-                        + consolidation_tier(info, free),
-                    pick: evaluation.pick,
-                }
-            }
-            PlacementPolicy::Fgd => {
-                self.evaluate_fgd(info, free, shape, before, cache, want_pick)
-                    .0
+                self.fgd_evaluation(evaluation, waste_rank, || consolidation_tier(info, free))
             }
             PlacementPolicy::BestFit | PlacementPolicy::Packing | PlacementPolicy::Random => {
                 let cpu_after = free.cpu_milli - shape.cpu_milli;
@@ -1220,6 +1316,25 @@ impl Scorer {
                 };
                 Evaluation { level, pick }
             }
+        }
+    }
+
+    /// The level of an FGD policy from FGD's evaluation and, for
+    /// `fgd-consolidate`, a share's waste rank and the node's
+    /// [`consolidation_tier`].
+    #[inline(always)]
+    fn fgd_evaluation(
+        &self,
+        evaluation: Evaluation,
+        waste_rank: u32,
+        tier: impl FnOnce() -> u32,
+    ) -> Evaluation {
+        match self.policy {
+            PlacementPolicy::FgdConsolidate => Evaluation {
+                level: waste_rank * FGD_KEYS + evaluation.level * CONSOLIDATION_TIERS + tier(),
+                pick: evaluation.pick,
+            },
+            _ => evaluation,
         }
     }
 
@@ -1315,17 +1430,66 @@ impl Scorer {
         cache: Option<&mut ProfileCache>,
         want_pick: bool,
     ) -> (Evaluation, u32) {
+        // The node's GPUs in an array of a size known when compiling, so
+        // that the loops over them unroll: eight (most nodes), or 64 (a node
+        // has at most 64 GPUs here; the rest are not scored). Past the
+        // node's GPUs the array holds zeros, as an unhealthy GPU does: a GPU
+        // with nothing free fits no share and is no whole GPU, and adds
+        // exactly nothing to a fragmentation.
+        let (mut evaluation, rank) = if free.gpu.len() <= 8 {
+            self.evaluate_fgd_on::<8>(info, free, shape, before, cache)
+        } else {
+            self.evaluate_fgd_on::<64>(info, free, shape, before, cache)
+        };
+        if let GpuRequest::Whole(count) = shape.gpus
+            && want_pick
+        {
+            evaluation.pick = pick_whole_gpus(info, &free.gpu, count).unwrap_or_default();
+        }
+        (evaluation, rank)
+    }
+
+    /// [`Scorer::evaluate_fgd`] with the node's first `N` GPUs (at most)
+    /// in an array of `N`.
+    #[inline(always)]
+    fn evaluate_fgd_on<const N: usize>(
+        &self,
+        info: &NodeStatic,
+        free: &NodeFree,
+        shape: &TaskShape,
+        before: f64,
+        cache: Option<&mut ProfileCache>,
+    ) -> (Evaluation, u32) {
+        let len = free.gpu.len().min(N);
+        let mut slots = [0u16; N];
+        slots[..len].copy_from_slice(&free.gpu[..len]);
         let cpu_after = free.cpu_milli - shape.cpu_milli;
         let memory_after = free.memory_mib - shape.memory_mib;
-        let steps = self.fgd_steps(shape.gpus);
-        // A node has at most 64 GPUs here (the rest are not scored).
-        let slots = &free.gpu[..free.gpu.len().min(64)];
-        let mut after = AfterFragmentation::new(self, info, slots, cpu_after, memory_after, cache);
-        let idle_before = if slots.len() == free.gpu.len() {
+        let after =
+            AfterFragmentation::new(self, info, &slots, len, cpu_after, memory_after, cache);
+        let idle_before = if len == free.gpu.len() {
             after.idle
         } else {
             free.idle_gpu_milli()
         };
+        self.evaluate_fgd_after(after, free.cpu_milli, idle_before, shape, before)
+    }
+
+    /// [`Scorer::evaluate_fgd`] from a node's GPUs in `after` (zeros past
+    /// the node's), its free CPU and idle GPU capacity now and its
+    /// fragmentation now; `pick` is 0 for whole GPUs.
+    #[inline(always)]
+    fn evaluate_fgd_after<const N: usize>(
+        &self,
+        mut after: AfterFragmentation<'_, N>,
+        cpu_before: u64,
+        idle_before: u64,
+        shape: &TaskShape,
+        before: f64,
+    ) -> (Evaluation, u32) {
+        let cpu_after = after.cpu;
+        let steps = self.fgd_steps(shape.gpus);
+        let slots = after.slots;
         let idle_after = match shape.gpus {
             GpuRequest::Shared(share) => idle_before - u64::from(share.0),
             GpuRequest::Whole(count) => idle_before.saturating_sub(1000 * u64::from(count)),
@@ -1338,7 +1502,7 @@ impl Scorer {
             let stranded = self.workload.cpu_stranded(idle_after, cpu_after);
             if stranded > 0.0 {
                 Self::stranding(
-                    self.workload.cpu_stranded(idle_before, free.cpu_milli),
+                    self.workload.cpu_stranded(idle_before, cpu_before),
                     stranded,
                 )
             } else {
@@ -1351,47 +1515,46 @@ impl Scorer {
             GpuRequest::Shared(share) => {
                 let need = share.0 as u16;
                 // The best waste rank first (a table read per GPU), so that
-                // FGD scores only the GPUs that have it.
-                let by_waste = self.policy == PlacementPolicy::FgdConsolidate;
-                let rank_of = |slot: u16| {
-                    if by_waste {
-                        self.workload.waste_rank(slot - need)
-                    } else {
-                        0
-                    }
-                };
-                // Each GPU's rank (ranks are below 256), or `NO_FIT`. The
-                // loops below decide without branching on the GPUs' values
-                // (a node's free capacities are as good as random to a
-                // branch predictor, and a missed branch costs about what a
-                // GPU's term does).
-                const NO_FIT: u16 = u16::MAX;
-                let mut ranks = [NO_FIT; 64];
-                let mut top_rank = 0;
-                for (rank, &slot) in ranks.iter_mut().zip(slots) {
-                    let fits = slot >= need;
-                    let r = rank_of(slot.max(need));
-                    top_rank = top_rank.max(if fits { r } else { 0 });
-                    *rank = if fits { r as u16 } else { NO_FIT };
-                }
-                // The GPUs to score: those with the top rank, and of GPUs
-                // with equal free capacity (which score the same) the
-                // lowest-numbered one, found through a bit per capacity.
-                let mut seen = [0u64; 1001_usize.div_ceil(64)];
-                let mut candidates = 0u64;
+                // FGD scores only the GPUs that have it: in one pass, each
+                // fitting GPU's rank counted from 1 (0: it does not fit),
+                // the best, and the GPUs that have it. Without branching on
+                // the GPUs' values (a node's free capacities are as good as
+                // random to a branch predictor, and a missed branch costs
+                // about what a GPU's term does).
+                let by_waste = u32::from(self.policy == PlacementPolicy::FgdConsolidate);
+                let mut top = 0u32;
+                let mut tied = 0u64;
                 for (index, &slot) in slots.iter().enumerate() {
-                    let slot = slot.min(1000);
-                    let (word, bit) = (usize::from(slot) / 64, slot % 64);
-                    let first = (seen[word] >> bit) & 1 == 0;
-                    seen[word] |= 1 << bit;
-                    let top = u32::from(ranks[index]) == top_rank;
-                    candidates |= u64::from(first & top) << index;
+                    let fits = slot >= need;
+                    let rank = u32::from(fits)
+                        * (by_waste * self.workload.waste_rank(slot.max(need) - need) + 1);
+                    let bit = 1u64 << index;
+                    tied = if rank > top {
+                        bit
+                    } else if rank == top && fits {
+                        tied | bit
+                    } else {
+                        tied
+                    };
+                    top = top.max(rank);
                 }
+                let top_rank = top.saturating_sub(1);
                 // (level, GPU)
                 let mut best: Option<(u32, usize)> = None;
+                let mut candidates = tied;
                 while candidates != 0 {
                     let index = candidates.trailing_zeros() as usize;
                     candidates &= candidates - 1;
+                    // Of GPUs with equal free capacity (which score the
+                    // same), the lowest-numbered one.
+                    let mut later = candidates;
+                    while later != 0 {
+                        let other = later.trailing_zeros() as usize;
+                        later &= later - 1;
+                        if slots[other] == slots[index] {
+                            candidates &= !(1 << other);
+                        }
+                    }
                     let frag = after.with_share(index, need) + stranding;
                     // Integer levels, as for nodes: ties go to the
                     // lowest-numbered GPU.
@@ -1416,16 +1579,11 @@ impl Scorer {
             GpuRequest::Whole(count) => {
                 // Fragmentation depends on how many whole GPUs are taken,
                 // not which: score the state with the first `count` taken.
-                let pick = if want_pick {
-                    pick_whole_gpus(info, &free.gpu, count).unwrap_or_default()
-                } else {
-                    0
-                };
                 let frag = after.with_whole(count) + stranding;
                 (
                     Evaluation {
                         level: steps.level(before - frag),
-                        pick,
+                        pick: 0,
                     },
                     0,
                 )
@@ -1442,23 +1600,73 @@ impl Scorer {
 /// and the node's idle capacity and whole GPUs counted once per scoring.
 /// A node scored through GPU profiles goes through
 /// [`Scorer::fragmentation_of`] for each.
-struct AfterFragmentation<'a> {
-    scorer: &'a Scorer,
-    info: &'a NodeStatic,
-    slots: &'a [u16],
+struct AfterFragmentation<'a, const N: usize> {
+    /// The node's GPUs, zeros past the first `len`.
+    slots: &'a [u16; N],
+    len: usize,
+    /// Free CPU after the placement.
     cpu: u64,
-    memory: u64,
     idle: u64,
     whole: usize,
-    tabled: Option<Tabled<'a>>,
-    cache: Option<&'a mut ProfileCache>,
+    sum: Summing<'a>,
+}
+
+/// How an [`AfterFragmentation`] sums: through a weight table's row for
+/// the CPU left, or through GPU profiles.
+enum Summing<'a> {
+    Tabled(Tabled<'a>),
+    Profiled {
+        scorer: &'a Scorer,
+        info: &'a NodeStatic,
+        /// Free memory after the placement.
+        memory: u64,
+        cache: Option<&'a mut ProfileCache>,
+    },
 }
 
 /// Free GPU capacity (thousandths) and whole free GPUs.
+#[inline]
 fn idle_and_whole(slots: &[u16]) -> (u64, usize) {
     slots.iter().fold((0, 0), |(idle, whole), &slot| {
         (idle + u64::from(slot), whole + usize::from(slot == 1000))
     })
+}
+
+/// What scoring a node under FGD reads of it, kept by a placer beside
+/// every node ([`Scorer::node_now`]), so that re-scoring a changed node
+/// for shape after shape (most of the default's upkeep: 2.3 million FGD
+/// scorings a cycle in `cargo bench -p muster-sched`) reads one record of
+/// 56 bytes instead of the node's free and static records, and neither
+/// counts the node's GPUs nor finds its weight table again. Complete
+/// (`fast`) for nodes of at most eight GPUs that a [`WeightTable`] scores;
+/// other nodes are scored from the cluster ([`Scorer::evaluation_now`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct NodeNow {
+    /// FGD's fragmentation of the node now.
+    fragmentation: f64,
+    cpu: u64,
+    memory: u64,
+    /// Free thousandths on each GPU, zeros past the node's GPUs.
+    slots: [u16; 8],
+    /// The sum of `slots`.
+    idle: u32,
+    /// The most any one GPU has free.
+    most: u16,
+    /// The node's GPU model (its weight table's index).
+    model: u8,
+    /// GPUs with everything free.
+    whole: u8,
+    /// [`consolidation_tier`].
+    tier: u8,
+    /// Whether the fields after `fragmentation` are filled in.
+    fast: bool,
+}
+
+impl NodeNow {
+    /// FGD's fragmentation of the node now ([`Scorer::fragmentation_now`]).
+    pub(crate) fn fragmentation(&self) -> f64 {
+        self.fragmentation
+    }
 }
 
 /// A [`WeightTable`]'s row for a node's free CPU.
@@ -1472,20 +1680,25 @@ impl<'a> Tabled<'a> {
     /// The row of `info`'s table for `cpu` free, if a table scores it.
     #[inline]
     fn of(scorer: &'a Scorer, info: &NodeStatic, cpu: u64) -> Option<Self> {
-        let table = scorer.table(info)?;
-        let workload = &scorer.workload;
+        Some(Self::row(&scorer.workload, scorer.table(info)?, cpu))
+    }
+
+    /// The row of `table` for `cpu` free.
+    #[inline]
+    fn row(workload: &'a TypicalWorkload, table: &'a WeightTable, cpu: u64) -> Self {
         let k = workload.cpu_fitting(cpu);
-        Some(Tabled {
+        Tabled {
             workload,
             whole_row: &table.whole[k * table.whole_columns..][..table.whole_columns],
             share_row: &table.share[k * table.share_columns..][..table.share_columns],
-        })
+        }
     }
 
     /// FGD's fragmentation of GPUs with `slot_after(i, slots[i])` free, of
     /// which `idle` thousandths and `whole` whole GPUs: the idle capacity
     /// times all the typical shapes' weight, less what they save (see
     /// [`WeightTable`]), summed GPU by GPU in order.
+    #[inline]
     fn fragmentation(
         &self,
         slots: &[u16],
@@ -1502,38 +1715,45 @@ impl<'a> Tabled<'a> {
         let mut saved = 1000.0 * f64::from(whole as u32) * self.whole_row[whole.min(columns - 1)];
         for (i, &slot) in slots.iter().enumerate() {
             let slot = slot_after(i, slot);
-            let q = self.workload.shares_fitting[usize::from(slot.min(1000))];
+            let q = self.workload.shares_fitting.get(slot);
             saved += f64::from(slot) * self.share_row[usize::from(q)];
         }
         f64::from(idle as u32) * self.workload.total_weight - saved
     }
 }
 
-impl<'a> AfterFragmentation<'a> {
+impl<'a, const N: usize> AfterFragmentation<'a, N> {
     fn new(
         scorer: &'a Scorer,
         info: &'a NodeStatic,
-        slots: &'a [u16],
+        slots: &'a [u16; N],
+        len: usize,
         cpu: u64,
         memory: u64,
         cache: Option<&'a mut ProfileCache>,
     ) -> Self {
         let (idle, whole) = idle_and_whole(slots);
-        let tabled = Tabled::of(scorer, info, cpu);
+        let sum = match Tabled::of(scorer, info, cpu) {
+            Some(tabled) => Summing::Tabled(tabled),
+            None => Summing::Profiled {
+                scorer,
+                info,
+                memory,
+                cache,
+            },
+        };
         AfterFragmentation {
-            scorer,
-            info,
             slots,
+            len,
             cpu,
-            memory,
             idle,
             whole,
-            tabled,
-            cache,
+            sum,
         }
     }
 
     /// With a share of `need` taken from GPU `index`.
+    #[inline]
     fn with_share(&mut self, index: usize, need: u16) -> f64 {
         let slot = self.slots[index];
         let idle = self.idle - u64::from(need);
@@ -1547,6 +1767,7 @@ impl<'a> AfterFragmentation<'a> {
 
     /// With `count` whole GPUs taken (the first ones: fragmentation depends
     /// on how many, not which).
+    #[inline]
     fn with_whole(&mut self, count: u32) -> f64 {
         let taken = (count as usize).min(self.whole);
         let idle = self.idle - 1000 * taken as u64;
@@ -1562,32 +1783,33 @@ impl<'a> AfterFragmentation<'a> {
 
     /// With `slot_after(i, slots[i])` free on each GPU, of which `idle`
     /// thousandths and `whole` whole GPUs.
+    #[inline]
     fn after(
         &mut self,
         idle: u64,
         whole: usize,
         mut slot_after: impl FnMut(usize, u16) -> u16,
     ) -> f64 {
-        match &self.tabled {
-            Some(tabled) => tabled.fragmentation(self.slots, idle, whole, slot_after),
-            None => {
-                let mut buffer = [0u16; 64];
+        match &mut self.sum {
+            Summing::Tabled(tabled) => tabled.fragmentation(self.slots, idle, whole, slot_after),
+            Summing::Profiled {
+                scorer,
+                info,
+                memory,
+                cache,
+            } => {
+                let mut buffer = [0u16; N];
                 for (i, (after, &slot)) in buffer.iter_mut().zip(self.slots).enumerate() {
                     *after = slot_after(i, slot);
                 }
-                self.profiled(&buffer[..self.slots.len()])
+                let mut local = ProfileCache::default();
+                let cache = match cache.as_deref_mut() {
+                    Some(cache) => cache,
+                    None => &mut local,
+                };
+                scorer.fragmentation_of(info, &buffer[..self.len], self.cpu, *memory, cache)
             }
         }
-    }
-
-    fn profiled(&mut self, after: &[u16]) -> f64 {
-        let mut local = ProfileCache::default();
-        let cache = match self.cache.as_deref_mut() {
-            Some(cache) => cache,
-            None => &mut local,
-        };
-        self.scorer
-            .fragmentation_of(self.info, after, self.cpu, self.memory, cache)
     }
 }
 
@@ -1802,6 +2024,103 @@ mod tests {
         (info, free, cpu)
     }
 
+    /// A node scored from its [`NodeNow`] (as a placer's indexes do) gets
+    /// the evaluation, to the last bit, that scoring it from the cluster
+    /// gets: nodes of one to ten GPUs (those past eight scored from the
+    /// cluster either way), unhealthy GPUs, two models, CPU and memory
+    /// short or plenty, shares, whole GPUs and CPU only, under both FGDs.
+    #[test]
+    fn a_node_scored_from_its_record_scores_as_from_the_cluster() {
+        use muster_model::{CpuMilli, GpuModel, GpuSpec, MemoryMib, NodeSpec};
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+        let inputs: Vec<crate::cluster::NodeInput> = (0..60)
+            .map(|i| {
+                let gpus = 1 + i % 10;
+                crate::cluster::NodeInput::schedulable(NodeSpec {
+                    name: muster_model::NodeName(format!("n{i}")),
+                    gpus: (0..gpus)
+                        .map(|index| GpuSpec {
+                            index: index as u32,
+                            uuid: format!("GPU-{i}-{index}"),
+                            model: GpuModel::new(["A", "B"][i % 2]),
+                            memory: MemoryMib(32 * 1024),
+                            nvlink_domain: index as u32 / 4,
+                        })
+                        .collect(),
+                    pool: muster_model::PoolName::from("default"),
+                    rack: muster_model::RackName("r".into()),
+                    cpu: CpuMilli(24_000),
+                    memory: MemoryMib(1 << 16),
+                })
+            })
+            .collect();
+        let mut cluster = ClusterState::new(inputs).expect("nodes");
+        let scale = Scale::of(&cluster);
+        for policy in [PlacementPolicy::Fgd, PlacementPolicy::FgdConsolidate] {
+            let scorer = Scorer::new(policy, mixed_workload(), scale);
+            let mut cache = ProfileCache::default();
+            let mut fast = 0;
+            for _ in 0..40 {
+                for node in 0..cluster.len() {
+                    let gpus = cluster.nodes[node].gpu_healthy.len();
+                    let (_, free, cpu) = random_state(&mut rng);
+                    for index in 0..gpus {
+                        let healthy = rng.random_range(0..8) > 0;
+                        cluster.nodes[node].gpu_healthy[index] = healthy;
+                        cluster.free[node].gpu[index] = if healthy {
+                            free.get(index).copied().unwrap_or(1000)
+                        } else {
+                            0
+                        };
+                    }
+                    cluster.free[node].cpu_milli = cpu;
+                    cluster.free[node].memory_mib = rng.random_range(0..1u64 << 16);
+                }
+                for node in 0..cluster.len() as NodeIndex {
+                    let now = scorer.node_now(&cluster, node, &mut cache);
+                    fast += usize::from(now.fast);
+                    let before = scorer.fragmentation_now(&cluster, node, &mut cache);
+                    assert_eq!(now.fragmentation().to_bits(), before.to_bits());
+                    for gpus in [
+                        GpuRequest::Whole(0),
+                        GpuRequest::Whole(1),
+                        GpuRequest::Whole(2),
+                        GpuRequest::Whole(3),
+                        GpuRequest::Whole(8),
+                        GpuRequest::Shared(GpuMilli(110)),
+                        GpuRequest::Shared(GpuMilli(230)),
+                        GpuRequest::Shared(GpuMilli(470)),
+                        GpuRequest::Shared(GpuMilli(810)),
+                        GpuRequest::Shared(GpuMilli(1000)),
+                    ] {
+                        for cpu_milli in [0, 1_000, 4_000, 12_000] {
+                            let shape = TaskShape {
+                                container: false,
+                                reserved: Default::default(),
+                                gpus,
+                                cpu_milli,
+                                memory_mib: 1 << 14,
+                                models: ModelMask::ANY,
+                                pool: None,
+                                min_gpu_memory_mib: 0,
+                            };
+                            let expected = scorer.evaluation_passing_static(
+                                &cluster, node, &shape, before, &mut cache,
+                            );
+                            let got =
+                                scorer.evaluation_now(&cluster, node, &now, &shape, &mut cache);
+                            assert_eq!(got, expected, "{policy:?} node {node} {shape:?} {now:?}");
+                        }
+                    }
+                }
+            }
+            // Nodes of up to eight GPUs (eight in ten) are read from
+            // their records.
+            assert!(fast > 40 * 60 / 2, "{fast}");
+        }
+    }
+
     #[test]
     fn the_weight_tables_agree_with_the_shape_loop() {
         use rand::SeedableRng;
@@ -1852,6 +2171,9 @@ mod tests {
                 let reference = |after: &[u16], cache: &mut ProfileCache| {
                     scorer.fragmentation_of(&info, after, cpu_after, memory, cache)
                 };
+                // As scorings see the GPUs: zeros past the node's.
+                let mut padded = [0u16; 64];
+                padded[..free.len()].copy_from_slice(&free);
                 for need in [1u16, 110, 470, 530, 1000] {
                     for index in 0..free.len() {
                         if free[index] < need {
@@ -1863,7 +2185,8 @@ mod tests {
                         let got = AfterFragmentation::new(
                             &scorer,
                             &info,
-                            &free,
+                            &padded,
+                            free.len(),
                             cpu_after,
                             memory,
                             Some(&mut cache),
@@ -1887,9 +2210,16 @@ mod tests {
                         }
                     }
                     let expected = reference(&after, &mut cache);
-                    let got =
-                        AfterFragmentation::new(&scorer, &info, &free, cpu_after, memory, None)
-                            .with_whole(count);
+                    let got = AfterFragmentation::new(
+                        &scorer,
+                        &info,
+                        &padded,
+                        free.len(),
+                        cpu_after,
+                        memory,
+                        None,
+                    )
+                    .with_whole(count);
                     assert_eq!(got.to_bits(), expected.to_bits(), "{free:?} {count} whole");
                 }
             }
