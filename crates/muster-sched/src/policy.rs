@@ -1162,14 +1162,11 @@ impl Scorer {
         shape: &TaskShape,
         cache: &mut ProfileCache,
     ) -> Option<Evaluation> {
-        let table = match self.tables.get(usize::from(now.model)) {
-            Some(table) if now.fast => table.get(),
-            _ => None,
-        };
-        let Some(table) = table else {
+        if !now.fast {
             return self.evaluation_passing_static(cluster, node, shape, now.fragmentation, cache);
-        };
-        // [`ClusterState::has_room`], from the record.
+        }
+        // [`ClusterState::has_room`], from the record (most re-scorings end
+        // here).
         let gpus_fit = match shape.gpus {
             GpuRequest::Whole(count) => u32::from(now.whole) >= count,
             GpuRequest::Shared(share) => u32::from(now.most) >= share.0,
@@ -1177,6 +1174,14 @@ impl Scorer {
         if !(gpus_fit && now.cpu >= shape.cpu_milli && now.memory >= shape.memory_mib) {
             return None;
         }
+        // Built by [`Scorer::node_now`].
+        let Some(table) = self
+            .tables
+            .get(usize::from(now.model))
+            .and_then(|table| table.get())
+        else {
+            return self.evaluation_passing_static(cluster, node, shape, now.fragmentation, cache);
+        };
         let cpu_after = now.cpu - shape.cpu_milli;
         let after = AfterFragmentation {
             slots: &now.slots,
