@@ -371,6 +371,7 @@ struct PlacerParts<'a> {
 impl PlacerParts<'_> {
     /// `node`'s level for `shape`, the node known to pass the static
     /// filters, and for a share the GPU it would take there (0 otherwise).
+    #[inline]
     fn level(&mut self, node: NodeIndex, shape: &TaskShape) -> (u32, u8) {
         match self.now.get(node as usize) {
             Some(now) => self

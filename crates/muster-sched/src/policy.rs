@@ -1152,8 +1152,9 @@ impl Scorer {
 
     /// [`Scorer::evaluation_passing_static`] for `node`, read from `now`,
     /// its [`Scorer::node_now`], where that is complete; the same
-    /// evaluation to the last bit (a test holds them together).
-    #[inline]
+    /// evaluation to the last bit (a test holds them together). Not
+    /// inlined, so that the indexes of the other policies keep theirs.
+    #[inline(never)]
     pub(crate) fn evaluation_now(
         &self,
         cluster: &ClusterState,
