@@ -408,16 +408,18 @@ impl Placer {
             (Vec::new(), 0)
         };
         let mut profiles = ProfileCache::default();
-        let fragmentation = if indexed {
+        let now: Vec<NodeNow> = if indexed && scorer.policy.uses_fragmentation() {
             (0..cluster.len() as NodeIndex)
-                .map(|node| scorer.fragmentation_now(&cluster, node, &mut profiles))
+                .map(|node| scorer.node_now(&cluster, node, &mut profiles))
                 .collect()
         } else {
             Vec::new()
         };
-        let now = if indexed && scorer.policy.uses_fragmentation() {
+        let fragmentation = if !now.is_empty() {
+            now.iter().map(NodeNow::fragmentation).collect()
+        } else if indexed {
             (0..cluster.len() as NodeIndex)
-                .map(|node| scorer.node_now(&cluster, node, &mut profiles))
+                .map(|node| scorer.fragmentation_now(&cluster, node, &mut profiles))
                 .collect()
         } else {
             Vec::new()

@@ -1668,6 +1668,9 @@ pub(crate) struct NodeNow {
     fast: bool,
 }
 
+// One cache line at most.
+const _: () = assert!(std::mem::size_of::<NodeNow>() <= 64);
+
 impl NodeNow {
     /// FGD's fragmentation of the node now ([`Scorer::fragmentation_now`]).
     pub(crate) fn fragmentation(&self) -> f64 {
@@ -2063,8 +2066,20 @@ mod tests {
             .collect();
         let mut cluster = ClusterState::new(inputs).expect("nodes");
         let scale = Scale::of(&cluster);
-        for policy in [PlacementPolicy::Fgd, PlacementPolicy::FgdConsolidate] {
-            let scorer = Scorer::new(policy, mixed_workload(), scale);
+        let mut with_memory: Vec<TypicalShape> = mixed_workload().shapes().to_vec();
+        with_memory[3].memory_mib = 4_096;
+        for (policy, workload) in [
+            (PlacementPolicy::Fgd, mixed_workload()),
+            (PlacementPolicy::FgdConsolidate, mixed_workload()),
+            // Typical shapes asking memory: no weight table, every node
+            // scored from the cluster.
+            (
+                PlacementPolicy::FgdConsolidate,
+                TypicalWorkload::new(with_memory),
+            ),
+        ] {
+            let tabled = workload.memory_free;
+            let scorer = Scorer::new(policy, workload, scale);
             let mut cache = ProfileCache::default();
             let mut fast = 0;
             for _ in 0..40 {
@@ -2122,8 +2137,12 @@ mod tests {
                 }
             }
             // Nodes of up to eight GPUs (eight in ten) are read from
-            // their records.
-            assert!(fast > 40 * 60 / 2, "{fast}");
+            // their records where a table scores them.
+            if tabled {
+                assert!(fast > 40 * 60 / 2, "{fast}");
+            } else {
+                assert_eq!(fast, 0);
+            }
         }
     }
 
