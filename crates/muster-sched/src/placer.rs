@@ -332,10 +332,10 @@ pub struct Placer {
     scorer: Scorer,
     indexes: BTreeMap<TaskShape, ShapeIndex>,
     indexed: bool,
-    /// Each node's current fragmentation (FGD), kept with the indexes.
-    fragmentation: Vec<f64>,
-    /// Under FGD, what scoring each node reads of it now (empty under
-    /// other policies, whose scorings read the cluster).
+    /// Under FGD, what scoring each node reads of it now, its
+    /// fragmentation with it, kept with the indexes (empty under the other
+    /// policies: they score from the cluster, and a node's fragmentation is
+    /// 0 to them).
     now: Vec<NodeNow>,
     /// Nodes in the order they changed (one entry per change); indexes take
     /// it in when they are next used. Bounded by the placements and releases
@@ -360,7 +360,6 @@ pub struct Placer {
 struct PlacerParts<'a> {
     cluster: &'a ClusterState,
     scorer: &'a Scorer,
-    fragmentation: &'a [f64],
     now: &'a [NodeNow],
     latest_change: &'a [u32],
     class_of: &'a [u32],
@@ -377,13 +376,10 @@ impl PlacerParts<'_> {
             Some(now) => self
                 .scorer
                 .evaluation_now(self.cluster, node, now, shape, self.profiles),
-            None => self.scorer.evaluation_passing_static(
-                self.cluster,
-                node,
-                shape,
-                self.fragmentation[node as usize],
-                self.profiles,
-            ),
+            None => {
+                self.scorer
+                    .evaluation_passing_static(self.cluster, node, shape, 0.0, self.profiles)
+            }
         }
         .map_or((INFEASIBLE, 0), |evaluation| {
             (evaluation.level, evaluation.pick.trailing_zeros() as u8)
@@ -415,21 +411,11 @@ impl Placer {
         } else {
             Vec::new()
         };
-        let fragmentation = if !now.is_empty() {
-            now.iter().map(NodeNow::fragmentation).collect()
-        } else if indexed {
-            (0..cluster.len() as NodeIndex)
-                .map(|node| scorer.fragmentation_now(&cluster, node, &mut profiles))
-                .collect()
-        } else {
-            Vec::new()
-        };
         Placer {
             cluster,
             scorer,
             indexes: BTreeMap::new(),
             indexed,
-            fragmentation,
             now,
             changes: Vec::new(),
             latest_change: if indexed {
@@ -456,7 +442,6 @@ impl Placer {
             scorer,
             indexes: BTreeMap::new(),
             indexed: false,
-            fragmentation: Vec::new(),
             now: Vec::new(),
             changes: Vec::new(),
             latest_change: Vec::new(),
@@ -484,18 +469,10 @@ impl Placer {
         if !self.indexed {
             return;
         }
-        match self.now.get_mut(node as usize) {
-            Some(now) => {
-                *now = self
-                    .scorer
-                    .node_now(&self.cluster, node, &mut self.profiles);
-                self.fragmentation[node as usize] = now.fragmentation();
-            }
-            None => {
-                self.fragmentation[node as usize] =
-                    self.scorer
-                        .fragmentation_now(&self.cluster, node, &mut self.profiles);
-            }
+        if let Some(now) = self.now.get_mut(node as usize) {
+            *now = self
+                .scorer
+                .node_now(&self.cluster, node, &mut self.profiles);
         }
         self.latest_change[node as usize] = self.changes.len() as u32;
         self.changes.push(node);
@@ -551,7 +528,6 @@ impl Placer {
             cluster,
             scorer,
             indexes,
-            fragmentation,
             now,
             changes,
             latest_change,
@@ -565,7 +541,6 @@ impl Placer {
         let mut parts = PlacerParts {
             cluster,
             scorer,
-            fragmentation,
             now,
             latest_change,
             class_of,
@@ -713,7 +688,9 @@ impl Placer {
                     &self.cluster,
                     node,
                     shape,
-                    self.fragmentation[node as usize],
+                    self.now
+                        .get(node as usize)
+                        .map_or(0.0, NodeNow::fragmentation),
                     &mut self.profiles,
                 )?,
             }

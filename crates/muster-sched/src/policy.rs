@@ -1121,23 +1121,32 @@ impl Scorer {
         node: NodeIndex,
         cache: &mut ProfileCache,
     ) -> NodeNow {
-        let fragmentation = self.fragmentation_now(cluster, node, cache);
         let info = &cluster.nodes[node as usize];
         let free = &cluster.free[node as usize];
         let len = free.gpu.len();
         // `table` builds the model's table if it is not yet: the fast
         // path reads it without building it.
-        if !self.policy.uses_fragmentation() || len > 8 || self.table(info).is_none() {
+        let table = (self.policy.uses_fragmentation() && len <= 8)
+            .then(|| self.table(info))
+            .flatten();
+        let Some(table) = table else {
             return NodeNow {
-                fragmentation,
+                fragmentation: self.fragmentation_now(cluster, node, cache),
                 ..NodeNow::default()
             };
-        }
+        };
         let mut slots = [0u16; 8];
         slots[..len].copy_from_slice(&free.gpu);
         let (idle, whole) = idle_and_whole(&slots);
         NodeNow {
-            fragmentation,
+            // [`Scorer::fragmentation_of`]'s sum, over the padded GPUs (their
+            // zeros add exactly nothing).
+            fragmentation: Tabled::row(&self.workload, table, free.cpu_milli).fragmentation(
+                &slots,
+                idle,
+                whole,
+                |_, slot| slot,
+            ),
             cpu: free.cpu_milli,
             memory: free.memory_mib,
             slots,
@@ -1186,7 +1195,6 @@ impl Scorer {
         let cpu_after = now.cpu - shape.cpu_milli;
         let after = AfterFragmentation {
             slots: &now.slots,
-            len: now.slots.len(),
             cpu: cpu_after,
             idle: u64::from(now.idle),
             whole: usize::from(now.whole),
@@ -1607,9 +1615,8 @@ impl Scorer {
 /// A node scored through GPU profiles goes through
 /// [`Scorer::fragmentation_of`] for each.
 struct AfterFragmentation<'a, const N: usize> {
-    /// The node's GPUs, zeros past the first `len`.
+    /// The node's GPUs, zeros past the node's.
     slots: &'a [u16; N],
-    len: usize,
     /// Free CPU after the placement.
     cpu: u64,
     idle: u64,
@@ -1624,6 +1631,8 @@ enum Summing<'a> {
     Profiled {
         scorer: &'a Scorer,
         info: &'a NodeStatic,
+        /// The node's GPUs (the first of `slots`).
+        len: usize,
         /// Free memory after the placement.
         memory: u64,
         cache: Option<&'a mut ProfileCache>,
@@ -1747,13 +1756,13 @@ impl<'a, const N: usize> AfterFragmentation<'a, N> {
             None => Summing::Profiled {
                 scorer,
                 info,
+                len,
                 memory,
                 cache,
             },
         };
         AfterFragmentation {
             slots,
-            len,
             cpu,
             idle,
             whole,
@@ -1804,6 +1813,7 @@ impl<'a, const N: usize> AfterFragmentation<'a, N> {
             Summing::Profiled {
                 scorer,
                 info,
+                len,
                 memory,
                 cache,
             } => {
@@ -1816,7 +1826,7 @@ impl<'a, const N: usize> AfterFragmentation<'a, N> {
                     Some(cache) => cache,
                     None => &mut local,
                 };
-                scorer.fragmentation_of(info, &buffer[..self.len], self.cpu, *memory, cache)
+                scorer.fragmentation_of(info, &buffer[..*len], self.cpu, *memory, cache)
             }
         }
     }
