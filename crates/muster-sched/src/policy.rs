@@ -2021,6 +2021,14 @@ mod tests {
         TypicalWorkload::new(shapes)
     }
 
+    /// [`mixed_workload`] with one typical shape asking memory: no weight
+    /// table scores it, GPU profiles do.
+    fn memory_asking_workload() -> TypicalWorkload {
+        let mut shapes = mixed_workload().shapes().to_vec();
+        shapes[3].memory_mib = 4_096;
+        TypicalWorkload::new(shapes)
+    }
+
     /// A random node state for [`mixed_workload`]: free GPUs (often whole,
     /// empty or a typical gap), free CPU, and the node (model 0 or 1).
     fn random_state(rng: &mut impl rand::Rng) -> (NodeStatic, Vec<u16>, u64) {
@@ -2076,17 +2084,12 @@ mod tests {
             .collect();
         let mut cluster = ClusterState::new(inputs).expect("nodes");
         let scale = Scale::of(&cluster);
-        let mut with_memory: Vec<TypicalShape> = mixed_workload().shapes().to_vec();
-        with_memory[3].memory_mib = 4_096;
         for (policy, workload) in [
             (PlacementPolicy::Fgd, mixed_workload()),
             (PlacementPolicy::FgdConsolidate, mixed_workload()),
             // Typical shapes asking memory: no weight table, every node
             // scored from the cluster.
-            (
-                PlacementPolicy::FgdConsolidate,
-                TypicalWorkload::new(with_memory),
-            ),
+            (PlacementPolicy::FgdConsolidate, memory_asking_workload()),
         ] {
             let tabled = workload.memory_free;
             let scorer = Scorer::new(policy, workload, scale);
@@ -2127,14 +2130,9 @@ mod tests {
                     ] {
                         for cpu_milli in [0, 1_000, 4_000, 12_000] {
                             let shape = TaskShape {
-                                container: false,
-                                reserved: Default::default(),
                                 gpus,
-                                cpu_milli,
                                 memory_mib: 1 << 14,
-                                models: ModelMask::ANY,
-                                pool: None,
-                                min_gpu_memory_mib: 0,
+                                ..one_gpu_task(cpu_milli)
                             };
                             let expected = scorer.evaluation_passing_static(
                                 &cluster, node, &shape, before, &mut cache,
@@ -2193,10 +2191,7 @@ mod tests {
             cpu_milli: 64_000.0,
             gpus: 8.0,
         };
-        let tabled = mixed_workload();
-        let mut with_memory: Vec<TypicalShape> = tabled.shapes().to_vec();
-        with_memory[3].memory_mib = 4_096;
-        for workload in [tabled, TypicalWorkload::new(with_memory)] {
+        for workload in [mixed_workload(), memory_asking_workload()] {
             let scorer = Scorer::new(PlacementPolicy::FgdConsolidate, workload, scale);
             let mut cache = ProfileCache::default();
             for _ in 0..2_000 {
