@@ -53,8 +53,11 @@ pub struct AgentConfig {
     pub supervisor: PathBuf,
     /// The node's task cgroups (see `runtime::cgroup::detect`).
     pub cgroups: CgroupPlan,
-    /// Whom tasks run as when the job's user does not exist here.
-    pub task_user: String,
+    /// The uids tasks get, one each, when the job's user has no account
+    /// here (`None`: the agent is not root and cannot switch users).
+    pub task_uids: Option<crate::runtime::uids::UidRange>,
+    /// Each task in a PID and mount namespace of its own.
+    pub namespaces: bool,
     /// Tasks may run as root on this node.
     pub allow_root_tasks: bool,
     /// The most processes and threads one task may have at once.
@@ -177,7 +180,8 @@ pub async fn run(
         state_dir: config.state_dir.clone(),
         supervisor: config.supervisor.clone(),
         cgroups: config.cgroups.clone(),
-        task_user: config.task_user.clone(),
+        task_uids: config.task_uids,
+        namespaces: config.namespaces,
         allow_root: config.allow_root_tasks,
         task_pids_max: config.task_pids_max,
         // Simulated GPUs have no devices to pass to a container.
@@ -638,20 +642,24 @@ impl Shell {
         let config = self.runtime.config();
         let root = crate::supervise::running_as_root();
         self.checks.update(desired, |task| {
+            let key = task_key(task.job, task.allocation, task.generation);
             let plan = crate::runtime::record::UserPlan {
                 job_user: task.user.clone(),
-                fallback: config.task_user.clone(),
+                dynamic_uid: self.runtime.task_uid(&key),
+                fallback: None,
                 allow_root: config.allow_root,
             };
+            // As the task's user; as root, never without one (the task has
+            // not started yet: looked up again at the next answer).
             let user = crate::supervise::choose_user(root, &plan, crate::supervise::lookup_user)
                 .ok()
                 .flatten()
                 .map(|user| (user.uid, user.gid));
-            let key = task_key(task.job, task.allocation, task.generation);
             crate::checks::TaskContext {
                 env: crate::runtime::check_environment(&task.env, |name| std::env::var(name).ok()),
                 working_dir: task.working_dir.clone(),
                 user,
+                needs_user: root,
                 procs: config.cgroups.task(&key).procs_files(),
                 container: task
                     .image

@@ -24,8 +24,12 @@ const MESSAGE_BYTES: usize = 400;
 pub struct TaskContext {
     pub env: BTreeMap<String, String>,
     pub working_dir: Option<String>,
-    /// (uid, gid) to run as; `None`: as the agent (not root).
+    /// (uid, gid) to run as; `None`: as the agent, which only a
+    /// non-root agent may (see `needs_user`).
     pub user: Option<(u32, u32)>,
+    /// The agent is root: a check without a user is not run (its task has
+    /// no uid yet) rather than run as root.
+    pub needs_user: bool,
     /// The task's `cgroup.procs` files.
     pub procs: Vec<PathBuf>,
     /// A container task: the agent's state directory and the task's key
@@ -66,7 +70,13 @@ impl Checks {
             for spec in &task.checks {
                 let key = (task.allocation, spec.liveness);
                 let entry = match entries.remove(&key) {
-                    Some(entry) if entry.spec == *spec => entry,
+                    Some(mut entry) if entry.spec == *spec => {
+                        // A task's uid is known once it has started.
+                        if entry.context.needs_user && entry.context.user.is_none() {
+                            entry.context = context(task);
+                        }
+                        entry
+                    }
                     _ => Entry {
                         spec: spec.clone(),
                         context: context(task),
@@ -211,6 +221,12 @@ async fn run_one(
                 Some(code) => failure(&shown, Some(code), &said),
                 None => said,
             });
+    }
+    if context.needs_user && context.user.is_none() {
+        return Err(format!(
+            "`{}` was not run: its task has no user on this node yet",
+            spec.command.join(" ")
+        ));
     }
     let mut command = tokio::process::Command::new(helper);
     command.arg("check-exec");

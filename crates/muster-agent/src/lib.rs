@@ -30,6 +30,7 @@ pub mod nodestats;
 pub mod runtime;
 pub mod stack;
 pub mod supervise;
+pub mod taskinit;
 
 pub use agent::{AgentConfig, run};
 pub use gpu::{

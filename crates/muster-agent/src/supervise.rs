@@ -81,11 +81,27 @@ pub struct TaskUser {
     pub home: PathBuf,
 }
 
+/// The name a task with a uid of the agent's range goes by (`USER`,
+/// `LOGNAME`): it has no account.
+pub fn dynamic_name(uid: u32) -> String {
+    format!("muster-task-{uid}")
+}
+
+/// The job's user's account on this node, when it exists and may run tasks
+/// (not root, unless the operator allows it).
+pub fn job_account(plan: &UserPlan, lookup: impl Fn(&str) -> Option<TaskUser>) -> Option<TaskUser> {
+    plan.job_user
+        .as_deref()
+        .and_then(lookup)
+        .filter(|user| user.uid != 0 || plan.allow_root)
+}
+
 /// The user a task runs as: the job's user when it exists here and is not
-/// root (or root is allowed), else the fallback user, which may not be root
-/// either unless allowed. `None`: the supervisor is not root and so cannot
-/// switch (the task runs as the agent's user). `lookup` finds a user by
-/// name.
+/// root (or root is allowed), else the uid of the agent's range the task
+/// was given (no account: `HOME` is its private `/tmp` where it has one),
+/// else (a record of an older agent) its fallback user, never root unless
+/// allowed. `None`: the supervisor is not root and so cannot switch (the
+/// task runs as the agent's user). `lookup` finds a user by name.
 pub fn choose_user(
     running_as_root: bool,
     plan: &UserPlan,
@@ -94,23 +110,31 @@ pub fn choose_user(
     if !running_as_root {
         return Ok(None);
     }
-    if let Some(user) = plan.job_user.as_deref().and_then(&lookup)
-        && (user.uid != 0 || plan.allow_root)
-    {
+    if let Some(user) = job_account(plan, &lookup) {
         return Ok(Some(user));
     }
-    let fallback = lookup(&plan.fallback).ok_or_else(|| {
-        format!(
-            "the task user `{}` does not exist on this node; create it or start the agent with \
-             --task-user NAME",
-            plan.fallback
-        )
+    if let Some(uid) = plan.dynamic_uid {
+        return Ok(Some(TaskUser {
+            name: dynamic_name(uid),
+            uid,
+            gid: uid,
+            home: PathBuf::from("/tmp"),
+        }));
+    }
+    let Some(fallback) = plan.fallback.as_deref() else {
+        return Err(format!(
+            "the job's user `{}` has no account on this node and the agent gave the task no \
+             uid of its own",
+            plan.job_user.as_deref().unwrap_or("(none)")
+        ));
+    };
+    let fallback = lookup(fallback).ok_or_else(|| {
+        format!("the task user `{fallback}` does not exist on this node; restart its agent")
     })?;
     if fallback.uid == 0 && !plan.allow_root {
         return Err(format!(
-            "the task user `{}` is root, and this node does not allow tasks to run as root; \
-             name an unprivileged --task-user, or start the agent with --allow-root-tasks",
-            plan.fallback
+            "the task user `{}` is root, and this node does not allow tasks to run as root",
+            fallback.name
         ));
     }
     Ok(Some(fallback))
@@ -181,7 +205,12 @@ fn supervise(state_dir: &Path, key: &str) -> Result<(), String> {
         .map_err(|why| format!("cannot create the task's cgroup: {why}"))?;
 
     let started = start(&task, &cgroup, user.as_ref(), state_dir, key);
-    let (child, user_name, uid) = match started {
+    let Started {
+        pid: child,
+        user: user_name,
+        uid,
+        init,
+    } = match started {
         Ok(started) => started,
         Err(message) => {
             let _ = cgroup.remove();
@@ -221,7 +250,7 @@ fn supervise(state_dir: &Path, key: &str) -> Result<(), String> {
     let _ = writeln!(stdout, "started {}", pid.as_raw());
     let _ = stdout.flush();
 
-    let exit = watch(&task, &tasks_dir, key, pid, &cgroup, &signals);
+    let exit = watch(&task, &tasks_dir, key, pid, &cgroup, &signals, init);
     record::write_json(&record::path(&tasks_dir, key, "exit"), &exit)
         .map_err(|e| format!("cannot write the exit record: {e}"))
 }
@@ -234,15 +263,24 @@ fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
         .open(path)
 }
 
-/// Starts the command in its cgroup, as its user. Returns its pid, and the
-/// user's name and uid.
+/// A started task: its leader's pid (its init's, in a namespace of its
+/// own), its user's name and uid, and the init's status pipe.
+struct Started {
+    pid: u32,
+    user: String,
+    uid: u32,
+    init: Option<std::fs::File>,
+}
+
+/// Starts the command in its cgroup, as its user (in namespaces of its own
+/// when the record says so, through `task-init`).
 fn start(
     task: &TaskRecord,
     cgroup: &TaskCgroup,
     user: Option<&TaskUser>,
     state_dir: &Path,
     key: &str,
-) -> Result<(u32, String, u32), String> {
+) -> Result<Started, String> {
     if task.command.is_empty() {
         return Err("the command is empty".to_string());
     }
@@ -256,6 +294,13 @@ fn start(
         ),
         None => None,
     };
+    let own_path = || -> Result<String, String> {
+        Ok(std::env::current_exe()
+            .map_err(|e| format!("cannot find this program's own path: {e}"))?
+            .to_str()
+            .ok_or("this program's path is not UTF-8")?
+            .to_string())
+    };
     let container_user = match user {
         Some(user) => format!("{}:{}", user.uid, user.gid),
         None => format!(
@@ -266,21 +311,18 @@ fn start(
     };
     // A dev environment's task is this program's session helper.
     let dev_session = if muster_model::is_dev_session_command(&task.command) && helper.is_none() {
-        Some(
-            std::env::current_exe()
-                .map_err(|e| format!("cannot find this program's own path: {e}"))?
-                .to_str()
-                .ok_or("this program's path is not UTF-8")?
-                .to_string(),
-        )
+        Some(own_path()?)
     } else {
         None
     };
-    let (program, arguments): (&str, Vec<String>) = match (&helper, &dev_session) {
-        (None, Some(program)) => (program.as_str(), vec!["dev-session".to_string()]),
+    let (program, mut arguments): (String, Vec<String>) = match (&helper, &dev_session) {
+        (None, Some(program)) => (program.clone(), vec!["dev-session".to_string()]),
         _ => match &helper {
             Some(helper) => (
-                helper.to_str().ok_or("this program's path is not UTF-8")?,
+                helper
+                    .to_str()
+                    .ok_or("this program's path is not UTF-8")?
+                    .to_string(),
                 vec![
                     "container-task".to_string(),
                     "run".to_string(),
@@ -289,7 +331,7 @@ fn start(
                     container_user,
                 ],
             ),
-            None => (task.command[0].as_str(), task.command[1..].to_vec()),
+            None => (task.command[0].clone(), task.command[1..].to_vec()),
         },
     };
     let log = open_log(&task.log_path)
@@ -328,12 +370,20 @@ fn start(
             (name, uid.as_raw())
         }
     };
-    let switch = match user.filter(|_| helper.is_none()) {
+    // A uid of the agent's range has no account, and so no groups; its
+    // files are its own alone (umask 077): the next holder of the uid, much
+    // later, is another tenant.
+    let dynamic = user.is_some_and(|user| task.user.dynamic_uid == Some(user.uid));
+    let identity = match user.filter(|_| helper.is_none()) {
         Some(user) => {
-            let name = std::ffi::CString::new(user.name.clone())
-                .map_err(|_| format!("the user name `{}` holds a NUL byte", user.name))?;
-            let groups = nix::unistd::getgrouplist(&name, Gid::from_raw(user.gid))
-                .unwrap_or_else(|_| vec![Gid::from_raw(user.gid)]);
+            let groups = if dynamic {
+                Vec::new()
+            } else {
+                let name = std::ffi::CString::new(user.name.clone())
+                    .map_err(|_| format!("the user name `{}` holds a NUL byte", user.name))?;
+                nix::unistd::getgrouplist(&name, Gid::from_raw(user.gid))
+                    .unwrap_or_else(|_| vec![Gid::from_raw(user.gid)])
+            };
             Some((Uid::from_raw(user.uid), Gid::from_raw(user.gid), groups))
         }
         None => None,
@@ -349,21 +399,62 @@ fn start(
             env.insert("DOCKER_HOST".to_string(), host);
         }
     }
-    let mut command = std::process::Command::new(program);
+    let working_dir = match task.working_dir.clone() {
+        Some(dir) => dir,
+        None => std::env::current_dir()
+            .map_err(|e| format!("cannot tell this process's working directory: {e}"))?,
+    };
+    // In namespaces of its own: this program's task-init is the leader (pid
+    // 1 of the new PID namespace, which unshare makes for the next child),
+    // and it drops to the task's user once its mounts are made.
+    let namespaced = task.namespaces && helper.is_none();
+    let mut status_pipe = None;
+    let mut stdin = Stdio::null();
+    let switch = if namespaced {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID)
+            .map_err(|e| format!("cannot make the task a PID namespace: {e}"))?;
+        let plan = crate::taskinit::InitPlan {
+            user: identity.as_ref().map(|(uid, gid, groups)| {
+                (
+                    uid.as_raw(),
+                    gid.as_raw(),
+                    groups.iter().map(|g| g.as_raw()).collect(),
+                )
+            }),
+            working_dir: working_dir.clone(),
+            command: std::iter::once(program.clone())
+                .chain(arguments.iter().cloned())
+                .collect(),
+        };
+        arguments = std::iter::once("task-init".to_string())
+            .chain(plan.to_args())
+            .collect();
+        // The init's status pipe is its standard input.
+        let (read, write) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+        status_pipe = Some(std::fs::File::from(read));
+        stdin = Stdio::from(write);
+        None
+    } else {
+        identity
+    };
+    let program = if namespaced { own_path()? } else { program };
+    let mut command = std::process::Command::new(&program);
     command
         .args(&arguments)
         .env_clear()
         .envs(&env)
-        .stdin(Stdio::null())
+        .stdin(stdin)
         .stdout(log)
         .stderr(log_too)
         .process_group(0);
-    if let Some(dir) = task.working_dir.as_ref().filter(|_| helper.is_none()) {
-        command.current_dir(dir);
+    if helper.is_none() {
+        command.current_dir(&working_dir);
     }
     // SAFETY (the crate's one allowed unsafe block): the closure runs in the forked child before exec; it only makes
-    // async-signal-safe system calls (write, sigprocmask, setgroups, setgid,
-    // setuid) on values prepared before the fork, and allocates nothing.
+    // async-signal-safe system calls (write, sigprocmask, umask, setgroups,
+    // setgid, setuid) on values prepared before the fork, and allocates
+    // nothing.
     #[allow(unsafe_code)]
     unsafe {
         command.pre_exec(move || {
@@ -373,6 +464,9 @@ fn start(
                 nix::unistd::write(file.as_fd(), me)?;
             }
             sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+            if dynamic {
+                nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+            }
             if let Some((uid, gid, groups)) = &switch {
                 nix::unistd::setgroups(groups)?;
                 nix::unistd::setgid(*gid)?;
@@ -384,7 +478,44 @@ fn start(
     let child = command
         .spawn()
         .map_err(|e| format!("cannot start `{program}`: {e}"))?;
-    Ok((child.id(), name, uid))
+    // The write end went to the child: the pipe ends when the init does.
+    drop(command);
+    if let Some(pipe) = &mut status_pipe {
+        let first = read_line(pipe);
+        if first.trim() != "started" {
+            let message = first.trim().strip_prefix("failed ").map_or_else(
+                || "the task's init ended before it started the command".to_string(),
+                str::to_string,
+            );
+            // Its namespace goes with it.
+            let pid = Pid::from_raw(child.id() as i32);
+            let _ = kill(pid, Signal::SIGKILL);
+            let _ = waitpid(pid, None);
+            return Err(message);
+        }
+    }
+    Ok(Started {
+        pid: child.id(),
+        user: name,
+        uid,
+        init: status_pipe,
+    })
+}
+
+/// One line from the init's status pipe (up to its end, or the pipe's).
+fn read_line(pipe: &mut std::fs::File) -> String {
+    use std::io::Read;
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < 4096 {
+        match pipe.read(&mut byte) {
+            Ok(1) if byte[0] == b'\n' => break,
+            Ok(1) => line.push(byte[0]),
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&line).into_owned()
 }
 
 /// The node's fence deadline, or `None` when the file cannot be read (which
@@ -582,6 +713,7 @@ fn watch(
     pid: Pid,
     cgroup: &TaskCgroup,
     signals: &SignalFd,
+    init: Option<std::fs::File>,
 ) -> ExitRecord {
     let stop_path = record::path(tasks_dir, key, "stop");
     let mut reason: Option<EndReason> = None;
@@ -682,11 +814,21 @@ fn watch(
             let _ = std::fs::remove_file(record::path(tasks_dir, key, extension));
         }
     }
-    let (exit_code, signal) = match status {
+    let (mut exit_code, mut signal) = match status {
         WaitStatus::Exited(_, code) => (Some(code), None),
         WaitStatus::Signaled(_, signal, _) => (None, Some(signal as i32)),
         _ => (None, None),
     };
+    // Under an init, how its command ended (an init killed from outside
+    // said nothing: then how the init ended is the task's end).
+    if let Some(mut pipe) = init {
+        use std::io::Read;
+        let mut text = String::new();
+        let _ = (&mut pipe).take(64 * 1024).read_to_string(&mut text);
+        if let Some((code, number)) = crate::taskinit::final_status(&text) {
+            (exit_code, signal) = (code, number);
+        }
+    }
     let reason = match reason {
         Some(reason) => reason,
         None if usage.oom_killed && exit_code != Some(0) => EndReason::MemoryLimit,
@@ -724,59 +866,47 @@ mod tests {
         }
     }
 
-    fn plan(job_user: Option<&str>, fallback: &str, allow_root: bool) -> UserPlan {
+    fn plan(job_user: Option<&str>, dynamic_uid: Option<u32>, allow_root: bool) -> UserPlan {
         UserPlan {
             job_user: job_user.map(str::to_string),
-            fallback: fallback.to_string(),
+            dynamic_uid,
+            fallback: None,
             allow_root,
         }
     }
 
     #[test]
-    fn a_task_runs_as_its_user_else_the_task_user_and_never_as_root_unless_allowed() {
-        let chosen = |plan: UserPlan| choose_user(true, &plan, lookup);
-        assert_eq!(
-            chosen(plan(Some("alice"), "nobody", false))
-                .unwrap()
-                .unwrap()
-                .uid,
-            1000
-        );
-        // Unknown here: the task user.
-        assert_eq!(
-            chosen(plan(Some("bob"), "nobody", false))
-                .unwrap()
-                .unwrap()
-                .name,
-            "nobody"
-        );
-        assert_eq!(
-            chosen(plan(None, "nobody", false)).unwrap().unwrap().name,
-            "nobody"
-        );
+    fn a_task_runs_as_its_user_else_its_own_uid_and_never_as_root_unless_allowed() {
+        let chosen = |plan: UserPlan| choose_user(true, &plan, lookup).unwrap().unwrap();
+        assert_eq!(chosen(plan(Some("alice"), None, false)).uid, 1000);
+        // Unknown here: the task's own uid, with a name of its own.
+        let bob = chosen(plan(Some("bob"), Some(200_007), false));
+        assert_eq!((bob.uid, bob.gid), (200_007, 200_007));
+        assert_eq!(bob.name, "muster-task-200007");
+        assert_eq!(chosen(plan(None, Some(200_008), false)).uid, 200_008);
         // The job says root: not without the operator's word.
         assert_eq!(
-            chosen(plan(Some("root"), "nobody", false))
-                .unwrap()
-                .unwrap()
-                .name,
-            "nobody"
+            chosen(plan(Some("root"), Some(200_009), false)).uid,
+            200_009
         );
-        assert_eq!(
-            chosen(plan(Some("root"), "nobody", true))
-                .unwrap()
-                .unwrap()
-                .uid,
-            0
-        );
-        // A root task user is refused with what to do.
-        let error = chosen(plan(None, "root", false)).unwrap_err();
-        assert!(error.contains("--allow-root-tasks"), "{error}");
-        let error = chosen(plan(None, "nosuchuser", false)).unwrap_err();
-        assert!(error.contains("--task-user"), "{error}");
+        assert_eq!(chosen(plan(Some("root"), Some(200_009), true)).uid, 0);
+        // No uid given and no account: refused, never a shared user.
+        let error = choose_user(true, &plan(Some("bob"), None, false), lookup).unwrap_err();
+        assert!(error.contains("no account"), "{error}");
+        // An older agent's record with a fallback user still reads.
+        let old = UserPlan {
+            fallback: Some("nobody".to_string()),
+            ..plan(Some("bob"), None, false)
+        };
+        assert_eq!(chosen(old).name, "nobody");
+        let old_root = UserPlan {
+            fallback: Some("root".to_string()),
+            ..plan(None, None, false)
+        };
+        assert!(choose_user(true, &old_root, lookup).is_err());
         // An agent that is not root cannot switch at all.
         assert_eq!(
-            choose_user(false, &plan(Some("alice"), "nobody", false), lookup),
+            choose_user(false, &plan(Some("alice"), Some(200_010), false), lookup),
             Ok(None)
         );
     }

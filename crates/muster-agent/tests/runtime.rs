@@ -4,7 +4,11 @@
 //! that is all there is). Each test waits by polling with a deadline, never
 //! by a fixed sleep; what they start is killed when they end.
 //!
-//! The tests run as root (as CI does), so tasks run as `nobody`.
+//! The tests run as root (as CI does), so each task runs as a uid of its
+//! own from the default task uid range, and, as the agent's default
+//! (`--task-namespaces auto`) does where the host allows it, in a PID and
+//! mount namespace of its own; the escape test runs without namespaces
+//! too.
 
 use muster_agent::runtime::cgroup::{self, CgroupChoice, CgroupPlan};
 use muster_agent::{
@@ -68,10 +72,37 @@ fn runtime_with(cgroups: CgroupPlan) -> (tempfile::TempDir, ProcessRuntime) {
 
 /// Another runtime on the same directory (as after an agent restart).
 fn again(dir: &Path, cgroups: CgroupPlan) -> ProcessRuntime {
+    again_with(dir, cgroups, namespaces())
+}
+
+fn again_with(dir: &Path, cgroups: CgroupPlan, namespaces: bool) -> ProcessRuntime {
     ProcessRuntime::new(RuntimeConfig {
         cgroups,
+        namespaces,
         ..RuntimeConfig::new(dir.to_path_buf(), PathBuf::from(SUPERVISOR))
     })
+}
+
+/// Whether tasks get namespaces, as the agent decides by default: where
+/// it is root and the host allows them (as root, they must be allowed here:
+/// CI runs as root).
+fn namespaces() -> bool {
+    if !nix::unistd::Uid::effective().is_root() {
+        return false;
+    }
+    muster_agent::taskinit::namespaces_available(Path::new(SUPERVISOR))
+        .map_err(|why| format!("tests run as root must be able to make namespaces: {why}"))
+        .expect("namespaces");
+    true
+}
+
+/// The default task uid range.
+fn task_uids() -> std::ops::RangeInclusive<u32> {
+    let range = muster_agent::runtime::uids::UidRange::parse(
+        muster_agent::runtime::uids::DEFAULT_TASK_UID_RANGE,
+    )
+    .expect("the default range");
+    range.first()..=range.last()
 }
 
 /// The cgroup plans this host offers, named; none is always there. v1 and
@@ -225,7 +256,7 @@ async fn task_sees_its_gpus_and_env_but_not_the_agents() {
         "env-1",
         "echo cuda=[$CUDA_VISIBLE_DEVICES] nvidia=[$NVIDIA_VISIBLE_DEVICES] \
          order=$CUDA_DEVICE_ORDER uuids=$MUSTER_GPU_UUIDS job=$MUSTER_JOB_ID \
-         cargo=[$CARGO_PKG_NAME] path=${PATH:+set} user=$USER home=$HOME",
+         cargo=[$CARGO_PKG_NAME] path=${PATH:+set} user=$USER home=$HOME uid=$(id -u)",
     );
     task.gpu_indices = vec![2, 5];
     task.gpu_uuids = vec!["GPU-a".to_string(), "GPU-b".to_string()];
@@ -236,10 +267,20 @@ async fn task_sees_its_gpus_and_env_but_not_the_agents() {
     runtime.start(task).await.expect("start");
     let exit = next_exit(&runtime).await;
     assert_eq!(exit.exit_code, Some(0));
+    // A uid of its own, named after it; its home is its (private) /tmp.
+    let log = log_text(&runtime, "env-1").await;
+    let uid = log
+        .trim()
+        .rsplit_once("uid=")
+        .and_then(|(_, uid)| uid.parse::<u32>().ok())
+        .unwrap_or_else(|| panic!("no uid: {log}"));
+    assert!(task_uids().contains(&uid), "{log}");
     assert_eq!(
-        log_text(&runtime, "env-1").await,
-        "cuda=[2,5] nvidia=[2,5] order=PCI_BUS_ID uuids=GPU-a,GPU-b job=42 cargo=[] path=set \
-         user=nobody home=/nonexistent\n"
+        log,
+        format!(
+            "cuda=[2,5] nvidia=[2,5] order=PCI_BUS_ID uuids=GPU-a,GPU-b job=42 cargo=[] \
+             path=set user=muster-task-{uid} home=/tmp uid={uid}\n"
+        )
     );
 }
 
@@ -350,8 +391,15 @@ async fn a_task_ignoring_term_is_killed_after_the_grace_period() {
 /// isolation, and nothing is left of a task that ended by itself either.
 #[tokio::test]
 async fn escaped_children_die_with_a_stop_and_with_the_task_under_every_isolation() {
-    for (kind, plan) in plans("escape-test") {
-        let (_dir, runtime) = runtime_with(plan.clone());
+    let variants = plans("escape-test")
+        .into_iter()
+        .flat_map(|(kind, plan)| [true, false].map(|namespaces| (kind, plan.clone(), namespaces)));
+    for (kind, plan, namespaces) in variants {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let runtime = again_with(dir.path(), plan.clone(), namespaces && self::namespaces());
+        runtime.set_fence_deadline(far_future()).expect("deadline");
+        let kind: &'static str =
+            Box::leak(format!("{kind}{}", if namespaces { "-ns" } else { "" }).into_boxed_str());
         let marker: &'static str = Box::leak(format!("muster-escape-{kind}").into_boxed_str());
         let _guard = KillOnDrop(marker);
         // Stopped while its escaped children run.
@@ -474,11 +522,15 @@ async fn a_task_runs_unprivileged_and_cannot_read_the_agent_state() {
     let exit = next_exit(&runtime).await;
     assert_ne!(exit.exit_code, Some(0));
     let log = log_text(&runtime, "nosy").await;
-    let uid = nix::unistd::User::from_name("nobody")
-        .expect("the user database")
-        .expect("the nobody user")
-        .uid;
-    assert!(log.starts_with(&format!("{uid}\n")), "{log}");
+    let uid: u32 = log
+        .lines()
+        .next()
+        .and_then(|line| line.parse().ok())
+        .unwrap_or_else(|| panic!("no uid first: {log}"));
+    assert!(
+        task_uids().contains(&uid),
+        "{uid} is not of the task range: {log}"
+    );
     assert!(
         !log.contains("read-state") && !log.contains("listed"),
         "{log}"
@@ -764,4 +816,177 @@ async fn the_supervisors_error_log_stays_bounded() {
     next_exit(&runtime).await;
     let size = std::fs::metadata(&log).expect("the log").len();
     assert!(size < 1 << 20, "supervisor.log kept growing: {size} bytes");
+}
+
+/// Two tasks of users with no account here, as two hostile tenants: each
+/// runs as a uid of its own; from inside the second, the first's secret in
+/// its environment and its `/tmp`, a `kill -9`, a `ptrace` attach and its
+/// memory are all out of reach, and the first runs on. With namespaces the
+/// second does not even see the first's processes, its `/tmp` starts empty
+/// and is gone with it; without, the uids alone keep them apart.
+#[tokio::test]
+async fn two_tenants_tasks_get_uids_of_their_own_and_cannot_reach_each_other() {
+    for namespaces in [namespaces(), false] {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let runtime = again_with(dir.path(), CgroupPlan::None, namespaces);
+        runtime.set_fence_deadline(far_future()).expect("deadline");
+        let tag = format!("{}-{namespaces}", std::process::id());
+        let marker: &'static str = Box::leak(format!("muster-alice-{tag}").into_boxed_str());
+        let _guard = KillOnDrop(marker);
+        let secret = format!("alice-secret-{tag}");
+        let mut alice = launch(
+            "alice",
+            &format!(
+                "echo {secret} > /tmp/{marker}; echo {secret} > /tmp/{marker}-shared; \
+                 chmod 644 /tmp/{marker}-shared; id -u; \
+                 exec sh -c 'while :; do sleep 0.1; done' {marker}"
+            ),
+        );
+        alice.user = Some("alice-has-no-account-here".to_string());
+        alice.env.insert("HF_TOKEN".to_string(), secret.clone());
+        runtime.start(alice).await.expect("start alice");
+        wait_for_processes(marker, 1).await;
+        // Her command itself (under namespaces, her init's command line
+        // names it too).
+        let alice_pid = sleeping(marker);
+        // Every way in that a shared uid gave.
+        let script = format!(
+            "id -u; \
+             cat /proc/{alice_pid}/environ && echo read-environ; \
+             cat /tmp/{marker} && echo read-tmp; \
+             cat /tmp/{marker}-shared >/dev/null && echo read-shared-tmp; \
+             dd if=/proc/{alice_pid}/mem bs=1 count=1 skip=4194304 2>/dev/null && echo read-mem; \
+             kill -9 {alice_pid} && echo killed; \
+             python3 -c 'import ctypes, sys; \
+               libc = ctypes.CDLL(None); \
+               sys.exit(0 if libc.ptrace(16, {alice_pid}, 0, 0) == 0 else 1)' && echo attached; \
+             echo processes $(ls /proc | grep -c '^[0-9]'); \
+             echo tmp-files $(ls -A /tmp | wc -l); \
+             echo done"
+        );
+        let mut bob = launch("bob", &script);
+        bob.user = Some("bob-has-no-account-here".to_string());
+        runtime.start(bob).await.expect("start bob");
+        let exit = next_exit(&runtime).await;
+        assert_eq!(exit.allocation, "bob", "alice ended first: {exit:?}");
+        let log = log_text(&runtime, "bob").await;
+        assert!(log.contains("done"), "{log}");
+        for harm in ["read-environ", "read-tmp", "read-mem", "killed", "attached"] {
+            assert!(
+                !log.contains(harm),
+                "namespaces {namespaces}: bob reached alice ({harm}): {log}"
+            );
+        }
+        let alice_log = log_text(&runtime, "alice").await;
+        let uid_of = |log: &str| -> u32 {
+            log.lines()
+                .next()
+                .and_then(|line| line.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no uid first: {log}"))
+        };
+        let (alice_uid, bob_uid) = (uid_of(&alice_log), uid_of(&log));
+        assert_ne!(alice_uid, bob_uid, "two tasks shared a uid");
+        assert!(task_uids().contains(&alice_uid) && task_uids().contains(&bob_uid));
+        assert_eq!(runtime.task_uid("alice"), Some(alice_uid));
+        assert_eq!(
+            runtime.task_uid("bob"),
+            None,
+            "an ended task's uid is given back"
+        );
+        assert_eq!(sleeping(marker), alice_pid, "alice runs on");
+        let count = |word: &str| -> usize {
+            log.lines()
+                .find_map(|line| line.strip_prefix(word))
+                .and_then(|rest| rest.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no `{word}` line: {log}"))
+        };
+        // A file she made readable to all in a /tmp shared with him is his
+        // to read: only a /tmp of her own keeps it.
+        assert_eq!(
+            log.contains("read-shared-tmp"),
+            !namespaces,
+            "namespaces {namespaces}: {log}"
+        );
+        assert!(!log.contains(&secret), "{log}");
+        if namespaces {
+            // Its shell, the subshells of its command substitutions: a
+            // handful, never the host's.
+            assert!(
+                count("processes ") <= 6,
+                "bob sees others' processes: {log}"
+            );
+            assert_eq!(count("tmp-files "), 0, "bob's /tmp is not his own: {log}");
+            assert!(
+                !Path::new(&format!("/tmp/{marker}")).exists(),
+                "alice's private /tmp leaked to the host's"
+            );
+        }
+        runtime
+            .stop("alice", Signal::Term, Duration::from_millis(100))
+            .await
+            .expect("stop alice");
+        let _ = next_exit(&runtime).await;
+        for file in [format!("/tmp/{marker}"), format!("/tmp/{marker}-shared")] {
+            let _ = std::fs::remove_file(file);
+        }
+    }
+}
+
+/// Under an init, a task's exit code, the signal that ended it and a start
+/// that failed are what they would be without one.
+#[tokio::test]
+async fn a_namespaced_task_ends_as_its_command_did() {
+    if !namespaces() {
+        return;
+    }
+    let (_dir, runtime) = runtime();
+    runtime
+        .start(launch("code", "echo out; exit 7"))
+        .await
+        .expect("start");
+    let exit = next_exit(&runtime).await;
+    assert_eq!((exit.exit_code, exit.signal), (Some(7), None));
+    assert_eq!(log_text(&runtime, "code").await, "out\n");
+    runtime
+        .start(launch("signalled", "kill -TERM $$"))
+        .await
+        .expect("start");
+    let exit = next_exit(&runtime).await;
+    assert_eq!((exit.exit_code, exit.signal), (None, Some(15)), "{exit:?}");
+    let mut missing = launch("missing", "");
+    missing.command = vec!["/nonexistent/program".to_string()];
+    let error = runtime.start(missing).await.expect_err("no such program");
+    assert!(
+        error.to_string().contains("/nonexistent/program"),
+        "{error}"
+    );
+    // The working directory is kept when it lies under /tmp.
+    let work = tempfile::tempdir_in("/tmp").expect("a directory in /tmp");
+    std::fs::write(work.path().join("input"), "kept\n").expect("write");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(work.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut task = launch("in-tmp", "cat input; pwd");
+    task.working_dir = Some(work.path().to_path_buf());
+    runtime.start(task).await.expect("start");
+    let exit = next_exit(&runtime).await;
+    assert_eq!(exit.exit_code, Some(0));
+    assert_eq!(
+        log_text(&runtime, "in-tmp").await,
+        format!("kept\n{}\n", work.path().display())
+    );
+}
+
+/// The one sleeper ([`sleeper`]-like: `sh -c ... NAME`) named `marker`.
+fn sleeping(marker: &str) -> i32 {
+    let found: Vec<i32> = processes_with(marker)
+        .into_iter()
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                let arguments: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+                arguments.first() == Some(&b"sh".as_slice())
+            })
+        })
+        .collect();
+    assert_eq!(found.len(), 1, "one sleeper named {marker}: {found:?}");
+    found[0]
 }

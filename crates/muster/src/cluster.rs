@@ -297,19 +297,28 @@ pub struct IsolationArgs {
     /// The cgroup v2 hierarchy to use (default: the first cgroup2 mount).
     #[arg(long, value_name = "PATH")]
     pub cgroup_v2_root: Option<PathBuf>,
-    /// Whom tasks run as when the agent runs as root and the job's user
-    /// does not exist on this node.
-    #[arg(long, value_name = "USER", default_value = "nobody")]
-    pub task_user: String,
-    /// Let tasks run as root on this node (a job submitted as root, or a
-    /// root --task-user). Off by default.
+    /// The uids tasks get, one each for its life, when the agent runs as
+    /// root and the job's user has no account on this node (no two tasks
+    /// ever share one). No account or group of /etc/passwd or /etc/group
+    /// may have an id in it.
+    #[arg(long, value_name = "FIRST-LAST", default_value = muster_agent::runtime::uids::DEFAULT_TASK_UID_RANGE, value_parser = parse_uid_range)]
+    pub task_uid_range: muster_agent::runtime::uids::UidRange,
+    /// Each task in a PID and mount namespace of its own (it sees only its
+    /// own processes, and gets a private /tmp and /dev/shm): auto (where
+    /// the agent is root and the kernel allows it), on (refuse to start
+    /// without), or off. The network stays the host's.
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    pub task_namespaces: String,
+    /// Let tasks run as root on this node (a job submitted as root). Off by
+    /// default.
     #[arg(long)]
     pub allow_root_tasks: bool,
     /// The most processes and threads one task may have at once, where the
-    /// node has a pids cgroup controller (0: no limit). A fork bomb then
+    /// node has a pids cgroup controller (0: no limit; default 4096, and
+    /// never above a quarter of the host's pid_max). A fork bomb then
     /// starves neither its neighbours nor the agent.
-    #[arg(long, value_name = "N", default_value_t = muster_agent::runtime::DEFAULT_TASK_PIDS_MAX)]
-    pub task_pids_max: u64,
+    #[arg(long, value_name = "N")]
+    pub task_pids_max: Option<u64>,
     /// Container tasks' network: host (NCCL and a gang's rendezvous need
     /// the node's interfaces), bridge or none.
     #[arg(long, value_name = "MODE", default_value = "host", value_parser = ["host", "bridge", "none"])]
@@ -326,17 +335,33 @@ pub struct IsolationArgs {
     pub telemetry_interval: u64,
 }
 
+fn parse_uid_range(text: &str) -> Result<muster_agent::runtime::uids::UidRange, String> {
+    muster_agent::runtime::uids::UidRange::parse(text)
+}
+
+/// The node's task isolation beyond cgroups, checked and said once at
+/// start.
+pub struct TaskIsolation {
+    pub cgroups: muster_agent::CgroupPlan,
+    pub supervisor: PathBuf,
+    /// `None`: the agent is not root.
+    pub task_uids: Option<muster_agent::runtime::uids::UidRange>,
+    pub namespaces: bool,
+    pub task_pids_max: Option<u64>,
+}
+
 fn parse_cgroups(text: &str) -> Result<muster_agent::CgroupChoice, String> {
     muster_agent::CgroupChoice::parse(text)
         .ok_or_else(|| format!("unknown cgroup kind {text:?}; use auto, v2, v1 or none"))
 }
 
-/// The node's task isolation, said once at start: which cgroups, as whom.
+/// The node's task isolation, said once at start: which cgroups, as whom,
+/// in which namespaces.
 fn isolation(
     args: &IsolationArgs,
     name: &str,
     state_dir: &std::path::Path,
-) -> Result<(muster_agent::CgroupPlan, PathBuf)> {
+) -> Result<TaskIsolation> {
     let supervisor = std::env::current_exe()
         .context("cannot find this program's own path (to start task supervisors)")?;
     let (plan, skipped) = muster_agent::runtime::cgroup::detect(
@@ -354,23 +379,77 @@ fn isolation(
         eprintln!("task isolation: not using {why}");
     }
     eprintln!("task isolation: {}", plan.describe());
-    if muster_agent::supervise::running_as_root() {
+    let root = muster_agent::supervise::running_as_root();
+    let task_uids = if root {
+        muster_agent::runtime::uids::check_free(args.task_uid_range).map_err(|why| anyhow!(why))?;
         eprintln!(
-            "task isolation: tasks run as the job's user where it exists here, else as `{}`{}",
-            args.task_user,
+            "task isolation: tasks run as the job's user where it has an account here, else \
+             each as a uid of its own from {} (never shared while it runs){}",
+            args.task_uid_range,
             if args.allow_root_tasks {
                 "; root is allowed (--allow-root-tasks)"
             } else {
                 "; never as root"
             }
         );
+        Some(args.task_uid_range)
     } else {
         eprintln!(
             "task isolation: the agent is not root, so tasks run as its own user and can read \
-             what it can (its state directory, tokens); run the agent as root to isolate them"
+             what it can (its state directory, tokens) and each other; run the agent as root to \
+             isolate them"
         );
-    }
-    Ok((plan, supervisor))
+        None
+    };
+    let namespaces = match args.task_namespaces.as_str() {
+        "off" => {
+            eprintln!(
+                "task isolation: no namespaces (--task-namespaces off): tasks see each other's processes and share /tmp"
+            );
+            false
+        }
+        mode => {
+            let available = if root {
+                muster_agent::taskinit::namespaces_available(&supervisor)
+            } else {
+                Err("the agent is not root".to_string())
+            };
+            match available {
+                Ok(()) => {
+                    eprintln!(
+                        "task isolation: each task in a PID and mount namespace of its own (its \
+                         own /proc, a private /tmp and /dev/shm; the host's network)"
+                    );
+                    true
+                }
+                Err(why) if mode == "on" => {
+                    return Err(anyhow!(
+                        "--task-namespaces on, but this host cannot give tasks namespaces: {why}"
+                    ));
+                }
+                Err(why) => {
+                    eprintln!(
+                        "task isolation: no PID and mount namespaces ({why}): tasks see each \
+                         other's processes and share /tmp"
+                    );
+                    false
+                }
+            }
+        }
+    };
+    let host_pid_max = muster_agent::runtime::host_pid_max();
+    let task_pids_max = match args.task_pids_max {
+        Some(0) => None,
+        Some(max) => Some(max),
+        None => Some(muster_agent::runtime::default_task_pids_max(host_pid_max)),
+    };
+    Ok(TaskIsolation {
+        cgroups: plan,
+        supervisor,
+        task_uids,
+        namespaces,
+        task_pids_max,
+    })
 }
 
 #[derive(Debug, Args)]
@@ -699,7 +778,7 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         .state_dir
         .clone()
         .unwrap_or_else(|| default_data_dir().join(format!("agent-{name}")));
-    let (cgroups, supervisor) = isolation(&args.isolation, &name, &state_dir)?;
+    let isolated = isolation(&args.isolation, &name, &state_dir)?;
     let trust = crate::commands::trust_of(args.ca_sha256.as_deref(), args.ca_file.as_deref())?;
     if args.server.starts_with("https://") && trust.is_empty() {
         eprintln!(
@@ -718,11 +797,12 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         rack: args.rack.clone(),
         backend,
         fence_margin: Duration::from_secs(3),
-        supervisor,
-        cgroups,
-        task_user: args.isolation.task_user.clone(),
+        supervisor: isolated.supervisor,
+        cgroups: isolated.cgroups,
+        task_uids: isolated.task_uids,
+        namespaces: isolated.namespaces,
         allow_root_tasks: args.isolation.allow_root_tasks,
-        task_pids_max: (args.isolation.task_pids_max > 0).then_some(args.isolation.task_pids_max),
+        task_pids_max: isolated.task_pids_max,
         telemetry_interval: std::time::Duration::from_secs(args.isolation.telemetry_interval),
         container_network: args.isolation.container_network.clone(),
         container_shm_bytes: args.isolation.container_shm,
@@ -758,7 +838,7 @@ pub fn up(args: UpArgs) -> Result<()> {
             ),
         },
     };
-    let (cgroups, supervisor) = isolation(&args.isolation, &name, &data_dir.join("agent"))?;
+    let isolated = isolation(&args.isolation, &name, &data_dir.join("agent"))?;
     let tls = args.tls.mode(args.listen);
     // The CLI of this user finds the server and token with no flags. The
     // config is written before the port opens (the server makes its token
@@ -819,12 +899,12 @@ pub fn up(args: UpArgs) -> Result<()> {
             rack: None,
             backend,
             fence_margin: Duration::from_secs(3),
-            supervisor,
-            cgroups,
-            task_user: args.isolation.task_user.clone(),
+            supervisor: isolated.supervisor.clone(),
+            cgroups: isolated.cgroups.clone(),
+            task_uids: isolated.task_uids,
+            namespaces: isolated.namespaces,
             allow_root_tasks: args.isolation.allow_root_tasks,
-            task_pids_max: (args.isolation.task_pids_max > 0)
-                .then_some(args.isolation.task_pids_max),
+            task_pids_max: isolated.task_pids_max,
             telemetry_interval: std::time::Duration::from_secs(args.isolation.telemetry_interval),
             container_network: args.isolation.container_network.clone(),
             container_shm_bytes: args.isolation.container_shm,

@@ -31,6 +31,13 @@ fn main() -> ExitCode {
             let code = muster_agent::supervise::main(&rest);
             return ExitCode::from(u8::try_from(code).unwrap_or(1));
         }
+        // `muster task-init ...`: pid 1 of a task's own namespaces, started
+        // by its supervisor (see muster_agent::taskinit).
+        Some("task-init") => {
+            let rest: Vec<String> = args.collect();
+            let code = muster_agent::taskinit::entry(&rest);
+            return ExitCode::from(u8::try_from(code).unwrap_or(1));
+        }
         // `muster check-exec ...`: a service's command check, started by
         // the agent (see muster_agent::checks).
         Some("check-exec") => {

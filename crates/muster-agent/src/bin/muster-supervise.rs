@@ -3,6 +3,9 @@
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("task-init") {
+        std::process::exit(muster_agent::taskinit::entry(&args[1..]));
+    }
     if args.first().map(String::as_str) == Some("container-task") {
         std::process::exit(muster_agent::container::main(&args[1..]));
     }

@@ -35,6 +35,7 @@
 pub mod cgroup;
 mod group;
 pub(crate) mod record;
+pub mod uids;
 
 pub use cgroup::{CgroupChoice, CgroupPlan, Usage};
 pub(crate) use group::to_nix;
@@ -83,10 +84,14 @@ pub struct RuntimeConfig {
     /// task: the `muster` binary, by absolute path.
     pub supervisor: PathBuf,
     pub cgroups: CgroupPlan,
-    /// Whom tasks run as when the job's user does not exist here (when the
-    /// agent runs as root).
-    pub task_user: String,
-    /// Tasks may run as root (the job's user is root, or `task_user` is).
+    /// The uids tasks get, one each, when the job's user has no account
+    /// here (the agent runs as root); `None`: the agent is not root, and
+    /// tasks run as its own user.
+    pub task_uids: Option<uids::UidRange>,
+    /// Each task in a PID and mount namespace of its own (the host allows
+    /// it; see [`crate::taskinit`]).
+    pub namespaces: bool,
+    /// Tasks may run as root (the job's user is root).
     pub allow_root: bool,
     /// The most processes and threads one task may have at once, where the
     /// node has a pids controller (`None`: no limit).
@@ -101,21 +106,45 @@ pub struct RuntimeConfig {
     pub container_shm_bytes: Option<u64>,
 }
 
+/// The most [`RuntimeConfig::task_pids_max`] is by default: far above
+/// what a training job's workers and threads need (a DataLoader with 32
+/// workers of 64 threads is 2,048), far below a node's `pid_max`.
+pub const DEFAULT_TASK_PIDS_MAX: u64 = 4_096;
+
 /// [`RuntimeConfig::task_pids_max`] unless the operator says otherwise:
-/// far above what a training job's workers and threads need, far below a
-/// node's `pid_max`.
-pub const DEFAULT_TASK_PIDS_MAX: u64 = 16_384;
+/// [`DEFAULT_TASK_PIDS_MAX`], and never above a quarter of the host's
+/// `pid_max` (so four tasks' fork bombs still leave the host pids).
+pub fn default_task_pids_max(host_pid_max: Option<u64>) -> u64 {
+    match host_pid_max {
+        Some(max) => DEFAULT_TASK_PIDS_MAX.min((max / 4).max(64)),
+        None => DEFAULT_TASK_PIDS_MAX,
+    }
+}
+
+/// The host's `pid_max`.
+pub fn host_pid_max() -> Option<u64> {
+    std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
 
 impl RuntimeConfig {
-    /// No cgroups, tasks as `nobody` (when run as root).
+    /// No cgroups, no namespaces, tasks in the default uid range (when run
+    /// as root).
     pub fn new(state_dir: PathBuf, supervisor: PathBuf) -> Self {
         RuntimeConfig {
             state_dir,
             supervisor,
             cgroups: CgroupPlan::None,
-            task_user: "nobody".to_string(),
+            task_uids: crate::supervise::running_as_root().then(|| {
+                uids::UidRange::parse(uids::DEFAULT_TASK_UID_RANGE)
+                    .unwrap_or_else(|_| unreachable!("the default range parses"))
+            }),
+            namespaces: false,
             allow_root: false,
-            task_pids_max: Some(DEFAULT_TASK_PIDS_MAX),
+            task_pids_max: Some(default_task_pids_max(host_pid_max())),
             container_gpus: false,
             container_network: "host".to_string(),
             container_shm_bytes: None,
@@ -307,6 +336,8 @@ pub struct ProcessRuntime {
     exits: tokio::sync::Mutex<mpsc::UnboundedReceiver<TaskExit>>,
     /// The fence deadline last written.
     fence_deadline: Mutex<Option<u64>>,
+    /// Which task holds which uid of the range (`None`: not root).
+    uids: std::sync::Arc<Mutex<Option<uids::UidPool>>>,
 }
 
 fn state_error(path: &Path) -> impl Fn(std::io::Error) -> RuntimeError + '_ {
@@ -343,12 +374,54 @@ impl ProcessRuntime {
     pub fn new(config: RuntimeConfig) -> Self {
         let (exits_sender, exits) = mpsc::unbounded_channel();
         ProcessRuntime {
-            config,
             tasks: Mutex::new(BTreeMap::new()),
             starting: tokio::sync::Mutex::new(()),
             exits_sender,
             exits: tokio::sync::Mutex::new(exits),
             fence_deadline: Mutex::new(None),
+            uids: std::sync::Arc::new(Mutex::new(config.task_uids.map(|range| {
+                uids::UidPool::new(range, Some(config.state_dir.join("uid_cursor")))
+            }))),
+            config,
+        }
+    }
+
+    fn lock_uids(&self) -> std::sync::MutexGuard<'_, Option<uids::UidPool>> {
+        self.uids.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The uid of the agent's range that task `allocation` holds, if any.
+    pub fn task_uid(&self, allocation: &str) -> Option<u32> {
+        self.lock_uids().as_ref()?.held_by(allocation)
+    }
+
+    /// A uid for the task when its job's user has no account here (and the
+    /// agent is root): the task's own, until it and its processes are gone.
+    fn task_uid_for(&self, launch: &TaskLaunch) -> Result<Option<u32>, RuntimeError> {
+        let plan = UserPlan {
+            job_user: launch.user.clone(),
+            dynamic_uid: None,
+            fallback: None,
+            allow_root: self.config.allow_root,
+        };
+        let mut pool = self.lock_uids();
+        let Some(pool) = pool.as_mut() else {
+            return Ok(None);
+        };
+        if crate::supervise::job_account(&plan, crate::supervise::lookup_user).is_some() {
+            return Ok(None);
+        }
+        let running = uids::uids_running();
+        match pool.allocate(&launch.allocation, &running) {
+            Some(uid) => Ok(Some(uid)),
+            None => Err(RuntimeError::Start {
+                allocation: launch.allocation.clone(),
+                message: format!(
+                    "every uid of the task uid range {} is held by a running task or used by a \
+                     process; widen --task-uid-range",
+                    pool.range()
+                ),
+            }),
         }
     }
 
@@ -492,6 +565,7 @@ impl ProcessRuntime {
                 Err(source) => return Err(RuntimeError::State { path, source }),
             }
         }
+        let dynamic_uid = self.task_uid_for(&launch)?;
         let record = TaskRecord {
             format: record::FORMAT,
             allocation: allocation.clone(),
@@ -519,9 +593,11 @@ impl ProcessRuntime {
             pids_max: self.config.task_pids_max,
             user: UserPlan {
                 job_user: launch.user.clone(),
-                fallback: self.config.task_user.clone(),
+                dynamic_uid,
+                fallback: None,
                 allow_root: self.config.allow_root,
             },
+            namespaces: self.config.namespaces && launch.image.is_none(),
             container: launch.image.as_ref().map(|image| record::ContainerPlan {
                 image: image.clone(),
                 network: self.config.container_network.clone(),
@@ -549,7 +625,32 @@ impl ProcessRuntime {
             }),
         };
         let record_path = self.file(&allocation, "json");
-        record::write_json(&record_path, &record).map_err(state_error(&record_path))?;
+        let started = self
+            .run_supervisor(&allocation, &record_path, &record)
+            .await;
+        if started.is_err() {
+            self.release_uid(&allocation);
+        }
+        started
+    }
+
+    /// Gives a task's uid back: it and every process of it are gone.
+    fn release_uid(&self, allocation: &str) {
+        if let Some(pool) = self.lock_uids().as_mut() {
+            pool.release(allocation);
+        }
+    }
+
+    /// Writes the task's record, starts its supervisor and waits until it
+    /// says the task runs.
+    async fn run_supervisor(
+        &self,
+        allocation: &str,
+        record_path: &Path,
+        record: &TaskRecord,
+    ) -> Result<(), RuntimeError> {
+        let allocation = allocation.to_string();
+        record::write_json(record_path, record).map_err(state_error(record_path))?;
 
         // Supervisors' stderr (only their errors), bounded: started anew once
         // it passes SUPERVISOR_LOG_BYTES.
@@ -625,9 +726,11 @@ impl ProcessRuntime {
         let cgroup = self.config.cgroups.task(&allocation);
         let pid_path = self.file(&allocation, "pid");
         let key = allocation.clone();
+        let uids = self.uids.clone();
         tokio::spawn(async move {
             let _ = child.wait().await;
             let exit = supervisor_ended(&key, &exit_path, &pid_path, &cgroup).await;
+            release(&uids, &key);
             let _ = exit_sender.send(Some(exit.clone()));
             let _ = exits.send(exit);
         });
@@ -834,6 +937,11 @@ impl ProcessRuntime {
                 Ok(exit) => RecoveredStatus::Exited(TaskExit::from_record(&key, exit)),
                 Err(_) => match &pids {
                     Some(pids) if same_boot && is_supervisor(pids.supervisor, &key) => {
+                        if let (Some(uid), Some(pool)) =
+                            (task.user.dynamic_uid, self.lock_uids().as_mut())
+                        {
+                            pool.hold(uid, &key);
+                        }
                         self.watch_recovered(&key, pids.supervisor);
                         RecoveredStatus::Running
                     }
@@ -883,9 +991,11 @@ impl ProcessRuntime {
                 exit: exit_receiver,
             },
         );
+        let uids = self.uids.clone();
         tokio::spawn(async move {
             loop {
                 if let Ok(exit) = record::read_json::<ExitRecord>(&exit_path) {
+                    release(&uids, &key);
                     let exit = TaskExit::from_record(&key, exit);
                     let _ = exit_sender.send(Some(exit.clone()));
                     let _ = exits.send(exit);
@@ -894,6 +1004,7 @@ impl ProcessRuntime {
                 if !is_supervisor(supervisor, &key) {
                     // One last look: it may have written the record and exited.
                     let exit = supervisor_ended(&key, &exit_path, &pid_path, &cgroup).await;
+                    release(&uids, &key);
                     let _ = exit_sender.send(Some(exit.clone()));
                     let _ = exits.send(exit);
                     return;
@@ -969,6 +1080,14 @@ impl ProcessRuntime {
             .map_err(state_error(&path))?;
         let next = offset + bytes.len() as u64;
         Ok((bytes, next))
+    }
+}
+
+/// Gives task `key`'s uid back to `uids` (the task and its processes are
+/// gone).
+fn release(uids: &Mutex<Option<uids::UidPool>>, key: &str) {
+    if let Some(pool) = uids.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+        pool.release(key);
     }
 }
 

@@ -49,6 +49,11 @@ pub struct TaskRecord {
     #[serde(default)]
     pub pids_max: Option<u64>,
     pub user: UserPlan,
+    /// Run in a PID and mount namespace of its own (private `/proc`, `/tmp`
+    /// and `/dev/shm`; see `crate::taskinit`). Never for container tasks,
+    /// which the engine gives namespaces.
+    #[serde(default)]
+    pub namespaces: bool,
     /// Run in a container (through the node's Docker engine) instead of on
     /// the node itself.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -89,14 +94,20 @@ pub struct ContainerMount {
     pub read_only: bool,
 }
 
-/// Whom the task runs as (decided by the supervisor, which runs as root
-/// when the agent does).
+/// Whom the task runs as (the supervisor switches to it, as root when the
+/// agent is).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UserPlan {
     /// The job's user: used when it exists on this node and is not root.
     pub job_user: Option<String>,
-    /// Otherwise this one (`muster agent --task-user`, default `nobody`).
-    pub fallback: String,
+    /// Otherwise this uid of the agent's task uid range, the task's alone
+    /// for its life (see `crate::runtime::uids`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamic_uid: Option<u32>,
+    /// A shared fallback user, in records of agents before task uids (read,
+    /// never written).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<String>,
     /// The operator allows tasks to run as root on this node.
     pub allow_root: bool,
 }

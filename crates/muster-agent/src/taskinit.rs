@@ -1,0 +1,350 @@
+//! A task's init: `muster task-init UID GID GROUPS CWD -- COMMAND...`,
+//! the first process (pid 1) of a task's own PID namespace, which its
+//! supervisor creates (`unshare(CLONE_NEWPID)` before it starts this).
+//!
+//! As root, it makes the task a mount namespace of its own: mounts made
+//! private, a fresh tmpfs on `/tmp` and on `/dev/shm` (they vanish with the
+//! namespace, when the task's last process is gone), and `/proc` mounted
+//! anew for the PID namespace, so the task sees only its own processes. A
+//! working directory under `/tmp` or `/dev/shm` (other than those
+//! themselves) is bound back where it was, so a task submitted from there
+//! still finds its files. Then it drops to the task's user, starts the
+//! command in its own process group, reaps every orphan of the namespace,
+//! and, when the command's process ends, writes how it ended to its
+//! standard input (the write end of a pipe its supervisor reads; the
+//! command's own standard input is `/dev/null`) and exits: the kernel then kills whatever is left in the
+//! namespace.
+//!
+//! Its supervisor, outside the namespace, still signals and kills every
+//! process of the task (by process group, cgroup and descendants); a kill
+//! of this init kills the whole namespace. Signals from inside the
+//! namespace cannot reach it (an init has no handlers), so a task cannot
+//! end its own init early except by ending its command.
+//!
+//! The status pipe gets lines: `started` once the command runs, or
+//! `failed MESSAGE` when it could not be started; then `exit CODE` or
+//! `signal NUMBER` at its end.
+
+use nix::mount::MsFlags;
+use nix::sys::wait::{WaitStatus, waitpid};
+use nix::unistd::{Gid, Pid, Uid};
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+/// What the supervisor asks of an init.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InitPlan {
+    /// (uid, gid, supplementary groups) to drop to; `None`: stay.
+    pub user: Option<(u32, u32, Vec<u32>)>,
+    /// The task's working directory (absolute).
+    pub working_dir: PathBuf,
+    pub command: Vec<String>,
+}
+
+impl InitPlan {
+    /// The arguments after `task-init`.
+    pub fn to_args(&self) -> Vec<String> {
+        let (uid, gid, groups) = match &self.user {
+            Some((uid, gid, groups)) => (
+                uid.to_string(),
+                gid.to_string(),
+                if groups.is_empty() {
+                    "-".to_string()
+                } else {
+                    groups
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                },
+            ),
+            None => ("-".to_string(), "-".to_string(), "-".to_string()),
+        };
+        let mut args = vec![
+            uid,
+            gid,
+            groups,
+            self.working_dir.display().to_string(),
+            "--".to_string(),
+        ];
+        args.extend(self.command.iter().cloned());
+        args
+    }
+
+    /// Reads what [`to_args`](Self::to_args) wrote.
+    pub fn parse(args: &[String]) -> Result<InitPlan, String> {
+        const USAGE: &str = "usage: muster task-init UID GID GROUPS CWD -- COMMAND... (started \
+                             by a task's supervisor, not by hand)";
+        let split = args.iter().position(|arg| arg == "--").ok_or(USAGE)?;
+        let (head, command) = (&args[..split], &args[split + 1..]);
+        let [uid, gid, groups, cwd] = head else {
+            return Err(USAGE.to_string());
+        };
+        if command.is_empty() {
+            return Err(USAGE.to_string());
+        }
+        let number = |text: &str| text.parse::<u32>().map_err(|_| USAGE.to_string());
+        let user = match (uid.as_str(), gid.as_str()) {
+            ("-", "-") => None,
+            (uid, gid) => {
+                let groups = match groups.as_str() {
+                    "-" => Vec::new(),
+                    list => list
+                        .split(',')
+                        .map(number)
+                        .collect::<Result<Vec<u32>, String>>()?,
+                };
+                Some((number(uid)?, number(gid)?, groups))
+            }
+        };
+        Ok(InitPlan {
+            user,
+            working_dir: PathBuf::from(cwd),
+            command: command.to_vec(),
+        })
+    }
+}
+
+/// `task-init --probe` (see [`probe`]: exit 0 when namespaces can be
+/// made, else 1 with why on stderr) or the init itself.
+pub fn entry(args: &[String]) -> i32 {
+    if args.first().map(String::as_str) == Some("--probe") {
+        return match probe() {
+            Ok(()) => 0,
+            Err(why) => {
+                eprintln!("{why}");
+                1
+            }
+        };
+    }
+    main(args)
+}
+
+/// Whether `SUPERVISOR task-init --probe` can give tasks namespaces on this
+/// host; the error says why not.
+pub fn namespaces_available(supervisor: &Path) -> Result<(), String> {
+    let output = std::process::Command::new(supervisor)
+        .args(["task-init", "--probe"])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", supervisor.display()))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&output.stderr).trim().to_string())
+    }
+}
+
+/// Runs the init; `args` are what follows `task-init`. Returns the
+/// process's exit code.
+pub fn main(args: &[String]) -> i32 {
+    let plan = match InitPlan::parse(args) {
+        Ok(plan) => plan,
+        Err(usage) => {
+            eprintln!("{usage}");
+            return 2;
+        }
+    };
+    match run(&plan) {
+        Ok(child) => {
+            tell("started");
+            let ended = reap_until(child);
+            match ended {
+                WaitStatus::Exited(_, code) => {
+                    tell(&format!("exit {code}"));
+                    code
+                }
+                WaitStatus::Signaled(_, signal, _) => {
+                    tell(&format!("signal {}", signal as i32));
+                    128 + signal as i32
+                }
+                _ => {
+                    tell("exit 1");
+                    1
+                }
+            }
+        }
+        Err(message) => {
+            tell(&format!("failed {}", message.replace('\n', " ")));
+            127
+        }
+    }
+}
+
+/// Writes a status line to standard input (the supervisor's pipe); a
+/// supervisor gone is no reason to fail.
+fn tell(line: &str) {
+    let text = format!("{line}\n");
+    let _ = nix::unistd::write(std::io::stdin().as_fd(), text.as_bytes());
+}
+
+/// Makes the task's mounts, drops to its user and starts its command.
+fn run(plan: &InitPlan) -> Result<Pid, String> {
+    private_mounts(&plan.working_dir)?;
+    std::env::set_current_dir(&plan.working_dir).map_err(|error| {
+        format!(
+            "cannot enter the working directory {}: {error}",
+            plan.working_dir.display()
+        )
+    })?;
+    if let Some((uid, gid, groups)) = &plan.user {
+        let groups: Vec<Gid> = groups.iter().map(|g| Gid::from_raw(*g)).collect();
+        nix::unistd::setgroups(&groups).map_err(|e| format!("setgroups: {e}"))?;
+        nix::unistd::setgid(Gid::from_raw(*gid)).map_err(|e| format!("setgid: {e}"))?;
+        nix::unistd::setuid(Uid::from_raw(*uid)).map_err(|e| format!("setuid: {e}"))?;
+    }
+    let child = std::process::Command::new(&plan.command[0])
+        .args(&plan.command[1..])
+        .stdin(Stdio::null())
+        .spawn()
+        .map_err(|error| format!("cannot start `{}`: {error}", plan.command[0]))?;
+    Ok(Pid::from_raw(child.id() as i32))
+}
+
+/// The task's own mounts: everything private to this namespace, a fresh
+/// `/tmp` and `/dev/shm`, `/proc` of this PID namespace.
+fn private_mounts(working_dir: &Path) -> Result<(), String> {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(|e| format!("cannot make a mount namespace: {e}"))?;
+    nix::mount::mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(|e| format!("cannot make mounts private: {e}"))?;
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    for dir in ["/tmp", "/dev/shm"] {
+        let dir = Path::new(dir);
+        if !dir.is_dir() {
+            continue;
+        }
+        // The working directory, if under this one, is kept (by an open
+        // handle) and bound back once the fresh one is mounted.
+        let keep = match working_dir.strip_prefix(dir) {
+            Ok(rest) if !rest.as_os_str().is_empty() => Some(
+                File::open(working_dir)
+                    .map_err(|e| format!("cannot open {}: {e}", working_dir.display()))?,
+            ),
+            _ => None,
+        };
+        nix::mount::mount(Some("tmpfs"), dir, Some("tmpfs"), flags, Some("mode=1777"))
+            .map_err(|e| format!("cannot mount a private {}: {e}", dir.display()))?;
+        if let Some(handle) = keep {
+            use std::os::fd::AsRawFd;
+            std::fs::create_dir_all(working_dir)
+                .map_err(|e| format!("cannot make {}: {e}", working_dir.display()))?;
+            let source = format!("/proc/self/fd/{}", handle.as_raw_fd());
+            nix::mount::mount(
+                Some(source.as_str()),
+                working_dir,
+                None::<&str>,
+                MsFlags::MS_BIND | MsFlags::MS_REC,
+                None::<&str>,
+            )
+            .map_err(|e| format!("cannot keep {}: {e}", working_dir.display()))?;
+        }
+    }
+    nix::mount::mount(
+        Some("proc"),
+        "/proc",
+        Some("proc"),
+        flags | MsFlags::MS_NOEXEC,
+        None::<&str>,
+    )
+    .map_err(|e| format!("cannot mount the task's /proc: {e}"))?;
+    Ok(())
+}
+
+/// Reaps every process that ends in the namespace (orphans come to the
+/// init) until `leader` ends; returns how it ended.
+fn reap_until(leader: Pid) -> WaitStatus {
+    loop {
+        match waitpid(Pid::from_raw(-1), None) {
+            Ok(status) if status.pid() == Some(leader) => match status {
+                WaitStatus::Exited(..) | WaitStatus::Signaled(..) => return status,
+                _ => continue,
+            },
+            Ok(_) => continue,
+            Err(nix::errno::Errno::EINTR) => continue,
+            // No child left at all: the leader is gone without a status.
+            Err(_) => return WaitStatus::Exited(leader, 1),
+        }
+    }
+}
+
+/// Whether this host lets the supervisor give tasks PID and mount
+/// namespaces: `muster task-init --probe` makes both, mounts a tmpfs in the
+/// new mount namespace and exits. Run in a process of its own.
+pub fn probe() -> Result<(), String> {
+    use nix::sched::CloneFlags;
+    nix::sched::unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWPID)
+        .map_err(|e| format!("unshare: {e}"))?;
+    nix::mount::mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(|e| format!("private mounts: {e}"))?;
+    nix::mount::mount(
+        Some("tmpfs"),
+        "/tmp",
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=1777"),
+    )
+    .map_err(|e| format!("a tmpfs on /tmp: {e}"))?;
+    Ok(())
+}
+
+/// How a task ended, from its init's status lines (the last `exit` or
+/// `signal` line): (exit code, signal).
+pub fn final_status(text: &str) -> Option<(Option<i32>, Option<i32>)> {
+    text.lines().rev().find_map(|line| {
+        let (word, number) = line.trim().split_once(' ')?;
+        let number = number.trim().parse::<i32>().ok()?;
+        match word {
+            "exit" => Some((Some(number), None)),
+            "signal" => Some((None, Some(number))),
+            _ => None,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_goes_through_its_arguments_unchanged() {
+        for user in [
+            None,
+            Some((200_001, 200_001, vec![])),
+            Some((1000, 100, vec![27, 44])),
+        ] {
+            let plan = InitPlan {
+                user,
+                working_dir: PathBuf::from("/home/alice/project"),
+                command: vec!["sh".into(), "-c".into(), "echo -- hi".into()],
+            };
+            let args = plan.to_args();
+            assert_eq!(InitPlan::parse(&args), Ok(plan));
+        }
+        assert!(InitPlan::parse(&["7".into(), "--".into(), "sh".into()]).is_err());
+        let no_command: Vec<String> = ["-", "-", "-", "/", "--"].map(String::from).into();
+        assert!(InitPlan::parse(&no_command).is_err());
+    }
+
+    #[test]
+    fn the_last_status_line_says_how_the_task_ended() {
+        assert_eq!(final_status("started\nexit 3\n"), Some((Some(3), None)));
+        assert_eq!(final_status("started\nsignal 15\n"), Some((None, Some(15))));
+        assert_eq!(final_status("started\n"), None);
+        assert_eq!(final_status(""), None);
+    }
+}
