@@ -5,10 +5,12 @@
 //! As root, it makes the task a mount namespace of its own: mounts made
 //! private, a fresh tmpfs on `/tmp` and on `/dev/shm` (they vanish with the
 //! namespace, when the task's last process is gone), and `/proc` mounted
-//! anew for the PID namespace, so the task sees only its own processes. A
-//! working directory under `/tmp` or `/dev/shm` (other than those
-//! themselves) is bound back where it was, so a task submitted from there
-//! still finds its files. Then it drops to the task's user, starts the
+//! anew for the PID namespace, so the task sees only its own processes.
+//! Bound back where they were: a working directory under `/tmp` or
+//! `/dev/shm` (other than those themselves), so a task submitted from there
+//! still finds its files; and the host's `/tmp` entries that root owns (the
+//! operator's: a checkout, a scratch directory made for sharing; at most
+//! 256), never an entry of a tenant's, whose files are owned by its uid. Then it drops to the task's user, starts the
 //! command in its own process group, reaps every orphan of the namespace,
 //! and, when the command's process ends, writes how it ended to its
 //! standard input (the write end of a pipe its supervisor reads; the
@@ -28,7 +30,6 @@
 use nix::mount::MsFlags;
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::{Gid, Pid, Uid};
-use std::fs::File;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -222,30 +223,25 @@ fn private_mounts(working_dir: &Path) -> Result<(), String> {
         if !dir.is_dir() {
             continue;
         }
-        // The working directory, if under this one, is kept (by an open
-        // handle) and bound back once the fresh one is mounted.
-        let keep = match working_dir.strip_prefix(dir) {
-            Ok(rest) if !rest.as_os_str().is_empty() => Some(
-                File::open(working_dir)
-                    .map_err(|e| format!("cannot open {}: {e}", working_dir.display()))?,
-            ),
-            _ => None,
-        };
+        // What stays visible, held by open handles and bound back once the
+        // fresh one is mounted: the working directory, if under this one;
+        // and in /tmp, the operator's entries (owned by root: a checkout, a
+        // shared scratch directory), never a tenant's.
+        let mut keep: Vec<(PathBuf, Kept)> = Vec::new();
+        if let Ok(rest) = working_dir.strip_prefix(dir)
+            && !rest.as_os_str().is_empty()
+        {
+            keep.push((working_dir.to_path_buf(), hold(working_dir)?));
+        }
+        if dir == Path::new("/tmp") {
+            keep.extend(operators_entries(dir));
+        }
         nix::mount::mount(Some("tmpfs"), dir, Some("tmpfs"), flags, Some("mode=1777"))
             .map_err(|e| format!("cannot mount a private {}: {e}", dir.display()))?;
-        if let Some(handle) = keep {
-            use std::os::fd::AsRawFd;
-            std::fs::create_dir_all(working_dir)
-                .map_err(|e| format!("cannot make {}: {e}", working_dir.display()))?;
-            let source = format!("/proc/self/fd/{}", handle.as_raw_fd());
-            nix::mount::mount(
-                Some(source.as_str()),
-                working_dir,
-                None::<&str>,
-                MsFlags::MS_BIND | MsFlags::MS_REC,
-                None::<&str>,
-            )
-            .map_err(|e| format!("cannot keep {}: {e}", working_dir.display()))?;
+        // Deepest last: the working directory may lie inside a kept entry.
+        keep.sort_by_key(|(path, _)| path.components().count());
+        for (path, kept) in keep {
+            bind_back(&path, kept)?;
         }
     }
     nix::mount::mount(
@@ -257,6 +253,99 @@ fn private_mounts(working_dir: &Path) -> Result<(), String> {
     )
     .map_err(|e| format!("cannot mount the task's /proc: {e}"))?;
     Ok(())
+}
+
+/// The most entries of the host's `/tmp` kept in a task's: past it, the
+/// rest are not (said on the task's log).
+const MOST_KEPT: usize = 256;
+
+/// An entry of the host's `/tmp` (or the working directory) held open
+/// while the fresh one is mounted over it.
+enum Kept {
+    /// A directory or file (or socket, FIFO), by an `O_PATH` handle.
+    Path { handle: std::os::fd::OwnedFd, dir: bool },
+    /// A symbolic link, made again with the same target.
+    Link(PathBuf),
+}
+
+fn hold(path: &Path) -> Result<Kept, String> {
+    use nix::fcntl::OFlag;
+    let metadata = std::fs::symlink_metadata(path)
+        .map_err(|e| format!("cannot look at {}: {e}", path.display()))?;
+    if metadata.file_type().is_symlink() {
+        let target = std::fs::read_link(path)
+            .map_err(|e| format!("cannot read the link {}: {e}", path.display()))?;
+        return Ok(Kept::Link(target));
+    }
+    let handle = nix::fcntl::open(
+        path,
+        OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    Ok(Kept::Path {
+        handle,
+        dir: metadata.is_dir(),
+    })
+}
+
+/// The entries of `dir` that root owns, held (at most [`MOST_KEPT`]).
+fn operators_entries(dir: &Path) -> Vec<(PathBuf, Kept)> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut kept = Vec::new();
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let owned_by_root = std::fs::symlink_metadata(&path).is_ok_and(|m| m.uid() == 0);
+        if !owned_by_root {
+            continue;
+        }
+        if kept.len() == MOST_KEPT {
+            eprintln!(
+                "muster: only {MOST_KEPT} of the host's /tmp entries are kept in the task's /tmp"
+            );
+            break;
+        }
+        if let Ok(held) = hold(&path) {
+            kept.push((path, held));
+        }
+    }
+    kept
+}
+
+/// Puts a held entry back at `path`, in the fresh mount above it.
+fn bind_back(path: &Path, kept: Kept) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let made = |e: std::io::Error| format!("cannot keep {}: {e}", path.display());
+    match kept {
+        Kept::Link(target) => {
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(made)?;
+            }
+            std::os::unix::fs::symlink(&target, path).map_err(made)
+        }
+        Kept::Path { handle, dir } => {
+            if dir {
+                std::fs::create_dir_all(path).map_err(made)?;
+            } else {
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent).map_err(made)?;
+                }
+                std::fs::File::create(path).map_err(made)?;
+            }
+            let source = format!("/proc/self/fd/{}", handle.as_raw_fd());
+            nix::mount::mount(
+                Some(source.as_str()),
+                path,
+                None::<&str>,
+                MsFlags::MS_BIND | MsFlags::MS_REC,
+                None::<&str>,
+            )
+            .map_err(|e| format!("cannot keep {}: {e}", path.display()))
+        }
+    }
 }
 
 /// Reaps every process that ends in the namespace (orphans come to the

@@ -3,8 +3,11 @@
 //! writes into everything it is given and signals everything it can harms
 //! no neighbour, escaped children die with a cancel and with fencing, a
 //! frozen agent's tasks are fenced whatever their `PATH`, and a task cannot
-//! read the agent's tokens or another job's log. The tests run as root (as
-//! CI does), so tasks run as `nobody`. Every wait is bounded.
+//! read the agent's tokens or another job's log; two tenants' tasks on one
+//! node cannot reach each other. The tests run as root (as CI does), with
+//! the agent's default isolation: each task of a user without an account
+//! here runs as a uid of its own, in PID and mount namespaces of its own.
+//! Every wait is bounded.
 
 use std::time::{Duration, Instant};
 
@@ -337,7 +340,7 @@ fn a_task_cannot_read_the_tokens_or_another_job_s_log() {
     let state_dir = cluster.path("node");
     let server_dir = cluster.path("server");
     let script = format!(
-        "id -un; cat {server}/admin.token {server}/join.token {state}/logs/* {server}/logs/* \
+        "id -u; cat {server}/admin.token {server}/join.token {state}/logs/* {server}/logs/* \
          {state}/tasks/* {state}/lease.json; ls {state} {server}; exit 0",
         state = state_dir.display(),
         server = server_dir.display(),
@@ -349,7 +352,12 @@ fn a_task_cannot_read_the_tokens_or_another_job_s_log() {
     });
     // All of it: a leak in the last line counts.
     let log = whole_log(&rt, &client, nosy, 0);
-    assert!(log.starts_with("nobody\n"), "{log}");
+    let uid: u32 = log
+        .lines()
+        .next()
+        .and_then(|line| line.parse().ok())
+        .unwrap_or_else(|| panic!("no uid first: {log}"));
+    assert!((200_000..=299_999).contains(&uid), "not a task uid: {log}");
     assert!(log.contains("Permission denied"), "{log}");
     for token in [
         cluster.token("admin.token"),
@@ -382,4 +390,113 @@ fn a_job_over_its_memory_says_it_was_killed_by_the_memory_limit() {
         Some(&"failed: killed by the memory limit"),
         "{notes:?}"
     );
+}
+
+/// The pid of the shell named `marker` (`sh -c ... MARKER`), as the host
+/// sees it: the task's command, not its init (whose command line names it
+/// too).
+fn shell_named(marker: &str) -> Option<i32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
+        let pid = entry.file_name().to_str()?.parse::<i32>().ok()?;
+        let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+        let arguments: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        (arguments.first() == Some(&b"sh".as_slice())
+            && arguments.iter().any(|a| *a == marker.as_bytes()))
+        .then_some(pid)
+    })
+}
+
+/// Alice and Bob, users with no account on the node, share it; from inside
+/// Bob's task every way into Alice's that a shared uid gave is refused:
+/// her task's environment (her secret), its memory, `ptrace`, `kill -9`,
+/// her files in `/tmp`, and the agent's files. Her job runs on, her secret
+/// is nowhere in his output, and his task sees none of her processes.
+#[test]
+fn two_tenants_on_one_node_cannot_reach_each_other() {
+    let cluster = Cluster::start("10s");
+    let _agent = cluster.agent_with("node", &cluster.url(), "2xH100-80GB", &[]);
+    let rt = runtime();
+    let admin = cluster.client();
+    wait_for_nodes(&rt, &admin, 1);
+    let token_of = |name: &str| {
+        rt.block_on(admin.add_user(&muster_api::protocol::UserCreate {
+            name: name.to_string(),
+            role: "user".to_string(),
+            queues: Vec::new(),
+        }))
+        .expect("a user")
+        .token
+    };
+    let alice = cluster.client_with(&cluster.url(), &token_of("alice"));
+    let bob = cluster.client_with(&cluster.url(), &token_of("bob"));
+    let tag = std::process::id();
+    let marker = format!("muster-alice-{tag}");
+    let secret = format!("hf_alice_{tag}");
+    let script = format!(
+        "echo {secret} > /tmp/{marker}; chmod 644 /tmp/{marker}; \
+         exec sh -c 'while :; do sleep 0.2; done' {marker}"
+    );
+    let hers = serde_json::json!({
+        "name": "hers", "gpus": 1,
+        "command": ["sh", "-c", script],
+        "env": {"HF_TOKEN": secret},
+    });
+    let hers = rt.block_on(alice.submit(hers)).expect("alice submits");
+    let mut her_pid = None;
+    wait_until("alice's task", Duration::from_secs(30), || {
+        her_pid = shell_named(&marker);
+        her_pid.is_some()
+    });
+    let her_pid = her_pid.expect("alice's pid");
+    let state_dir = cluster.path("node");
+    let script = format!(
+        "echo uid $(id -u); \
+         cat /proc/{her_pid}/environ && echo read-environ; \
+         tr '\\0' '\\n' < /proc/{her_pid}/environ | grep HF_TOKEN && echo read-environ; \
+         cat /tmp/{marker} && echo read-tmp; \
+         dd if=/proc/{her_pid}/mem bs=1 count=1 skip=4194304 2>/dev/null && echo read-mem; \
+         kill -9 {her_pid} && echo killed-her; \
+         python3 -c 'import ctypes, sys; \
+           sys.exit(0 if ctypes.CDLL(None).ptrace(16, {her_pid}, 0, 0) == 0 else 1)' \
+           && echo attached; \
+         cat {state}/tasks/* {state}/node.credential && echo read-agent; \
+         ls /proc/{her_pid} >/dev/null 2>&1 && echo sees-her; \
+         echo processes $(ls /proc | grep -c '^[0-9]'); \
+         echo bob-done",
+        state = state_dir.display(),
+    );
+    let his = serde_json::json!({"name": "his", "gpus": 1, "command": ["sh", "-c", script]});
+    let his = rt.block_on(bob.submit(his)).expect("bob submits");
+    wait_until("bob's job to end", Duration::from_secs(60), || {
+        state(&rt, &bob, his) == "succeeded"
+    });
+    let log = whole_log(&rt, &bob, his, 0);
+    assert!(log.contains("bob-done"), "{log}");
+    for harm in [
+        "read-environ",
+        "read-tmp",
+        "read-mem",
+        "killed-her",
+        "attached",
+        "read-agent",
+        "sees-her",
+        secret.as_str(),
+    ] {
+        assert!(!log.contains(harm), "bob reached alice ({harm}): {log}");
+    }
+    let processes: usize = log
+        .lines()
+        .find_map(|line| line.strip_prefix("processes "))
+        .and_then(|count| count.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no process count: {log}"));
+    assert!(processes <= 6, "bob sees the node's processes: {log}");
+    assert_eq!(state(&rt, &alice, hers), "running", "alice's job runs on");
+    assert_eq!(shell_named(&marker), Some(her_pid));
+    // Bob cannot even name her job.
+    assert!(rt.block_on(bob.job(hers)).is_err());
+    rt.block_on(alice.cancel(hers)).expect("alice cancels");
+    wait_until("alice's job to end", Duration::from_secs(30), || {
+        state(&rt, &alice, hers) == "cancelled"
+    });
+    assert_eq!(processes_with(&marker), 0);
 }
