@@ -263,7 +263,10 @@ const MOST_KEPT: usize = 256;
 /// while the fresh one is mounted over it.
 enum Kept {
     /// A directory or file (or socket, FIFO), by an `O_PATH` handle.
-    Path { handle: std::os::fd::OwnedFd, dir: bool },
+    Path {
+        handle: std::os::fd::OwnedFd,
+        dir: bool,
+    },
     /// A symbolic link, made again with the same target.
     Link(PathBuf),
 }

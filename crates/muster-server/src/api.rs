@@ -309,11 +309,11 @@ fn need_of(method: &axum::http::Method, path: &str) -> Need {
         (["jobs"], _) | (["jobs", _], true) | (["jobs", _, "logs" | "usage"], true) => Role::User,
         (["jobs", _, "cancel"] | ["arrays", _, "cancel"], false) => Role::User,
         (["whoami"], true) => Role::User,
-        // Services: any user; the handlers let only the owner or staff
-        // change one.
-        (["services"] | ["services", _] | ["services", _, "endpoints"] | ["endpoints"], true) => {
-            Role::User
-        }
+        // Services: any user; the handlers show a user only their own and
+        // let only the owner or staff change one.
+        (["services"] | ["services", _] | ["services", _, "endpoints"], true) => Role::User,
+        // Every service's endpoints: the gateway's (an operator's token).
+        (["endpoints"], true) => Role::Operator,
         (["services"] | ["services", _] | ["services", _, "scale" | "rollback"], false) => {
             Role::User
         }

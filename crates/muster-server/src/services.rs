@@ -1550,11 +1550,15 @@ pub async fn get_service(
 )]
 pub async fn service_endpoints(
     State(shared): Shared_,
+    axum::Extension(identity): axum::Extension<Identity>,
     PathParams(name): PathParams<String>,
 ) -> Result<Json<EndpointList>, ApiError> {
+    let principal = principal_of(&identity)?;
     let services = shared.services.lock();
-    if !services.entries.contains_key(&name) {
-        return Err(not_found(&name));
+    // Another user's service is not there for this one, as with jobs.
+    match services.entries.get(&name) {
+        Some(entry) if may_read(&shared, &principal, &entry.record) => {}
+        _ => return Err(not_found(&name)),
     }
     Ok(Json(EndpointList {
         service: name.clone(),

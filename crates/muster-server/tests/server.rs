@@ -2293,6 +2293,19 @@ async fn the_authorization_matrix_holds_for_every_route() {
         let job = body["id"].as_u64().expect("an id");
         let (_, body) = api.get(&format!("/v1/jobs/{job}"), &admin).await;
         assert_eq!(body["user"], "alice", "the job is the token's user's");
+        // Alice's service, in team-a: its endpoints are as hidden from
+        // carol as the service itself.
+        let (status, body) = api
+            .post(
+                "/v1/services",
+                &tokens["alice"],
+                json!({ "spec": {
+                    "kind": "service", "name": "hers", "queue": "team-a", "replicas": 1,
+                    "gpus": 0, "command": ["sleep", "600"],
+                } }),
+            )
+            .await;
+        assert!(status.is_success(), "{status}: {body}");
 
         use reqwest::Method;
         let team_a = json!({ "spec": spec("x", "team-a", 1) });
@@ -2637,10 +2650,25 @@ async fn the_authorization_matrix_holds_for_every_route() {
             ),
             (
                 Method::GET,
+                "/v1/services/{name}",
+                "/v1/services/hers".into(),
+                None,
+                job_read(200),
+            ),
+            (
+                Method::GET,
+                "/v1/services/{name}/endpoints",
+                "/v1/services/hers/endpoints".into(),
+                None,
+                job_read(200),
+            ),
+            (
+                Method::GET,
                 "/v1/endpoints",
                 "/v1/endpoints".into(),
                 None,
-                only(&USERS, 200),
+                // Every service's endpoints: the gateway's, not a user's.
+                only(&[Who::Operator, Who::Admin], 200),
             ),
             // Traffic moves autoscaled services: gateways run with staff
             // tokens.

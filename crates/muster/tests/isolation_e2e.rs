@@ -396,14 +396,16 @@ fn a_job_over_its_memory_says_it_was_killed_by_the_memory_limit() {
 /// sees it: the task's command, not its init (whose command line names it
 /// too).
 fn shell_named(marker: &str) -> Option<i32> {
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
-        let pid = entry.file_name().to_str()?.parse::<i32>().ok()?;
-        let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
-        let arguments: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        (arguments.first() == Some(&b"sh".as_slice())
-            && arguments.iter().any(|a| *a == marker.as_bytes()))
-        .then_some(pid)
-    })
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse::<i32>().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let arguments: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            (arguments.first() == Some(&b"sh".as_slice()) && arguments.contains(&marker.as_bytes()))
+                .then_some(pid)
+        })
 }
 
 /// Alice and Bob, users with no account on the node, share it; from inside

@@ -58,8 +58,13 @@ fn service(rt: &tokio::runtime::Runtime, client: &Client) -> ServiceView {
 }
 
 /// The pids of the processes whose environment names job `job`.
-fn pids_of_job(job: u64) -> Vec<i32> {
+/// The replica processes of job `job` of this cluster: its job id and this
+/// cluster's master port for it in the environment (tests of one binary
+/// run at once, each cluster numbering its jobs from 1, so the id alone
+/// could name another test's replica).
+fn pids_of_job(cluster: &Cluster, job: u64) -> Vec<i32> {
     let marker = format!("MUSTER_JOB_ID={job}\0");
+    let port = format!("MUSTER_MASTER_PORT={}\0", cluster.master_port(job));
     std::fs::read_dir("/proc")
         .expect("/proc")
         .flatten()
@@ -67,7 +72,9 @@ fn pids_of_job(job: u64) -> Vec<i32> {
             let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
             let environ = std::fs::read(entry.path().join("environ")).ok()?;
             let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
-            (String::from_utf8_lossy(&environ).contains(&marker)
+            let environ = String::from_utf8_lossy(&environ);
+            (environ.contains(&marker)
+                && environ.contains(&port)
                 && String::from_utf8_lossy(&cmdline).starts_with("python3"))
             .then_some(pid)
         })
@@ -125,7 +132,7 @@ fn a_service_keeps_its_replicas_ready_rolls_out_and_rolls_back() {
 
     // A replica's process killed: a new replica runs within 5 s.
     let victim = view.replica_list[0].job;
-    let pids = pids_of_job(victim);
+    let pids = pids_of_job(&cluster, victim);
     assert!(!pids.is_empty(), "the replica's process of job {victim}");
     let killed = Instant::now();
     for pid in pids {
@@ -470,7 +477,7 @@ fn the_gateway_serves_through_a_rolling_update_and_a_replica_s_death_without_fai
     });
     let victim = service(&rt, &client).replica_list[0].job;
     let killed = Instant::now();
-    for pid in pids_of_job(victim) {
+    for pid in pids_of_job(&cluster, victim) {
         std::process::Command::new("kill")
             .args(["-9", &pid.to_string()])
             .status()
@@ -775,7 +782,7 @@ fn command_checks_run_beside_the_replica_as_its_user_and_gate_its_traffic() {
             .and_then(|endpoint| endpoint.rsplit(':').next())
             .expect("an endpoint")
             .to_string();
-        let pid = *pids_of_job(replica.job)
+        let pid = *pids_of_job(&cluster, replica.job)
             .first()
             .expect("the replica's process");
         let (uid, cgroup) = uid_and_cgroup(pid);
