@@ -868,6 +868,26 @@ impl Client {
         self.get("/v1/users").await
     }
 
+    pub async fn create_join_token(
+        &self,
+        request: &JoinTokenCreate,
+    ) -> Result<JoinTokenCreated, ClientError> {
+        self.post("/v1/join-tokens", request, None).await
+    }
+
+    pub async fn join_tokens(&self) -> Result<JoinTokenList, ClientError> {
+        self.get("/v1/join-tokens").await
+    }
+
+    pub async fn revoke_join_token(&self, id: &str) -> Result<JoinTokenView, ClientError> {
+        self.post(
+            &format!("/v1/join-tokens/{}/revoke", encode(id)),
+            &serde_json::json!({}),
+            None,
+        )
+        .await
+    }
+
     pub async fn remove_user(&self, name: &str) -> Result<UserView, ClientError> {
         let url = format!("{}/v1/users/{}", self.current(), encode(name));
         self.send(self.http.delete(&url), &url).await

@@ -1060,6 +1060,58 @@ pub struct NodeHistory {
     pub points: Vec<NodeHistoryPoint>,
 }
 
+/// `POST /v1/join-tokens` (admin): a token new nodes join with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct JoinTokenCreate {
+    /// How long it admits nodes, in milliseconds (absent: until revoked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 31_622_400_000_u64))]
+    pub ttl_ms: Option<u64>,
+    /// How many nodes may join with it (absent: any number).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1_000_000))]
+    pub uses: Option<u64>,
+    /// The pool its nodes join (absent: as each agent says).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    )]
+    pub pool: Option<String>,
+}
+
+/// A join token as listed (never the token itself).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct JoinTokenView {
+    pub id: String,
+    pub created_ms: u64,
+    pub expires_ms: Option<u64>,
+    pub max_uses: Option<u64>,
+    pub uses: u64,
+    pub pool: Option<String>,
+    pub revoked: bool,
+    /// The first start's token (`join.token` in the data directory).
+    pub initial: bool,
+    /// `valid`, `expired`, `used up` or `revoked`.
+    pub state: String,
+}
+
+/// A join token just made: the token, shown this once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct JoinTokenCreated {
+    pub join_token: JoinTokenView,
+    pub token: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct JoinTokenList {
+    pub join_tokens: Vec<JoinTokenView>,
+}
+
 /// `POST /v1/users` (admin): a user and its role.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

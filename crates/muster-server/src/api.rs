@@ -56,6 +56,14 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         )
         .route("/v1/users/{name}", delete(crate::users::remove_user))
         .route(
+            "/v1/join-tokens",
+            post(crate::jointokens::create_join_token).get(crate::jointokens::list_join_tokens),
+        )
+        .route(
+            "/v1/join-tokens/{id}/revoke",
+            post(crate::jointokens::revoke_join_token),
+        )
+        .route(
             "/v1/users/{name}/rotate-token",
             post(crate::users::rotate_token),
         )
@@ -239,7 +247,8 @@ async fn method_not_allowed(request: Request) -> ApiError {
 pub enum Identity {
     /// The admin token in the data directory (the built-in `admin`).
     Admin,
-    Join,
+    /// A join token (its id), valid or not: registration says why not.
+    Join(String),
     Node(String),
     /// The metrics token: `/metrics` (and the dashboard, read-only) only.
     Metrics,
@@ -253,7 +262,7 @@ impl Identity {
         match self {
             Identity::Admin => Some(crate::users::Principal::admin()),
             Identity::User(principal) => Some(principal.clone()),
-            Identity::Join | Identity::Node(_) | Identity::Metrics => None,
+            Identity::Join(_) | Identity::Node(_) | Identity::Metrics => None,
         }
     }
 
@@ -261,7 +270,7 @@ impl Identity {
     pub fn audit_name(&self) -> String {
         match self {
             Identity::Admin => DEFAULT_USER.to_string(),
-            Identity::Join => "join".to_string(),
+            Identity::Join(id) => format!("join:{id}"),
             Identity::Node(node) => format!("node:{node}"),
             Identity::Metrics => "metrics".to_string(),
             Identity::User(principal) => principal.name.clone(),
@@ -336,8 +345,13 @@ pub(crate) fn identify(shared: &Shared, token: &str) -> Option<Identity> {
     if same_token(token, &shared.admin_token) {
         return Some(Identity::Admin);
     }
-    if same_token(token, &shared.join_token) {
-        return Some(Identity::Join);
+    if let Some(record) = shared
+        .join_tokens
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .of_token(token)
+    {
+        return Some(Identity::Join(record.id.clone()));
     }
     if same_token(token, &shared.metrics_token) {
         return Some(Identity::Metrics);
@@ -429,7 +443,7 @@ fn route_template(path: &str) -> String {
     let mut parts: Vec<String> = path.split('/').map(str::to_string).collect();
     if parts.len() > 3 && parts[1] == "v1" {
         let placeholder = match parts[2].as_str() {
-            "jobs" | "arrays" => "{id}",
+            "jobs" | "arrays" | "join-tokens" => "{id}",
             "nodes" | "queues" | "pools" | "users" | "agents" | "secrets" => "{name}",
             "prices" => "{model}",
             _ => "",
@@ -514,7 +528,7 @@ async fn authorize(shared: &Shared, mut request: Request, next: Next) -> (String
         }
     }
     let denied = match (&need, &identity) {
-        (Need::Register, Identity::Join | Identity::Node(_))
+        (Need::Register, Identity::Join(_) | Identity::Node(_))
         | (Need::Metrics, Identity::Admin | Identity::Metrics) => None,
         (Need::Metrics, Identity::User(principal)) if principal.role >= Role::Operator => None,
         (Need::Role(_), Identity::Admin) => None,
@@ -554,7 +568,7 @@ async fn authorize(shared: &Shared, mut request: Request, next: Next) -> (String
         (Need::Register, _) => Some(
             "agents register with the join token (a new node) or their node credential".to_string(),
         ),
-        (Need::Role(_), Identity::Join) => Some(
+        (Need::Role(_), Identity::Join(_)) => Some(
             "the join token only registers agents; use a user's token or the admin token \
              (admin.token in the server's data directory) for this"
                 .to_string(),
@@ -2313,6 +2327,67 @@ fn node_spec(request: &RegisterRequest) -> Result<NodeSpec, ApiError> {
     }
 }
 
+/// Refuses a registration that claims more than a node may (`--max-node-*`)
+/// or an address no node has (unspecified, multicast, link-local: the
+/// cloud's metadata service lives there).
+fn claims_within(
+    spec: &NodeSpec,
+    address: &str,
+    limits: crate::NodeLimits,
+) -> Result<(), ApiError> {
+    let mut problems = Vec::new();
+    if spec.gpus.len() > limits.gpus {
+        problems.push(format!(
+            "it claims {} GPUs, more than the {} a node may have here (the server's \
+             --max-node-gpus)",
+            spec.gpus.len(),
+            limits.gpus
+        ));
+    }
+    if spec.cpu.0 > limits.cpu_milli {
+        problems.push(format!(
+            "it claims {} CPUs, more than the {} a node may have here (--max-node-cpus)",
+            spec.cpu.0 / 1000,
+            limits.cpu_milli / 1000
+        ));
+    }
+    if spec.memory.0 > limits.memory_mib {
+        problems.push(format!(
+            "it claims {} GiB of memory, more than the {} GiB a node may have here \
+             (--max-node-memory)",
+            spec.memory.0 >> 10,
+            limits.memory_mib >> 10
+        ));
+    }
+    if let Ok(ip) = address.trim().parse::<std::net::IpAddr>() {
+        let unusable = ip.is_unspecified()
+            || ip.is_multicast()
+            || match ip {
+                std::net::IpAddr::V4(v4) => v4.is_link_local() || v4.is_broadcast(),
+                std::net::IpAddr::V6(v6) => v6.is_unicast_link_local(),
+            };
+        if unusable {
+            problems.push(format!(
+                "its address {ip} is unspecified, multicast or link-local: no node is reached \
+                 there; give the node's own address (--address)"
+            ));
+        }
+    }
+    let unique: std::collections::BTreeSet<&str> =
+        spec.gpus.iter().map(|gpu| gpu.uuid.as_str()).collect();
+    if unique.len() != spec.gpus.len() {
+        problems.push("it names one GPU UUID twice".to_string());
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(ApiError::invalid(format!(
+        "node {} cannot join: {}",
+        spec.name,
+        problems.join("; ")
+    )))
+}
+
 /// Register an agent's node: a new name with the join token, a known node
 /// with its own credential. Returns the node's credential and the epoch
 /// this registration opened.
@@ -2329,10 +2404,33 @@ fn node_spec(request: &RegisterRequest) -> Result<NodeSpec, ApiError> {
 async fn register_agent(
     State(shared): Shared_,
     axum::Extension(identity): axum::Extension<Identity>,
-    Body(request): Body<RegisterRequest>,
+    Body(mut request): Body<RegisterRequest>,
 ) -> Result<Json<RegisterResponse>, ApiError> {
+    // A token made for a pool puts its nodes there.
+    if let Identity::Join(id) = &identity
+        && let Some(pool) = shared
+            .join_tokens
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(id)
+            .and_then(|record| record.pool.clone())
+    {
+        match &request.pool {
+            Some(asked) if *asked != pool => {
+                return Err(ApiError::new(
+                    ErrorCode::PermissionDenied,
+                    format!(
+                        "the join token {id} admits nodes to pool {pool}, and this node asks for                          pool {asked}; start the agent with --pool {pool} or use another token"
+                    ),
+                ));
+            }
+            _ => request.pool = Some(pool),
+        }
+    }
     let spec = node_spec(&request)?;
+    claims_within(&spec, &request.address, shared.settings.node_limits)?;
     let name = spec.name.clone();
+    let uuids: Vec<String> = spec.gpus.iter().map(|gpu| gpu.uuid.clone()).collect();
     let input = Input::Register {
         spec,
         address: request.address.trim().to_string(),
@@ -2343,11 +2441,31 @@ async fn register_agent(
             stack: request.stack.clone(),
         },
     };
-    let (_, durable, (token, epoch)) = shared.apply_with(
-        move |core: &mut Core| {
+    let join_id = match &identity {
+        Identity::Join(id) => Some(id.clone()),
+        _ => None,
+    };
+    let tokens = &shared.join_tokens;
+    let taken = std::sync::Mutex::new(None);
+    let outcome = shared.apply_with_batch(
+        |core: &mut Core| {
+            // GPUs are one node's: a claim of another node's UUIDs is a
+            // copy or a lie.
+            for node in core.control().nodes().filter(|node| node.spec.name != name) {
+                if let Some(gpu) = node.spec.gpus.iter().find(|gpu| uuids.contains(&gpu.uuid)) {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "node {name} claims GPU {}, which node {} holds; a GPU belongs to one \
+                             node (remove the other with `muster nodes remove {}` if it is gone)",
+                            gpu.uuid, node.spec.name, node.spec.name
+                        ),
+                    ));
+                }
+            }
             let token = match &identity {
                 // The join token admits only names without an identity.
-                Identity::Join if core.has_credential(&name) => {
+                Identity::Join(_) if core.has_credential(&name) => {
                     return Err(ApiError::new(
                         ErrorCode::Conflict,
                         format!(
@@ -2358,8 +2476,17 @@ async fn register_agent(
                         ),
                     ));
                 }
-                Identity::Join => {
-                    // A new node: its own credential from now on.
+                Identity::Join(id) => {
+                    // A new node: one use of the token, its own credential
+                    // from now on.
+                    let record = tokens
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .take_use(id, now().0)
+                        .map_err(|why| ApiError::new(ErrorCode::PermissionDenied, why))?;
+                    *taken
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(record);
                     let fresh = new_token()
                         .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
                     core.set_credential(&name, fresh.clone());
@@ -2382,15 +2509,49 @@ async fn register_agent(
                     ));
                 }
             };
-            Ok((input, (token, name)))
+            Ok((input, (token, name.clone())))
         },
         |core, (token, name)| {
             let epoch = core.control().node(&name).map_or(0, |node| node.epoch);
             (token, epoch)
         },
-        Batch::default(),
-    )?;
-    durable.wait().await?;
+        |_| {
+            let mut batch = Batch::default();
+            if let Some(record) = taken
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .as_ref()
+                && let Ok(json) = serde_json::to_string(record)
+            {
+                batch.join_tokens.insert(record.id.clone(), Some(json));
+            }
+            batch
+        },
+    );
+    let give_back = || {
+        if let Some(id) = &join_id
+            && taken
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .is_some()
+        {
+            tokens
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .give_back(id);
+        }
+    };
+    let (_, durable, (token, epoch)) = match outcome {
+        Ok(outcome) => outcome,
+        Err(error) => {
+            give_back();
+            return Err(error);
+        }
+    };
+    if let Err(error) = durable.wait().await {
+        give_back();
+        return Err(error.into());
+    }
     tracing::info!(node = %request.name, epoch, "node registered");
     Ok(Json(RegisterResponse {
         node_token: token,
@@ -2725,6 +2886,8 @@ async fn push_logs(
         crate::accounting::list_prices, crate::accounting::set_price,
         crate::accounting::remove_price,
         crate::users::create_user, crate::users::list_users, crate::users::remove_user,
+        crate::jointokens::create_join_token, crate::jointokens::list_join_tokens,
+        crate::jointokens::revoke_join_token,
         crate::users::rotate_token, crate::users::whoami, crate::users::audit,
         crate::secrets::set_secret, crate::secrets::list_secrets, crate::secrets::remove_secret,
         crate::services::create_service, crate::services::list_services,
@@ -2823,7 +2986,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 43, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 45, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",

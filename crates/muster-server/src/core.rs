@@ -329,6 +329,8 @@ pub struct Settings {
     pub audit_retention_ms: u64,
     /// Requests per token (agents' own endpoints aside).
     pub rate_limit: Option<crate::ratelimit::RateLimit>,
+    /// The most a registering node may claim.
+    pub node_limits: crate::NodeLimits,
 }
 
 /// What every task and handler shares.
@@ -351,7 +353,8 @@ pub struct Shared {
     /// A start forecast is being computed (at most one at a time).
     pub forecasting: std::sync::atomic::AtomicBool,
     pub admin_token: String,
-    pub join_token: String,
+    /// What new nodes register with (see [`crate::jointokens`]).
+    pub join_tokens: std::sync::Mutex<crate::jointokens::JoinTokens>,
     /// Reads `/metrics` only.
     pub metrics_token: String,
     /// The latest telemetry of each node (memory only: one report per
@@ -431,7 +434,6 @@ impl Shared {
         writer: Writer,
         store: crate::store::SqlStore,
         admin_token: String,
-        join_token: String,
         metrics_token: String,
         instruments: crate::metrics::Instruments,
         accounting: crate::accounting::Accounting,
@@ -449,7 +451,7 @@ impl Shared {
             state_version: std::sync::atomic::AtomicU64::new(0),
             forecasting: std::sync::atomic::AtomicBool::new(false),
             admin_token,
-            join_token,
+            join_tokens: std::sync::Mutex::new(tenants.join_tokens),
             metrics_token,
             telemetry: std::sync::Mutex::new(BTreeMap::new()),
             usage: std::sync::Mutex::new(BTreeMap::new()),

@@ -60,7 +60,7 @@ fn viewer_of(shared: &Shared, token: &str) -> Option<Viewer> {
         Identity::Metrics => Some(Viewer::ReadOnly),
         // A user sees its own jobs through the CLI and the API; the pages
         // show the whole cluster.
-        Identity::User(_) | Identity::Join | Identity::Node(_) => None,
+        Identity::User(_) | Identity::Join(_) | Identity::Node(_) => None,
     }
 }
 

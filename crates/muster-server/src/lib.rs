@@ -39,6 +39,7 @@ pub mod gateway;
 pub mod ha;
 mod history;
 mod idempotency;
+pub mod jointokens;
 mod logstore;
 mod loops;
 pub mod metrics;
@@ -126,7 +127,32 @@ pub struct ServerConfig {
     /// The first of the [`muster_control::MASTER_PORTS`] ports jobs get as
     /// `MUSTER_MASTER_PORT` (job N: this plus N modulo their number).
     pub master_port_base: u16,
+    /// How long the first start's join token (`join.token`) admits new
+    /// nodes (`None`: until revoked).
+    pub join_token_ttl_ms: Option<u64>,
+    /// The most a registering node may claim.
+    pub node_limits: NodeLimits,
 }
+
+/// The most GPUs, CPUs and memory one node may claim at registration: a
+/// claim past them is refused (a node that lies would draw work first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeLimits {
+    pub gpus: usize,
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+}
+
+/// [`NodeLimits`] unless the operator says otherwise: 16 GPUs, 1,024 CPUs,
+/// 16 TiB (beyond the largest single servers sold).
+pub const DEFAULT_NODE_LIMITS: NodeLimits = NodeLimits {
+    gpus: 16,
+    cpu_milli: 1_024_000,
+    memory_mib: 16 << 20,
+};
+
+/// [`ServerConfig::join_token_ttl_ms`] unless the operator says otherwise.
+pub const DEFAULT_JOIN_TOKEN_TTL_MS: u64 = 24 * 3_600_000;
 
 pub use ratelimit::RateLimit;
 
@@ -168,6 +194,8 @@ impl ServerConfig {
             rate_limit: Some(DEFAULT_RATE_LIMIT),
             tls: tls::TlsMode::Off,
             master_port_base: muster_control::DEFAULT_MASTER_PORT_BASE,
+            join_token_ttl_ms: Some(DEFAULT_JOIN_TOKEN_TTL_MS),
+            node_limits: DEFAULT_NODE_LIMITS,
         }
     }
 }
@@ -324,7 +352,33 @@ impl Server {
         let mut loaded = store.load().await?;
         let stored_services = std::mem::take(&mut loaded.services);
         let secrets_key = secrets::load_key(&data_dir.join("secrets.key"))?;
+        // The first start's join token is one of the join tokens: made a
+        // record (with its expiry) the first time this store sees it.
+        let mut join_tokens = jointokens::JoinTokens::load(std::mem::take(&mut loaded.join_tokens));
+        if join_tokens.of_token(&join_token).is_none() {
+            let record = join_tokens
+                .create(
+                    join_token.clone(),
+                    now().0,
+                    config.join_token_ttl_ms,
+                    None,
+                    None,
+                    true,
+                )
+                .map_err(|why| anyhow::anyhow!(why))?;
+            store
+                .write(&store::Batch {
+                    join_tokens: std::iter::once((
+                        record.id.clone(),
+                        Some(serde_json::to_string(&record)?),
+                    ))
+                    .collect(),
+                    ..store::Batch::default()
+                })
+                .await?;
+        }
         let tenants = users::Tenants {
+            join_tokens,
             users: users::Users::load(std::mem::take(&mut loaded.users)),
             keys: idempotency::Keys::load(std::mem::take(&mut loaded.idempotency), now().0),
             secrets: secrets::Secrets::new(secrets_key, std::mem::take(&mut loaded.secrets)),
@@ -355,12 +409,12 @@ impl Server {
                 usage_retention_ms: config.usage_retention_ms,
                 audit_retention_ms: config.audit_retention_ms,
                 rate_limit: config.rate_limit,
+                node_limits: config.node_limits,
             },
             core,
             writer,
             store.clone(),
             admin_token.clone(),
-            join_token.clone(),
             metrics_token.clone(),
             instruments,
             accounting::Accounting::with_prices(prices),

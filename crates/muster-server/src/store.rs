@@ -93,6 +93,8 @@ pub struct Batch {
     pub users: BTreeMap<String, Option<String>>,
     /// Services (JSON records; `None`: removed).
     pub services: BTreeMap<String, Option<String>>,
+    /// Join tokens by id (JSON records; `None`: removed).
+    pub join_tokens: BTreeMap<String, Option<String>>,
     /// Secrets by (name, queue): sealed JSON records; `None`: removed.
     pub secrets: BTreeMap<(String, String), Option<String>>,
     /// Entries to append to the audit log.
@@ -137,6 +139,7 @@ impl Batch {
             && self.pools.is_empty()
             && self.users.is_empty()
             && self.services.is_empty()
+            && self.join_tokens.is_empty()
             && self.secrets.is_empty()
             && self.audit.is_empty()
             && self.idempotency.is_empty()
@@ -168,6 +171,7 @@ impl Batch {
         self.pools.extend(later.pools);
         self.users.extend(later.users);
         self.services.extend(later.services);
+        self.join_tokens.extend(later.join_tokens);
         self.secrets.extend(later.secrets);
         self.audit.extend(later.audit);
         self.idempotency.extend(later.idempotency);
@@ -190,6 +194,7 @@ pub struct Loaded {
     pub pools: Vec<PoolRecord>,
     pub users: Vec<crate::users::UserRecord>,
     pub services: Vec<crate::services::ServiceRecord>,
+    pub join_tokens: Vec<crate::jointokens::JoinTokenRecord>,
     pub secrets: Vec<crate::secrets::SecretRecord>,
     /// Idempotency keys: (user, key, job, at ms).
     pub idempotency: Vec<(String, String, u64, u64)>,
@@ -336,7 +341,7 @@ pub struct Migration {
 /// Every schema version, for both databases. SQLite keeps its version in
 /// `PRAGMA user_version` (version 1 left it at 0; its statements are
 /// idempotent), PostgreSQL in the table `schema_version`.
-pub const MIGRATIONS: [Migration; 7] = [
+pub const MIGRATIONS: [Migration; 8] = [
     Migration {
         version: 1,
         sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
@@ -371,6 +376,11 @@ pub const MIGRATIONS: [Migration; 7] = [
         version: 7,
         sqlite: include_str!("../migrations/sqlite/0007_services.sql"),
         postgres: include_str!("../migrations/postgres/0007_services.sql"),
+    },
+    Migration {
+        version: 8,
+        sqlite: include_str!("../migrations/sqlite/0008_join_tokens.sql"),
+        postgres: include_str!("../migrations/postgres/0008_join_tokens.sql"),
     },
 ];
 
@@ -773,6 +783,12 @@ impl Store for SqlStore {
                     "service",
                 )
                 .await?,
+            join_tokens: self
+                .records(
+                    "SELECT name AS key, record FROM join_tokens ORDER BY name",
+                    "join token",
+                )
+                .await?,
             secrets: self
                 .records(
                     "SELECT name AS key, record FROM secrets ORDER BY name, queue",
@@ -987,6 +1003,7 @@ impl Store for SqlStore {
             ("pools", &batch.pools),
             ("users", &batch.users),
             ("services", &batch.services),
+            ("join_tokens", &batch.join_tokens),
         ] {
             for (name, record) in records {
                 let sql = match record {
@@ -1451,7 +1468,7 @@ enum Kind {
 /// it in (empty: the order rows were inserted in).
 type Table = (&'static str, &'static [(&'static str, Kind)], &'static str);
 
-const TABLES: [Table; 13] = {
+const TABLES: [Table; 14] = {
     use Kind::{Int, Real, Text};
     [
         ("meta", &[("key", Text), ("value", Int)], "key"),
@@ -1509,6 +1526,7 @@ const TABLES: [Table; 13] = {
         ("pools", &[("name", Text), ("record", Text)], "name"),
         ("users", &[("name", Text), ("record", Text)], "name"),
         ("services", &[("name", Text), ("record", Text)], "name"),
+        ("join_tokens", &[("name", Text), ("record", Text)], "name"),
         (
             "audit",
             &[

@@ -107,6 +107,7 @@ impl Principal {
 /// What the server loads of users and idempotency keys at start.
 #[derive(Debug)]
 pub struct Tenants {
+    pub join_tokens: crate::jointokens::JoinTokens,
     pub users: Users,
     pub keys: crate::idempotency::Keys,
     pub secrets: crate::secrets::Secrets,

@@ -2519,6 +2519,28 @@ async fn the_authorization_matrix_holds_for_every_route() {
                 None,
                 only(&[Who::Admin], 404),
             ),
+            // Join tokens: an admin's.
+            (
+                Method::GET,
+                "/v1/join-tokens",
+                "/v1/join-tokens".into(),
+                None,
+                only(&[Who::Admin], 200),
+            ),
+            (
+                Method::POST,
+                "/v1/join-tokens",
+                "/v1/join-tokens".into(),
+                Some(json!({ "uses": 0 })),
+                only(&[Who::Admin], 400),
+            ),
+            (
+                Method::POST,
+                "/v1/join-tokens/{id}/revoke",
+                "/v1/join-tokens/jt-000000000000/revoke".into(),
+                Some(json!({})),
+                only(&[Who::Admin], 404),
+            ),
             (
                 Method::GET,
                 "/v1/whoami",
@@ -3322,6 +3344,170 @@ async fn a_job_with_an_image_goes_to_a_node_that_runs_containers() {
             "{body}"
         );
         server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn join_tokens_expire_run_out_are_revoked_and_nodes_claim_only_what_they_may() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = test_config(dir.path());
+        // The first start's token lasts a millisecond here.
+        config.join_token_ttl_ms = Some(1);
+        let server = Server::start(config).await.expect("server starts");
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let register = |token: String, request: RegisterRequest| {
+            let api = &api;
+            async move {
+                api.post(
+                    "/v1/agents/register",
+                    &token,
+                    serde_json::to_value(request).expect("a request"),
+                )
+                .await
+            }
+        };
+        let refused = |(status, body): (StatusCode, Value), code: StatusCode, says: &str| {
+            assert_eq!(status, code, "{body}");
+            let message = error_of(&body).message;
+            assert!(message.contains(says), "{message}");
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        refused(
+            register(server.join_token().to_string(), register_request("late")).await,
+            StatusCode::FORBIDDEN,
+            "expired",
+        );
+        let create = |body: Value| {
+            let (api, admin) = (&api, admin.clone());
+            async move {
+                let (status, body) = api.post("/v1/join-tokens", &admin, body).await;
+                assert_eq!(status, StatusCode::CREATED, "{body}");
+                (
+                    body["token"].as_str().expect("a token").to_string(),
+                    body["join_token"]["id"]
+                        .as_str()
+                        .expect("an id")
+                        .to_string(),
+                )
+            }
+        };
+        // One use: the second node is refused, and a burst cannot pass it.
+        let (once, once_id) = create(json!({ "uses": 1, "ttl_ms": 3_600_000 })).await;
+        let (first, second) = tokio::join!(
+            register(once.clone(), register_request("n-1")),
+            register(once.clone(), register_request("n-2")),
+        );
+        let statuses = [first.0, second.0];
+        assert_eq!(
+            statuses.iter().filter(|s| **s == StatusCode::OK).count(),
+            1,
+            "{first:?} {second:?}"
+        );
+        let (loser, joined) = if first.0 == StatusCode::OK {
+            (second, "n-1")
+        } else {
+            (first, "n-2")
+        };
+        refused(loser, StatusCode::FORBIDDEN, "used up (1 of 1");
+        // Expired, revoked.
+        let (short, _) = create(json!({ "ttl_ms": 1 })).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        refused(
+            register(short, register_request("n-3")).await,
+            StatusCode::FORBIDDEN,
+            "expired",
+        );
+        let (revoked, revoked_id) = create(json!({})).await;
+        let (status, _) = api
+            .post(
+                &format!("/v1/join-tokens/{revoked_id}/revoke"),
+                &admin,
+                json!({}),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        refused(
+            register(revoked, register_request("n-3")).await,
+            StatusCode::FORBIDDEN,
+            "revoked",
+        );
+        // A pool's token puts its nodes there and admits no other pool.
+        let (train, _) = create(json!({ "pool": "train" })).await;
+        let (status, body) = register(train.clone(), register_request("n-4")).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let (_, node) = api.get("/v1/nodes/n-4", &admin).await;
+        assert_eq!(node["pool"], "train", "{node}");
+        let mut elsewhere = register_request("n-5");
+        elsewhere.pool = Some("infer".to_string());
+        refused(
+            register(train.clone(), elsewhere).await,
+            StatusCode::FORBIDDEN,
+            "pool train",
+        );
+        // Claims: another node's GPUs, too many GPUs or too much memory, a
+        // link-local address.
+        let mut copy = register_request("n-6");
+        copy.gpus = register_request(joined).gpus;
+        refused(
+            register(train.clone(), copy).await,
+            StatusCode::CONFLICT,
+            &format!("which node {joined} holds"),
+        );
+        let mut thief = register_request("thief");
+        thief.gpus = (0..64)
+            .map(|index| GpuView {
+                index,
+                uuid: format!("GPU-thief-{index}"),
+                model: "H100-80GB".to_string(),
+                memory_mib: 81_920,
+                nvlink_domain: 0,
+            })
+            .collect();
+        thief.memory_mib = 100 << 20;
+        thief.address = "169.254.169.254".to_string();
+        let (status, body) = register(train.clone(), thief).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        let message = error_of(&body).message;
+        for says in ["64 GPUs", "--max-node-memory", "link-local"] {
+            assert!(message.contains(says), "{says}: {message}");
+        }
+        let (_, body) = api.get("/v1/nodes/thief", &admin).await;
+        assert_eq!(error_of(&body).code, ErrorCode::NotFound);
+        // Listed with their states, never a token; kept across a restart.
+        let (status, list) = api.get("/v1/join-tokens", &admin).await;
+        assert_eq!(status, StatusCode::OK);
+        let text = list.to_string();
+        assert!(!text.contains(&once) && !text.contains(&train), "{text}");
+        let state_of = |list: &Value, id: &str| {
+            list["join_tokens"]
+                .as_array()
+                .expect("tokens")
+                .iter()
+                .find(|token| token["id"] == id)
+                .map(|token| token["state"].as_str().unwrap_or_default().to_string())
+        };
+        assert_eq!(state_of(&list, &once_id).as_deref(), Some("used up"));
+        assert_eq!(state_of(&list, &revoked_id).as_deref(), Some("revoked"));
+        // Only an admin makes them.
+        let (status, _) = api.post("/v1/join-tokens", &train, json!({})).await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        drop(server);
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let (_, list) = api.get("/v1/join-tokens", &admin).await;
+        assert_eq!(state_of(&list, &once_id).as_deref(), Some("used up"));
+        assert_eq!(state_of(&list, &revoked_id).as_deref(), Some("revoked"));
+        let (status, body) = api
+            .post(
+                "/v1/agents/register",
+                &once,
+                serde_json::to_value(register_request("n-7")).expect("a request"),
+            )
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
     })
     .await;
 }

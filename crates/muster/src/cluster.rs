@@ -102,6 +102,53 @@ pub struct ServerArgs {
     pub rate_limit: RateLimitArg,
     #[command(flatten)]
     pub ports: PortArgs,
+    #[command(flatten)]
+    pub admission: AdmissionArgs,
+}
+
+/// What a new node must be to join.
+#[derive(Debug, Args)]
+pub struct AdmissionArgs {
+    /// How long the first start's join token (join.token) admits new
+    /// nodes, or `never` (until revoked); `muster nodes token create`
+    /// makes others.
+    #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = parse_token_ttl)]
+    pub join_token_ttl: TokenTtl,
+    /// The most GPUs a registering node may claim.
+    #[arg(long, value_name = "N", default_value_t = muster_server::DEFAULT_NODE_LIMITS.gpus as u64,
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub max_node_gpus: u64,
+    /// The most CPUs a registering node may claim.
+    #[arg(long, value_name = "N", default_value_t = muster_server::DEFAULT_NODE_LIMITS.cpu_milli / 1000)]
+    pub max_node_cpus: u64,
+    /// The most memory a registering node may claim, e.g. 16TiB.
+    #[arg(long, value_name = "SIZE", default_value = "16TiB", value_parser = parse_bytes)]
+    pub max_node_memory: u64,
+}
+
+impl AdmissionArgs {
+    fn limits(&self) -> muster_server::NodeLimits {
+        muster_server::NodeLimits {
+            gpus: self.max_node_gpus as usize,
+            cpu_milli: self.max_node_cpus.saturating_mul(1000),
+            memory_mib: self.max_node_memory >> 20,
+        }
+    }
+}
+
+/// `--join-token-ttl`: milliseconds, or `None` for never.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenTtl(pub Option<u64>);
+
+fn parse_token_ttl(text: &str) -> Result<TokenTtl, String> {
+    if text.trim() == "never" {
+        return Ok(TokenTtl(None));
+    }
+    let seconds = crate::cli::parse_duration_s(text)?;
+    if seconds == 0 {
+        return Err("give a duration of at least 1s, or `never`".to_string());
+    }
+    Ok(TokenTtl(Some(seconds.saturating_mul(1000))))
 }
 
 /// The ports muster gives jobs on their nodes.
@@ -482,6 +529,8 @@ pub struct UpArgs {
     pub tls: TlsArgs,
     #[command(flatten)]
     pub ports: PortArgs,
+    #[command(flatten)]
+    pub admission: AdmissionArgs,
 }
 
 /// A size in bytes: a whole number with an optional binary unit (B, KiB,
@@ -607,6 +656,8 @@ pub fn server(args: ServerArgs) -> Result<()> {
             store: args.store.clone(),
             migrate_from: args.migrate_from.clone(),
             master_port_base: args.ports.master_port_base,
+            join_token_ttl_ms: args.admission.join_token_ttl.0,
+            node_limits: args.admission.limits(),
             ..server_config(
                 args.listen,
                 data_dir.clone(),
@@ -860,6 +911,8 @@ pub fn up(args: UpArgs) -> Result<()> {
         let started = muster_server::Server::start(muster_server::ServerConfig {
             tls,
             master_port_base: args.ports.master_port_base,
+            join_token_ttl_ms: args.admission.join_token_ttl.0,
+            node_limits: args.admission.limits(),
             ..server_config(
                 args.listen,
                 data_dir.clone(),

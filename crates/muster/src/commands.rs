@@ -1826,6 +1826,36 @@ pub enum NodesAction {
         /// The node's name.
         node: String,
     },
+    /// Join tokens (admin): what new nodes register with. Each expires,
+    /// runs out after its uses, or is revoked; the token is shown once.
+    Token {
+        #[command(subcommand)]
+        action: TokenAction,
+    },
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum TokenAction {
+    /// Make a join token and print it (this once).
+    Create {
+        /// How long it admits new nodes, e.g. 1h or 7d (default: until
+        /// revoked).
+        #[arg(long, value_name = "DURATION", value_parser = crate::cli::parse_duration_s)]
+        ttl: Option<u64>,
+        /// How many nodes may join with it (default: any number).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+        uses: Option<u64>,
+        /// The pool the nodes it admits join.
+        #[arg(long, value_name = "POOL")]
+        pool: Option<String>,
+    },
+    /// List join tokens with their state (never the tokens).
+    List,
+    /// Revoke a join token: no new node joins with it.
+    Revoke {
+        /// Its id (`jt-...`, from `muster nodes token list`).
+        id: String,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -1943,6 +1973,94 @@ fn describe_node(node: &NodeView) {
     );
 }
 
+fn join_token_row(token: &muster_api::protocol::JoinTokenView, now: u64) -> Vec<String> {
+    vec![
+        token.id.clone(),
+        token.state.clone(),
+        token
+            .expires_ms
+            .map_or_else(|| "never".to_string(), |at| clock_text(at, now)),
+        match token.max_uses {
+            Some(max) => format!("{}/{max}", token.uses),
+            None => token.uses.to_string(),
+        },
+        token.pool.clone().unwrap_or_else(|| "-".to_string()),
+        if token.initial {
+            "join.token".to_string()
+        } else {
+            String::new()
+        },
+    ]
+}
+
+const JOIN_TOKEN_HEADER: [&str; 6] = ["ID", "STATE", "EXPIRES", "USES", "POOL", "NOTE"];
+
+fn join_tokens(
+    client: &muster_api::client::Client,
+    action: &TokenAction,
+    json: bool,
+) -> Result<u8, Failure> {
+    let now = now_ms();
+    match action {
+        TokenAction::Create { ttl, uses, pool } => {
+            let request = muster_api::protocol::JoinTokenCreate {
+                ttl_ms: ttl.map(|seconds| seconds.saturating_mul(1000)),
+                uses: *uses,
+                pool: pool.clone(),
+            };
+            let made = runtime()?
+                .block_on(client.create_join_token(&request))
+                .map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&made)?;
+            } else {
+                outln!("{}", made.token);
+                eprintln!(
+                    "join token {} ({}); give it to agents with --join-token-file; it is not \
+                     shown again",
+                    made.join_token.id,
+                    match (made.join_token.expires_ms, made.join_token.max_uses) {
+                        (Some(at), Some(n)) => format!("expires {}, {n} uses", clock_text(at, now)),
+                        (Some(at), None) => format!("expires {}", clock_text(at, now)),
+                        (None, Some(n)) => format!("{n} uses, never expires"),
+                        (None, None) => "until revoked".to_string(),
+                    }
+                );
+            }
+        }
+        TokenAction::List => {
+            let list = runtime()?
+                .block_on(client.join_tokens())
+                .map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&list)?;
+            } else {
+                table(
+                    &JOIN_TOKEN_HEADER,
+                    list.join_tokens
+                        .iter()
+                        .map(|token| join_token_row(token, now))
+                        .collect(),
+                );
+            }
+        }
+        TokenAction::Revoke { id } => {
+            let token = runtime()?
+                .block_on(client.revoke_join_token(id))
+                .map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&token)?;
+            } else {
+                outln!(
+                    "join token {} revoked; nodes that joined with it keep their credentials",
+                    token.id
+                );
+            }
+        }
+    }
+    Ok(0)
+}
+
 pub fn nodes(args: NodesArgs) -> Result<u8, Failure> {
     let client = args.connection.client()?;
     match &args.action {
@@ -1963,6 +2081,9 @@ pub fn nodes(args: NodesArgs) -> Result<u8, Failure> {
                 );
             }
             return Ok(0);
+        }
+        Some(NodesAction::Token { action }) => {
+            return join_tokens(&client, action, args.connection.json);
         }
         Some(NodesAction::ResetIdentity { node }) => {
             let view = runtime()?

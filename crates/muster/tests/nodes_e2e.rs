@@ -217,3 +217,111 @@ fn the_join_token_cannot_take_a_known_node_and_its_credential_survives_restarts(
     let error: Result<_, ClientError> = rt.block_on(client.remove_node("node-a", false));
     assert!(error.is_ok(), "an idle node is removed: {error:?}");
 }
+
+/// `muster nodes token create --uses 1 --pool train` makes a token that
+/// admits one agent, into pool train; a second agent with it is refused
+/// and says why; list shows it used up; revoke ends it. Nothing prints a
+/// token but its creation.
+#[test]
+fn a_join_token_admits_its_uses_into_its_pool_and_no_more() {
+    let cluster = Cluster::start("10s");
+    let rt = runtime();
+    let client = cluster.client();
+    let connection = [
+        "--server".to_string(),
+        cluster.url(),
+        "--token".to_string(),
+        cluster.token("admin.token"),
+        "--ca-sha256".to_string(),
+        cluster.ca_sha256(),
+    ];
+    let cli = |args: &[&str]| {
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(connection.iter().map(String::as_str));
+        common::muster(cluster.dir.path(), &all)
+    };
+    let made = cli(&[
+        "nodes", "token", "create", "--uses", "1", "--pool", "train", "--ttl", "1h",
+    ]);
+    let token = common::success(&made).trim().to_string();
+    assert_eq!(token.len(), 64, "{token}");
+    let said = String::from_utf8_lossy(&made.stderr).into_owned();
+    assert!(
+        said.contains("1 uses") && said.contains("not shown again"),
+        "{said}"
+    );
+    let file = cluster.path("train.token");
+    std::fs::write(&file, &token).expect("write the token");
+    let fingerprint = cluster.ca_sha256();
+    let agent = |name: &str| {
+        let state = cluster.path(name);
+        spawn(
+            cluster.dir.path(),
+            &format!("{name}.log"),
+            &[
+                "agent",
+                "--ca-sha256",
+                &fingerprint,
+                "--server",
+                &cluster.url(),
+                "--join-token-file",
+                file.to_str().expect("utf-8 path"),
+                "--name",
+                name,
+                "--address",
+                "127.0.0.1",
+                "--simulate-gpus",
+                "1xH100-80GB",
+                "--state-dir",
+                state.to_str().expect("utf-8 path"),
+            ],
+        )
+    };
+    let _first = agent("first");
+    wait_for_nodes(&rt, &client, 1);
+    let node = rt.block_on(client.node("first")).expect("the node");
+    assert_eq!(node.pool, "train");
+    let mut second = agent("second");
+    let status = (0..600)
+        .find_map(|_| {
+            std::thread::sleep(Duration::from_millis(50));
+            second.0.try_wait().expect("wait")
+        })
+        .expect("the second agent stops");
+    assert!(!status.success());
+    let log = std::fs::read_to_string(cluster.path("second.log")).unwrap();
+    assert!(log.contains("used up"), "{log}");
+    let listed = common::success(&cli(&["nodes", "token", "list"]));
+    assert!(
+        listed.contains("used up") && listed.contains("1/1"),
+        "{listed}"
+    );
+    assert!(
+        listed.contains("join.token"),
+        "the first start's token: {listed}"
+    );
+    assert!(!listed.contains(&token), "{listed}");
+    let id = listed
+        .lines()
+        .find(|line| line.contains("train"))
+        .and_then(|line| line.split_whitespace().next())
+        .expect("the token's row")
+        .to_string();
+    let revoked = common::success(&cli(&["nodes", "token", "revoke", &id]));
+    assert!(revoked.contains("revoked"), "{revoked}");
+    let listed = common::success(&cli(&["nodes", "token", "list", "--json"]));
+    let listed: serde_json::Value = serde_json::from_str(&listed).expect("json");
+    let row = listed["join_tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .find(|row| row["id"] == id.as_str())
+        .cloned()
+        .expect("the row");
+    assert_eq!(row["state"], "revoked");
+    // The node that joined keeps its own credential.
+    assert_eq!(
+        rt.block_on(client.node("first")).expect("the node").state,
+        "ready"
+    );
+}
