@@ -212,6 +212,23 @@ fn everything() -> Batch {
             .expect("JSON"),
         ),
     );
+    batch.join_tokens.insert(
+        "jt-000000000001".into(),
+        Some(
+            serde_json::to_string(&crate::jointokens::JoinTokenRecord {
+                id: "jt-000000000001".into(),
+                hash: "cd".repeat(32),
+                created_ms: 9,
+                expires_ms: Some(3_600_009),
+                max_uses: Some(10),
+                uses: 3,
+                pool: Some("train".into()),
+                revoked: false,
+                initial: false,
+            })
+            .expect("JSON"),
+        ),
+    );
     batch.secrets.insert(
         ("hf-token".into(), "team-a".into()),
         Some(
@@ -299,6 +316,9 @@ async fn every_record_round_trips_and_later_writes_win() {
         );
         assert_eq!(loaded.queues[0].budget_monthly_cents, Some(500_000));
         assert!(loaded.pools.is_empty() && loaded.users.is_empty() && loaded.secrets.is_empty());
+        assert_eq!(loaded.join_tokens.len(), 1, "{backend}");
+        assert_eq!(loaded.join_tokens[0].uses, 3, "{backend}");
+        assert_eq!(loaded.join_tokens[0].pool.as_deref(), Some("train"));
         assert_eq!(
             loaded.idempotency,
             vec![
@@ -547,6 +567,11 @@ async fn a_store_copies_into_an_empty_one_whole() {
         );
         assert_eq!(format!("{:?}", after.pools), format!("{:?}", before.pools));
         assert_eq!(format!("{:?}", after.users), format!("{:?}", before.users));
+        assert_eq!(
+            format!("{:?}", after.join_tokens),
+            format!("{:?}", before.join_tokens)
+        );
+        assert_eq!(before.join_tokens.len(), 1);
         assert_eq!(
             format!("{:?}", after.secrets),
             format!("{:?}", before.secrets)
