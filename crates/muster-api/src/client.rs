@@ -868,6 +868,15 @@ impl Client {
         self.get("/v1/users").await
     }
 
+    pub async fn set_user_limits(
+        &self,
+        name: &str,
+        limits: &UserLimits,
+    ) -> Result<UserView, ClientError> {
+        self.post(&format!("/v1/users/{}/limits", encode(name)), limits, None)
+            .await
+    }
+
     pub async fn create_join_token(
         &self,
         request: &JoinTokenCreate,

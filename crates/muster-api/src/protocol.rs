@@ -854,6 +854,16 @@ pub struct QueueView {
     /// Its members may read each other's jobs.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub members_see_jobs: bool,
+    /// The most jobs it may have pending (`None`: no limit of its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending: Option<u64>,
+    /// The highest priority class its users may submit (operators and
+    /// admins are not limited).
+    #[serde(default)]
+    pub max_priority_class: String,
+    /// Its users may submit non-preemptible jobs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_non_preemptible: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -950,6 +960,20 @@ pub struct QueueUpdate {
     /// Its members may read (not cancel) each other's jobs.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub members_see_jobs: bool,
+    /// The most jobs (array elements one each) it may have pending; a
+    /// submission past it is refused (absent: no limit of its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 100_000_000))]
+    pub max_pending: Option<u64>,
+    /// The highest priority class its users may submit: `low`, `normal`,
+    /// `high` or `critical` (absent: `normal`). Operators and admins are not
+    /// limited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^(low|normal|high|critical)$"))]
+    pub max_priority_class: Option<String>,
+    /// Its users may submit non-preemptible jobs (`preemptible: false`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_non_preemptible: bool,
 }
 
 /// One rank's use of its GPUs over a job's life (`GET /v1/jobs/{id}/usage`).
@@ -1145,6 +1169,22 @@ pub struct UserView {
     /// The queues it may submit to (empty for operators and admins: all).
     pub queues: Vec<String>,
     pub created_ms: u64,
+    /// The most jobs it may have pending, its own (`None`: the server's
+    /// default for users, none for operators and admins).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending: Option<u64>,
+}
+
+/// `POST /v1/users/{name}/limits` (admin): a user's own limits, whole.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UserLimits {
+    /// The most jobs (array elements one each) it may have pending
+    /// (absent: the server's `--max-pending-per-user` for a user, none for
+    /// operators and admins).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 100_000_000))]
+    pub max_pending: Option<u64>,
 }
 
 /// A user made or its token rotated: the token, shown this once.

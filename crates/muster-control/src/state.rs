@@ -545,6 +545,10 @@ impl Default for ControlConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ControlPlane {
     pub(crate) config: ControlConfig,
+    /// How many jobs each user and each queue has pending (array elements
+    /// one each), kept with every change of a job's state: what submission
+    /// limits are checked against.
+    pub(crate) pending_counts: PendingCounts,
     /// The hot state: every job not finished, and finished ones for
     /// [`ControlConfig::retention_ms`] after they ended.
     pub(crate) jobs: BTreeMap<JobId, Job>,
@@ -835,10 +839,147 @@ fn dedup_outputs(outputs: &mut Vec<Output>) {
     outputs.retain(|_| keep.next().unwrap_or(true));
 }
 
+/// How many jobs each user and each queue has pending.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct PendingCounts {
+    by_user: BTreeMap<String, u64>,
+    by_queue: BTreeMap<QueueName, u64>,
+}
+
+impl PendingCounts {
+    /// Counts the pending jobs of `jobs` from scratch.
+    pub(crate) fn of(jobs: &BTreeMap<JobId, Job>) -> PendingCounts {
+        let mut counts = PendingCounts::default();
+        for job in jobs.values().filter(|job| job.state == JobState::Pending) {
+            counts.changed(&job.user, &job.spec.queue, false, true);
+        }
+        counts
+    }
+
+    /// A job of `user` in `queue` went from pending or not to pending or
+    /// not.
+    pub(crate) fn changed(&mut self, user: &str, queue: &QueueName, was: bool, is: bool) {
+        match (was, is) {
+            (false, true) => {
+                *self.by_user.entry(user.to_string()).or_default() += 1;
+                *self.by_queue.entry(queue.clone()).or_default() += 1;
+            }
+            (true, false) => {
+                if let Some(count) = self.by_user.get_mut(user) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.by_user.remove(user);
+                    }
+                }
+                if let Some(count) = self.by_queue.get_mut(queue) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.by_queue.remove(queue);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Who submits, for [`ControlPlane::admission`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Submitter<'a> {
+    pub user: &'a str,
+    /// The most jobs the user may have pending (`None`: no limit).
+    pub max_pending: Option<u64>,
+    /// An ordinary user (not an operator or admin): the queue's priority
+    /// class ceiling and its word on non-preemptible jobs apply.
+    pub ordinary: bool,
+}
+
+/// The highest priority class an ordinary user may submit to a queue that
+/// names none.
+pub const DEFAULT_MAX_PRIORITY_CLASS: &str = "normal";
+
 impl ControlPlane {
+    /// Whether `submitter` may submit `spec` now: its user's and its
+    /// queue's pending jobs stay within their limits with it (an array's
+    /// elements one each), and an ordinary user keeps to the queue's
+    /// priority classes and preemptibility. The error says which limit,
+    /// the count and what to do. Called with the submission in one commit,
+    /// so a burst cannot pass a limit.
+    pub fn admission(&self, spec: &JobSpec, submitter: &Submitter<'_>) -> Result<(), String> {
+        let count = spec.array.as_ref().map_or(1, |array| array.len() as u64);
+        let queue = self.queues.get(&spec.queue);
+        if let Some(max) = submitter.max_pending {
+            let pending = self.pending_of_user(submitter.user);
+            if pending + count > max {
+                return Err(format!(
+                    "{user} has {pending} job(s) pending and may have at most {max}; this \
+                     submission of {count} would pass that: wait for some to start, cancel some, \
+                     or ask an admin (`muster users set {user} --max-pending N`)",
+                    user = submitter.user
+                ));
+            }
+        }
+        if let Some(max) = queue.and_then(|queue| queue.max_pending) {
+            let pending = self.pending_of_queue(&spec.queue);
+            if pending + count > max {
+                return Err(format!(
+                    "queue {queue} has {pending} job(s) pending and may have at most {max}; this \
+                     submission of {count} would pass that (an admin changes it with `muster \
+                     queues set {queue} --max-pending N`)",
+                    queue = spec.queue
+                ));
+            }
+        }
+        if submitter.ordinary {
+            let ceiling = queue
+                .and_then(|queue| queue.max_priority_class.clone())
+                .unwrap_or_else(muster_model::PriorityClass::normal);
+            debug_assert_eq!(
+                muster_model::PriorityClass::normal().name,
+                DEFAULT_MAX_PRIORITY_CLASS
+            );
+            if spec.priority_class.value > ceiling.value {
+                return Err(format!(
+                    "priority_class {} is above what queue {} allows its users ({}); submit at {} \
+                     or below, or ask an admin (`muster queues set {} --max-priority-class {}`)",
+                    spec.priority_class.name,
+                    spec.queue,
+                    ceiling.name,
+                    ceiling.name,
+                    spec.queue,
+                    spec.priority_class.name
+                ));
+            }
+            if !spec.preemptible && !queue.is_some_and(|queue| queue.allow_non_preemptible) {
+                return Err(format!(
+                    "queue {queue} takes no non-preemptible jobs from its users; submit with \
+                     preemptible: true, or ask an admin (`muster queues set {queue} \
+                     --allow-non-preemptible`)",
+                    queue = spec.queue
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// How many jobs `user` has pending (array elements one each).
+    pub fn pending_of_user(&self, user: &str) -> u64 {
+        self.pending_counts.by_user.get(user).copied().unwrap_or(0)
+    }
+
+    /// How many jobs queue `queue` has pending.
+    pub fn pending_of_queue(&self, queue: &QueueName) -> u64 {
+        self.pending_counts
+            .by_queue
+            .get(queue)
+            .copied()
+            .unwrap_or(0)
+    }
+
     pub fn new(config: ControlConfig) -> Self {
         ControlPlane {
             config,
+            pending_counts: PendingCounts::default(),
             jobs: BTreeMap::new(),
             nodes: BTreeMap::new(),
             allocations: BTreeMap::new(),
@@ -966,6 +1107,8 @@ impl ControlPlane {
             )));
         }
         let after: Vec<JobId> = job.spec.after.iter().map(|d| d.job).collect();
+        self.pending_counts
+            .changed(&job.user, &job.spec.queue, true, false);
         self.jobs.remove(&id);
         self.by_job.remove(&id);
         self.last_reasons.remove(&id);
@@ -1520,6 +1663,8 @@ impl ControlPlane {
             return;
         }
         job.state = JobState::Cancelled;
+        self.pending_counts
+            .changed(&job.user, &job.spec.queue, true, false);
         job.finished = Some(now);
         job.pending_reason = None;
         job.queue_position = None;
@@ -1714,6 +1859,7 @@ impl ControlPlane {
                             array,
                         },
                     );
+                    self.pending_counts.changed(&user, &spec.queue, false, true);
                     outputs.push(Output::JobChanged(element));
                 }
             }
@@ -2088,7 +2234,10 @@ impl ControlPlane {
         if job.stop_cause.is_none() || cause == StopCause::Cancel {
             job.stop_cause = Some(cause);
         }
+        let was_pending = job.state == JobState::Pending;
         job.state = JobState::Stopping;
+        self.pending_counts
+            .changed(&job.user, &job.spec.queue, was_pending, false);
         job.history.push((now, format!("stopping: {why}")));
         changed(outputs, Output::JobChanged(id));
         for allocation_id in job.allocations.clone() {
@@ -2195,7 +2344,14 @@ impl ControlPlane {
             *self.attained.entry(id).or_default() +=
                 job_gpus(job) * now.millis_since(started) as f64 / 1000.0;
         }
+        let was_pending = job.state == JobState::Pending;
         job.state = state;
+        self.pending_counts.changed(
+            &job.user,
+            &job.spec.queue,
+            was_pending,
+            state == JobState::Pending,
+        );
         job.stop_cause = None;
         job.history.push((now, note));
         self.memory_limited.remove(&id);
@@ -2957,7 +3113,10 @@ impl ControlPlane {
             self.allocations.insert(allocation.id, allocation);
         }
         if let Some(job) = self.jobs.get_mut(&id) {
+            let was_pending = job.state == JobState::Pending;
             job.state = JobState::Running;
+            self.pending_counts
+                .changed(&job.user, &job.spec.queue, was_pending, false);
             job.attempts += 1;
             job.started = Some(now);
             if let Some(due) = deadline_of(job) {
@@ -3012,6 +3171,13 @@ impl ControlPlane {
 
     /// Recomputes derived state from scratch and checks every invariant.
     pub fn check_invariants(&self) -> Result<(), String> {
+        if self.pending_counts != PendingCounts::of(&self.jobs) {
+            return Err(format!(
+                "the pending counts {:?} are not those of the jobs {:?}",
+                self.pending_counts,
+                PendingCounts::of(&self.jobs)
+            ));
+        }
         // No array runs more elements at once than its limit.
         let mut active: BTreeMap<JobId, u32> = BTreeMap::new();
         for job in self.jobs.values() {

@@ -46,6 +46,16 @@ pub struct QueueSpec {
     /// Whether the queue's members may see (read, not cancel) each other's
     /// jobs; otherwise a user sees only its own.
     pub members_see_jobs: bool,
+    /// The most jobs (array elements one each) the queue may have pending;
+    /// a submission past it is refused (`None`: no limit of the queue's).
+    pub max_pending: Option<u64>,
+    /// The highest priority class a user (not an operator or admin) may
+    /// submit to the queue (`None`: `normal`); a higher one is refused, not
+    /// lowered.
+    pub max_priority_class: Option<crate::PriorityClass>,
+    /// Users may submit non-preemptible jobs to the queue (operators and
+    /// admins always may).
+    pub allow_non_preemptible: bool,
 }
 
 /// A queue's monthly GPU budget, in hundredths of the price list's currency.
@@ -70,6 +80,9 @@ impl QueueSpec {
             idle_below_pct: None,
             budget: None,
             members_see_jobs: false,
+            max_pending: None,
+            max_priority_class: None,
+            allow_non_preemptible: false,
         }
     }
 

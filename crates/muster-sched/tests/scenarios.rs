@@ -388,6 +388,9 @@ mod queues {
             idle_below_pct: None,
             budget: None,
             members_see_jobs: false,
+            max_pending: None,
+            max_priority_class: None,
+            allow_non_preemptible: false,
         }
     }
 
@@ -554,6 +557,9 @@ mod preemption {
                 idle_below_pct: None,
                 budget: None,
                 members_see_jobs: false,
+                max_pending: None,
+                max_priority_class: None,
+                allow_non_preemptible: false,
             },
             QueueSpec::best_effort("borrower"),
         ];
@@ -579,6 +585,9 @@ mod preemption {
                 idle_below_pct: None,
                 budget: None,
                 members_see_jobs: false,
+                max_pending: None,
+                max_priority_class: None,
+                allow_non_preemptible: false,
             },
             QueueSpec::best_effort("other"),
         ];

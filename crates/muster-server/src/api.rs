@@ -55,6 +55,7 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
             post(crate::users::create_user).get(crate::users::list_users),
         )
         .route("/v1/users/{name}", delete(crate::users::remove_user))
+        .route("/v1/users/{name}/limits", post(crate::users::set_limits))
         .route(
             "/v1/join-tokens",
             post(crate::jointokens::create_join_token).get(crate::jointokens::list_join_tokens),
@@ -1025,12 +1026,24 @@ async fn submit_job(
             }
         }
     }
+    let limits = SubmitLimits {
+        max_pending: shared
+            .users()
+            .get(&principal.name)
+            .and_then(|record| record.max_pending)
+            .or(match principal.role {
+                crate::users::Role::User => shared.settings.max_pending_per_user,
+                _ => None,
+            }),
+        ordinary: principal.role == crate::users::Role::User,
+    };
     let result = submit_spec(
         &shared,
         spec,
         user.clone(),
         request.allow_pending,
         key.as_deref(),
+        Some(limits),
     )
     .await;
     if let Some(key) = &key {
@@ -1099,12 +1112,24 @@ fn as_unprocessable(error: ApiError) -> ApiError {
 
 /// Submits a parsed spec for `user`; with an idempotency key, the key is
 /// written in the same commit as the job.
+/// What limits a submission: its user's pending jobs, and whether the
+/// queue's rules for ordinary users apply (see
+/// `ControlPlane::admission`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SubmitLimits {
+    pub max_pending: Option<u64>,
+    pub ordinary: bool,
+}
+
+/// Submits `spec` as `user`; `limits` are checked in the submission's own
+/// commit (`None`: the server's own submissions, a service's replicas).
 pub(crate) async fn submit_spec(
     shared: &Arc<Shared>,
     mut spec: muster_model::JobSpec,
     user: String,
     allow_pending: bool,
     key: Option<&str>,
+    limits: Option<SubmitLimits>,
 ) -> Result<(StatusCode, Json<SubmitResponse>), ApiError> {
     resolve_retired_dependencies(shared, &mut spec)
         .await
@@ -1119,6 +1144,16 @@ pub(crate) async fn submit_spec(
     let (_, durable, id) = shared
         .apply_with_batch(
             |core: &mut Core| {
+                if let Some(limits) = limits {
+                    let submitter = muster_control::Submitter {
+                        user: &user,
+                        max_pending: limits.max_pending,
+                        ordinary: limits.ordinary,
+                    };
+                    core.control()
+                        .admission(&spec, &submitter)
+                        .map_err(|why| ApiError::new(ErrorCode::PermissionDenied, why))?;
+                }
                 let id = JobId(core.next_job);
                 core.next_job += count;
                 Ok((Input::Submit { id, spec, user }, id))
@@ -2201,6 +2236,20 @@ async fn set_queue(
             )));
         }
     };
+    if update.max_pending.is_some_and(|max| max > 100_000_000) {
+        return Err(ApiError::invalid(
+            "max_pending: at most 100000000 (leave it out for no limit of the queue's)",
+        ));
+    }
+    let max_priority_class = match update.max_priority_class.as_deref() {
+        None => None,
+        Some(name) => Some(muster_model::PriorityClass::by_name(name).ok_or_else(|| {
+            ApiError::invalid(format!(
+                "max_priority_class: {name:?} is not a priority class; use low, normal, high or \
+                 critical"
+            ))
+        })?),
+    };
     // `budget_hard` without a budget holds nothing: there is no limit to
     // be past (the CLI asks for --budget with --budget-hard).
     let spec = QueueSpec {
@@ -2213,6 +2262,9 @@ async fn set_queue(
         idle_below_pct: update.idle_below_pct,
         budget,
         members_see_jobs: update.members_see_jobs,
+        max_pending: update.max_pending,
+        max_priority_class,
+        allow_non_preemptible: update.allow_non_preemptible,
     };
     let mut batch = Batch::default();
     if let Ok(text) = serde_json::to_string(&QueueRecord::from(&spec)) {
@@ -2886,6 +2938,7 @@ async fn push_logs(
         crate::accounting::list_prices, crate::accounting::set_price,
         crate::accounting::remove_price,
         crate::users::create_user, crate::users::list_users, crate::users::remove_user,
+        crate::users::set_limits,
         crate::jointokens::create_join_token, crate::jointokens::list_join_tokens,
         crate::jointokens::revoke_join_token,
         crate::users::rotate_token, crate::users::whoami, crate::users::audit,
@@ -2986,7 +3039,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 45, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 46, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",

@@ -331,6 +331,9 @@ pub struct Settings {
     pub rate_limit: Option<crate::ratelimit::RateLimit>,
     /// The most a registering node may claim.
     pub node_limits: crate::NodeLimits,
+    /// The most jobs an ordinary user may have pending unless its own
+    /// limit says otherwise (`None`: none).
+    pub max_pending_per_user: Option<u64>,
 }
 
 /// What every task and handler shares.

@@ -132,7 +132,15 @@ pub struct ServerConfig {
     pub join_token_ttl_ms: Option<u64>,
     /// The most a registering node may claim.
     pub node_limits: NodeLimits,
+    /// The most jobs (array elements one each) an ordinary user may have
+    /// pending, unless `muster users set NAME --max-pending` says otherwise
+    /// (`None`: no limit).
+    pub max_pending_per_user: Option<u64>,
 }
+
+/// [`ServerConfig::max_pending_per_user`] unless the operator says
+/// otherwise.
+pub const DEFAULT_MAX_PENDING_PER_USER: u64 = 10_000;
 
 /// The most GPUs, CPUs and memory one node may claim at registration: a
 /// claim past them is refused (a node that lies would draw work first).
@@ -196,6 +204,7 @@ impl ServerConfig {
             master_port_base: muster_control::DEFAULT_MASTER_PORT_BASE,
             join_token_ttl_ms: Some(DEFAULT_JOIN_TOKEN_TTL_MS),
             node_limits: DEFAULT_NODE_LIMITS,
+            max_pending_per_user: Some(DEFAULT_MAX_PENDING_PER_USER),
         }
     }
 }
@@ -410,6 +419,7 @@ impl Server {
                 audit_retention_ms: config.audit_retention_ms,
                 rate_limit: config.rate_limit,
                 node_limits: config.node_limits,
+                max_pending_per_user: config.max_pending_per_user,
             },
             core,
             writer,

@@ -390,6 +390,13 @@ pub struct QueueRecord {
     pub budget_hard: bool,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub members_see_jobs: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending: Option<u64>,
+    /// (name, value) of the highest priority class users may submit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_priority_class: Option<(String, i32)>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_non_preemptible: bool,
 }
 
 impl From<&QueueSpec> for QueueRecord {
@@ -405,6 +412,12 @@ impl From<&QueueSpec> for QueueRecord {
             budget_monthly_cents: queue.budget.map(|b| b.monthly_cents),
             budget_hard: queue.budget.is_some_and(|b| b.hard),
             members_see_jobs: queue.members_see_jobs,
+            max_pending: queue.max_pending,
+            max_priority_class: queue
+                .max_priority_class
+                .as_ref()
+                .map(|class| (class.name.clone(), class.value)),
+            allow_non_preemptible: queue.allow_non_preemptible,
         }
     }
 }
@@ -426,6 +439,11 @@ impl From<QueueRecord> for QueueSpec {
                     hard: record.budget_hard,
                 }),
             members_see_jobs: record.members_see_jobs,
+            max_pending: record.max_pending,
+            max_priority_class: record
+                .max_priority_class
+                .map(|(name, value)| muster_model::PriorityClass::new(&name, value)),
+            allow_non_preemptible: record.allow_non_preemptible,
         }
     }
 }

@@ -914,7 +914,7 @@ async fn start_replica(shared: &Arc<Shared>, name: &str, revision: u32) {
         });
         (spec, entry.record.user.clone())
     };
-    match crate::api::submit_spec(shared, spec, user, true, None).await {
+    match crate::api::submit_spec(shared, spec, user, true, None, None).await {
         Ok((_, Json(response))) => {
             let mut services = shared.services.lock();
             if let Some(entry) = services.entries.get_mut(name) {

@@ -55,6 +55,10 @@ pub struct UserRecord {
     /// SHA-256 of its token, hex.
     pub token_sha256: String,
     pub created_ms: u64,
+    /// The most jobs it may have pending (`None`: the server's
+    /// `--max-pending-per-user` for a user, none for staff).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending: Option<u64>,
 }
 
 /// Who made a request, for authorization.
@@ -190,6 +194,7 @@ mod tests {
             queues: vec!["team-a".to_string()],
             token_sha256: token_hash(token),
             created_ms: 0,
+            max_pending: None,
         }
     }
 
@@ -231,7 +236,8 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use muster_api::protocol::{
-    AuditList, AuditView, ErrorBody, ErrorCode, UserCreate, UserList, UserToken, UserView, WhoAmI,
+    AuditList, AuditView, ErrorBody, ErrorCode, UserCreate, UserLimits, UserList, UserToken,
+    UserView, WhoAmI,
 };
 
 type Shared_ = State<std::sync::Arc<Shared>>;
@@ -245,6 +251,7 @@ fn view(record: &UserRecord) -> UserView {
             Role::Operator | Role::Admin => Vec::new(),
         },
         created_ms: record.created_ms,
+        max_pending: record.max_pending,
     }
 }
 
@@ -342,6 +349,7 @@ pub async fn create_user(
         queues,
         token_sha256: token_hash(&token),
         created_ms: now().0,
+        max_pending: None,
     };
     save(&shared, &name, Some(&record)).await?;
     shared.users_mut().put(record.clone());
@@ -385,6 +393,37 @@ pub async fn remove_user(
     };
     save(&shared, &name, None).await?;
     shared.users_mut().remove(&name);
+    Ok(Json(view(&record)))
+}
+
+/// Set a user's own limits (the whole set: what is absent goes back to the
+/// server's default).
+#[utoipa::path(
+    post, path = "/v1/users/{name}/limits", tag = "users",
+    params(("name" = String, Path, description = "the user", pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    request_body = UserLimits,
+    responses((status = 200, body = UserView), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+pub async fn set_limits(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+    Body(limits): Body<UserLimits>,
+) -> Result<Json<UserView>, ApiError> {
+    if limits.max_pending.is_some_and(|max| max > 100_000_000) {
+        return Err(ApiError::invalid(
+            "max_pending: at most 100000000 (leave it out for the server's default)",
+        ));
+    }
+    let Some(mut record) = shared.users().get(&name).cloned() else {
+        return Err(ApiError::not_found(format!(
+            "no user {name}; `muster users list` lists them"
+        )));
+    };
+    record.max_pending = limits.max_pending;
+    save(&shared, &name, Some(&record)).await?;
+    shared.users_mut().put(record.clone());
+    tracing::info!(user = %name, max_pending = ?record.max_pending, "user limits set");
     Ok(Json(view(&record)))
 }
 

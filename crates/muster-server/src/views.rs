@@ -232,6 +232,12 @@ pub fn empty_queue_view(spec: &QueueSpec) -> QueueView {
         budget_hard: spec.budget.is_some_and(|b| b.hard),
         spent_this_month: 0.0,
         members_see_jobs: spec.members_see_jobs,
+        max_pending: spec.max_pending,
+        max_priority_class: spec
+            .max_priority_class
+            .as_ref()
+            .map_or_else(|| "normal".to_string(), |class| class.name.clone()),
+        allow_non_preemptible: spec.allow_non_preemptible,
     }
 }
 

@@ -2519,6 +2519,13 @@ async fn the_authorization_matrix_holds_for_every_route() {
                 None,
                 only(&[Who::Admin], 404),
             ),
+            (
+                Method::POST,
+                "/v1/users/{name}/limits",
+                "/v1/users/nobody/limits".into(),
+                Some(json!({ "max_pending": 5 })),
+                only(&[Who::Admin], 404),
+            ),
             // Join tokens: an admin's.
             (
                 Method::GET,
@@ -3508,6 +3515,145 @@ async fn join_tokens_expire_run_out_are_revoked_and_nodes_claim_only_what_they_m
             )
             .await;
         assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_arrays_stops_at_the_user_s_cap_exactly_and_queues_keep_their_classes() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let (status, body) = api
+            .post(
+                "/v1/users",
+                &admin,
+                json!({ "name": "alice", "role": "user", "queues": ["default", "team-a"] }),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        let alice = body["token"].as_str().expect("a token").to_string();
+        let (status, body) = api
+            .post(
+                "/v1/users/alice/limits",
+                &admin,
+                json!({ "max_pending": 50 }),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["max_pending"], 50);
+        // Twenty arrays of five at once: exactly ten pass (no node: all
+        // stay pending).
+        let array = |name: &str| {
+            json!({ "spec": { "name": name, "gpus": 1, "command": ["true"], "array": "0-4" },
+                    "allow_pending": true })
+        };
+        let submissions = (0..20).map(|i| {
+            let (api, alice, spec) = (&api, alice.clone(), array(&format!("burst-{i}")));
+            async move { api.post("/v1/jobs", &alice, spec).await }
+        });
+        let answers = futures_util::future::join_all(submissions).await;
+        let accepted = answers
+            .iter()
+            .filter(|(status, _)| *status == StatusCode::CREATED)
+            .count();
+        assert_eq!(accepted, 10, "{answers:?}");
+        for (status, body) in answers.iter().filter(|(s, _)| *s != StatusCode::CREATED) {
+            assert_eq!(*status, StatusCode::FORBIDDEN, "{body}");
+            let message = error_of(body).message;
+            assert!(
+                message.contains("at most 50") && message.contains("--max-pending"),
+                "{message}"
+            );
+        }
+        let pending = api.all_jobs(&admin, "state=pending", 100).await;
+        assert_eq!(pending.len(), 50);
+        // One more job does not fit either; once some are cancelled, it does.
+        let one = json!({ "spec": spec("one", "default", 1), "allow_pending": true });
+        let (status, _) = api.post("/v1/jobs", &alice, one.clone()).await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        let first = pending.last().expect("a job").id;
+        let (status, _) = api
+            .post(&format!("/v1/jobs/{first}/cancel"), &alice, json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, body) = api.post("/v1/jobs", &alice, one).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+
+        // Priority classes and preemptibility, queue by queue: a user's
+        // `critical` is refused (not lowered) where the queue allows up to
+        // `normal` (the default) or `high`; an admin's is not.
+        let critical = |queue: &str| {
+            json!({ "spec": { "name": "urgent", "queue": queue, "gpus": 1, "command": ["true"],
+                              "priority_class": "critical" }, "allow_pending": true })
+        };
+        let (status, body) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/queues/team-a",
+                Some(&admin),
+                Some(json!({ "guaranteed_gpus": 0.0, "weight": 1,
+                             "max_priority_class": "high", "max_pending": 3 })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["max_priority_class"], "high");
+        let (status, _) = api.post("/v1/users/alice/limits", &admin, json!({})).await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, body) = api.post("/v1/jobs", &alice, critical("team-a")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        let message = error_of(&body).message;
+        assert!(
+            message.contains("priority_class critical") && message.contains("(high)"),
+            "{message}"
+        );
+        let (status, body) = api.post("/v1/jobs", &alice, critical("default")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        assert!(error_of(&body).message.contains("(normal)"));
+        let (status, body) = api.post("/v1/jobs", &admin, critical("team-a")).await;
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "an admin is not limited: {body}"
+        );
+        let steady = json!({ "spec": { "name": "steady", "queue": "team-a", "gpus": 1,
+                                       "command": ["true"], "preemptible": false },
+                             "allow_pending": true });
+        let (status, body) = api.post("/v1/jobs", &alice, steady).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        assert!(error_of(&body).message.contains("non-preemptible"));
+        // The queue's own cap: three pending (the admin's one counts).
+        let small = json!({ "spec": { "name": "small", "queue": "team-a", "gpus": 1,
+                                      "command": ["true"], "priority_class": "high" },
+                            "allow_pending": true });
+        for _ in 0..2 {
+            let (status, body) = api.post("/v1/jobs", &alice, small.clone()).await;
+            assert_eq!(status, StatusCode::CREATED, "{body}");
+        }
+        let (status, body) = api.post("/v1/jobs", &alice, small).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        assert!(
+            error_of(&body).message.contains("queue team-a has 3"),
+            "{body}"
+        );
+        // Kept across a restart.
+        drop(server);
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let (_, queues) = api.get("/v1/queues", &admin).await;
+        let team = queues["queues"]
+            .as_array()
+            .expect("queues")
+            .iter()
+            .find(|q| q["name"] == "team-a")
+            .cloned()
+            .expect("team-a");
+        assert_eq!(team["max_pending"], 3);
+        assert_eq!(team["max_priority_class"], "high");
+        let (status, _) = api.post("/v1/jobs", &alice, critical("team-a")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
     })
     .await;
 }

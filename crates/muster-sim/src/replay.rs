@@ -252,6 +252,9 @@ pub fn proportional_queues(jobs: &[ReplayJob], capacity_milli: u64) -> Vec<Queue
             idle_below_pct: None,
             budget: None,
             members_see_jobs: false,
+            max_pending: None,
+            max_priority_class: None,
+            allow_non_preemptible: false,
         })
         .collect()
 }

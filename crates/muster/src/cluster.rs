@@ -124,6 +124,25 @@ pub struct AdmissionArgs {
     /// The most memory a registering node may claim, e.g. 16TiB.
     #[arg(long, value_name = "SIZE", default_value = "16TiB", value_parser = parse_bytes)]
     pub max_node_memory: u64,
+    /// The most jobs (array elements one each) a user may have pending
+    /// unless `muster users set NAME --max-pending` says otherwise, or
+    /// `unlimited`; operators and admins have no default limit.
+    #[arg(long, value_name = "N", default_value = "10000", value_parser = parse_pending_limit)]
+    pub max_pending_per_user: PendingLimit,
+}
+
+/// `--max-pending-per-user`: a count, or `None` for unlimited.
+#[derive(Debug, Clone, Copy)]
+pub struct PendingLimit(pub Option<u64>);
+
+fn parse_pending_limit(text: &str) -> Result<PendingLimit, String> {
+    match text.trim() {
+        "unlimited" => Ok(PendingLimit(None)),
+        number => number
+            .parse::<u64>()
+            .map(|n| PendingLimit(Some(n)))
+            .map_err(|_| format!("{text:?} is neither a whole number nor `unlimited`")),
+    }
 }
 
 impl AdmissionArgs {
@@ -658,6 +677,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
             master_port_base: args.ports.master_port_base,
             join_token_ttl_ms: args.admission.join_token_ttl.0,
             node_limits: args.admission.limits(),
+            max_pending_per_user: args.admission.max_pending_per_user.0,
             ..server_config(
                 args.listen,
                 data_dir.clone(),
@@ -913,6 +933,7 @@ pub fn up(args: UpArgs) -> Result<()> {
             master_port_base: args.ports.master_port_base,
             join_token_ttl_ms: args.admission.join_token_ttl.0,
             node_limits: args.admission.limits(),
+            max_pending_per_user: args.admission.max_pending_per_user.0,
             ..server_config(
                 args.listen,
                 data_dir.clone(),

@@ -2333,20 +2333,22 @@ pub struct QueuesArgs {
 
 #[derive(Debug, clap::Subcommand)]
 pub enum QueueCommand {
-    /// Create or change a queue (admin).
+    /// Create or change a queue (admin). Only what is given changes; a new
+    /// queue starts with no guarantee, unlimited borrowing and weight 1.
     Set {
         name: String,
         /// GPUs the queue may always use.
-        #[arg(long, default_value_t = 0.0)]
-        guaranteed: f64,
-        /// GPUs it may borrow above its guarantee (default: unlimited).
         #[arg(long)]
-        borrow_limit: Option<f64>,
+        guaranteed: Option<f64>,
+        /// GPUs it may borrow above its guarantee, or `unlimited`.
+        #[arg(long, value_name = "GPUS", value_parser = parse_limit)]
+        borrow_limit: Option<Limit>,
         /// Fair-share weight.
-        #[arg(long, default_value_t = 1)]
-        weight: u32,
+        #[arg(long)]
+        weight: Option<u32>,
         /// Stop the queue's jobs once their GPUs have stayed below 5% this
-        /// long (e.g. 30m, for notebook queues); they end `idle_stopped`.
+        /// long (e.g. 30m, for notebook queues; 0 never); they end
+        /// `idle_stopped`.
         #[arg(long, value_name = "DURATION")]
         idle_timeout: Option<String>,
         /// Its jobs count as idle once their GPUs stay below --idle-below
@@ -2362,20 +2364,67 @@ pub enum QueueCommand {
         #[arg(long, value_name = "AMOUNT")]
         budget: Option<f64>,
         /// Past the budget the queue's new jobs wait (`budget exhausted`)
-        /// instead of only a warning.
-        #[arg(long, requires = "budget")]
-        budget_hard: bool,
+        /// instead of only a warning (`--budget-hard false` warns only).
+        #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+        budget_hard: Option<bool>,
         /// Its members may read (not cancel) each other's jobs.
-        #[arg(long)]
-        members_see_jobs: bool,
+        #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+        members_see_jobs: Option<bool>,
+        /// The most jobs (array elements one each) the queue may have
+        /// pending, or `unlimited`; past it a submission is refused.
+        #[arg(long, value_name = "N", value_parser = parse_count_limit)]
+        max_pending: Option<CountLimit>,
+        /// The highest priority class its users may submit (operators and
+        /// admins are not limited; default normal).
+        #[arg(long, value_name = "CLASS", value_parser = ["low", "normal", "high", "critical"])]
+        max_priority_class: Option<String>,
+        /// Its users may submit non-preemptible jobs.
+        #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+        allow_non_preemptible: Option<bool>,
     },
 }
 
-pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
-    let client = args.connection.client()?;
-    let rt = runtime()?;
-    if let Some(QueueCommand::Set {
-        name,
+/// A limit of GPUs, or none.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Limit {
+    Gpus(f64),
+    Unlimited,
+}
+
+fn parse_limit(text: &str) -> Result<Limit, String> {
+    match text.trim() {
+        "unlimited" | "none" => Ok(Limit::Unlimited),
+        number => number
+            .parse::<f64>()
+            .map(Limit::Gpus)
+            .map_err(|_| format!("{text:?} is neither a number of GPUs nor `unlimited`")),
+    }
+}
+
+/// A count, or no limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CountLimit {
+    At(u64),
+    Unlimited,
+}
+
+fn parse_count_limit(text: &str) -> Result<CountLimit, String> {
+    match text.trim() {
+        "unlimited" | "none" => Ok(CountLimit::Unlimited),
+        number => number
+            .parse::<u64>()
+            .map(CountLimit::At)
+            .map_err(|_| format!("{text:?} is neither a whole number nor `unlimited`")),
+    }
+}
+
+/// The queue as `current` has it, with what `set` gives changed (a new
+/// queue from the defaults).
+fn queue_update(
+    current: Option<&muster_api::protocol::QueueView>,
+    set: &QueueCommand,
+) -> QueueUpdate {
+    let QueueCommand::Set {
         guaranteed,
         borrow_limit,
         weight,
@@ -2385,19 +2434,51 @@ pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
         budget,
         budget_hard,
         members_see_jobs,
-    }) = &args.command
-    {
-        let update = QueueUpdate {
-            guaranteed_gpus: *guaranteed,
-            borrow_limit_gpus: *borrow_limit,
-            weight: *weight,
-            idle_timeout: idle_timeout.clone(),
-            idle_after: idle_after.clone(),
-            idle_below_pct: *idle_below,
-            budget: *budget,
-            budget_hard: *budget_hard,
-            members_see_jobs: *members_see_jobs,
-        };
+        max_pending,
+        max_priority_class,
+        allow_non_preemptible,
+        ..
+    } = set;
+    let seconds = |s: Option<u64>| s.map(|s| format!("{s}s"));
+    QueueUpdate {
+        guaranteed_gpus: guaranteed.unwrap_or(current.map_or(0.0, |q| q.guaranteed_gpus)),
+        borrow_limit_gpus: match borrow_limit {
+            Some(Limit::Gpus(gpus)) => Some(*gpus),
+            Some(Limit::Unlimited) => None,
+            None => current.and_then(|q| q.borrow_limit_gpus),
+        },
+        weight: weight.unwrap_or(current.map_or(1, |q| q.weight)),
+        idle_timeout: idle_timeout
+            .clone()
+            .or_else(|| seconds(current.and_then(|q| q.idle_timeout_s))),
+        idle_after: idle_after
+            .clone()
+            .or_else(|| seconds(current.and_then(|q| q.idle_after_s))),
+        idle_below_pct: idle_below.or(current.and_then(|q| q.idle_below_pct)),
+        budget: budget.or(current.and_then(|q| q.budget)),
+        budget_hard: budget_hard.unwrap_or(current.is_some_and(|q| q.budget_hard)),
+        members_see_jobs: members_see_jobs.unwrap_or(current.is_some_and(|q| q.members_see_jobs)),
+        max_pending: match max_pending {
+            Some(CountLimit::At(n)) => Some(*n),
+            Some(CountLimit::Unlimited) => None,
+            None => current.and_then(|q| q.max_pending),
+        },
+        max_priority_class: max_priority_class
+            .clone()
+            .or_else(|| current.map(|q| q.max_priority_class.clone()))
+            .filter(|class| !class.is_empty()),
+        allow_non_preemptible: allow_non_preemptible
+            .unwrap_or(current.is_some_and(|q| q.allow_non_preemptible)),
+    }
+}
+
+pub fn queues(args: QueuesArgs) -> Result<u8, Failure> {
+    let client = args.connection.client()?;
+    let rt = runtime()?;
+    if let Some(set @ QueueCommand::Set { name, .. }) = &args.command {
+        let queues = rt.block_on(client.queues()).map_err(anyhow::Error::from)?;
+        let current = queues.queues.iter().find(|queue| &queue.name == name);
+        let update = queue_update(current, set);
         let queue = rt
             .block_on(client.set_queue(name, &update))
             .map_err(anyhow::Error::from)?;

@@ -145,6 +145,9 @@ fn queue(name: &str, weight: u32) -> String {
         budget_monthly_cents: Some(500_000),
         budget_hard: true,
         members_see_jobs: true,
+        max_pending: Some(500),
+        max_priority_class: Some(("high".to_string(), 200)),
+        allow_non_preemptible: false,
     })
     .expect("JSON")
 }
@@ -208,6 +211,7 @@ fn everything() -> Batch {
                 queues: vec!["team-a".into()],
                 token_sha256: "ab".repeat(32),
                 created_ms: 7,
+                max_pending: Some(500),
             })
             .expect("JSON"),
         ),

@@ -34,6 +34,15 @@ pub enum UserCommand {
     Remove { name: String },
     /// A new token for a user (printed once); the old one stops working.
     RotateToken { name: String },
+    /// Set a user's own limits (admin); only what is given changes.
+    Set {
+        name: String,
+        /// The most jobs (array elements one each) it may have pending, or
+        /// `default` (the server's --max-pending-per-user for a user, none
+        /// for operators and admins).
+        #[arg(long, value_name = "N")]
+        max_pending: Option<String>,
+    },
 }
 
 pub fn users(args: UsersArgs) -> Result<u8, Failure> {
@@ -53,6 +62,35 @@ pub fn users(args: UsersArgs) -> Result<u8, Failure> {
                     "user {} ({}) made; its token is above, shown this once: give it to the \
                      user, who runs `muster login --server URL` and pastes it",
                     made.user.name, made.user.role
+                );
+            }
+        }
+        UserCommand::Set { name, max_pending } => {
+            let list = rt.block_on(client.users()).map_err(anyhow::Error::from)?;
+            let current = list.users.iter().find(|user| user.name == name);
+            let max_pending = match max_pending.as_deref() {
+                None => current.and_then(|user| user.max_pending),
+                Some("default") => None,
+                Some(text) => Some(text.trim().parse::<u64>().map_err(|_| {
+                    anyhow::anyhow!("--max-pending {text:?}: a whole number, or `default`")
+                })?),
+            };
+            let user = rt
+                .block_on(
+                    client
+                        .set_user_limits(&name, &muster_api::protocol::UserLimits { max_pending }),
+                )
+                .map_err(anyhow::Error::from)?;
+            if json {
+                print_json(&user)?;
+            } else {
+                outln!(
+                    "user {}: at most {} pending",
+                    user.name,
+                    user.max_pending.map_or_else(
+                        || "the server's default for its role".to_string(),
+                        |max| format!("{max} jobs")
+                    )
                 );
             }
         }
