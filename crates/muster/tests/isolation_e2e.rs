@@ -502,3 +502,130 @@ fn two_tenants_on_one_node_cannot_reach_each_other() {
     });
     assert_eq!(processes_with(&marker), 0);
 }
+
+/// The limits through the CLI: `muster queues set` changes only the flags
+/// given (a `--budget` once reset the guarantee and borrow limit), and so
+/// does `muster users set`; a user's submission past the queue's priority
+/// class or its own cap is refused with the reason, and nothing is
+/// submitted.
+#[test]
+fn limits_are_set_field_by_field_and_refuse_what_passes_them() {
+    let cluster = Cluster::start("10s");
+    let rt = runtime();
+    let admin = cluster.client();
+    let connection = |token: &str| {
+        vec![
+            "--server".to_string(),
+            cluster.url(),
+            "--token".to_string(),
+            token.to_string(),
+            "--ca-sha256".to_string(),
+            cluster.ca_sha256(),
+        ]
+    };
+    let admin_token = cluster.token("admin.token");
+    let cli = |token: &str, args: &[&str]| {
+        let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        all.extend(connection(token));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        common::muster(cluster.dir.path(), &all)
+    };
+    common::success(&cli(
+        &admin_token,
+        &[
+            "queues",
+            "set",
+            "team-a",
+            "--guaranteed",
+            "8",
+            "--borrow-limit",
+            "4",
+            "--weight",
+            "3",
+        ],
+    ));
+    common::success(&cli(
+        &admin_token,
+        &["queues", "set", "team-a", "--budget", "5000"],
+    ));
+    common::success(&cli(
+        &admin_token,
+        &[
+            "queues",
+            "set",
+            "team-a",
+            "--max-priority-class",
+            "high",
+            "--max-pending",
+            "40",
+        ],
+    ));
+    let queue = || {
+        rt.block_on(admin.queues())
+            .expect("queues")
+            .queues
+            .into_iter()
+            .find(|queue| queue.name == "team-a")
+            .expect("team-a")
+    };
+    let team = queue();
+    assert_eq!(team.guaranteed_gpus, 8.0, "{team:?}");
+    assert_eq!(team.borrow_limit_gpus, Some(4.0), "{team:?}");
+    assert_eq!(team.weight, 3);
+    assert_eq!(team.budget, Some(5000.0));
+    assert_eq!(team.max_priority_class, "high");
+    assert_eq!(team.max_pending, Some(40));
+    // `unlimited` clears a limit; nothing else moves.
+    common::success(&cli(
+        &admin_token,
+        &["queues", "set", "team-a", "--borrow-limit", "unlimited"],
+    ));
+    let team = queue();
+    assert_eq!((team.borrow_limit_gpus, team.guaranteed_gpus), (None, 8.0));
+    assert_eq!(team.max_pending, Some(40));
+
+    let made = common::success(&cli(
+        &admin_token,
+        &["users", "add", "bob", "--queues", "team-a"],
+    ));
+    let bob = made.trim().to_string();
+    common::success(&cli(
+        &admin_token,
+        &["users", "set", "bob", "--max-pending", "3"],
+    ));
+    let spec = cluster.path("array.yaml");
+    std::fs::write(
+        &spec,
+        "name: sweep\nqueue: team-a\ngpus: 1\ncommand: [sleep, '60']\narray: 0-3\n",
+    )
+    .expect("a spec");
+    let spec = spec.to_str().expect("utf-8").to_string();
+    let refused = common::failure(&cli(&bob, &["submit", "--allow-pending", &spec]));
+    assert!(
+        refused.contains("at most 3") && refused.contains("this submission of 4"),
+        "{refused}"
+    );
+    let urgent = cluster.path("urgent.yaml");
+    std::fs::write(
+        &urgent,
+        "name: urgent\nqueue: team-a\ngpus: 1\npriority_class: critical\ncommand: [true]\n",
+    )
+    .expect("a spec");
+    let refused = common::failure(&cli(
+        &bob,
+        &["submit", "--allow-pending", urgent.to_str().expect("utf-8")],
+    ));
+    assert!(refused.contains("priority_class critical"), "{refused}");
+    assert!(
+        rt.block_on(admin.jobs(&Default::default()))
+            .expect("jobs")
+            .jobs
+            .is_empty(),
+        "nothing was submitted"
+    );
+    // `users set` without a flag keeps the limit.
+    common::success(&cli(&admin_token, &["users", "set", "bob"]));
+    let users = rt.block_on(admin.users()).expect("users");
+    let bob_view = users.users.iter().find(|u| u.name == "bob").expect("bob");
+    assert_eq!(bob_view.max_pending, Some(3));
+}
