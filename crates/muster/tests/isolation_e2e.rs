@@ -629,3 +629,50 @@ fn limits_are_set_field_by_field_and_refuse_what_passes_them() {
     let bob_view = users.users.iter().find(|u| u.name == "bob").expect("bob");
     assert_eq!(bob_view.max_pending, Some(3));
 }
+
+/// Bob's task takes the port Alice's next job will be given (ports are
+/// predictable on the host network): her job's start fails at once, saying
+/// which port and that Bob's job holds it, instead of her task dying later
+/// with `Address already in use`.
+#[test]
+fn a_port_taken_by_a_neighbour_fails_the_start_naming_its_job() {
+    let cluster = Cluster::start("10s");
+    let _agent = cluster.agent_with("node", &cluster.url(), "2xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    // Bob's job is 1; Alice's will be 2.
+    let port = cluster.master_port(2);
+    let squat = format!(
+        "import socket, time\n\
+         s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(1)\n\
+         print('squatting', flush=True)\n\
+         time.sleep(120)\n"
+    );
+    let squatter = serde_json::json!({
+        "name": "squatter", "gpus": 1, "command": ["python3", "-c", squat],
+    });
+    let squatter = rt.block_on(client.submit(squatter)).expect("submitted");
+    assert_eq!(squatter, 1);
+    let mut log = String::new();
+    wait_until("the squatter to listen", Duration::from_secs(30), || {
+        log = read_log(&rt, &client, squatter);
+        log.contains("squatting")
+    });
+    let hers = serde_json::json!({"name": "hers", "gpus": 1, "command": ["sleep", "60"]});
+    let hers = rt.block_on(client.submit(hers)).expect("submitted");
+    assert_eq!(hers, 2);
+    wait_until("her job to fail", Duration::from_secs(30), || {
+        state(&rt, &client, hers) == "failed"
+    });
+    // A start that failed is exit code 127, its reason in the task's log.
+    let job = rt.block_on(client.job(hers)).expect("job");
+    assert_eq!(job.exit_code, Some(127), "{job:?}");
+    let said = whole_log(&rt, &client, hers, 0);
+    assert!(
+        said.contains(&format!("port {port}")) && said.contains("job 1's task"),
+        "{said}"
+    );
+    assert_eq!(state(&rt, &client, squatter), "running");
+    rt.block_on(client.cancel(squatter)).expect("cancel");
+}

@@ -34,6 +34,7 @@
 
 pub mod cgroup;
 mod group;
+pub mod ports;
 pub(crate) mod record;
 pub mod uids;
 
@@ -554,6 +555,12 @@ impl ProcessRuntime {
         }
         let _starting = self.starting.lock().await;
         self.check_not_running(&allocation)?;
+        // A port it will listen on, taken by a neighbour: said now, not
+        // as a crash later.
+        ports::check_free(&launch.env).map_err(|message| RuntimeError::Start {
+            allocation: allocation.clone(),
+            message,
+        })?;
         private_dir(&self.config.state_dir)?;
         private_dir(&self.config.state_dir.join("logs"))?;
         private_dir(&self.tasks_dir())?;

@@ -1,0 +1,187 @@
+//! The ports a task was given (its `MUSTER_MASTER_PORT` on the rank that
+//! listens on it, a service replica's or dev environment's `PORT`) must be
+//! free when it starts: on the host network a neighbour could take one
+//! first, and the task would die later with `Address already in use`. A
+//! start whose port is taken fails at once, saying which port and who holds
+//! it (the job, when the holder is a muster task).
+
+use std::collections::BTreeMap;
+
+/// The ports of a task's environment it will listen on: `PORT`, and
+/// `MUSTER_MASTER_PORT` on rank 0 (the rendezvous' host), with the
+/// variable that names each.
+pub fn listening_ports(env: &BTreeMap<String, String>) -> Vec<(&'static str, u16)> {
+    let mut ports = Vec::new();
+    let rank0 = env
+        .get("MUSTER_NODE_RANK")
+        .is_none_or(|rank| rank.trim() == "0");
+    if rank0
+        && let Some(port) = env
+            .get("MUSTER_MASTER_PORT")
+            .and_then(|p| p.trim().parse().ok())
+    {
+        ports.push(("MUSTER_MASTER_PORT", port));
+    }
+    if let Some(port) = env.get("PORT").and_then(|p| p.trim().parse::<u16>().ok())
+        && !ports.iter().any(|(_, p)| *p == port)
+    {
+        ports.push(("PORT", port));
+    }
+    ports.retain(|(_, port)| *port != 0);
+    ports
+}
+
+/// Whether `port` can be listened on (every address, as a task on the host
+/// network would).
+pub fn is_free(port: u16) -> bool {
+    // std sets SO_REUSEADDR: a port in TIME_WAIT from a task that ended is
+    // free, one with a listener (on any address) is not.
+    std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+}
+
+/// The socket inodes listening on `port` in a `/proc/net/tcp` or `tcp6`
+/// table.
+pub fn listening_inodes(table: &str, port: u16) -> Vec<u64> {
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let local = fields.get(1)?;
+            let state = fields.get(3)?;
+            let inode = fields.get(9)?.parse::<u64>().ok()?;
+            let (_, hex_port) = local.rsplit_once(':')?;
+            let local_port = u16::from_str_radix(hex_port, 16).ok()?;
+            (local_port == port && *state == "0A").then_some(inode)
+        })
+        .collect()
+}
+
+/// Who listens on `port`: a sentence naming the process, and its muster
+/// job when it is a task's.
+pub fn holder_of(port: u16) -> Option<String> {
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        if let Ok(text) = std::fs::read_to_string(table) {
+            inodes.extend(listening_inodes(&text, port));
+        }
+    }
+    if inodes.is_empty() {
+        return None;
+    }
+    let wanted: Vec<String> = inodes.iter().map(|i| format!("socket:[{i}]")).collect();
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
+            continue;
+        };
+        let holds = fds.flatten().any(|fd| {
+            std::fs::read_link(fd.path())
+                .is_ok_and(|target| wanted.iter().any(|w| target.as_os_str() == w.as_str()))
+        });
+        if !holds {
+            continue;
+        }
+        let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        let job = environ
+            .split(|b| *b == 0)
+            .find_map(|var| var.strip_prefix(b"MUSTER_JOB_ID="))
+            .map(|id| String::from_utf8_lossy(id).into_owned());
+        let command = std::fs::read(entry.path().join("comm"))
+            .map(|c| String::from_utf8_lossy(&c).trim().to_string())
+            .unwrap_or_default();
+        return Some(match job {
+            Some(job) => format!("job {job}'s task (pid {pid}, {command})"),
+            None => format!("pid {pid} ({command}), not a muster task"),
+        });
+    }
+    Some("a process this agent cannot see".to_string())
+}
+
+/// Checks that every port the task will listen on is free: the error says
+/// which is taken and by whom.
+pub fn check_free(env: &BTreeMap<String, String>) -> Result<(), String> {
+    for (variable, port) in listening_ports(env) {
+        if !is_free(port) {
+            let holder = holder_of(port).unwrap_or_else(|| "another process".to_string());
+            return Err(format!(
+                "port {port}, the task's {variable}, is already taken by {holder}; the task \
+                 would fail to listen on it. Free the port (or move the server's \
+                 --master-port-base away from ports the nodes use) and the job is started \
+                 again"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn rank_zero_listens_on_the_master_port_and_a_replica_on_its_port() {
+        assert_eq!(
+            listening_ports(&env(&[
+                ("MUSTER_MASTER_PORT", "29501"),
+                ("MUSTER_NODE_RANK", "0")
+            ])),
+            vec![("MUSTER_MASTER_PORT", 29501)]
+        );
+        assert!(
+            listening_ports(&env(&[
+                ("MUSTER_MASTER_PORT", "29501"),
+                ("MUSTER_NODE_RANK", "1")
+            ]))
+            .is_empty()
+        );
+        assert_eq!(
+            listening_ports(&env(&[("MUSTER_MASTER_PORT", "29501"), ("PORT", "29501")])),
+            vec![("MUSTER_MASTER_PORT", 29501)]
+        );
+        assert_eq!(
+            listening_ports(&env(&[("PORT", "8080"), ("MUSTER_NODE_RANK", "2")])),
+            vec![("PORT", 8080)]
+        );
+        assert!(listening_ports(&env(&[("PORT", "x")])).is_empty());
+    }
+
+    #[test]
+    fn listeners_are_read_from_the_kernel_s_table() {
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+   0: 0100007F:7531 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4242 1 0000000000000000 100 0 0 10 0\n\
+   1: 0100007F:7531 0100007F:D2F0 01 00000000:00000000 00:00000000 00000000  1000        0 4343 1 0000000000000000 100 0 0 10 0\n\
+   2: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 17 1 0000000000000000 100 0 0 10 0\n";
+        assert_eq!(listening_inodes(table, 0x7531), vec![4242]);
+        assert_eq!(listening_inodes(table, 22), vec![17]);
+        assert!(listening_inodes(table, 80).is_empty());
+    }
+
+    #[test]
+    fn a_taken_port_is_refused_naming_its_holder() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+        let port = listener.local_addr().expect("an address").port();
+        let taken = env(&[("PORT", &port.to_string())]);
+        let error = check_free(&taken).unwrap_err();
+        assert!(error.contains(&format!("port {port}")), "{error}");
+        assert!(
+            error.contains(&format!("pid {}", std::process::id())),
+            "{error}"
+        );
+        drop(listener);
+        assert!(check_free(&taken).is_ok());
+    }
+}
