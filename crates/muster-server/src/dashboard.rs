@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 type Shared_ = State<Arc<Shared>>;
 
-const COOKIE: &str = "muster_token";
+pub(crate) const COOKIE: &str = "muster_token";
 
 /// The pages, behind [`sign_in`].
 pub fn routes(shared: Arc<Shared>) -> axum::Router<Arc<Shared>> {

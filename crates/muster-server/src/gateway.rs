@@ -1,8 +1,9 @@
 //! `muster gateway`: routes HTTP requests for a service to its ready
 //! replicas (docs/services.md). It follows the server's endpoint table
 //! (`GET /v1/endpoints`, a long poll), so a replica that drains leaves the
-//! rotation before it stops. Requests are routed by host (`NAME.anything`)
-//! or by path (`/NAME/...`, the prefix taken off), to the replica with the
+//! rotation before it stops. Requests are routed by host (`NAME.DOMAIN`,
+//! under `--domain` only) or by path (`/NAME/...`, the prefix taken off),
+//! never with muster's own cookie or bearer token, to the replica with the
 //! fewest requests in flight; an idempotent request without a body whose
 //! replica fails to answer (refused, reset) is sent to another. Per-service request counts,
 //! latencies and errors are at `/_muster/metrics` (a service name cannot
@@ -48,6 +49,10 @@ pub struct GatewayConfig {
     /// A request for a service with no ready replica (scaled to zero,
     /// starting) waits this long for one before it is answered 503.
     pub hold: Duration,
+    /// Requests for host `NAME.DOMAIN` go to service NAME; without a
+    /// domain, only the path routes (`/NAME/...`), so no service named
+    /// like the gateway's own host name captures other services' traffic.
+    pub domain: Option<String>,
 }
 
 /// What the gateway has seen of one service, reported to the server for
@@ -496,7 +501,8 @@ fn text(status: StatusCode, message: String) -> Response<GatewayBody> {
 }
 
 /// The service a request is for, and the path to send on: by host when the
-/// host's first label is a known service, else by the path's first part.
+/// host is `NAME.DOMAIN` for the configured domain and a known service,
+/// else by the path's first part.
 fn route(state: &State, request: &Request<Incoming>) -> Option<(String, String)> {
     let path_and_query = request
         .uri()
@@ -508,7 +514,7 @@ fn route(state: &State, request: &Request<Incoming>) -> Option<(String, String)>
         .and_then(|host| host.to_str().ok())
         .or_else(|| request.uri().host())
         .unwrap_or_default();
-    if let Some((label, _)) = host.split_once('.')
+    if let Some(label) = host_service(host, state.config.domain.as_deref())
         && state.knows(label)
     {
         return Some((label.to_string(), path_and_query.to_string()));
@@ -525,6 +531,69 @@ fn route(state: &State, request: &Request<Incoming>) -> Option<(String, String)>
         tail => tail.to_string(),
     };
     Some((service.to_string(), forward))
+}
+
+/// The service a `Host` names under `domain`: `NAME` of `NAME.DOMAIN`
+/// (a port and letter case aside); none without a domain.
+fn host_service<'a>(host: &'a str, domain: Option<&str>) -> Option<&'a str> {
+    let domain = domain?.trim_matches('.');
+    let host = match host.rsplit_once(':') {
+        Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
+    };
+    let (label, rest) = host.split_once('.')?;
+    (rest.eq_ignore_ascii_case(domain) && !label.is_empty()).then_some(label)
+}
+
+/// The names of muster's own cookies (the dashboard's): never sent on to a
+/// service.
+const MUSTER_COOKIES: &[&str] = &[crate::dashboard::COOKIE];
+
+/// Takes muster's credentials out of a request meant for a service: its
+/// cookies, and an `Authorization` that carries a muster token (a bearer
+/// of 64 hex digits, the form of every muster token).
+fn strip_muster_credentials(headers: &mut hyper::HeaderMap) {
+    let cookies: Vec<String> = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(';'))
+        .map(str::trim)
+        .filter(|cookie| !cookie.is_empty())
+        .filter(|cookie| {
+            let name = cookie
+                .split_once('=')
+                .map_or(*cookie, |(name, _)| name)
+                .trim();
+            !MUSTER_COOKIES.contains(&name)
+        })
+        .map(str::to_string)
+        .collect();
+    headers.remove(header::COOKIE);
+    if !cookies.is_empty()
+        && let Ok(value) = header::HeaderValue::from_str(&cookies.join("; "))
+    {
+        headers.insert(header::COOKIE, value);
+    }
+    let musters = headers
+        .get_all(header::AUTHORIZATION)
+        .iter()
+        .any(|value| value.to_str().is_ok_and(is_muster_bearer));
+    if musters {
+        headers.remove(header::AUTHORIZATION);
+    }
+}
+
+/// `Bearer` and 64 hex digits: how muster's tokens travel.
+fn is_muster_bearer(value: &str) -> bool {
+    let mut words = value.split_whitespace();
+    matches!(
+        (words.next(), words.next(), words.next()),
+        (Some(scheme), Some(token), None)
+            if scheme.eq_ignore_ascii_case("bearer")
+                && token.len() == 64
+                && token.bytes().all(|b| b.is_ascii_hexdigit())
+    )
 }
 
 /// Headers that concern one connection, not the request.
@@ -657,6 +726,7 @@ async fn forward_request(
     for name in HOP_BY_HOP {
         parts.headers.remove(name);
     }
+    strip_muster_credentials(&mut parts.headers);
     if let Some(host) = parts.headers.get(header::HOST).cloned() {
         parts.headers.insert("x-forwarded-host", host);
     }

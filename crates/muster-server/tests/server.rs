@@ -3657,3 +3657,131 @@ async fn a_burst_of_arrays_stops_at_the_user_s_cap_exactly_and_queues_keep_their
     })
     .await;
 }
+
+/// A backend that answers every request with its name and the request's
+/// head as it arrived (what a replica would see).
+async fn echo_backend(name: &'static str) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buffer = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 65_536 {
+                    match socket.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buffer[..n]),
+                    }
+                }
+                let body = format!("{name}\n{}", String::from_utf8_lossy(&head));
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    address
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_keeps_muster_s_credentials_home_and_routes_hosts_only_under_its_domain() {
+    bounded(async {
+        let web = echo_backend("web").await;
+        let squatter = echo_backend("localhost").await;
+        let endpoint = |address: std::net::SocketAddr, job: u64| muster_api::protocol::Endpoint {
+            job,
+            revision: 1,
+            address: address.to_string(),
+        };
+        let table = muster_api::protocol::EndpointTable {
+            instance: 0,
+            version: 1,
+            services: std::collections::BTreeMap::from([
+                ("web".to_string(), vec![endpoint(web, 1)]),
+                // A tenant's service named like the gateway's host.
+                ("localhost".to_string(), vec![endpoint(squatter, 2)]),
+            ]),
+        };
+        let start = |domain: Option<&str>| {
+            muster_server::gateway::start(
+                muster_server::gateway::GatewayConfig {
+                    listen: "127.0.0.1:0".parse().unwrap(),
+                    upstream_timeout: Duration::from_secs(10),
+                    hold: Duration::ZERO,
+                    domain: domain.map(str::to_string),
+                },
+                muster_server::gateway::Endpoints::Fixed(table.clone()),
+            )
+        };
+        muster_api::tls::provider();
+        let http = reqwest::Client::new();
+        let token = "ab".repeat(32);
+        let gateway = start(None).await.expect("a gateway");
+        let seen = http
+            .get(format!("http://{}/web/hello", gateway.addr))
+            .header("host", format!("localhost:{}", gateway.addr.port()))
+            .header("cookie", format!("muster_token={token}; theme=dark"))
+            .header("authorization", format!("Bearer {token}"))
+            .send()
+            .await
+            .expect("an answer")
+            .text()
+            .await
+            .expect("a body")
+            .to_lowercase();
+        assert!(
+            seen.starts_with("web\n"),
+            "a path route went elsewhere: {seen}"
+        );
+        assert!(seen.contains("get /hello"), "{seen}");
+        assert!(seen.contains("cookie: theme=dark"), "{seen}");
+        assert!(
+            !seen.contains(&token),
+            "a muster token reached the replica: {seen}"
+        );
+        assert!(!seen.contains("authorization"), "{seen}");
+        // A service's own credentials pass.
+        let seen = http
+            .get(format!("http://{}/web/", gateway.addr))
+            .header("authorization", "Bearer its-own-api-key")
+            .send()
+            .await
+            .expect("an answer")
+            .text()
+            .await
+            .expect("a body");
+        assert!(seen.contains("Bearer its-own-api-key"), "{seen}");
+        gateway.stop().await;
+        // Under a domain, hosts route; anything else goes by path.
+        let gateway = start(Some("apps.example.test")).await.expect("a gateway");
+        let via_host = http
+            .get(format!("http://{}/hello", gateway.addr))
+            .header("host", "web.apps.example.test")
+            .send()
+            .await
+            .expect("an answer")
+            .text()
+            .await
+            .expect("a body");
+        assert!(
+            via_host.starts_with("web\n") && via_host.contains("GET /hello"),
+            "{via_host}"
+        );
+        let other_host = http
+            .get(format!("http://{}/web/x", gateway.addr))
+            .header("host", "localhost.elsewhere.test")
+            .send()
+            .await
+            .expect("an answer")
+            .text()
+            .await
+            .expect("a body");
+        assert!(other_host.starts_with("web\n"), "{other_host}");
+        gateway.stop().await;
+    })
+    .await;
+}

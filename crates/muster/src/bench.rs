@@ -2607,6 +2607,7 @@ async fn gateway(args: GatewayBench) -> Result<()> {
             listen: "127.0.0.1:0".parse()?,
             upstream_timeout: Duration::from_secs(30),
             hold: Duration::ZERO,
+            domain: None,
         },
         muster_server::gateway::Endpoints::Fixed(table),
     )
@@ -2722,6 +2723,7 @@ async fn replica_death(args: ReplicaDeathBench) -> Result<()> {
             listen: "127.0.0.1:0".parse()?,
             upstream_timeout: Duration::from_secs(30),
             hold: Duration::from_secs(10),
+            domain: None,
         },
         muster_server::gateway::Endpoints::Server(client.clone()),
     )

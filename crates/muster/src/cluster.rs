@@ -1099,6 +1099,10 @@ pub struct GatewayArgs {
     /// starting) waits this long for one, then is answered 503.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = crate::cli::parse_duration_s)]
     pub hold: u64,
+    /// Route host NAME.DOMAIN to service NAME (a wildcard DNS name pointed
+    /// at the gateway); without it only the path routes (`/NAME/...`).
+    #[arg(long, value_name = "DOMAIN")]
+    pub domain: Option<String>,
     /// The server whose services it serves, and how to reach it.
     #[command(flatten)]
     pub connection: crate::commands::Connection,
@@ -1113,6 +1117,7 @@ pub fn gateway(args: GatewayArgs) -> Result<()> {
                 listen: args.listen,
                 upstream_timeout: Duration::from_secs(args.upstream_timeout.max(1)),
                 hold: Duration::from_secs(args.hold),
+                domain: args.domain.clone(),
             },
             muster_server::gateway::Endpoints::Server(client),
         )
