@@ -3662,8 +3662,10 @@ async fn a_burst_of_arrays_stops_at_the_user_s_cap_exactly_and_queues_keep_their
 /// head as it arrived (what a replica would see).
 async fn echo_backend(name: &'static str) -> std::net::SocketAddr {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a port");
+    let address = listener.local_addr().expect("an address");
     tokio::spawn(async move {
         while let Ok((mut socket, _)) = listener.accept().await {
             tokio::spawn(async move {

@@ -410,7 +410,7 @@ fn the_gateway_serves_through_a_rolling_update_and_a_replica_s_death_without_fai
     let rt = runtime();
     let client = cluster.client();
     wait_for_nodes(&rt, &client, 2);
-    let (_gateway, gateway_address) = spawn_gateway(&cluster, &[]);
+    let (_gateway, gateway_address) = spawn_gateway(&cluster, &["--domain", "muster.internal"]);
     rt.block_on(client.create_service(spec("1", false)))
         .expect("created");
     wait_until("three ready replicas", Duration::from_secs(30), || {
@@ -420,7 +420,7 @@ fn the_gateway_serves_through_a_rolling_update_and_a_replica_s_death_without_fai
     wait_until("the gateway to route", Duration::from_secs(10), || {
         get(&format!("{gateway_address}/web")).as_deref() == Some("1")
     });
-    // By host too.
+    // By host too, under the gateway's --domain.
     let by_host = rt
         .block_on(
             reqwest::Client::new()
