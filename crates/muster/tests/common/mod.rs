@@ -90,7 +90,8 @@ pub fn failure(output: &std::process::Output) -> String {
 }
 
 /// A directory that tasks can write into. When the tests run as root (as CI
-/// does), tasks run as `nobody`, and a temporary directory is private: this
+/// does), tasks run as uids of their own, and a temporary directory is
+/// private: this
 /// opens `root` for traversal only (0711) and creates `root/name` writable
 /// by everyone (0777).
 pub fn task_writable(root: &std::path::Path, name: &str) -> std::path::PathBuf {
