@@ -13,11 +13,16 @@
 //! recomputes derived state from scratch.
 
 pub mod accounting;
+mod admission;
 pub mod fleet;
 mod records;
 pub mod services;
 mod state;
 pub mod usage;
 
+pub(crate) use admission::PendingCounts;
+pub use admission::{
+    DEFAULT_MAX_PRIORITY_CLASS, DEFAULT_NODE_LIMITS, NodeLimits, Submitter, node_claim_problems,
+};
 pub use records::{ChangedRecords, Counters, MemoryStore, Records, RestoreError};
 pub use state::*;

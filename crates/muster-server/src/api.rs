@@ -2379,57 +2379,14 @@ fn node_spec(request: &RegisterRequest) -> Result<NodeSpec, ApiError> {
     }
 }
 
-/// Refuses a registration that claims more than a node may (`--max-node-*`)
-/// or an address no node has (unspecified, multicast, link-local: the
-/// cloud's metadata service lives there).
+/// Refuses a registration that claims more than a node may (see
+/// `muster_control::node_claim_problems`).
 fn claims_within(
     spec: &NodeSpec,
     address: &str,
     limits: crate::NodeLimits,
 ) -> Result<(), ApiError> {
-    let mut problems = Vec::new();
-    if spec.gpus.len() > limits.gpus {
-        problems.push(format!(
-            "it claims {} GPUs, more than the {} a node may have here (the server's \
-             --max-node-gpus)",
-            spec.gpus.len(),
-            limits.gpus
-        ));
-    }
-    if spec.cpu.0 > limits.cpu_milli {
-        problems.push(format!(
-            "it claims {} CPUs, more than the {} a node may have here (--max-node-cpus)",
-            spec.cpu.0 / 1000,
-            limits.cpu_milli / 1000
-        ));
-    }
-    if spec.memory.0 > limits.memory_mib {
-        problems.push(format!(
-            "it claims {} GiB of memory, more than the {} GiB a node may have here \
-             (--max-node-memory)",
-            spec.memory.0 >> 10,
-            limits.memory_mib >> 10
-        ));
-    }
-    if let Ok(ip) = address.trim().parse::<std::net::IpAddr>() {
-        let unusable = ip.is_unspecified()
-            || ip.is_multicast()
-            || match ip {
-                std::net::IpAddr::V4(v4) => v4.is_link_local() || v4.is_broadcast(),
-                std::net::IpAddr::V6(v6) => v6.is_unicast_link_local(),
-            };
-        if unusable {
-            problems.push(format!(
-                "its address {ip} is unspecified, multicast or link-local: no node is reached \
-                 there; give the node's own address (--address)"
-            ));
-        }
-    }
-    let unique: std::collections::BTreeSet<&str> =
-        spec.gpus.iter().map(|gpu| gpu.uuid.as_str()).collect();
-    if unique.len() != spec.gpus.len() {
-        problems.push("it names one GPU UUID twice".to_string());
-    }
+    let problems = muster_control::node_claim_problems(spec, address, limits);
     if problems.is_empty() {
         return Ok(());
     }
@@ -2503,17 +2460,15 @@ async fn register_agent(
         |core: &mut Core| {
             // GPUs are one node's: a claim of another node's UUIDs is a
             // copy or a lie.
-            for node in core.control().nodes().filter(|node| node.spec.name != name) {
-                if let Some(gpu) = node.spec.gpus.iter().find(|gpu| uuids.contains(&gpu.uuid)) {
-                    return Err(ApiError::new(
-                        ErrorCode::Conflict,
-                        format!(
-                            "node {name} claims GPU {}, which node {} holds; a GPU belongs to one \
-                             node (remove the other with `muster nodes remove {}` if it is gone)",
-                            gpu.uuid, node.spec.name, node.spec.name
-                        ),
-                    ));
-                }
+            if let Some((uuid, holder)) = core.control().gpu_held_elsewhere(&name, &uuids) {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    format!(
+                        "node {name} claims GPU {uuid}, which node {holder} holds; a GPU belongs \
+                         to one node (remove the other with `muster nodes remove {holder}` if it \
+                         is gone)"
+                    ),
+                ));
             }
             let token = match &identity {
                 // The join token admits only names without an identity.

@@ -142,22 +142,7 @@ pub struct ServerConfig {
 /// otherwise.
 pub const DEFAULT_MAX_PENDING_PER_USER: u64 = 10_000;
 
-/// The most GPUs, CPUs and memory one node may claim at registration: a
-/// claim past them is refused (a node that lies would draw work first).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NodeLimits {
-    pub gpus: usize,
-    pub cpu_milli: u64,
-    pub memory_mib: u64,
-}
-
-/// [`NodeLimits`] unless the operator says otherwise: 16 GPUs, 1,024 CPUs,
-/// 16 TiB (beyond the largest single servers sold).
-pub const DEFAULT_NODE_LIMITS: NodeLimits = NodeLimits {
-    gpus: 16,
-    cpu_milli: 1_024_000,
-    memory_mib: 16 << 20,
-};
+pub use muster_control::{DEFAULT_NODE_LIMITS, NodeLimits};
 
 /// [`ServerConfig::join_token_ttl_ms`] unless the operator says otherwise.
 pub const DEFAULT_JOIN_TOKEN_TTL_MS: u64 = 24 * 3_600_000;
@@ -365,7 +350,7 @@ impl Server {
         // record (with its expiry) the first time this store sees it.
         let mut join_tokens = jointokens::JoinTokens::load(std::mem::take(&mut loaded.join_tokens));
         if join_tokens.of_token(&join_token).is_none() {
-            let record = join_tokens
+            let (record, evicted) = join_tokens
                 .create(
                     join_token.clone(),
                     now().0,
@@ -377,11 +362,14 @@ impl Server {
                 .map_err(|why| anyhow::anyhow!(why))?;
             store
                 .write(&store::Batch {
-                    join_tokens: std::iter::once((
-                        record.id.clone(),
-                        Some(serde_json::to_string(&record)?),
-                    ))
-                    .collect(),
+                    join_tokens: evicted
+                        .map(|gone| (gone, None))
+                        .into_iter()
+                        .chain(std::iter::once((
+                            record.id.clone(),
+                            Some(serde_json::to_string(&record)?),
+                        )))
+                        .collect(),
                     ..store::Batch::default()
                 })
                 .await?;

@@ -1,0 +1,292 @@
+//! What is admitted. A submission, decided in one commit with it: its
+//! user's and queue's pending jobs within their limits, and, for an
+//! ordinary user, the queue's priority classes and preemptibility (the
+//! pending counts are kept with every change of a job's state, see
+//! `state.rs`, and recounted by `check_invariants`). A registering node:
+//! its claims within the server's limits, an address a node can have, GPUs
+//! no other node holds.
+
+use crate::state::{ControlPlane, Job, JobState};
+use muster_model::{JobId, JobSpec, NodeName, NodeSpec, QueueName};
+use std::collections::BTreeMap;
+
+/// How many jobs each user and each queue has pending.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct PendingCounts {
+    by_user: BTreeMap<String, u64>,
+    by_queue: BTreeMap<QueueName, u64>,
+}
+
+impl PendingCounts {
+    /// Counts the pending jobs of `jobs` from scratch.
+    pub(crate) fn of(jobs: &BTreeMap<JobId, Job>) -> PendingCounts {
+        let mut counts = PendingCounts::default();
+        for job in jobs.values().filter(|job| job.state == JobState::Pending) {
+            counts.changed(&job.user, &job.spec.queue, false, true);
+        }
+        counts
+    }
+
+    /// A job of `user` in `queue` went from pending or not to pending or
+    /// not.
+    pub(crate) fn changed(&mut self, user: &str, queue: &QueueName, was: bool, is: bool) {
+        match (was, is) {
+            (false, true) => {
+                *self.by_user.entry(user.to_string()).or_default() += 1;
+                *self.by_queue.entry(queue.clone()).or_default() += 1;
+            }
+            (true, false) => {
+                if let Some(count) = self.by_user.get_mut(user) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.by_user.remove(user);
+                    }
+                }
+                if let Some(count) = self.by_queue.get_mut(queue) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.by_queue.remove(queue);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Who submits, for [`ControlPlane::admission`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Submitter<'a> {
+    pub user: &'a str,
+    /// The most jobs the user may have pending (`None`: no limit).
+    pub max_pending: Option<u64>,
+    /// An ordinary user (not an operator or admin): the queue's priority
+    /// class ceiling and its word on non-preemptible jobs apply.
+    pub ordinary: bool,
+}
+
+/// The highest priority class an ordinary user may submit to a queue that
+/// names none.
+pub const DEFAULT_MAX_PRIORITY_CLASS: &str = "normal";
+
+impl ControlPlane {
+    /// Whether `submitter` may submit `spec` now: its user's and its
+    /// queue's pending jobs stay within their limits with it (an array's
+    /// elements one each), and an ordinary user keeps to the queue's
+    /// priority classes and preemptibility. The error says which limit,
+    /// the count and what to do. Called with the submission in one commit,
+    /// so a burst cannot pass a limit.
+    pub fn admission(&self, spec: &JobSpec, submitter: &Submitter<'_>) -> Result<(), String> {
+        let count = spec.array.as_ref().map_or(1, |array| array.len() as u64);
+        let queue = self.queues.get(&spec.queue);
+        if let Some(max) = submitter.max_pending {
+            let pending = self.pending_of_user(submitter.user);
+            if pending + count > max {
+                return Err(format!(
+                    "{user} has {pending} job(s) pending and may have at most {max}; this \
+                     submission of {count} would pass that: wait for some to start, cancel some, \
+                     or ask an admin (`muster users set {user} --max-pending N`)",
+                    user = submitter.user
+                ));
+            }
+        }
+        if let Some(max) = queue.and_then(|queue| queue.max_pending) {
+            let pending = self.pending_of_queue(&spec.queue);
+            if pending + count > max {
+                return Err(format!(
+                    "queue {queue} has {pending} job(s) pending and may have at most {max}; this \
+                     submission of {count} would pass that (an admin changes it with `muster \
+                     queues set {queue} --max-pending N`)",
+                    queue = spec.queue
+                ));
+            }
+        }
+        if submitter.ordinary {
+            let ceiling = queue
+                .and_then(|queue| queue.max_priority_class.clone())
+                .unwrap_or_else(muster_model::PriorityClass::normal);
+            debug_assert_eq!(
+                muster_model::PriorityClass::normal().name,
+                DEFAULT_MAX_PRIORITY_CLASS
+            );
+            if spec.priority_class.value > ceiling.value {
+                return Err(format!(
+                    "priority_class {} is above what queue {} allows its users ({}); submit at {} \
+                     or below, or ask an admin (`muster queues set {} --max-priority-class {}`)",
+                    spec.priority_class.name,
+                    spec.queue,
+                    ceiling.name,
+                    ceiling.name,
+                    spec.queue,
+                    spec.priority_class.name
+                ));
+            }
+            if !spec.preemptible && !queue.is_some_and(|queue| queue.allow_non_preemptible) {
+                return Err(format!(
+                    "queue {queue} takes no non-preemptible jobs from its users; submit with \
+                     preemptible: true, or ask an admin (`muster queues set {queue} \
+                     --allow-non-preemptible`)",
+                    queue = spec.queue
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// How many jobs `user` has pending (array elements one each).
+    pub fn pending_of_user(&self, user: &str) -> u64 {
+        self.pending_counts.by_user.get(user).copied().unwrap_or(0)
+    }
+
+    /// How many jobs queue `queue` has pending.
+    pub fn pending_of_queue(&self, queue: &QueueName) -> u64 {
+        self.pending_counts
+            .by_queue
+            .get(queue)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// The most GPUs, CPUs and memory one node may claim at registration: a
+/// claim past them is refused (a node that lies would draw work first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeLimits {
+    pub gpus: usize,
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+}
+
+/// [`NodeLimits`] unless the operator says otherwise: 16 GPUs, 1,024 CPUs,
+/// 16 TiB (beyond the largest single servers sold).
+pub const DEFAULT_NODE_LIMITS: NodeLimits = NodeLimits {
+    gpus: 16,
+    cpu_milli: 1_024_000,
+    memory_mib: 16 << 20,
+};
+
+/// What is wrong with a registering node's claims, in words (none: it may
+/// join): more than `limits`, an unspecified, multicast or link-local
+/// address (the cloud's metadata service lives there), one GPU twice.
+pub fn node_claim_problems(spec: &NodeSpec, address: &str, limits: NodeLimits) -> Vec<String> {
+    let mut problems = Vec::new();
+    if spec.gpus.len() > limits.gpus {
+        problems.push(format!(
+            "it claims {} GPUs, more than the {} a node may have here (the server's \
+             --max-node-gpus)",
+            spec.gpus.len(),
+            limits.gpus
+        ));
+    }
+    if spec.cpu.0 > limits.cpu_milli {
+        problems.push(format!(
+            "it claims {} CPUs, more than the {} a node may have here (--max-node-cpus)",
+            spec.cpu.0 / 1000,
+            limits.cpu_milli / 1000
+        ));
+    }
+    if spec.memory.0 > limits.memory_mib {
+        problems.push(format!(
+            "it claims {} GiB of memory, more than the {} GiB a node may have here \
+             (--max-node-memory)",
+            spec.memory.0 >> 10,
+            limits.memory_mib >> 10
+        ));
+    }
+    if let Ok(ip) = address.trim().parse::<std::net::IpAddr>() {
+        let unusable = ip.is_unspecified()
+            || ip.is_multicast()
+            || match ip {
+                std::net::IpAddr::V4(v4) => v4.is_link_local() || v4.is_broadcast(),
+                std::net::IpAddr::V6(v6) => v6.is_unicast_link_local(),
+            };
+        if unusable {
+            problems.push(format!(
+                "its address {ip} is unspecified, multicast or link-local: no node is reached \
+                 there; give the node's own address (--address)"
+            ));
+        }
+    }
+    let unique: std::collections::BTreeSet<&str> =
+        spec.gpus.iter().map(|gpu| gpu.uuid.as_str()).collect();
+    if unique.len() != spec.gpus.len() {
+        problems.push("it names one GPU UUID twice".to_string());
+    }
+    problems
+}
+
+impl ControlPlane {
+    /// A GPU of `uuids` that a node other than `name` holds, with that node.
+    pub fn gpu_held_elsewhere(
+        &self,
+        name: &NodeName,
+        uuids: &[String],
+    ) -> Option<(String, NodeName)> {
+        self.nodes
+            .values()
+            .filter(|node| node.spec.name != *name)
+            .find_map(|node| {
+                node.spec
+                    .gpus
+                    .iter()
+                    .find(|gpu| uuids.contains(&gpu.uuid))
+                    .map(|gpu| (gpu.uuid.clone(), node.spec.name.clone()))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use muster_model::{CpuMilli, GpuModel, GpuSpec, MemoryMib, PoolName, RackName};
+
+    fn node(gpus: usize, uuid: impl Fn(usize) -> String) -> NodeSpec {
+        NodeSpec {
+            name: NodeName("n".to_string()),
+            pool: PoolName("default".to_string()),
+            rack: RackName("default".to_string()),
+            gpus: (0..gpus)
+                .map(|index| GpuSpec {
+                    index: index as u32,
+                    uuid: uuid(index),
+                    model: GpuModel::new("H100-80GB"),
+                    memory: MemoryMib(81_920),
+                    nvlink_domain: 0,
+                })
+                .collect(),
+            cpu: CpuMilli(64_000),
+            memory: MemoryMib(512 << 10),
+        }
+    }
+
+    #[test]
+    fn a_node_claims_only_what_a_node_may_have_at_an_address_a_node_can_have() {
+        let plain = node(8, |i| format!("GPU-{i}"));
+        assert!(node_claim_problems(&plain, "10.1.2.3", DEFAULT_NODE_LIMITS).is_empty());
+        assert!(node_claim_problems(&plain, "gpu-7.example", DEFAULT_NODE_LIMITS).is_empty());
+        let mut thief = node(64, |i| format!("GPU-{i}"));
+        thief.memory = MemoryMib(100 << 20);
+        thief.cpu = CpuMilli(4_096_000);
+        let problems = node_claim_problems(&thief, "169.254.169.254", DEFAULT_NODE_LIMITS);
+        assert_eq!(problems.len(), 4, "{problems:?}");
+        for (problem, says) in
+            problems
+                .iter()
+                .zip(["64 GPUs", "4096 CPUs", "102400 GiB", "link-local"])
+        {
+            assert!(problem.contains(says), "{problem}");
+        }
+        for address in ["0.0.0.0", "224.0.0.1", "255.255.255.255", "fe80::1", "::"] {
+            assert_eq!(
+                node_claim_problems(&plain, address, DEFAULT_NODE_LIMITS).len(),
+                1,
+                "{address}"
+            );
+        }
+        let twice = node(2, |_| "GPU-same".to_string());
+        assert_eq!(
+            node_claim_problems(&twice, "10.0.0.1", DEFAULT_NODE_LIMITS),
+            vec!["it names one GPU UUID twice"]
+        );
+    }
+}
