@@ -545,6 +545,27 @@ impl Shared {
     }
 
     /// Why the server refuses changes, if it does.
+    /// Writes one record of a feature's (a user, a secret, a join token:
+    /// `None` removes it) into the batch `put` fills, and waits until it
+    /// is durable; refused while the server is read-only.
+    pub async fn save_record<T: serde::Serialize>(
+        &self,
+        record: Option<&T>,
+        put: impl FnOnce(&mut crate::store::Batch, Option<String>),
+    ) -> Result<(), ApiError> {
+        if let Some(reason) = self.read_only_reason() {
+            return Err(read_only(&reason));
+        }
+        let text = record
+            .map(serde_json::to_string)
+            .transpose()
+            .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
+        let mut batch = crate::store::Batch::default();
+        put(&mut batch, text);
+        self.writer.queue(batch).wait().await?;
+        Ok(())
+    }
+
     pub fn read_only_reason(&self) -> Option<String> {
         self.writer.failed()
     }

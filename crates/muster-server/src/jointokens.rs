@@ -13,7 +13,6 @@
 
 use crate::core::{Shared, now};
 use crate::error::{ApiError, Body, PathParams};
-use crate::store::Batch;
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -47,6 +46,19 @@ pub struct JoinTokenRecord {
 }
 
 impl JoinTokenRecord {
+    /// `valid`, `expired`, `used up` or `revoked`, now.
+    pub fn state(&self, now_ms: u64) -> &'static str {
+        if self.revoked {
+            "revoked"
+        } else if self.expires_ms.is_some_and(|at| now_ms >= at) {
+            "expired"
+        } else if self.max_uses.is_some_and(|max| self.uses >= max) {
+            "used up"
+        } else {
+            "valid"
+        }
+    }
+
     /// Why a new node may not join with it now, if it may not.
     pub fn refusal(&self, now_ms: u64) -> Option<String> {
         if self.revoked {
@@ -145,8 +157,9 @@ impl JoinTokens {
         }
     }
 
-    /// A new token: `(token, record)` (the record is kept; the token is
-    /// shown once).
+    /// A new token's record (kept; the token itself is shown once), and
+    /// the id of a dead token it displaced at [`MAX_JOIN_TOKENS`] (to
+    /// delete from the store).
     pub fn create(
         &mut self,
         token: String,
@@ -155,12 +168,24 @@ impl JoinTokens {
         max_uses: Option<u64>,
         pool: Option<String>,
         initial: bool,
-    ) -> Result<JoinTokenRecord, String> {
+    ) -> Result<(JoinTokenRecord, Option<String>), String> {
+        // At the limit, the oldest token that admits no node any more goes.
+        let mut evicted = None;
         if self.by_id.len() >= MAX_JOIN_TOKENS {
-            return Err(format!(
-                "the server keeps at most {MAX_JOIN_TOKENS} join tokens; revoke and remove old \
-                 ones (`muster nodes token revoke ID --remove`)"
-            ));
+            let oldest_dead = self
+                .by_id
+                .values()
+                .filter(|record| record.state(now_ms) != "valid")
+                .min_by_key(|record| (record.created_ms, record.id.clone()))
+                .map(|record| record.id.clone());
+            let Some(id) = oldest_dead else {
+                return Err(format!(
+                    "the server keeps at most {MAX_JOIN_TOKENS} join tokens and every one still \
+                     admits nodes; revoke some (`muster nodes token revoke ID`) and try again"
+                ));
+            };
+            self.remove(&id);
+            evicted = Some(id);
         }
         let hash = crate::users::token_hash(&token);
         let id = format!("jt-{}", &hash[..12]);
@@ -176,7 +201,7 @@ impl JoinTokens {
             initial,
         };
         self.put(record.clone());
-        Ok(record)
+        Ok((record, evicted))
     }
 
     /// Revokes token `id`: the record to store.
@@ -198,15 +223,6 @@ impl JoinTokens {
 const MAX_TTL_MS: u64 = 366 * 86_400_000;
 
 fn view(record: &JoinTokenRecord, now_ms: u64) -> JoinTokenView {
-    let state = if record.revoked {
-        "revoked"
-    } else if record.expires_ms.is_some_and(|at| now_ms >= at) {
-        "expired"
-    } else if record.max_uses.is_some_and(|max| record.uses >= max) {
-        "used up"
-    } else {
-        "valid"
-    };
     JoinTokenView {
         id: record.id.clone(),
         created_ms: record.created_ms,
@@ -216,7 +232,7 @@ fn view(record: &JoinTokenRecord, now_ms: u64) -> JoinTokenView {
         pool: record.pool.clone(),
         revoked: record.revoked,
         initial: record.initial,
-        state: state.to_string(),
+        state: record.state(now_ms).to_string(),
     }
 }
 
@@ -228,20 +244,11 @@ fn lock(shared: &Shared) -> std::sync::MutexGuard<'_, JoinTokens> {
 }
 
 async fn save(shared: &Shared, id: &str, record: Option<&JoinTokenRecord>) -> Result<(), ApiError> {
-    if let Some(reason) = shared.read_only_reason() {
-        return Err(crate::core::read_only(&reason));
-    }
-    let text = match record {
-        Some(record) => Some(
-            serde_json::to_string(record)
-                .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?,
-        ),
-        None => None,
-    };
-    let mut batch = Batch::default();
-    batch.join_tokens.insert(id.to_string(), text);
-    shared.writer.queue(batch).wait().await?;
-    Ok(())
+    shared
+        .save_record(record, |batch, text| {
+            batch.join_tokens.insert(id.to_string(), text);
+        })
+        .await
 }
 
 /// Make a join token; the token is in the answer, this once.
@@ -277,7 +284,7 @@ pub async fn create_join_token(
     }
     let token = crate::auth::new_token()
         .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
-    let record = lock(&shared)
+    let (record, evicted) = lock(&shared)
         .create(
             token.clone(),
             now().0,
@@ -287,6 +294,9 @@ pub async fn create_join_token(
             false,
         )
         .map_err(ApiError::invalid)?;
+    if let Some(gone) = &evicted {
+        save(&shared, gone, None).await?;
+    }
     if let Err(error) = save(&shared, &record.id, Some(&record)).await {
         lock(&shared).remove(&record.id);
         return Err(error);
@@ -348,7 +358,8 @@ mod tests {
         let mut tokens = JoinTokens::default();
         let record = tokens
             .create("a".repeat(64), 1_000, Some(60_000), Some(2), None, false)
-            .unwrap();
+            .unwrap()
+            .0;
         assert!(record.id.starts_with("jt-"));
         assert_eq!(tokens.of_token(&"a".repeat(64)).unwrap().id, record.id);
         assert!(tokens.of_token(&"b".repeat(64)).is_none());
@@ -361,12 +372,45 @@ mod tests {
         assert!(expired.contains("expired"), "{expired}");
         let forever = tokens
             .create("c".repeat(64), 0, None, None, Some("train".into()), true)
-            .unwrap();
+            .unwrap()
+            .0;
         assert!(tokens.take_use(&forever.id, u64::MAX - 1).is_ok());
         tokens.revoke(&forever.id).unwrap();
         let revoked = tokens.take_use(&forever.id, 5).unwrap_err();
         assert!(revoked.contains("revoked"), "{revoked}");
         tokens.remove(&forever.id).unwrap();
         assert!(tokens.of_token(&"c".repeat(64)).is_none());
+    }
+
+    #[test]
+    fn at_the_limit_the_oldest_dead_token_makes_room_and_a_live_one_never_does() {
+        let mut tokens = JoinTokens::default();
+        let token = |i: usize| format!("{i:064x}");
+        for i in 0..MAX_JOIN_TOKENS {
+            // The first two admit no one any more: one expired, one revoked.
+            let ttl = (i == 0).then_some(10);
+            let (record, evicted) = tokens
+                .create(token(i), i as u64, ttl, None, None, false)
+                .unwrap();
+            assert_eq!(evicted, None);
+            if i == 1 {
+                tokens.revoke(&record.id).unwrap();
+            }
+        }
+        let first = tokens.of_token(&token(0)).unwrap().id.clone();
+        let (_, evicted) = tokens
+            .create(token(5_000), 10_000, None, None, None, false)
+            .unwrap();
+        assert_eq!(evicted, Some(first));
+        assert!(tokens.of_token(&token(0)).is_none());
+        let (_, evicted) = tokens
+            .create(token(5_001), 10_000, None, None, None, false)
+            .unwrap();
+        assert!(evicted.is_some(), "the revoked one goes next");
+        let full = tokens
+            .create(token(5_002), 10_000, None, None, None, false)
+            .unwrap_err();
+        assert!(full.contains("every one still admits nodes"), "{full}");
+        assert_eq!(tokens.list().count(), MAX_JOIN_TOKENS);
     }
 }

@@ -7,7 +7,6 @@
 
 use crate::core::{Shared, now};
 use crate::error::{ApiError, Body, Params, PathParams};
-use crate::store::Batch;
 use axum::Json;
 use axum::extract::State;
 use base64::Engine;
@@ -284,22 +283,13 @@ async fn save(
     queue: &str,
     record: Option<&SecretRecord>,
 ) -> Result<(), ApiError> {
-    if let Some(reason) = shared.read_only_reason() {
-        return Err(crate::core::read_only(&reason));
-    }
-    let text = match record {
-        Some(record) => Some(
-            serde_json::to_string(record)
-                .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?,
-        ),
-        None => None,
-    };
-    let mut batch = Batch::default();
-    batch
-        .secrets
-        .insert((name.to_string(), queue.to_string()), text);
-    shared.writer.queue(batch).wait().await?;
-    Ok(())
+    shared
+        .save_record(record, |batch, text| {
+            batch
+                .secrets
+                .insert((name.to_string(), queue.to_string()), text);
+        })
+        .await
 }
 
 /// Set a secret's value (admin); the answer never holds it.

@@ -231,7 +231,6 @@ mod tests {
 
 use crate::core::{Shared, now};
 use crate::error::{ApiError, Body, Params, PathParams};
-use crate::store::Batch;
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -260,20 +259,11 @@ fn new_token() -> Result<String, ApiError> {
 }
 
 async fn save(shared: &Shared, name: &str, record: Option<&UserRecord>) -> Result<(), ApiError> {
-    if let Some(reason) = shared.read_only_reason() {
-        return Err(crate::core::read_only(&reason));
-    }
-    let text = match record {
-        Some(record) => Some(
-            serde_json::to_string(record)
-                .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?,
-        ),
-        None => None,
-    };
-    let mut batch = Batch::default();
-    batch.users.insert(name.to_string(), text);
-    shared.writer.queue(batch).wait().await?;
-    Ok(())
+    shared
+        .save_record(record, |batch, text| {
+            batch.users.insert(name.to_string(), text);
+        })
+        .await
 }
 
 /// Make a user; its token is in the answer, this once.
