@@ -369,29 +369,13 @@ fn reap_until(leader: Pid) -> WaitStatus {
 }
 
 /// Whether this host lets the supervisor give tasks PID and mount
-/// namespaces: `muster task-init --probe` makes both, mounts a tmpfs in the
-/// new mount namespace and exits. Run in a process of its own.
+/// namespaces: `muster task-init --probe` makes both and a task's mounts
+/// ([`private_mounts`]), then exits. Run in a process of its own.
 pub fn probe() -> Result<(), String> {
-    use nix::sched::CloneFlags;
-    nix::sched::unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWPID)
-        .map_err(|e| format!("unshare: {e}"))?;
-    nix::mount::mount(
-        None::<&str>,
-        "/",
-        None::<&str>,
-        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
-        None::<&str>,
-    )
-    .map_err(|e| format!("private mounts: {e}"))?;
-    nix::mount::mount(
-        Some("tmpfs"),
-        "/tmp",
-        Some("tmpfs"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=1777"),
-    )
-    .map_err(|e| format!("a tmpfs on /tmp: {e}"))?;
-    Ok(())
+    // The very mounts a task gets, in a process of its own that exits.
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID)
+        .map_err(|e| format!("cannot make a PID namespace: {e}"))?;
+    private_mounts(Path::new("/"))
 }
 
 /// How a task ended, from its init's status lines (the last `exit` or

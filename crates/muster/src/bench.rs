@@ -184,6 +184,10 @@ pub struct ShortJobsBench {
     /// The agent's simulated GPUs (each job takes one).
     #[arg(long, default_value = "8xH100-80GB")]
     pub simulate_gpus: String,
+    /// A flag for the agent, e.g. `--agent-arg=--task-namespaces=off`
+    /// (repeat for several): what a part of task isolation costs.
+    #[arg(long, value_name = "FLAG", allow_hyphen_values = true)]
+    pub agent_arg: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -628,7 +632,7 @@ async fn start_child_server_with(
 /// A real agent child process joined to `server`, waited for until its
 /// node is ready.
 async fn start_child_agent(dir: &Path, server: &ChildServer, gpus: &str) -> Result<ChildProcess> {
-    start_named_agent(dir, server, gpus, "bench-agent", "agent").await
+    start_named_agent(dir, server, gpus, "bench-agent", "agent", &[]).await
 }
 
 /// A real agent child process named `name`, its state in `dir/STATE` and
@@ -639,6 +643,7 @@ async fn start_named_agent(
     gpus: &str,
     name: &str,
     state: &str,
+    extra: &[String],
 ) -> Result<ChildProcess> {
     let log = dir.join(format!("{state}.log"));
     let args = vec![
@@ -657,13 +662,14 @@ async fn start_named_agent(
         dir.join(state).display().to_string(),
     ];
     let ca = server.data_dir.join("tls/ca.pem");
-    let args: Vec<String> = if server.trust.ca_pem.is_some() {
+    let mut args: Vec<String> = if server.trust.ca_pem.is_some() {
         args.into_iter()
             .chain(["--ca-file".to_string(), ca.display().to_string()])
             .collect()
     } else {
         args
     };
+    args.extend(extra.iter().cloned());
     let mut process = ChildProcess::spawn("agent", &args, &log)?;
     let admin = server.client(&server.admin_token)?;
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -1802,7 +1808,15 @@ async fn supervisors_left(state_dir: &Path, limit: Duration) -> usize {
 async fn short_jobs(args: ShortJobsBench) -> Result<()> {
     let dir = temp_dir()?;
     let mut server = start_child_server(dir.path(), Duration::from_secs(10)).await?;
-    let mut agent = start_child_agent(dir.path(), &server, &args.simulate_gpus).await?;
+    let mut agent = start_named_agent(
+        dir.path(),
+        &server,
+        &args.simulate_gpus,
+        "bench-agent",
+        "agent",
+        &args.agent_arg,
+    )
+    .await?;
     let agent_log = dir.path().join("agent.log");
     let state_dir = dir.path().join("agent");
     let client = server.client(&server.admin_token)?;
@@ -1923,7 +1937,8 @@ async fn history(args: HistoryBench) -> Result<()> {
     let mut agents = Vec::new();
     for index in 0..args.agents {
         let name = format!("bench-{index}");
-        agents.push(start_named_agent(dir.path(), &server, "8xH100-80GB", &name, &name).await?);
+        agents
+            .push(start_named_agent(dir.path(), &server, "8xH100-80GB", &name, &name, &[]).await?);
     }
     let client = server.client(&server.admin_token)?;
     // A probe node that takes no work: its heartbeats go the way every
