@@ -656,6 +656,7 @@ impl Shell {
                 .flatten()
                 .map(|user| (user.uid, user.gid));
             crate::checks::TaskContext {
+                job: task.job,
                 env: crate::runtime::check_environment(&task.env, |name| std::env::var(name).ok()),
                 working_dir: task.working_dir.clone(),
                 user,

@@ -8,9 +8,16 @@
 //! task's checks run inside its container (a Docker `exec`). Results are
 //! reported to the server (`POST /v1/agents/{node}/checks`), which applies
 //! the thresholds.
+//!
+//! TCP and HTTP checks run here too, never from the server: the agent
+//! connects only to the replica's own port, and only after it has found a
+//! process of the task holding the listening socket there
+//! ([`crate::runtime::ports::task_listener`]); a check aimed at any other
+//! listener is not sent. An HTTP check reads the status line and nothing
+//! more: its result is pass or fail with the status code, never a body.
 
 use muster_api::client::Client;
-use muster_api::protocol::{CheckReport, CheckResult, CheckSpec, DesiredAllocation};
+use muster_api::protocol::{CheckReport, CheckResult, CheckSpec, DesiredAllocation, NetworkCheck};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,6 +29,8 @@ const MESSAGE_BYTES: usize = 400;
 /// How a task's checks run.
 #[derive(Debug, Clone)]
 pub struct TaskContext {
+    /// The task's job (a network check's listener must be its task's).
+    pub job: u64,
     pub env: BTreeMap<String, String>,
     pub working_dir: Option<String>,
     /// (uid, gid) to run as; `None`: as the agent, which only a
@@ -213,6 +222,9 @@ async fn run_one(
     context: &TaskContext,
 ) -> Result<(), String> {
     let timeout = Duration::from_millis(spec.timeout_ms.max(1));
+    if let Some(network) = &spec.network {
+        return network_check(network, context, timeout).await;
+    }
     if let Some((state_dir, key)) = &context.container {
         let shown = spec.command.join(" ");
         return crate::container::exec_check(state_dir, key, &spec.command, timeout)
@@ -274,6 +286,99 @@ async fn run_one(
             Err(failure(&shown, status.code().map(i64::from), &said))
         }
     }
+}
+
+/// A TCP or HTTP check against the replica's own listener.
+async fn network_check(
+    check: &NetworkCheck,
+    context: &TaskContext,
+    timeout: Duration,
+) -> Result<(), String> {
+    let shown = match &check.http_path {
+        Some(path) => format!("GET {path}"),
+        None => "TCP".to_string(),
+    };
+    let (port, job, procs) = (check.port, context.job, context.procs.clone());
+    let found = tokio::task::spawn_blocking(move || {
+        // The task's pids from its cgroup (the first file that reads).
+        let members: Option<Vec<i32>> = procs.iter().find_map(|file| {
+            let text = std::fs::read_to_string(file).ok()?;
+            Some(
+                text.lines()
+                    .filter_map(|line| line.trim().parse().ok())
+                    .collect(),
+            )
+        });
+        crate::runtime::ports::task_listener(port, members.as_deref(), job)
+    })
+    .await
+    .map_err(|error| format!("{shown}: {error}"))?;
+    let address = found.map_err(|why| format!("{shown}: {why}"))?;
+    let attempt = async {
+        let mut stream = tokio::net::TcpStream::connect(address)
+            .await
+            .map_err(|error| format!("{shown}: {error} at {address}"))?;
+        let Some(path) = &check.http_path else {
+            return Ok(());
+        };
+        let status = http_status(&mut stream, address, path)
+            .await
+            .map_err(|error| format!("{shown}: {error}"))?;
+        if (200..400).contains(&status) {
+            Ok(())
+        } else {
+            Err(format!("{shown} answered {status}"))
+        }
+    };
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(result) => result,
+        Err(_) => Err(format!(
+            "{shown}: no answer within {}s",
+            timeout.as_secs_f64()
+        )),
+    }
+}
+
+/// Sends `GET path` and reads the answer's status code (its status line,
+/// nothing after it).
+async fn http_status(
+    stream: &mut tokio::net::TcpStream,
+    address: std::net::SocketAddr,
+    path: &str,
+) -> Result<u16, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if !path.starts_with('/') || path.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!("{path:?} is not a path"));
+    }
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nUser-Agent: muster-agent\r\n\
+         Accept: */*\r\nConnection: close\r\n\r\n"
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .map_err(|error| error.to_string())?;
+    // "HTTP/1.1 200 OK\r\n": the first line, at most a few hundred bytes.
+    let mut line = Vec::with_capacity(64);
+    let mut chunk = [0u8; 256];
+    while !line.contains(&b'\n') && line.len() < 512 {
+        let read = stream
+            .read(&mut chunk)
+            .await
+            .map_err(|error| error.to_string())?;
+        if read == 0 {
+            break;
+        }
+        line.extend_from_slice(&chunk[..read]);
+    }
+    let text = String::from_utf8_lossy(&line);
+    let status = text
+        .lines()
+        .next()
+        .filter(|first| first.starts_with("HTTP/"))
+        .and_then(|first| first.split_whitespace().nth(1))
+        .and_then(|code| code.parse::<u16>().ok());
+    status.ok_or_else(|| "the answer is not HTTP".to_string())
 }
 
 /// The last bytes `reader` gives until it ends (at most a few times what a
@@ -352,6 +457,67 @@ fn exec(args: &[String]) -> Result<std::convert::Infallible, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_http_check_reads_the_status_line_only_from_the_task_s_own_listener() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("a port");
+            let port = listener.local_addr().expect("an address").port();
+            let served = tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut answered = 0;
+                for status in ["200 OK", "503 Service Unavailable"] {
+                    let (mut stream, _) = listener.accept().await.expect("a connection");
+                    let mut request = vec![0u8; 1024];
+                    let read = stream.read(&mut request).await.expect("a request");
+                    assert!(request[..read].starts_with(b"GET /healthz HTTP/1.1\r\n"));
+                    let answer = format!("HTTP/1.1 {status}\r\nContent-Length: 6\r\n\r\nsecret");
+                    stream.write_all(answer.as_bytes()).await.expect("sent");
+                    answered += 1;
+                }
+                answered
+            });
+            let mut context = TaskContext {
+                job: 1,
+                env: BTreeMap::new(),
+                working_dir: None,
+                user: None,
+                needs_user: true,
+                procs: Vec::new(),
+                container: None,
+            };
+            // No cgroup, and this process names no job: not sent.
+            let check = NetworkCheck {
+                port,
+                http_path: Some("/healthz".into()),
+            };
+            let error = network_check(&check, &context, Duration::from_secs(5))
+                .await
+                .unwrap_err();
+            assert!(error.contains("not sent"), "{error}");
+            // This process as the task (its "cgroup" lists its pid).
+            let dir = tempfile::tempdir().expect("a directory");
+            let procs = dir.path().join("cgroup.procs");
+            std::fs::write(&procs, format!("{}\n", std::process::id())).expect("written");
+            context.procs = vec![procs];
+            assert_eq!(
+                network_check(&check, &context, Duration::from_secs(5)).await,
+                Ok(())
+            );
+            let error = network_check(&check, &context, Duration::from_secs(5))
+                .await
+                .unwrap_err();
+            // The code, never the body.
+            assert_eq!(error, "GET /healthz answered 503");
+            assert_eq!(served.await.expect("served"), 2);
+        });
+    }
 
     #[test]
     fn only_the_end_of_a_long_output_is_kept() {

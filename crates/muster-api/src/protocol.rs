@@ -515,8 +515,10 @@ pub struct DesiredAllocation {
     /// Host paths the container sees (allowed by the node's pool).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<crate::wire::MountSpec>,
-    /// Command checks of a service's replica the agent runs beside it and
-    /// reports (`POST /v1/agents/{node}/checks`).
+    /// Checks of a service's replica (commands, TCP connections, HTTP
+    /// requests) the agent runs beside it and reports
+    /// (`POST /v1/agents/{node}/checks`): the server never connects to a
+    /// port a user chose.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checks: Vec<CheckSpec>,
 }
@@ -526,12 +528,31 @@ pub struct DesiredAllocation {
 pub struct CheckSpec {
     /// A liveness check (else readiness).
     pub liveness: bool,
+    /// A command check's command; empty for a network check.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub command: Vec<String>,
+    /// A TCP or HTTP check: sent only to the replica's own port, and only
+    /// while a process of its task listens there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkCheck>,
     pub period_ms: u64,
     pub timeout_ms: u64,
     /// Before the first run, from the task's start.
     #[serde(default)]
     pub initial_delay_ms: u64,
+}
+
+/// A replica's TCP or HTTP check, as its agent runs it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct NetworkCheck {
+    /// The replica's port (its `PORT`, or the service's fixed port).
+    pub port: u16,
+    /// `GET PATH` must answer 2xx or 3xx; absent: a TCP connection must
+    /// open.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_path: Option<String>,
 }
 
 /// `POST /v1/agents/{node}/checks`: results of command checks.

@@ -2,8 +2,8 @@
 //! `muster_control::services`. Keeps each service's record (its kept
 //! revisions, the current one, the replica count) in the store's
 //! `services` table, tracks its replicas (one-task jobs whose spec names
-//! the service), runs their readiness and liveness checks from the server,
-//! carries out the controller's actions (submit, drain, cancel) and serves
+//! the service), hands their readiness and liveness checks to the agents
+//! that run them (the server never connects to a replica), carries out the controller's actions (submit, drain, cancel) and serves
 //! `/v1/services` and the endpoint table the gateway follows.
 
 use crate::api::{Identity, principal_of, unprocessable};
@@ -14,15 +14,15 @@ use axum::Json;
 use axum::extract::State;
 use muster_api::protocol::{
     CheckReport, CheckSpec, DesiredAllocation, Endpoint, EndpointList, EndpointTable, ErrorBody,
-    ErrorCode, ReplicaView, RevisionView, RollbackRequest, ScaleRequest, ServiceEvent, ServiceList,
-    ServiceRequest, ServiceView, TrafficAck, TrafficReport,
+    ErrorCode, NetworkCheck, ReplicaView, RevisionView, RollbackRequest, ScaleRequest,
+    ServiceEvent, ServiceList, ServiceRequest, ServiceView, TrafficAck, TrafficReport,
 };
 use muster_control::services::{
     Action, AutoscalerState, ControllerState, Load, ProbeState, Replica, ReplicaRun, Status,
     autoscale, reconcile,
 };
 use muster_control::{AllocationState, JobState};
-use muster_model::{JobId, Probe, ProbeAction, ServiceRef, ServiceSpec, Time};
+use muster_model::{JobId, ProbeAction, ServiceRef, ServiceSpec, Time};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -186,11 +186,11 @@ impl Default for Services {
 pub struct ServiceState {
     services: std::sync::Mutex<Services>,
     traffic: std::sync::Mutex<Traffic>,
-    /// The agents' latest command-check results.
+    /// The agents' latest check results.
     checks: std::sync::Mutex<CheckResults>,
-    /// Each service's command checks, as the last round published them
-    /// (a leaf lock: the heartbeat reads it with the state locked).
-    command_checks: std::sync::Mutex<BTreeMap<String, Vec<CheckSpec>>>,
+    /// Each service's checks, as the last round published them (a leaf
+    /// lock: the heartbeat reads it with the state locked).
+    agent_checks: std::sync::Mutex<BTreeMap<String, Vec<CheckSpec>>>,
     edit: tokio::sync::Mutex<()>,
     /// Bumped with the endpoint table's version.
     changed: tokio::sync::watch::Sender<u64>,
@@ -396,74 +396,8 @@ fn observe(shared: &Shared, services: &Services) -> Vec<Seen> {
     seen
 }
 
-/// One check to run.
-struct Check {
-    service: String,
-    job: JobId,
-    liveness: bool,
-    probe: Probe,
-    endpoint: String,
-}
-
-async fn run_check(client: &reqwest::Client, check: &Check) -> Result<(), String> {
-    // At most MAX_PROBE_TIMEOUT, stored specs included (their reading
-    // applies it).
-    let timeout = check.probe.timeout;
-    match &check.probe.action {
-        // Run by the agents (see `agent_checks`), never here.
-        ProbeAction::Command(_) => Ok(()),
-        ProbeAction::Tcp => {
-            match tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&check.endpoint))
-                .await
-            {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(error)) => Err(format!("TCP {}: {error}", check.endpoint)),
-                Err(_) => Err(format!(
-                    "TCP {}: no connection within {}s",
-                    check.endpoint,
-                    timeout.as_secs()
-                )),
-            }
-        }
-        ProbeAction::Http { path } => {
-            let url = format!("http://{}{path}", check.endpoint);
-            match client.get(&url).timeout(timeout).send().await {
-                Ok(response)
-                    if response.status().is_success() || response.status().is_redirection() =>
-                {
-                    Ok(())
-                }
-                Ok(response) => Err(format!("GET {path} answered {}", response.status())),
-                Err(error) if error.is_timeout() => Err(format!(
-                    "GET {path}: no answer within {}s",
-                    timeout.as_secs()
-                )),
-                Err(error) if error.is_connect() => Err(format!(
-                    "GET {path}: connection refused at {}",
-                    check.endpoint
-                )),
-                Err(error) => Err(format!("GET {path}: {error}")),
-            }
-        }
-    }
-}
-
 /// The controller: a round every quarter second while the server runs.
 pub async fn run(shared: Arc<Shared>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
-    // reqwest is built with TLS support, which needs the process's
-    // cryptography chosen (the checks themselves are plain HTTP).
-    muster_api::tls::provider();
-    let client = match reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .no_proxy()
-        .build()
-    {
-        Ok(client) => client,
-        Err(error) => {
-            tracing::error!(%error, "the service controller cannot make an HTTP client");
-            return;
-        }
-    };
     loop {
         tokio::select! {
             _ = tokio::time::sleep(ROUND) => {}
@@ -475,14 +409,13 @@ pub async fn run(shared: Arc<Shared>, mut shutdown: tokio::sync::watch::Receiver
         if shared.read_only_reason().is_some() {
             continue;
         }
-        round(&shared, &client).await;
+        round(&shared).await;
     }
 }
 
-async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
-    let at = now();
-    // What runs, and which checks are due.
-    let (seen, checks) = {
+async fn round(shared: &Arc<Shared>) {
+    // What runs (every check runs on the replica's node, by its agent).
+    let seen = {
         let services = shared.services.lock();
         if services.entries.is_empty() {
             // No replica to keep results for (an agent may still report
@@ -493,51 +426,15 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
             }
             return;
         }
-        let seen = observe(shared, &services);
-        let mut checks = Vec::new();
-        for replica in &seen {
-            let (ReplicaRun::Running { since }, Some(endpoint)) = (replica.run, &replica.endpoint)
-            else {
-                continue;
-            };
-            let Some(entry) = services.entries.get(&replica.service) else {
-                continue;
-            };
-            let Some(track) = entry.replicas.get(&replica.job) else {
-                continue;
-            };
-            if track.stopping {
-                continue;
-            }
-            for (liveness, probe, state) in [
-                (false, &entry.spec.readiness, &track.readiness),
-                (true, &entry.spec.liveness, &track.liveness),
-            ] {
-                if let Some(probe) = probe
-                    && !matches!(probe.action, ProbeAction::Command(_))
-                    && state.due(probe, since, at)
-                {
-                    checks.push(Check {
-                        service: replica.service.clone(),
-                        job: replica.job,
-                        liveness,
-                        probe: probe.clone(),
-                        endpoint: endpoint.clone(),
-                    });
-                }
-            }
-        }
-        (seen, checks)
+        observe(shared, &services)
     };
-    let results =
-        futures_util::future::join_all(checks.iter().map(|check| run_check(client, check))).await;
     let at = now();
     // Decide.
     let mut todo: Vec<(String, Action)> = Vec::new();
     let mut finished: Vec<String> = Vec::new();
     {
         let mut services = shared.services.lock();
-        // The agents' command checks, each run taken in once.
+        // The agents' checks, each run taken in once.
         {
             let mut reported = match shared.services.checks.lock() {
                 Ok(reported) => reported,
@@ -563,9 +460,7 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
                     continue;
                 };
                 for (is_liveness, probe) in [(false, readiness), (true, liveness)] {
-                    let Some(probe) =
-                        probe.filter(|probe| matches!(probe.action, ProbeAction::Command(_)))
-                    else {
+                    let Some(probe) = probe else {
                         continue;
                     };
                     let Some((run, result)) = reported.get(&(allocation, is_liveness)) else {
@@ -586,19 +481,6 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
                         state.record(&probe, at, result.clone());
                     }
                 }
-            }
-        }
-        for (check, result) in checks.iter().zip(results) {
-            let Some(entry) = services.entries.get_mut(&check.service) else {
-                continue;
-            };
-            if let Some(track) = entry.replicas.get_mut(&check.job) {
-                let state = if check.liveness {
-                    &mut track.liveness
-                } else {
-                    &mut track.readiness
-                };
-                state.record(&check.probe, at, result);
             }
         }
         let names: Vec<String> = services.entries.keys().cloned().collect();
@@ -722,18 +604,34 @@ async fn round(shared: &Arc<Shared>, client: &reqwest::Client) {
     }
 }
 
-/// A service's command checks as the agents get them.
-fn command_checks(spec: &ServiceSpec) -> Vec<CheckSpec> {
+/// A service's checks as the agents get them; a network check's port is
+/// each replica's own (see [`fill_checks`]).
+fn checks_of(spec: &ServiceSpec) -> Vec<CheckSpec> {
     [(false, &spec.readiness), (true, &spec.liveness)]
         .into_iter()
         .filter_map(|(liveness, probe)| {
             let probe = probe.as_ref()?;
-            let ProbeAction::Command(command) = &probe.action else {
-                return None;
+            let (command, network) = match &probe.action {
+                ProbeAction::Command(command) => (command.clone(), None),
+                ProbeAction::Tcp => (
+                    Vec::new(),
+                    Some(NetworkCheck {
+                        port: 0,
+                        http_path: None,
+                    }),
+                ),
+                ProbeAction::Http { path } => (
+                    Vec::new(),
+                    Some(NetworkCheck {
+                        port: 0,
+                        http_path: Some(path.clone()),
+                    }),
+                ),
             };
             Some(CheckSpec {
                 liveness,
-                command: command.clone(),
+                command,
+                network,
                 period_ms: probe.period.as_millis() as u64,
                 timeout_ms: probe.timeout.as_millis() as u64,
                 initial_delay_ms: probe.initial_delay.as_millis() as u64,
@@ -742,16 +640,17 @@ fn command_checks(spec: &ServiceSpec) -> Vec<CheckSpec> {
         .collect()
 }
 
-/// Adds each replica's command checks to its node's desired set (the
-/// agent runs them beside the task). Called with the state's lock held:
-/// it takes only the leaf lock of the checks each round publishes, never
-/// the services' own (which is held while the state is read).
+/// Adds each replica's checks to its node's desired set (the agent runs
+/// them beside the task; a network check against the replica's own port).
+/// Called with the state's lock held: it takes only the leaf lock of the
+/// checks each round publishes, never the services' own (which is held
+/// while the state is read).
 pub fn fill_checks(
     shared: &Shared,
     control: &muster_control::ControlPlane,
     desired: &mut [DesiredAllocation],
 ) {
-    let published = match shared.services.command_checks.lock() {
+    let published = match shared.services.agent_checks.lock() {
         Ok(published) => published,
         Err(poisoned) => poisoned.into_inner(),
     };
@@ -759,14 +658,24 @@ pub fn fill_checks(
         return;
     }
     for task in desired.iter_mut().filter(|task| !task.stop) {
-        let Some(checks) = control
-            .job(JobId(task.job))
-            .and_then(|job| job.spec.service.as_ref())
+        let Some(job) = control.job(JobId(task.job)) else {
+            continue;
+        };
+        let Some(checks) = job
+            .spec
+            .service
+            .as_ref()
             .and_then(|service| published.get(&service.name))
         else {
             continue;
         };
-        task.checks.extend(checks.iter().cloned());
+        let port = control.replica_port(job).unwrap_or(0);
+        task.checks.extend(checks.iter().cloned().map(|mut check| {
+            if let Some(network) = &mut check.network {
+                network.port = port;
+            }
+            check
+        }));
     }
 }
 
@@ -861,10 +770,10 @@ fn publish(shared: &Shared, services: &mut Services, seen: &[Seen]) {
     let checks: BTreeMap<String, Vec<CheckSpec>> = services
         .entries
         .iter()
-        .map(|(name, entry)| (name.clone(), command_checks(&entry.spec)))
+        .map(|(name, entry)| (name.clone(), checks_of(&entry.spec)))
         .filter(|(_, checks)| !checks.is_empty())
         .collect();
-    match shared.services.command_checks.lock() {
+    match shared.services.agent_checks.lock() {
         Ok(mut published) => *published = checks,
         Err(poisoned) => *poisoned.into_inner() = checks,
     }

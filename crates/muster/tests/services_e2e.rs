@@ -1,5 +1,5 @@
 //! Services end to end: a real server, three agents, replicas of a small
-//! Python HTTP server, checks run by the server, replicas replaced, a
+//! Python HTTP server, checks run by their agents, replicas replaced, a
 //! rolling update, a rollout stopped by a failing readiness check, a
 //! rollback and a delete. Loopback only; every wait is bounded.
 
@@ -818,4 +818,67 @@ fn command_checks_run_beside_the_replica_as_its_user_and_gate_its_traffic() {
     assert!(why.contains("exited 1"), "{why}");
     assert!(why.contains("500"), "{why}");
     assert_eq!(service(&rt, &client).ready, 2);
+}
+
+#[test]
+fn a_network_check_reaches_only_its_replica_s_own_listener() {
+    let cluster = Cluster::start("3s");
+    let _agent = cluster.agent_with("node-1", &cluster.url(), "1xH100-80GB", &[]);
+    let rt = runtime();
+    let client = cluster.client();
+    wait_for_nodes(&rt, &client, 1);
+    // A fixed port the replica never listens on; once it runs, something
+    // else (here this test, standing for the server's API or another
+    // tenant's service) listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port();
+    let mut spec = spec("1", false);
+    spec["name"] = "scanner".into();
+    spec["replicas"] = 1.into();
+    spec["port"] = port.into();
+    spec["command"] = serde_json::json!(["sleep", "600"]);
+    spec["readiness"] = serde_json::json!({"http": "/v1/secrets", "period": 1, "timeout": 1, "failure_threshold": 1});
+    spec.as_object_mut().expect("a mapping").remove("liveness");
+    rt.block_on(client.create_service(spec)).expect("created");
+    let replica = || {
+        rt.block_on(client.service("scanner"))
+            .expect("the service")
+            .replica_list
+            .first()
+            .cloned()
+    };
+    wait_until("the replica runs", Duration::from_secs(30), || {
+        replica().is_some_and(|replica| replica.state == "starting")
+    });
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port)).expect("the port");
+    listener.set_nonblocking(true).expect("non-blocking");
+    let mut arrived = 0;
+    let mut why = None;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut quiet_since = None;
+    while Instant::now() < deadline {
+        if listener.accept().is_ok() {
+            arrived += 1;
+        }
+        let said = replica().and_then(|replica| replica.not_ready);
+        if said
+            .as_deref()
+            .is_some_and(|said| said.contains("not held by this replica's task"))
+        {
+            why = said;
+            // Several periods of checks, each refused before it is sent.
+            let since = *quiet_since.get_or_insert_with(Instant::now);
+            if since.elapsed() > Duration::from_secs(4) {
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let why = why.expect("the replica's check says why it was not sent");
+    assert!(why.contains(&format!("port {port}")), "{why}");
+    assert_eq!(arrived, 0, "a check reached a listener not its replica's");
+    let scanner = rt.block_on(client.service("scanner")).expect("the service");
+    assert_eq!(scanner.ready, 0);
 }

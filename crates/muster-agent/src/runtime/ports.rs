@@ -42,19 +42,113 @@ pub fn is_free(port: u16) -> bool {
 /// The socket inodes listening on `port` in a `/proc/net/tcp` or `tcp6`
 /// table.
 pub fn listening_inodes(table: &str, port: u16) -> Vec<u64> {
+    listeners(table, port)
+        .into_iter()
+        .map(|(inode, _)| inode)
+        .collect()
+}
+
+/// The listening sockets on `port` in a `/proc/net/tcp` or `tcp6` table:
+/// (inode, the address it is bound to).
+pub fn listeners(table: &str, port: u16) -> Vec<(u64, std::net::IpAddr)> {
     table
         .lines()
         .skip(1)
         .filter_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
-            let local = fields.get(1)?;
-            let state = fields.get(3)?;
+            let (hex_address, hex_port) = fields.get(1)?.rsplit_once(':')?;
             let inode = fields.get(9)?.parse::<u64>().ok()?;
-            let (_, hex_port) = local.rsplit_once(':')?;
             let local_port = u16::from_str_radix(hex_port, 16).ok()?;
-            (local_port == port && *state == "0A").then_some(inode)
+            if local_port != port || *fields.get(3)? != "0A" {
+                return None;
+            }
+            Some((inode, kernel_address(hex_address)?))
         })
         .collect()
+}
+
+/// An address as the kernel's tables print it: 32-bit words in hex, each
+/// in the machine's byte order.
+fn kernel_address(hex: &str) -> Option<std::net::IpAddr> {
+    let mut bytes = Vec::with_capacity(16);
+    for word in hex.as_bytes().chunks(8) {
+        let word = u32::from_str_radix(std::str::from_utf8(word).ok()?, 16).ok()?;
+        bytes.extend_from_slice(&word.to_ne_bytes());
+    }
+    match bytes.len() {
+        4 => Some(std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?)),
+        16 => Some(std::net::IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?)),
+        _ => None,
+    }
+}
+
+/// Where a replica's own listener on `port` is reached: the address its
+/// socket is bound to (loopback for a wildcard), found only when a
+/// process of the task holds that socket. `members`: the task's pids
+/// (its cgroup's); without them (no cgroup, a container) the processes
+/// whose environment names the job (`MUSTER_JOB_ID`). Anything else on
+/// the port (another tenant's task, the server, a daemon of the node) is
+/// an error, and no connection is made: a check is never a port scanner.
+pub fn task_listener(
+    port: u16,
+    members: Option<&[i32]>,
+    job: u64,
+) -> Result<std::net::SocketAddr, String> {
+    let mut sockets = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        if let Ok(text) = std::fs::read_to_string(table) {
+            sockets.extend(listeners(&text, port));
+        }
+    }
+    let not_sent = |why: &str| {
+        format!(
+            "port {port}: {why}; the check was not sent (a check reaches only its replica's own listener)"
+        )
+    };
+    if sockets.is_empty() {
+        return Err(not_sent("nothing listens there"));
+    }
+    let holds = |pid: i32| -> Option<std::net::IpAddr> {
+        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+        fds.flatten().find_map(|fd| {
+            let target = std::fs::read_link(fd.path()).ok()?;
+            let inode: u64 = target
+                .to_str()?
+                .strip_prefix("socket:[")?
+                .strip_suffix(']')?
+                .parse()
+                .ok()?;
+            sockets
+                .iter()
+                .find(|(listening, _)| *listening == inode)
+                .map(|(_, address)| *address)
+        })
+    };
+    let found = match members.filter(|members| !members.is_empty()) {
+        Some(members) => members.iter().find_map(|&pid| holds(pid)),
+        None => {
+            let wanted = format!("MUSTER_JOB_ID={job}");
+            std::fs::read_dir("/proc")
+                .map_err(|error| not_sent(&format!("/proc cannot be read ({error})")))?
+                .flatten()
+                .filter_map(|entry| entry.file_name().to_str()?.parse::<i32>().ok())
+                .filter(|pid| {
+                    std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| {
+                        environ
+                            .split(|byte| *byte == 0)
+                            .any(|var| var == wanted.as_bytes())
+                    })
+                })
+                .find_map(holds)
+        }
+    };
+    let address = found.ok_or_else(|| not_sent("it is not held by this replica's task"))?;
+    let address = match address {
+        std::net::IpAddr::V4(v4) if v4.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+        std::net::IpAddr::V6(v6) if v6.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+        address => address,
+    };
+    Ok(std::net::SocketAddr::new(address, port))
 }
 
 /// Who listens on `port`: a sentence naming the process, and its muster
@@ -168,6 +262,47 @@ mod tests {
         assert_eq!(listening_inodes(table, 0x7531), vec![4242]);
         assert_eq!(listening_inodes(table, 22), vec![17]);
         assert!(listening_inodes(table, 80).is_empty());
+    }
+
+    #[test]
+    fn a_listener_s_address_is_read_in_the_machine_s_byte_order() {
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 51 1 0000000000000000 100 0 0 10 0\n";
+        let table6 = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+   0: 00000000000000000000000001000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 52 1 0000000000000000 100 0 0 10 0\n";
+        if cfg!(target_endian = "little") {
+            assert_eq!(
+                listeners(table, 8080),
+                vec![(51, std::net::Ipv4Addr::LOCALHOST.into())]
+            );
+            assert_eq!(
+                listeners(table6, 8080),
+                vec![(52, std::net::Ipv6Addr::LOCALHOST.into())]
+            );
+        }
+        assert!(listeners(table, 8081).is_empty());
+    }
+
+    #[test]
+    fn only_the_task_s_own_listener_is_reachable_by_its_checks() {
+        // This test process holds the listener; a task whose pids or whose
+        // job do not match gets no address (and nothing is sent).
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+        let port = listener.local_addr().expect("an address").port();
+        let me = std::process::id() as i32;
+        assert_eq!(
+            task_listener(port, Some(&[me]), 1),
+            Ok(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+        );
+        let error = task_listener(port, Some(&[i32::MAX]), 1).unwrap_err();
+        assert!(error.contains("not held by this replica's task"), "{error}");
+        assert!(error.contains("not sent"), "{error}");
+        // No cgroup: by job, and this process names none.
+        let error = task_listener(port, None, 987_654_321).unwrap_err();
+        assert!(error.contains("not held"), "{error}");
+        drop(listener);
+        let error = task_listener(port, Some(&[me]), 1).unwrap_err();
+        assert!(error.contains("nothing listens"), "{error}");
     }
 
     #[test]
