@@ -600,7 +600,8 @@ impl Client {
         self.get(&format!("/v1/nodes/{}", encode(name))).await
     }
 
-    /// `action`: `cordon`, `uncordon` or `drain`.
+    /// `action`: `cordon`, `uncordon`, `drain`, `approve` or
+    /// `reset-identity`.
     pub async fn node_action(&self, name: &str, action: &str) -> Result<NodeView, ClientError> {
         self.post(
             &format!("/v1/nodes/{}/{action}", encode(name)),

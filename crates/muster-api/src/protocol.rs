@@ -726,6 +726,8 @@ mod bytes_as_base64 {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NodeView {
     pub name: String,
+    /// `ready`, `lost`, or `pending-approval` (joined under the server's
+    /// `--approve-nodes`, given no work until `muster nodes approve`).
     pub state: String,
     pub cordoned: bool,
     pub draining: bool,

@@ -235,6 +235,10 @@ pub struct Node {
     pub drift: Option<String>,
     /// GPU indices out of service (reported by the agent's health checks).
     pub unhealthy_gpus: Vec<u32>,
+    /// Joined under [`ControlConfig::approve_nodes`] and not yet approved
+    /// (`muster nodes approve`): it heartbeats, is shown, and takes no work
+    /// (so no secret reaches it).
+    pub pending_approval: bool,
 }
 
 /// A task as the node must run (or stop) it.
@@ -335,6 +339,10 @@ pub enum Input {
         cordoned: bool,
     },
     Drain {
+        node: NodeName,
+    },
+    /// An operator admits a node that waits for approval.
+    Approve {
         node: NodeName,
     },
     /// Forgets a node. Refused while it holds work unless `force`, which
@@ -453,6 +461,9 @@ pub struct ControlConfig {
     /// [`muster_sched::ServiceLevels::priority`] of its class and the GPU
     /// time its attempts have had.
     pub service_levels: muster_sched::ServiceLevels,
+    /// New nodes (names the control plane does not know) wait for an
+    /// operator's [`Input::Approve`] before they take work.
+    pub approve_nodes: bool,
 }
 
 /// What happens to a node whose software stack (driver, CUDA, VBIOS,
@@ -533,6 +544,7 @@ impl Default for ControlConfig {
             retention_ms: DEFAULT_RETENTION_MS,
             stack_policy: StackPolicy::Report,
             service_levels: muster_sched::ServiceLevels::default(),
+            approve_nodes: false,
         }
     }
 }
@@ -1789,11 +1801,16 @@ impl ControlPlane {
                         );
                     }
                 }
-                let (cordoned, draining, unhealthy_gpus) = self
+                let (cordoned, draining, unhealthy_gpus, pending_approval) = self
                     .nodes
                     .get(&name)
-                    .map_or((false, false, Vec::new()), |n| {
-                        (n.cordoned, n.draining, n.unhealthy_gpus.clone())
+                    .map_or((false, false, Vec::new(), self.config.approve_nodes), |n| {
+                        (
+                            n.cordoned,
+                            n.draining,
+                            n.unhealthy_gpus.clone(),
+                            n.pending_approval,
+                        )
                     });
                 let unhealthy_gpus = unhealthy_gpus
                     .into_iter()
@@ -1823,6 +1840,7 @@ impl ControlPlane {
                         software,
                         unhealthy_gpus,
                         drift: None,
+                        pending_approval,
                     },
                 );
                 outputs.push(Output::NodeChanged(name.clone()));
@@ -1860,6 +1878,17 @@ impl ControlPlane {
                 self.enforce_time_limits(now, &mut outputs);
                 self.expire_leases(now, &mut outputs);
                 self.retire(now, &mut outputs);
+            }
+            Input::Approve { node } => {
+                let entry = self
+                    .nodes
+                    .get_mut(&node)
+                    .ok_or_else(|| ControlError::NodeNotFound(node.clone()))?;
+                if entry.pending_approval {
+                    entry.pending_approval = false;
+                    outputs.push(Output::NodeChanged(node.clone()));
+                    outputs.push(Output::DesiredChanged(node));
+                }
             }
             Input::Cordon { node, cordoned } => {
                 let entry = self
@@ -2453,7 +2482,7 @@ impl ControlPlane {
                 containers: node.software.runs_containers(),
                 reserved: self.is_inference_pool(&node.spec.pool),
                 spec: node.spec.clone(),
-                cordoned: node.cordoned || node.drift.is_some(),
+                cordoned: node.cordoned || node.drift.is_some() || node.pending_approval,
                 healthy: node.state == NodeState::Ready,
                 unhealthy_gpus: node.unhealthy_gpus.clone(),
             })
@@ -2697,7 +2726,12 @@ impl ControlPlane {
         let mut free: FreeResources = self
             .nodes
             .values()
-            .filter(|n| n.state == NodeState::Ready && !n.cordoned && n.drift.is_none())
+            .filter(|n| {
+                n.state == NodeState::Ready
+                    && !n.cordoned
+                    && n.drift.is_none()
+                    && !n.pending_approval
+            })
             .map(|n| {
                 (
                     n.spec.name.clone(),
@@ -3096,6 +3130,12 @@ impl ControlPlane {
                 .nodes
                 .get(&allocation.node)
                 .ok_or_else(|| format!("allocation {} on unknown node", allocation.id))?;
+            if node.pending_approval {
+                return Err(format!(
+                    "allocation {} is on node {}, which waits for approval",
+                    allocation.id, allocation.node
+                ));
+            }
             if matches!(
                 allocation.state,
                 AllocationState::Assigned | AllocationState::Running

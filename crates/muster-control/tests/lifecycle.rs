@@ -1929,3 +1929,49 @@ fn a_job_that_had_more_gpu_time_falls_below_fresh_jobs_of_its_class() {
     flat.report("a", vec![running(&task)]);
     assert_eq!(priority(&flat, 1), 1_000);
 }
+
+#[test]
+fn under_approve_nodes_a_new_node_takes_no_work_until_approved_and_keeps_it_across_registrations() {
+    let mut world = World {
+        control: ControlPlane::new(ControlConfig {
+            approve_nodes: true,
+            ..ControlConfig::default()
+        }),
+        now: Time(1_000),
+    };
+    let spec = MakeNode::new("n1").gpus(4, "H100-80GB").build().spec;
+    let register = |spec: &muster_model::NodeSpec| Input::Register {
+        spec: spec.clone(),
+        address: "10.0.0.1".into(),
+        software: Software::default(),
+    };
+    world.step(register(&spec));
+    let node = NodeName::from("n1");
+    assert!(world.control.node(&node).expect("known").pending_approval);
+    world.submit(1, 1, 1);
+    world.cycle();
+    assert!(world.desired("n1").is_empty(), "no work for a pending node");
+    assert_eq!(world.job(1).state, JobState::Pending);
+    // Registering again (an agent restart) does not approve it.
+    world.step(register(&spec));
+    world.cycle();
+    assert!(world.desired("n1").is_empty());
+    world.step(Input::Approve { node: node.clone() });
+    world.cycle();
+    assert_eq!(world.desired("n1").len(), 1);
+    // Nor does registering again take the approval back.
+    world.step(register(&spec));
+    assert!(!world.control.node(&node).expect("known").pending_approval);
+    // An unknown node cannot be approved.
+    assert!(
+        world
+            .control
+            .handle(
+                world.now,
+                Input::Approve {
+                    node: NodeName::from("nobody")
+                }
+            )
+            .is_err()
+    );
+}

@@ -121,6 +121,7 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/v1/nodes/{name}/reset-identity", post(reset_identity))
         .route("/v1/nodes/{name}/cordon", post(cordon_node))
         .route("/v1/nodes/{name}/uncordon", post(uncordon_node))
+        .route("/v1/nodes/{name}/approve", post(approve_node))
         .route("/v1/nodes/{name}/drain", post(drain_node))
         .route("/v1/pools", get(list_pools))
         .route(
@@ -1866,6 +1867,22 @@ async fn uncordon_node(
     .await
 }
 
+/// Approve a node that joined under `--approve-nodes`: it takes work from
+/// now on.
+#[utoipa::path(
+    post, path = "/v1/nodes/{name}/approve", tag = "nodes",
+    params(("name" = String, Path, description = "the node's name")),
+    responses((status = 200, body = NodeView), (status = 404, body = ErrorBody)),
+    security(("bearer" = []))
+)]
+async fn approve_node(
+    State(shared): Shared_,
+    PathParams(name): PathParams<String>,
+) -> Result<Json<NodeView>, ApiError> {
+    let node = NodeName(name.clone());
+    node_input(shared, name, Input::Approve { node }).await
+}
+
 /// Drain a node: cordon it and stop (re-queue) its jobs.
 #[utoipa::path(
     post, path = "/v1/nodes/{name}/drain", tag = "nodes",
@@ -2886,7 +2903,7 @@ async fn push_logs(
     info(title = "muster", description = "muster's /v1 API: jobs, nodes, queues, agents."),
     paths(
         submit_job, list_jobs, get_job, cancel_job, cancel_array, job_logs, push_telemetry, fleet,
-        list_nodes, get_node, node_history, remove_node, reset_identity, cordon_node, uncordon_node, drain_node,
+        list_nodes, get_node, node_history, remove_node, reset_identity, cordon_node, uncordon_node, approve_node, drain_node,
         list_pools, set_pool_policy, remove_pool_policy, list_queues, set_queue,
         register_agent, heartbeat, push_logs,
         crate::accounting::job_usage, crate::accounting::cost_endpoint,
@@ -2994,7 +3011,7 @@ mod tests {
     fn the_openapi_document_describes_every_endpoint_and_its_types() {
         let document = serde_json::to_value(openapi_document()).unwrap();
         let paths = document["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 46, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 47, "{:?}", paths.keys().collect::<Vec<_>>());
         let schemas = document["components"]["schemas"].as_object().unwrap();
         for name in [
             "SubmitRequest",

@@ -130,6 +130,8 @@ pub struct ServerConfig {
     /// How long the first start's join token (`join.token`) admits new
     /// nodes (`None`: until revoked).
     pub join_token_ttl_ms: Option<u64>,
+    /// New nodes wait for `muster nodes approve` before they take work.
+    pub approve_nodes: bool,
     /// The most a registering node may claim.
     pub node_limits: NodeLimits,
     /// The most jobs (array elements one each) an ordinary user may have
@@ -188,6 +190,7 @@ impl ServerConfig {
             tls: tls::TlsMode::Off,
             master_port_base: muster_control::DEFAULT_MASTER_PORT_BASE,
             join_token_ttl_ms: Some(DEFAULT_JOIN_TOKEN_TTL_MS),
+            approve_nodes: false,
             node_limits: DEFAULT_NODE_LIMITS,
             max_pending_per_user: Some(DEFAULT_MAX_PENDING_PER_USER),
         }
@@ -386,6 +389,7 @@ impl Server {
             stack_policy: config.stack_policy,
             service_levels: config.service_levels.clone(),
             master_port_base: config.master_port_base,
+            approve_nodes: config.approve_nodes,
         };
         let core = Core::restore(control_config, loaded, now())
             .with_context(|| format!("cannot load the state in {}", data_dir.display()))?;

@@ -279,6 +279,9 @@ pub struct NodeRecord {
     pub unhealthy_gpus: Vec<u32>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub stack: BTreeMap<String, String>,
+    /// Waits for an operator's approval (`--approve-nodes`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pending_approval: bool,
 }
 
 impl From<&Node> for NodeRecord {
@@ -312,6 +315,7 @@ impl From<&Node> for NodeRecord {
             driver: node.software.driver.clone(),
             cuda: node.software.cuda.clone(),
             stack: node.software.stack.clone(),
+            pending_approval: node.pending_approval,
         }
     }
 }
@@ -362,6 +366,7 @@ impl NodeRecord {
             draining: self.draining,
             last_heartbeat: Time(self.last_heartbeat_ms),
             drift: None,
+            pending_approval: self.pending_approval,
             software: Software {
                 backend: self.backend,
                 driver: self.driver,

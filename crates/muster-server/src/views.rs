@@ -137,7 +137,11 @@ pub fn node_view(core: &Core, node: &Node) -> NodeView {
     }
     NodeView {
         name: node.spec.name.0.clone(),
-        state: node_state_name(node.state).to_string(),
+        state: if node.pending_approval && node.state == muster_control::NodeState::Ready {
+            "pending-approval".to_string()
+        } else {
+            node_state_name(node.state).to_string()
+        },
         cordoned: node.cordoned,
         draining: node.draining,
         pool: node.spec.pool.0.clone(),

@@ -2409,6 +2409,13 @@ async fn the_authorization_matrix_holds_for_every_route() {
             ),
             (
                 Method::POST,
+                "/v1/nodes/{name}/approve",
+                "/v1/nodes/nope/approve".into(),
+                None,
+                only(&staff, 404),
+            ),
+            (
+                Method::POST,
                 "/v1/nodes/{name}/drain",
                 "/v1/nodes/nope/drain".into(),
                 None,

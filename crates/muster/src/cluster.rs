@@ -129,6 +129,10 @@ pub struct AdmissionArgs {
     /// `unlimited`; operators and admins have no default limit.
     #[arg(long, value_name = "N", default_value = "10000", value_parser = parse_pending_limit)]
     pub max_pending_per_user: PendingLimit,
+    /// New nodes join in `pending-approval`: shown, heartbeating, given no
+    /// work (and so no secret) until `muster nodes approve NAME`.
+    #[arg(long)]
+    pub approve_nodes: bool,
 }
 
 /// `--max-pending-per-user`: a count, or `None` for unlimited.
@@ -678,6 +682,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
             join_token_ttl_ms: args.admission.join_token_ttl.0,
             node_limits: args.admission.limits(),
             max_pending_per_user: args.admission.max_pending_per_user.0,
+            approve_nodes: args.admission.approve_nodes,
             ..server_config(
                 args.listen,
                 data_dir.clone(),
@@ -934,6 +939,7 @@ pub fn up(args: UpArgs) -> Result<()> {
             join_token_ttl_ms: args.admission.join_token_ttl.0,
             node_limits: args.admission.limits(),
             max_pending_per_user: args.admission.max_pending_per_user.0,
+            approve_nodes: args.admission.approve_nodes,
             ..server_config(
                 args.listen,
                 data_dir.clone(),

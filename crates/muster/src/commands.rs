@@ -1826,6 +1826,13 @@ pub enum NodesAction {
         /// The node's name.
         node: String,
     },
+    /// Approve a node that joined under the server's --approve-nodes
+    /// (operator): it waits in `pending-approval`, given no work and no
+    /// secret, until approved.
+    Approve {
+        /// The node's name.
+        node: String,
+    },
     /// Join tokens (admin): what new nodes register with. Each expires,
     /// runs out after its uses, or is revoked; the token is shown once.
     Token {
@@ -2084,6 +2091,17 @@ pub fn nodes(args: NodesArgs) -> Result<u8, Failure> {
         }
         Some(NodesAction::Token { action }) => {
             return join_tokens(&client, action, args.connection.json);
+        }
+        Some(NodesAction::Approve { node }) => {
+            let view = runtime()?
+                .block_on(client.node_action(node, "approve"))
+                .map_err(anyhow::Error::from)?;
+            if args.connection.json {
+                print_json(&view)?;
+            } else {
+                outln!("node {} approved: it takes work now", view.name);
+            }
+            return Ok(0);
         }
         Some(NodesAction::ResetIdentity { node }) => {
             let view = runtime()?

@@ -1,7 +1,8 @@
 //! Nodes at the boundary, end to end with the real binary: odd node specs
 //! never stop a healthy node's jobs, the join token cannot take a known
-//! node's name, and a node's own credential carries it across agent
-//! restarts.
+//! node's name, a node's own credential carries it across agent
+//! restarts, and under `--approve-nodes` a new node gets no work (and no
+//! secret) until an operator approves it.
 
 mod common;
 
@@ -324,4 +325,104 @@ fn a_join_token_admits_its_uses_into_its_pool_and_no_more() {
         rt.block_on(client.node("first")).expect("the node").state,
         "ready"
     );
+}
+
+#[test]
+fn a_node_waiting_for_approval_gets_no_job_and_no_secret_until_approved() {
+    let cluster = Cluster::start_with("10s", &["--approve-nodes"]);
+    let rt = runtime();
+    let client = cluster.client();
+    let secret = format!("approval-secret-{}", std::process::id());
+    rt.block_on(client.set_secret("hf", &secret, None))
+        .expect("the secret is set");
+    let _agent = cluster.agent("newcomer", &cluster.url());
+    wait_for_nodes(&rt, &client, 1);
+    let node = rt.block_on(client.node("newcomer")).expect("the node");
+    assert_eq!(node.state, "pending-approval");
+    // A job that would fit at once: it waits, and nothing of it (its
+    // secret above all) reaches the node.
+    let job = rt
+        .block_on(client.submit(serde_json::json!({
+            "name": "needs-a-node",
+            "gpus": 1,
+            "command": ["sh", "-c", "test \"$HF_TOKEN\" = \"$EXPECTED\""],
+            "env": {"HF_TOKEN": {"secret": "hf"}, "EXPECTED": secret},
+        })))
+        .expect("submitted");
+    // Neither the job nor its secret is anywhere in the agent's state.
+    let agent_state = cluster.path("newcomer");
+    for _ in 0..30 {
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(state(&rt, &client, job), "pending");
+    }
+    let mut found = Vec::new();
+    for entry in walk(&agent_state) {
+        if std::fs::read(&entry)
+            .is_ok_and(|bytes| bytes.windows(secret.len()).any(|w| w == secret.as_bytes()))
+        {
+            found.push(entry);
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the pending node holds the secret: {found:?}"
+    );
+    let listed = common::muster(
+        cluster.dir.path(),
+        &[
+            "nodes",
+            "--server",
+            &cluster.url(),
+            "--token",
+            &cluster.token("admin.token"),
+            "--ca-sha256",
+            &cluster.ca_sha256(),
+        ],
+    );
+    let listed = common::success(&listed);
+    assert!(listed.contains("pending-approval"), "{listed}");
+    // An operator approves it.
+    let approved = common::muster(
+        cluster.dir.path(),
+        &[
+            "nodes",
+            "approve",
+            "newcomer",
+            "--server",
+            &cluster.url(),
+            "--token",
+            &cluster.token("admin.token"),
+            "--ca-sha256",
+            &cluster.ca_sha256(),
+        ],
+    );
+    assert!(common::success(&approved).contains("approved"));
+    assert_eq!(
+        rt.block_on(client.node("newcomer"))
+            .expect("the node")
+            .state,
+        "ready"
+    );
+    wait_until(
+        "the job runs on the approved node",
+        Duration::from_secs(30),
+        || state(&rt, &client, job) == "succeeded",
+    );
+}
+
+/// Every file under `dir`.
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                todo.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    files
 }

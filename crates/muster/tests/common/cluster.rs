@@ -55,10 +55,17 @@ pub struct Cluster {
     pub address: String,
     pub server: Option<Daemon>,
     pub lease: &'static str,
+    /// More flags for `muster server`.
+    pub server_args: Vec<String>,
 }
 
 impl Cluster {
     pub fn start(lease: &'static str) -> Self {
+        Cluster::start_with(lease, &[])
+    }
+
+    /// A cluster whose server has `extra` flags too.
+    pub fn start_with(lease: &'static str, extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let address = format!("127.0.0.1:{}", free_port());
         let mut cluster = Cluster {
@@ -66,6 +73,7 @@ impl Cluster {
             address,
             server: None,
             lease,
+            server_args: extra.iter().map(|arg| arg.to_string()).collect(),
         };
         cluster.start_server();
         cluster
@@ -101,21 +109,20 @@ impl Cluster {
 
     pub fn start_server(&mut self) {
         let data = self.path("server");
-        self.server = Some(spawn(
-            self.dir.path(),
-            "server.log",
-            &[
-                "server",
-                "--listen",
-                &self.address,
-                "--data-dir",
-                data.to_str().expect("utf-8 path"),
-                "--lease",
-                self.lease,
-                "--master-port-base",
-                &self.master_port_base().to_string(),
-            ],
-        ));
+        let base = self.master_port_base().to_string();
+        let mut args = vec![
+            "server",
+            "--listen",
+            &self.address,
+            "--data-dir",
+            data.to_str().expect("utf-8 path"),
+            "--lease",
+            self.lease,
+            "--master-port-base",
+            &base,
+        ];
+        args.extend(self.server_args.iter().map(String::as_str));
+        self.server = Some(spawn(self.dir.path(), "server.log", &args));
         let address = self.address.clone();
         wait_until("the server", Duration::from_secs(30), || {
             TcpStream::connect(&address).is_ok()
