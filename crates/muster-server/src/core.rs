@@ -334,6 +334,9 @@ pub struct Settings {
     /// The most jobs an ordinary user may have pending unless its own
     /// limit says otherwise (`None`: none).
     pub max_pending_per_user: Option<u64>,
+    /// The server serves HTTPS: the dashboard's cookie is `Secure`, with
+    /// HSTS.
+    pub https: bool,
 }
 
 /// What every task and handler shares.
@@ -390,6 +393,8 @@ pub struct Shared {
     pub services: crate::services::ServiceState,
     /// Dev environments' tunnels waiting for their agent (see [`crate::dev`]).
     pub tunnels: std::sync::Mutex<crate::dev::Tunnels>,
+    /// The dashboard's sign-in sessions (see [`crate::sessions`]).
+    pub sessions: std::sync::Mutex<crate::sessions::Sessions>,
     /// Becomes true when the server shuts down (ends long polls).
     pub shutdown: watch::Receiver<bool>,
 }
@@ -470,6 +475,7 @@ impl Shared {
             logs: std::sync::Arc::new(logs),
             services: Default::default(),
             tunnels: Default::default(),
+            sessions: Default::default(),
             shutdown,
         }
     }

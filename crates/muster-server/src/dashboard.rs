@@ -2,8 +2,10 @@
 //! templates, every value escaped), charts as inline SVG, no JavaScript.
 //! The same tokens as the API: the admin token sees everything, the
 //! metrics token everything but task output. A browser signs in once (a
-//! form, or `?token=` in a link), and the token is kept in an HttpOnly,
-//! SameSite=Strict cookie.
+//! form, or `?token=` in a link) and gets an HttpOnly, SameSite=Strict
+//! cookie (`Secure` under HTTPS, with HSTS) holding a random session id,
+//! never the token (see [`crate::sessions`]); the sign-in's redirect is
+//! `no-store`, and `/ui/logout` ends the session.
 //!
 //! Pages: overview (GPUs by pool and model, the last 24 hours), queues,
 //! jobs (filterable; a job with per-rank usage charts and its output),
@@ -24,7 +26,12 @@ use std::sync::Arc;
 
 type Shared_ = State<Arc<Shared>>;
 
-pub(crate) const COOKIE: &str = "muster_token";
+/// The session cookie's name.
+pub(crate) const COOKIE: &str = "muster_session";
+
+/// The cookie that held the token itself before sessions: still never
+/// forwarded by the gateway.
+pub(crate) const OLD_COOKIE: &str = "muster_token";
 
 /// The pages, behind [`sign_in`].
 pub fn routes(shared: Arc<Shared>) -> axum::Router<Arc<Shared>> {
@@ -41,6 +48,7 @@ pub fn routes(shared: Arc<Shared>) -> axum::Router<Arc<Shared>> {
             sign_in,
         ))
         .route("/ui/login", post(login))
+        .route("/ui/logout", post(logout))
 }
 
 /// Who may see the pages: the admin, or the metrics token (no task output).
@@ -64,7 +72,7 @@ fn viewer_of(shared: &Shared, token: &str) -> Option<Viewer> {
     }
 }
 
-fn cookie_token(headers: &HeaderMap) -> Option<&str> {
+fn session_id(headers: &HeaderMap) -> Option<&str> {
     headers
         .get_all(header::COOKIE)
         .iter()
@@ -73,16 +81,61 @@ fn cookie_token(headers: &HeaderMap) -> Option<&str> {
         .find_map(|pair| pair.trim().strip_prefix(COOKIE)?.strip_prefix('='))
 }
 
-fn set_cookie(token: &str) -> HeaderValue {
-    HeaderValue::from_str(&format!(
-        "{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"
-    ))
-    .unwrap_or_else(|_| HeaderValue::from_static(""))
+/// The token a request's session cookie stands for.
+fn session_token(shared: &Shared, headers: &HeaderMap) -> Option<String> {
+    let id = session_id(headers)?;
+    shared
+        .sessions
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .token(id, now().0)
+        .map(str::to_string)
+}
+
+/// Signs a browser in: a new session for `token`, its cookie on a
+/// redirect to `target` that no cache keeps.
+fn signed_in(shared: &Shared, token: &str, target: &str) -> Response {
+    let opened = shared
+        .sessions
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .open(token, now().0);
+    let id = match opened {
+        Ok(id) => id,
+        Err(error) => {
+            return error_page(ApiError::new(
+                muster_api::protocol::ErrorCode::Internal,
+                error.to_string(),
+            ));
+        }
+    };
+    let secure = if shared.settings.https {
+        "; Secure"
+    } else {
+        ""
+    };
+    let cookie = format!(
+        "{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}{secure}",
+        crate::sessions::SESSION_TTL_MS / 1000
+    );
+    let mut response = Redirect::to(target).into_response();
+    if let Ok(cookie) = HeaderValue::from_str(&cookie) {
+        response.headers_mut().insert(header::SET_COOKIE, cookie);
+    }
+    harden(response.headers_mut());
+    response
 }
 
 /// Pages need a token: from the cookie, a bearer header, or `?token=`
 /// (kept in the cookie, then taken out of the address by a redirect).
-async fn sign_in(State(shared): Shared_, mut request: Request, next: Next) -> Response {
+async fn sign_in(State(shared): Shared_, request: Request, next: Next) -> Response {
+    let mut response = sign_in_pages(&shared, request, next).await;
+    hsts(&shared, response.headers_mut());
+    response
+}
+
+async fn sign_in_pages(shared: &Arc<Shared>, mut request: Request, next: Next) -> Response {
+    let shared = Arc::clone(shared);
     let query_token = request.uri().query().and_then(|query| {
         query
             .split('&')
@@ -108,14 +161,9 @@ async fn sign_in(State(shared): Shared_, mut request: Request, next: Next) -> Re
         } else {
             format!("{}?{}", request.uri().path(), rest.join("&"))
         };
-        let mut response = Redirect::to(&target).into_response();
-        response
-            .headers_mut()
-            .insert(header::SET_COOKIE, set_cookie(&token));
-        return response;
+        return signed_in(&shared, &token, &target);
     }
-    let token = cookie_token(request.headers())
-        .map(str::to_string)
+    let token = session_token(&shared, request.headers())
         .or_else(|| crate::auth::bearer(request.headers()).map(str::to_string));
     let Some(viewer) = token.and_then(|token| viewer_of(&shared, &token)) else {
         return page_response(StatusCode::UNAUTHORIZED, login_page(None));
@@ -133,20 +181,48 @@ struct LoginForm {
 
 async fn login(State(shared): Shared_, axum::Form(form): axum::Form<LoginForm>) -> Response {
     let token = form.token.trim();
-    if viewer_of(&shared, token).is_none() {
-        return page_response(
+    let mut response = if viewer_of(&shared, token).is_none() {
+        page_response(
             StatusCode::UNAUTHORIZED,
             login_page(Some("that token is not one this server knows")),
-        );
-    }
-    let mut response = Redirect::to("/").into_response();
-    response
-        .headers_mut()
-        .insert(header::SET_COOKIE, set_cookie(token));
+        )
+    } else {
+        signed_in(&shared, token, "/")
+    };
+    hsts(&shared, response.headers_mut());
     response
 }
 
-/// No scripts, no framing, nothing loaded from elsewhere.
+/// Ends the browser's session and clears its cookie.
+async fn logout(State(shared): Shared_, headers: HeaderMap) -> Response {
+    if let Some(id) = session_id(&headers) {
+        shared
+            .sessions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .close(id);
+    }
+    let mut response = Redirect::to("/").into_response();
+    response.headers_mut().insert(
+        header::SET_COOKIE,
+        HeaderValue::from_static("muster_session=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0"),
+    );
+    harden(response.headers_mut());
+    hsts(&shared, response.headers_mut());
+    response
+}
+
+/// Under HTTPS, browsers are told to use nothing else for a year.
+fn hsts(shared: &Shared, headers: &mut HeaderMap) {
+    if shared.settings.https {
+        headers.insert(
+            header::STRICT_TRANSPORT_SECURITY,
+            HeaderValue::from_static("max-age=31536000"),
+        );
+    }
+}
+
+/// No scripts, no framing, nothing loaded from elsewhere, nothing cached.
 fn harden(headers: &mut HeaderMap) {
     headers.insert(
         header::CONTENT_SECURITY_POLICY,

@@ -545,9 +545,9 @@ fn host_service<'a>(host: &'a str, domain: Option<&str>) -> Option<&'a str> {
     (rest.eq_ignore_ascii_case(domain) && !label.is_empty()).then_some(label)
 }
 
-/// The names of muster's own cookies (the dashboard's): never sent on to a
-/// service.
-const MUSTER_COOKIES: &[&str] = &[crate::dashboard::COOKIE];
+/// The names of muster's own cookies (the dashboard's session, and the
+/// token cookie older servers set): never sent on to a service.
+const MUSTER_COOKIES: &[&str] = &[crate::dashboard::COOKIE, crate::dashboard::OLD_COOKIE];
 
 /// Takes muster's credentials out of a request meant for a service: its
 /// cookies, and an `Authorization` that carries a muster token (a bearer

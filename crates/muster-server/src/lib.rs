@@ -47,6 +47,7 @@ mod ratelimit;
 mod records;
 pub mod secrets;
 mod services;
+mod sessions;
 pub mod store;
 pub mod tls;
 pub mod users;
@@ -412,6 +413,7 @@ impl Server {
                 rate_limit: config.rate_limit,
                 node_limits: config.node_limits,
                 max_pending_per_user: config.max_pending_per_user,
+                https: !matches!(config.tls, tls::TlsMode::Off),
             },
             core,
             writer,

@@ -2076,7 +2076,16 @@ async fn the_dashboard_needs_a_token_escapes_what_it_shows_and_loads_nothing_els
             ("/ui/jobs?token=wrong".to_string(), None),
             (
                 "/ui/jobs".to_string(),
-                Some(format!("muster_token={}", registered.node_token)),
+                Some(format!("muster_session={}", registered.node_token)),
+            ),
+            // The token itself is no session.
+            (
+                "/ui/jobs".to_string(),
+                Some(format!("muster_session={admin}")),
+            ),
+            (
+                "/ui/jobs".to_string(),
+                Some(format!("muster_token={admin}")),
             ),
         ] {
             let response = get(path.clone(), cookie).await.unwrap();
@@ -2104,6 +2113,13 @@ async fn the_dashboard_needs_a_token_escapes_what_it_shows_and_loads_nothing_els
             cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"),
             "{cookie}"
         );
+        // A random session id, never the token; the redirect that carries
+        // it is cached nowhere. (Plain HTTP here: no Secure, no HSTS; the
+        // HTTPS test checks those.)
+        assert!(!cookie.contains(&admin), "the token in a cookie: {cookie}");
+        assert!(cookie.starts_with("muster_session="), "{cookie}");
+        assert_eq!(response.headers()["cache-control"], "no-store");
+        assert!(!cookie.contains("Secure"), "{cookie}");
         let cookie = cookie.split(';').next().unwrap().to_string();
         for path in [
             "/",
@@ -2137,6 +2153,18 @@ async fn the_dashboard_needs_a_token_escapes_what_it_shows_and_loads_nothing_els
             .await
             .unwrap();
         assert_eq!(response.status(), StatusCode::NOT_FOUND);
+        // Signing out ends the session.
+        let response = client
+            .post(api.url("/ui/logout"))
+            .header("cookie", cookie.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::SEE_OTHER);
+        let response = get("/ui/jobs".to_string(), Some(cookie.clone()))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
         // The sign-in form.
         let response = client
             .post(api.url("/ui/login"))
@@ -3733,7 +3761,10 @@ async fn the_gateway_keeps_muster_s_credentials_home_and_routes_hosts_only_under
         let seen = http
             .get(format!("http://{}/web/hello", gateway.addr))
             .header("host", format!("localhost:{}", gateway.addr.port()))
-            .header("cookie", format!("muster_token={token}; theme=dark"))
+            .header(
+                "cookie",
+                format!("muster_session={token}; muster_token={token}; theme=dark"),
+            )
             .header("authorization", format!("Bearer {token}"))
             .send()
             .await

@@ -676,3 +676,58 @@ fn a_port_taken_by_a_neighbour_fails_the_start_naming_its_job() {
     assert_eq!(state(&rt, &client, squatter), "running");
     rt.block_on(client.cancel(squatter)).expect("cancel");
 }
+
+#[test]
+fn the_dashboard_keeps_a_session_id_in_a_secure_cookie_never_the_token() {
+    let cluster = Cluster::start("10s");
+    let admin = cluster.token("admin.token");
+    let rt = runtime();
+    muster_api::tls::provider();
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        // The cluster's own CA: this test reads headers, not names.
+        .tls_danger_accept_invalid_certs(true)
+        .build()
+        .expect("a client");
+    let url = cluster.url();
+    let signed_in = rt
+        .block_on(http.get(format!("{url}/ui/jobs?token={admin}")).send())
+        .expect("an answer");
+    assert_eq!(signed_in.status(), 303);
+    let headers = signed_in.headers();
+    let cookie = headers["set-cookie"].to_str().expect("text").to_string();
+    assert!(cookie.starts_with("muster_session="), "{cookie}");
+    assert!(
+        !cookie.contains(&admin),
+        "the token in the cookie: {cookie}"
+    );
+    for attribute in ["HttpOnly", "SameSite=Strict", "Secure"] {
+        assert!(cookie.contains(attribute), "{attribute}: {cookie}");
+    }
+    assert_eq!(headers["cache-control"], "no-store");
+    assert!(
+        headers["strict-transport-security"]
+            .to_str()
+            .expect("text")
+            .contains("max-age="),
+    );
+    let session = cookie.split(';').next().expect("a pair").to_string();
+    let page = rt
+        .block_on(
+            http.get(format!("{url}/ui/nodes"))
+                .header("cookie", &session)
+                .send(),
+        )
+        .expect("an answer");
+    assert_eq!(page.status(), 200);
+    assert!(page.headers().contains_key("strict-transport-security"));
+    // The token where the session id belongs opens nothing.
+    let page = rt
+        .block_on(
+            http.get(format!("{url}/ui/nodes"))
+                .header("cookie", format!("muster_session={admin}"))
+                .send(),
+        )
+        .expect("an answer");
+    assert_eq!(page.status(), 401);
+}
