@@ -203,11 +203,20 @@ pub struct SubmitBench {
     pub max_time: Duration,
     /// A running server (default: start one in this process, in a temporary
     /// data directory). Its jobs stay pending in pool `muster-bench-unplaced`.
-    #[arg(long, value_name = "URL", requires = "token")]
+    #[arg(long, value_name = "URL")]
     pub server: Option<String>,
-    /// The admin token of --server.
+    /// The admin token of --server (prefer --token-file or $MUSTER_TOKEN:
+    /// a value on the command line is visible in /proc).
     #[arg(long, env = "MUSTER_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// A file holding the admin token of --server.
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "MUSTER_TOKEN_FILE",
+        conflicts_with = "token"
+    )]
+    pub token_file: Option<std::path::PathBuf>,
     /// Serve the in-process server over plain HTTP instead of HTTPS (to
     /// measure what TLS costs).
     #[arg(long, conflicts_with = "server")]
@@ -894,9 +903,16 @@ async fn submit_to(args: &SubmitBench, store: Option<&str>) -> Result<(f64, f64,
     };
     let mut in_process = None;
     let mut _dir = None;
-    let (url, token, trust) = match (&args.server, &args.token) {
+    let given = match (&args.token, &args.token_file) {
+        (Some(token), _) => Some(token.clone()),
+        (None, Some(file)) => Some(crate::commands::read_token_file(file)?),
+        (None, None) => None,
+    };
+    let (url, token, trust) = match (&args.server, &given) {
         (Some(url), Some(token)) => (url.clone(), token.clone(), env_trust()?),
-        (Some(_), None) => bail!("--server needs --token (or MUSTER_TOKEN)"),
+        (Some(_), None) => {
+            bail!("--server needs --token-file (or MUSTER_TOKEN_FILE, MUSTER_TOKEN)")
+        }
         (None, _) => {
             let dir = temp_dir()?;
             let config = muster_server::ServerConfig {

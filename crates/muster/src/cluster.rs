@@ -741,7 +741,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
         if handle.first_start {
             eprintln!(
                 "first start: new tokens written; `muster` on this machine reads the admin \
-                 token from {} with MUSTER_TOKEN=$(cat ...) or --token",
+                 token from {} (or pass it with --token-file or MUSTER_TOKEN_FILE)",
                 data_dir.join("admin.token").display()
             );
         }

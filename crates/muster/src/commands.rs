@@ -59,8 +59,14 @@ pub struct Connection {
     /// sharing a PostgreSQL store (the next is tried when one is gone).
     #[arg(long, global = true, value_name = "URL")]
     pub server: Option<String>,
-    /// API token (default: $MUSTER_TOKEN, the config file, or the token
-    /// `muster up` wrote in its data directory).
+    /// A file holding the API token (default: $MUSTER_TOKEN_FILE,
+    /// $MUSTER_TOKEN, the config file, or the token `muster up` wrote in
+    /// its data directory). Prefer it to --token, whose value every process
+    /// on the machine can read in /proc/PID/cmdline.
+    #[arg(long, global = true, value_name = "PATH", conflicts_with = "token")]
+    pub token_file: Option<PathBuf>,
+    /// The API token itself (visible to every process on the machine while
+    /// the command runs: use --token-file or $MUSTER_TOKEN instead).
     #[arg(long, global = true, value_name = "TOKEN")]
     pub token: Option<String>,
     /// The cluster CA's fingerprint (sha256:..., printed by `muster server`)
@@ -72,6 +78,42 @@ pub struct Connection {
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
+}
+
+/// The token in `file` (surrounding white space taken off): an error that
+/// names the file when it cannot be read or holds nothing.
+pub fn read_token_file(file: &std::path::Path) -> Result<String> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("cannot read the API token from {}", file.display()))?;
+    let token = text.trim();
+    if token.is_empty() {
+        anyhow::bail!(
+            "{} is empty; it should hold an API token (as `muster users add` printed it)",
+            file.display()
+        );
+    }
+    Ok(token.to_string())
+}
+
+#[cfg(test)]
+mod token_file_tests {
+    #[test]
+    fn a_token_file_is_read_trimmed_and_an_empty_or_missing_one_is_named() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let file = dir.path().join("admin.token");
+        std::fs::write(&file, "  abc123\n").expect("written");
+        assert_eq!(super::read_token_file(&file).expect("read"), "abc123");
+        std::fs::write(&file, "\n").expect("written");
+        let error = super::read_token_file(&file).unwrap_err().to_string();
+        assert!(
+            error.contains("is empty") && error.contains("admin.token"),
+            "{error}"
+        );
+        let error = super::read_token_file(&dir.path().join("nope"))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("cannot read the API token from"), "{error}");
+    }
 }
 
 /// Exit codes, so scripts can tell failures apart.
@@ -167,11 +209,17 @@ impl Connection {
             .or_else(|| std::env::var("MUSTER_SERVER").ok())
             .or_else(|| config["server"].as_str().map(str::to_string))
             .unwrap_or_else(|| DEFAULT_SERVER.to_string());
-        let given = self
-            .token
+        let token_file = self
+            .token_file
             .clone()
-            .or_else(|| std::env::var("MUSTER_TOKEN").ok())
-            .or_else(|| config["token"].as_str().map(str::to_string));
+            .or_else(|| std::env::var_os("MUSTER_TOKEN_FILE").map(PathBuf::from));
+        let given = match (&self.token, token_file) {
+            (Some(token), _) => Some(token.clone()),
+            (None, Some(file)) => Some(read_token_file(&file)?),
+            (None, None) => std::env::var("MUSTER_TOKEN")
+                .ok()
+                .or_else(|| config["token"].as_str().map(str::to_string)),
+        };
         // The admin token from a file (`muster up`'s) submits as the login
         // user; a user's own token is its user's, and says nothing more.
         let from_admin_file = given.is_none();
@@ -184,8 +232,8 @@ impl Connection {
                 std::fs::read_to_string(&file)
                     .with_context(|| {
                         format!(
-                            "no API token: pass --token, set MUSTER_TOKEN, or start `muster up` \
-                             (which writes {})",
+                            "no API token: pass --token-file, set MUSTER_TOKEN_FILE or \
+                             MUSTER_TOKEN, or start `muster up` (which writes {})",
                             file.display()
                         )
                     })?
@@ -2591,6 +2639,7 @@ mod tests {
             connection: Connection {
                 server: None,
                 token: None,
+                token_file: None,
                 ca_sha256: None,
                 json: false,
             },

@@ -330,6 +330,7 @@ fn a_join_token_admits_its_uses_into_its_pool_and_no_more() {
 #[test]
 fn a_node_waiting_for_approval_gets_no_job_and_no_secret_until_approved() {
     let cluster = Cluster::start_with("10s", &["--approve-nodes"]);
+    let admin_file = cluster.path("server").join("admin.token");
     let rt = runtime();
     let client = cluster.client();
     let secret = format!("approval-secret-{}", std::process::id());
@@ -373,8 +374,8 @@ fn a_node_waiting_for_approval_gets_no_job_and_no_secret_until_approved() {
             "nodes",
             "--server",
             &cluster.url(),
-            "--token",
-            &cluster.token("admin.token"),
+            "--token-file",
+            admin_file.to_str().expect("utf-8 path"),
             "--ca-sha256",
             &cluster.ca_sha256(),
         ],
@@ -390,8 +391,8 @@ fn a_node_waiting_for_approval_gets_no_job_and_no_secret_until_approved() {
             "newcomer",
             "--server",
             &cluster.url(),
-            "--token",
-            &cluster.token("admin.token"),
+            "--token-file",
+            admin_file.to_str().expect("utf-8 path"),
             "--ca-sha256",
             &cluster.ca_sha256(),
         ],

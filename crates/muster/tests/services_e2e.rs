@@ -386,17 +386,27 @@ impl Load {
 }
 
 /// `muster gateway` on a free loopback port for `cluster` (the admin's
-/// token, the cluster's CA), with `extra` arguments; and its address.
+/// token file, the cluster's CA), with `extra` arguments; and its address.
 fn spawn_gateway(cluster: &Cluster, extra: &[&str]) -> (common::cluster::Daemon, String) {
     let address = format!("127.0.0.1:{}", common::free_port());
-    let (url, token, ca) = (
+    // The token from its file, never on the command line (every task on
+    // the machine could read it in /proc).
+    let (url, token_file, ca) = (
         cluster.url(),
-        cluster.token("admin.token"),
+        cluster.path("server").join("admin.token"),
         cluster.ca_sha256(),
     );
+    let token_file = token_file.to_str().expect("utf-8 path");
     let mut args = vec!["gateway", "--listen", &address];
     args.extend_from_slice(extra);
-    args.extend(["--server", &url, "--token", &token, "--ca-sha256", &ca]);
+    args.extend([
+        "--server",
+        &url,
+        "--token-file",
+        token_file,
+        "--ca-sha256",
+        &ca,
+    ]);
     let daemon = common::cluster::spawn(cluster.dir.path(), "gateway.log", &args);
     (daemon, address)
 }

@@ -265,6 +265,7 @@ fn nodes_of_server(url: &str) -> anyhow::Result<Vec<NodeInput>> {
     let connection = crate::commands::Connection {
         server: Some(url.to_string()),
         token: None,
+        token_file: None,
         ca_sha256: None,
         json: false,
     };
