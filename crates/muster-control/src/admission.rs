@@ -63,6 +63,9 @@ pub struct Submitter<'a> {
     /// An ordinary user (not an operator or admin): the queue's priority
     /// class ceiling and its word on non-preemptible jobs apply.
     pub ordinary: bool,
+    /// The most dev environments (pending or running) the user may have
+    /// (`None`: no limit).
+    pub max_dev: Option<u64>,
 }
 
 /// The highest priority class an ordinary user may submit to a queue that
@@ -79,6 +82,32 @@ impl ControlPlane {
     pub fn admission(&self, spec: &JobSpec, submitter: &Submitter<'_>) -> Result<(), String> {
         let count = spec.array.as_ref().map_or(1, |array| array.len() as u64);
         let queue = self.queues.get(&spec.queue);
+        if let Some(max) = submitter.max_dev
+            && spec.is_dev_environment()
+        {
+            // Dev environments come one at a time, by hand: a scan of the
+            // live jobs is cheap next to them.
+            let live = self
+                .jobs
+                .values()
+                .filter(|job| {
+                    job.user == submitter.user
+                        && job.spec.is_dev_environment()
+                        && matches!(
+                            job.state,
+                            JobState::Pending | JobState::Running | JobState::Stopping
+                        )
+                })
+                .count() as u64;
+            if live + count > max {
+                return Err(format!(
+                    "{user} has {live} dev environment(s) and may have at most {max}: stop one \
+                     first (`muster dev stop NAME`), or ask an admin (the server's \
+                     --max-dev-per-user)",
+                    user = submitter.user
+                ));
+            }
+        }
         if let Some(max) = submitter.max_pending {
             let pending = self.pending_of_user(submitter.user);
             if pending + count > max {
@@ -288,5 +317,102 @@ mod tests {
             node_claim_problems(&twice, "10.0.0.1", DEFAULT_NODE_LIMITS),
             vec!["it names one GPU UUID twice"]
         );
+    }
+
+    fn submitted(control: &mut ControlPlane, id: u64, spec: JobSpec, user: &str) {
+        control
+            .handle(
+                muster_model::Time(1),
+                crate::Input::Submit {
+                    id: JobId(id),
+                    spec,
+                    user: user.to_string(),
+                },
+            )
+            .expect("submitted");
+    }
+
+    fn dev_spec() -> JobSpec {
+        JobSpec::simple(
+            "dev",
+            "default",
+            muster_model::GpuRequest::Whole(1),
+            vec![muster_model::DEV_SESSION_COMMAND.to_string()],
+        )
+    }
+
+    fn user<'a>(name: &'a str, max_dev: Option<u64>) -> Submitter<'a> {
+        Submitter {
+            user: name,
+            max_pending: None,
+            ordinary: true,
+            max_dev,
+        }
+    }
+
+    #[test]
+    fn a_user_s_dev_environments_are_bounded_and_others_are_not_counted() {
+        let mut control = ControlPlane::new(crate::ControlConfig::default());
+        for id in 1..=2 {
+            assert_eq!(
+                control.admission(&dev_spec(), &user("alice", Some(2))),
+                Ok(())
+            );
+            submitted(&mut control, id, dev_spec(), "alice");
+        }
+        let error = control
+            .admission(&dev_spec(), &user("alice", Some(2)))
+            .unwrap_err();
+        assert!(error.contains("alice has 2 dev environment(s)"), "{error}");
+        assert!(error.contains("at most 2"), "{error}");
+        // Another user, an ordinary job, no limit: admitted.
+        assert_eq!(
+            control.admission(&dev_spec(), &user("bob", Some(2))),
+            Ok(())
+        );
+        let batch = JobSpec::simple(
+            "train",
+            "default",
+            muster_model::GpuRequest::Whole(1),
+            vec!["true".to_string()],
+        );
+        assert_eq!(control.admission(&batch, &user("alice", Some(2))), Ok(()));
+        assert_eq!(control.admission(&dev_spec(), &user("alice", None)), Ok(()));
+        // One stopped makes room.
+        control
+            .handle(
+                muster_model::Time(2),
+                crate::Input::Cancel { job: JobId(1) },
+            )
+            .expect("cancelled");
+        assert_eq!(
+            control.admission(&dev_spec(), &user("alice", Some(2))),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn pending_jobs_are_capped_counting_array_elements() {
+        let mut control = ControlPlane::new(crate::ControlConfig::default());
+        let submitter = Submitter {
+            user: "alice",
+            max_pending: Some(10),
+            ordinary: true,
+            max_dev: None,
+        };
+        let mut array = JobSpec::simple(
+            "sweep",
+            "default",
+            muster_model::GpuRequest::Whole(1),
+            vec!["true".to_string()],
+        );
+        array.array = muster_model::ArraySpec::parse("0-7").ok();
+        assert!(array.array.is_some());
+        assert_eq!(control.admission(&array, &submitter), Ok(()));
+        submitted(&mut control, 1, array.clone(), "alice");
+        // 8 pending: another 8 would be 16.
+        let error = control.admission(&array, &submitter).unwrap_err();
+        assert!(error.contains("alice has 8 job(s) pending"), "{error}");
+        assert!(error.contains("submission of 8"), "{error}");
     }
 }

@@ -1037,6 +1037,10 @@ async fn submit_job(
                 _ => None,
             }),
         ordinary: principal.role == crate::users::Role::User,
+        max_dev: match principal.role {
+            crate::users::Role::User => shared.settings.max_dev_per_user,
+            _ => None,
+        },
     };
     let result = submit_spec(
         &shared,
@@ -1120,6 +1124,7 @@ fn as_unprocessable(error: ApiError) -> ApiError {
 pub(crate) struct SubmitLimits {
     pub max_pending: Option<u64>,
     pub ordinary: bool,
+    pub max_dev: Option<u64>,
 }
 
 /// Submits `spec` as `user`; `limits` are checked in the submission's own
@@ -1150,6 +1155,7 @@ pub(crate) async fn submit_spec(
                         user: &user,
                         max_pending: limits.max_pending,
                         ordinary: limits.ordinary,
+                        max_dev: limits.max_dev,
                     };
                     core.control()
                         .admission(&spec, &submitter)

@@ -334,6 +334,12 @@ pub struct Settings {
     /// The most jobs an ordinary user may have pending unless its own
     /// limit says otherwise (`None`: none).
     pub max_pending_per_user: Option<u64>,
+    /// The most services an ordinary user may have (`None`: no limit but
+    /// the cluster's).
+    pub max_services_per_user: Option<u64>,
+    /// The most dev environments (pending or running) an ordinary user may
+    /// have.
+    pub max_dev_per_user: Option<u64>,
     /// The server serves HTTPS: the dashboard's cookie is `Secure`, with
     /// HSTS.
     pub https: bool,

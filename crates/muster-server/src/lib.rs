@@ -133,6 +133,10 @@ pub struct ServerConfig {
     pub join_token_ttl_ms: Option<u64>,
     /// New nodes wait for `muster nodes approve` before they take work.
     pub approve_nodes: bool,
+    /// The most services an ordinary user may have.
+    pub max_services_per_user: Option<u64>,
+    /// The most dev environments an ordinary user may have at once.
+    pub max_dev_per_user: Option<u64>,
     /// The most a registering node may claim.
     pub node_limits: NodeLimits,
     /// The most jobs (array elements one each) an ordinary user may have
@@ -149,6 +153,13 @@ pub use muster_control::{DEFAULT_NODE_LIMITS, NodeLimits};
 
 /// [`ServerConfig::join_token_ttl_ms`] unless the operator says otherwise.
 pub const DEFAULT_JOIN_TOKEN_TTL_MS: u64 = 24 * 3_600_000;
+
+/// [`ServerConfig::max_services_per_user`] unless the operator says
+/// otherwise.
+pub const DEFAULT_MAX_SERVICES_PER_USER: u64 = 20;
+
+/// [`ServerConfig::max_dev_per_user`] unless the operator says otherwise.
+pub const DEFAULT_MAX_DEV_PER_USER: u64 = 4;
 
 pub use ratelimit::RateLimit;
 
@@ -192,6 +203,8 @@ impl ServerConfig {
             master_port_base: muster_control::DEFAULT_MASTER_PORT_BASE,
             join_token_ttl_ms: Some(DEFAULT_JOIN_TOKEN_TTL_MS),
             approve_nodes: false,
+            max_services_per_user: Some(DEFAULT_MAX_SERVICES_PER_USER),
+            max_dev_per_user: Some(DEFAULT_MAX_DEV_PER_USER),
             node_limits: DEFAULT_NODE_LIMITS,
             max_pending_per_user: Some(DEFAULT_MAX_PENDING_PER_USER),
         }
@@ -413,6 +426,8 @@ impl Server {
                 rate_limit: config.rate_limit,
                 node_limits: config.node_limits,
                 max_pending_per_user: config.max_pending_per_user,
+                max_services_per_user: config.max_services_per_user,
+                max_dev_per_user: config.max_dev_per_user,
                 https: !matches!(config.tls, tls::TlsMode::Off),
             },
             core,

@@ -1112,6 +1112,26 @@ pub async fn create_service(
                 "at most {MAX_SERVICES} services; delete one first"
             )));
         }
+        if principal.role == crate::users::Role::User
+            && let Some(max) = shared.settings.max_services_per_user
+        {
+            let owned = services
+                .entries
+                .values()
+                .filter(|entry| entry.record.user == principal.name)
+                .count() as u64;
+            if owned >= max {
+                return Err(ApiError::new(
+                    ErrorCode::PermissionDenied,
+                    format!(
+                        "{} has {owned} service(s) and may have at most {max}: delete one \
+                         first (`muster services delete NAME`), or ask an admin (the server's \
+                         --max-services-per-user)",
+                        principal.name
+                    ),
+                ));
+            }
+        }
     }
     let at = now().0;
     let record = ServiceRecord {

@@ -3825,3 +3825,63 @@ async fn the_gateway_keeps_muster_s_credentials_home_and_routes_hosts_only_under
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_s_services_and_dev_environments_are_bounded_and_staff_s_are_not() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = test_config(dir.path());
+        config.max_services_per_user = Some(2);
+        config.max_dev_per_user = Some(1);
+        let server = Server::start(config).await.expect("server starts");
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let (status, body) = api
+            .post(
+                "/v1/users",
+                &admin,
+                json!({ "name": "alice", "role": "user", "queues": ["default"] }),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        let alice = body["token"].as_str().expect("a token").to_string();
+        let service = |name: &str| {
+            json!({ "spec": { "kind": "service", "name": name, "replicas": 1, "gpus": 0,
+                              "command": ["sleep", "600"] } })
+        };
+        for name in ["a1", "a2"] {
+            let (status, body) = api.post("/v1/services", &alice, service(name)).await;
+            assert_eq!(status, StatusCode::CREATED, "{body}");
+        }
+        let (status, body) = api.post("/v1/services", &alice, service("a3")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        let message = error_of(&body).message;
+        assert!(
+            message.contains("alice has 2 service(s)") && message.contains("at most 2"),
+            "{message}"
+        );
+        let (status, body) = api.post("/v1/services", &admin, service("ops")).await;
+        assert_eq!(status, StatusCode::CREATED, "an admin is not limited: {body}");
+        // Dev environments: one at a time.
+        let dev = |name: &str| {
+            json!({ "spec": { "name": name, "gpus": 0, "command": [muster_model::DEV_SESSION_COMMAND] },
+                    "allow_pending": true })
+        };
+        let (status, body) = api.post("/v1/jobs", &alice, dev("box-1")).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        let first = body["id"].as_u64().expect("an id");
+        let (status, body) = api.post("/v1/jobs", &alice, dev("box-2")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        assert!(
+            error_of(&body).message.contains("1 dev environment(s)"),
+            "{body}"
+        );
+        let (status, _) = api
+            .post(&format!("/v1/jobs/{first}/cancel"), &alice, json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, body) = api.post("/v1/jobs", &alice, dev("box-2")).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+    })
+    .await;
+}

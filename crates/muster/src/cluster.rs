@@ -129,6 +129,14 @@ pub struct AdmissionArgs {
     /// `unlimited`; operators and admins have no default limit.
     #[arg(long, value_name = "N", default_value = "10000", value_parser = parse_pending_limit)]
     pub max_pending_per_user: PendingLimit,
+    /// The most services an ordinary user may have, or `unlimited`
+    /// (operators and admins have no limit but the cluster's 1,000).
+    #[arg(long, value_name = "N", default_value = "20", value_parser = parse_pending_limit)]
+    pub max_services_per_user: PendingLimit,
+    /// The most dev environments (pending or running) an ordinary user may
+    /// have at once, or `unlimited`.
+    #[arg(long, value_name = "N", default_value = "4", value_parser = parse_pending_limit)]
+    pub max_dev_per_user: PendingLimit,
     /// New nodes join in `pending-approval`: shown, heartbeating, given no
     /// work (and so no secret) until `muster nodes approve NAME`.
     #[arg(long)]
@@ -683,6 +691,8 @@ pub fn server(args: ServerArgs) -> Result<()> {
             node_limits: args.admission.limits(),
             max_pending_per_user: args.admission.max_pending_per_user.0,
             approve_nodes: args.admission.approve_nodes,
+            max_services_per_user: args.admission.max_services_per_user.0,
+            max_dev_per_user: args.admission.max_dev_per_user.0,
             ..server_config(
                 args.listen,
                 data_dir.clone(),
@@ -940,6 +950,8 @@ pub fn up(args: UpArgs) -> Result<()> {
             node_limits: args.admission.limits(),
             max_pending_per_user: args.admission.max_pending_per_user.0,
             approve_nodes: args.admission.approve_nodes,
+            max_services_per_user: args.admission.max_services_per_user.0,
+            max_dev_per_user: args.admission.max_dev_per_user.0,
             ..server_config(
                 args.listen,
                 data_dir.clone(),
