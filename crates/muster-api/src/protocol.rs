@@ -1569,6 +1569,11 @@ pub struct EndpointTable {
     pub instance: u64,
     pub version: u64,
     pub services: BTreeMap<String, Vec<Endpoint>>,
+    /// Services that need a bearer token (`auth: {bearer_secret}`): the
+    /// SHA-256, in hex, of the token a caller must send (empty: the secret
+    /// is gone, and no caller passes).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub auth: BTreeMap<String, String>,
 }
 
 /// `POST /v1/traffic`: what one gateway has seen of each service (an

@@ -32,7 +32,9 @@ pub const SERVICE_FIELDS: &[&str] = &[
     "restart",
     "drain",
     "autoscale",
+    "auth",
 ];
+const AUTH_FIELDS: &[&str] = &["bearer_secret"];
 const AUTOSCALE_FIELDS: &[&str] = &[
     "min_replicas",
     "max_replicas",
@@ -248,6 +250,35 @@ fn parse_value(value: &Value, stored: bool) -> Result<model::ServiceSpec, SpecEr
     let autoscale = map
         .get("autoscale")
         .and_then(|value| reader.autoscale(value));
+    let bearer_secret = map
+        .get("auth")
+        .and_then(|value| reader.section(value, "auth", AUTH_FIELDS))
+        .and_then(|auth| match auth.get("bearer_secret") {
+            Some(Value::String(name))
+                if !name.is_empty()
+                    && name.len() <= 128
+                    && !name.chars().any(|c| c.is_whitespace() || c.is_control()) =>
+            {
+                Some(name.clone())
+            }
+            Some(other) => {
+                reader.fail(
+                    "auth.bearer_secret",
+                    format!(
+                        "expected the name of a secret (`muster secrets set NAME`) whose value \
+                         callers send as `Authorization: Bearer VALUE`, got {other}"
+                    ),
+                );
+                None
+            }
+            None => {
+                reader.fail(
+                    "auth.bearer_secret",
+                    "auth needs bearer_secret: the name of the secret callers present",
+                );
+                None
+            }
+        });
     if let Some(template) = &template
         && !is_service_name(&template.name)
     {
@@ -274,6 +305,7 @@ fn parse_value(value: &Value, stored: bool) -> Result<model::ServiceSpec, SpecEr
             restart,
             drain,
             autoscale,
+            bearer_secret,
         }),
         _ => Err(SpecErrors(reader.errors)),
     }
@@ -655,6 +687,12 @@ pub fn service_spec_value(spec: &model::ServiceSpec) -> Value {
         }
         map.insert("autoscale".into(), out);
     }
+    if let Some(secret) = &spec.bearer_secret {
+        map.insert(
+            "auth".into(),
+            serde_json::json!({ "bearer_secret": secret }),
+        );
+    }
     value
 }
 
@@ -806,6 +844,27 @@ autoscale: {min_replicas: 0, max_replicas: 2, requests_per_second: 5, window: 1h
             stored.autoscale.expect("autoscale").window,
             model::MAX_AUTOSCALE_WINDOW
         );
+    }
+
+    #[test]
+    fn a_bearer_secret_is_read_written_back_and_checked() {
+        let spec = parse_service_spec_yaml(&format!("{SPEC}auth: {{bearer_secret: api-key}}\n"))
+            .expect("valid");
+        assert_eq!(spec.bearer_secret.as_deref(), Some("api-key"));
+        let again = parse_service_spec_value(&service_spec_value(&spec)).expect("valid");
+        assert_eq!(again, spec);
+        for (bad, says) in [
+            ("auth: {bearer_secret: 7}", "expected the name of a secret"),
+            ("auth: {bearer_secret: ''}", "expected the name of a secret"),
+            ("auth: {}", "auth needs bearer_secret"),
+            ("auth: {token: x}", "unknown field"),
+            ("auth: yes", "expected a mapping"),
+        ] {
+            let errors = parse_service_spec_yaml(&format!("{SPEC}{bad}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(errors.contains(says), "{bad}: {errors}");
+        }
     }
 
     #[test]

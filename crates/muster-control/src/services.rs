@@ -508,6 +508,7 @@ mod tests {
             restart: Default::default(),
             drain: Duration::from_secs(2),
             autoscale: None,
+            bearer_secret: None,
         }
     }
 

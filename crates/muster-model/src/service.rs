@@ -174,6 +174,9 @@ pub struct ServiceSpec {
     pub drain: Duration,
     /// `None`: `replicas` replicas, set by hand (`muster services scale`).
     pub autoscale: Option<Autoscale>,
+    /// Requests through the gateway must carry `Authorization: Bearer
+    /// VALUE` of this secret (its name; `None`: anyone may call).
+    pub bearer_secret: Option<String>,
 }
 
 impl ServiceSpec {

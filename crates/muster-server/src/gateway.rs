@@ -85,6 +85,9 @@ struct Backend {
 struct Pool {
     backends: Vec<Arc<Backend>>,
     next: AtomicUsize,
+    /// `auth: {bearer_secret}`: the SHA-256 (hex) of the token a caller
+    /// must send (empty: none passes).
+    auth: Option<String>,
 }
 
 impl Pool {
@@ -248,6 +251,7 @@ impl State {
                 Arc::new(Pool {
                     backends,
                     next: AtomicUsize::new(0),
+                    auth: table.auth.get(service).cloned(),
                 }),
             );
         }
@@ -584,6 +588,30 @@ fn strip_muster_credentials(headers: &mut hyper::HeaderMap) {
     }
 }
 
+/// Whether `headers` carry `Authorization: Bearer TOKEN` whose SHA-256
+/// (hex) is `expected` (compared in time that does not depend on where
+/// they differ; an empty `expected` matches nothing).
+fn bearer_matches(headers: &hyper::HeaderMap, expected: &str) -> bool {
+    let Some(token) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| {
+            let (scheme, token) = value.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+        })
+    else {
+        return false;
+    };
+    let got = crate::users::token_hash(token);
+    !expected.is_empty()
+        && got.len() == expected.len()
+        && got
+            .bytes()
+            .zip(expected.bytes())
+            .fold(0u8, |differ, (a, b)| differ | (a ^ b))
+            == 0
+}
+
 /// `Bearer` and 64 hex digits: how muster's tokens travel.
 fn is_muster_bearer(value: &str) -> bool {
     let mut words = value.split_whitespace();
@@ -657,6 +685,26 @@ async fn handle(
             format!("no service {service} (`muster services list` lists them)"),
         );
     };
+    // Checked before anything counts the request: an unauthenticated
+    // caller neither wakes a service scaled to zero nor reaches a replica.
+    if let Some(expected) = &pool.auth
+        && !bearer_matches(request.headers(), expected)
+    {
+        let mut response = text(
+            StatusCode::UNAUTHORIZED,
+            format!("service {service} needs `Authorization: Bearer TOKEN` (its bearer secret)"),
+        );
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
+        return response;
+    }
+    let mut request = request;
+    if pool.auth.is_some() {
+        // Checked here; the replica never sees the service's key.
+        request.headers_mut().remove(header::AUTHORIZATION);
+    }
     let counts = state.counts(&service);
     counts.requests.fetch_add(1, Ordering::Relaxed);
     counts.in_flight.fetch_add(1, Ordering::Relaxed);

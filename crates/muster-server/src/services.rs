@@ -160,6 +160,9 @@ pub struct Services {
     version: u64,
     /// The endpoint table as last published.
     table: BTreeMap<String, Vec<Endpoint>>,
+    /// Per service with `auth`, the SHA-256 (hex) of its bearer secret's
+    /// value, as last published.
+    auth: BTreeMap<String, String>,
 }
 
 impl Default for Services {
@@ -176,6 +179,7 @@ impl Default for Services {
             instance,
             version: 0,
             table: BTreeMap::new(),
+            auth: BTreeMap::new(),
         }
     }
 }
@@ -801,8 +805,29 @@ fn publish(shared: &Shared, services: &mut Services, seen: &[Seen]) {
         }
         table.insert(name.clone(), endpoints);
     }
-    if table != services.table {
+    // The gateway checks callers against a hash: the secret itself never
+    // leaves the server. A secret that is gone refuses every caller.
+    let auth: BTreeMap<String, String> = {
+        let secrets = shared
+            .secrets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        services
+            .entries
+            .iter()
+            .filter_map(|(name, entry)| {
+                let secret = entry.spec.bearer_secret.as_ref()?;
+                let hash = match secrets.value(secret, &entry.spec.template.queue.0) {
+                    Some(value) => crate::users::token_hash(&value),
+                    None => String::new(),
+                };
+                Some((name.clone(), hash))
+            })
+            .collect()
+    };
+    if table != services.table || auth != services.auth {
         services.table = table;
+        services.auth = auth;
         services.version += 1;
         shared.services.changed.send_replace(services.version);
     }
@@ -922,6 +947,19 @@ fn checked_spec(
         }
     })?;
     crate::api::check_mounts(shared, &spec.template)?;
+    if let Some(secret) = &spec.bearer_secret
+        && !shared
+            .secrets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .usable(secret, &spec.template.queue.0)
+    {
+        return Err(unprocessable(format!(
+            "auth.bearer_secret: no secret {secret} for queue {}; an admin sets it with \
+             `muster secrets set {secret}` (the value callers send as a bearer token)",
+            spec.template.queue
+        )));
+    }
     if !principal.member_of(&spec.template.queue.0) {
         return Err(ApiError::new(
             ErrorCode::PermissionDenied,
@@ -1592,6 +1630,7 @@ pub async fn endpoint_table(
         instance: services.instance,
         version: services.version,
         services: services.table.clone(),
+        auth: services.auth.clone(),
     }))
 }
 

@@ -3729,6 +3729,14 @@ async fn the_gateway_keeps_muster_s_credentials_home_and_routes_hosts_only_under
     bounded(async {
         let web = echo_backend("web").await;
         let squatter = echo_backend("localhost").await;
+        let guarded = echo_backend("guarded").await;
+        let key_hash: String = {
+            use sha2::Digest;
+            sha2::Sha256::digest(b"its-key")
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        };
         let endpoint = |address: std::net::SocketAddr, job: u64| muster_api::protocol::Endpoint {
             job,
             revision: 1,
@@ -3737,7 +3745,9 @@ async fn the_gateway_keeps_muster_s_credentials_home_and_routes_hosts_only_under
         let table = muster_api::protocol::EndpointTable {
             instance: 0,
             version: 1,
+            auth: std::collections::BTreeMap::from([("guarded".to_string(), key_hash)]),
             services: std::collections::BTreeMap::from([
+                ("guarded".to_string(), vec![endpoint(guarded, 3)]),
                 ("web".to_string(), vec![endpoint(web, 1)]),
                 // A tenant's service named like the gateway's host.
                 ("localhost".to_string(), vec![endpoint(squatter, 2)]),
@@ -3795,6 +3805,30 @@ async fn the_gateway_keeps_muster_s_credentials_home_and_routes_hosts_only_under
             .await
             .expect("a body");
         assert!(seen.contains("Bearer its-own-api-key"), "{seen}");
+        // A service with a bearer secret: checked at the gateway, and the
+        // key goes no further.
+        let status = http
+            .get(format!("http://{}/guarded/", gateway.addr))
+            .send()
+            .await
+            .expect("an answer")
+            .status();
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        let seen = http
+            .get(format!("http://{}/guarded/", gateway.addr))
+            .header("authorization", "Bearer its-key")
+            .send()
+            .await
+            .expect("an answer")
+            .text()
+            .await
+            .expect("a body")
+            .to_lowercase();
+        assert!(seen.starts_with("guarded\n"), "{seen}");
+        assert!(
+            !seen.contains("its-key"),
+            "the key reached the replica: {seen}"
+        );
         gateway.stop().await;
         // Under a domain, hosts route; anything else goes by path.
         let gateway = start(Some("apps.example.test")).await.expect("a gateway");
@@ -3882,6 +3916,113 @@ async fn a_user_s_services_and_dev_environments_are_bounded_and_staff_s_are_not(
         assert_eq!(status, StatusCode::OK);
         let (status, body) = api.post("/v1/jobs", &alice, dev("box-2")).await;
         assert_eq!(status, StatusCode::CREATED, "{body}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_with_a_bearer_secret_is_reached_only_with_its_token() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let service = |secret: &str| {
+            json!({ "spec": { "kind": "service", "name": "private", "replicas": 1, "gpus": 0,
+                              "command": ["sleep", "600"], "auth": {"bearer_secret": secret} } })
+        };
+        // A secret that does not exist is refused with the fix.
+        let (status, body) = api.post("/v1/services", &admin, service("api-key")).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert!(
+            error_of(&body)
+                .message
+                .contains("muster secrets set api-key"),
+            "{body}"
+        );
+        let key = "the-service-s-own-key";
+        let (status, body) = api
+            .call(
+                reqwest::Method::PUT,
+                "/v1/secrets/api-key",
+                Some(&admin),
+                Some(json!({ "value": key })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let (status, body) = api.post("/v1/services", &admin, service("api-key")).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        // The gateway's table carries the key's hash, never the key.
+        let hash: String = {
+            use sha2::Digest;
+            sha2::Sha256::digest(key.as_bytes())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        };
+        let mut table = Value::Null;
+        for _ in 0..100 {
+            table = api.get("/v1/endpoints", &admin).await.1;
+            if table["auth"]["private"] == hash.as_str() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(table["auth"]["private"], hash.as_str(), "{table}");
+        assert!(!table.to_string().contains(key), "{table}");
+        // A gateway that follows the server: no token, a wrong one, a
+        // muster token: 401; the key passes (then waits for a replica,
+        // which never runs here: no node).
+        let follower = muster_api::client::Client::new(&api.base, &admin);
+        let gateway = muster_server::gateway::start(
+            muster_server::gateway::GatewayConfig {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                upstream_timeout: Duration::from_secs(5),
+                hold: Duration::ZERO,
+                domain: None,
+            },
+            muster_server::gateway::Endpoints::Server(follower),
+        )
+        .await
+        .expect("a gateway");
+        let http = reqwest::Client::new();
+        let url = format!("http://{}/private/", gateway.addr);
+        let mut answer = None;
+        for _ in 0..100 {
+            let response = http.get(&url).send().await.expect("an answer");
+            if response.status() != StatusCode::NOT_FOUND {
+                answer = Some(response);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let answer = answer.expect("the gateway learns the service");
+        assert_eq!(answer.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(answer.headers()["www-authenticate"], "Bearer");
+        for wrong in ["Bearer nope", &format!("Bearer {admin}"), key] {
+            let status = http
+                .get(&url)
+                .header("authorization", wrong)
+                .send()
+                .await
+                .expect("an answer")
+                .status();
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{wrong}");
+        }
+        let status = http
+            .get(&url)
+            .header("authorization", format!("Bearer {key}"))
+            .send()
+            .await
+            .expect("an answer")
+            .status();
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "past the check, no replica yet"
+        );
+        gateway.stop().await;
+        server.shutdown().await;
     })
     .await;
 }

@@ -2624,6 +2624,7 @@ async fn gateway(args: GatewayBench) -> Result<()> {
     let table = muster_api::protocol::EndpointTable {
         instance: 0,
         version: 1,
+        auth: Default::default(),
         services: std::collections::BTreeMap::from([(
             "bench".to_string(),
             vec![muster_api::protocol::Endpoint {
