@@ -150,7 +150,13 @@ impl ControlPlane {
                     spec.priority_class.name
                 ));
             }
-            if !spec.preemptible && !queue.is_some_and(|queue| queue.allow_non_preemptible) {
+            // A dev environment is someone's open shell: `muster dev start`
+            // makes it non-preemptible, and a user has only a few of them
+            // (`max_dev`), so the queue's word is not needed for it.
+            if !spec.preemptible
+                && !spec.is_dev_environment()
+                && !queue.is_some_and(|queue| queue.allow_non_preemptible)
+            {
                 return Err(format!(
                     "queue {queue} takes no non-preemptible jobs from its users; submit with \
                      preemptible: true, or ask an admin (`muster queues set {queue} \
@@ -378,6 +384,18 @@ mod tests {
         );
         assert_eq!(control.admission(&batch, &user("alice", Some(2))), Ok(()));
         assert_eq!(control.admission(&dev_spec(), &user("alice", None)), Ok(()));
+        // Non-preemptible, as `muster dev start` makes it: still admitted
+        // where the queue takes no other non-preemptible work.
+        let mut steady = dev_spec();
+        steady.preemptible = false;
+        assert_eq!(control.admission(&steady, &user("bob", Some(2))), Ok(()));
+        let mut batch_steady = batch.clone();
+        batch_steady.preemptible = false;
+        assert!(
+            control
+                .admission(&batch_steady, &user("bob", Some(2)))
+                .is_err()
+        );
         // One stopped makes room.
         control
             .handle(

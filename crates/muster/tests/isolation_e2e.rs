@@ -731,3 +731,83 @@ fn the_dashboard_keeps_a_session_id_in_a_secure_cookie_never_the_token() {
         .expect("an answer");
     assert_eq!(page.status(), 401);
 }
+
+/// Bob's task against Alice's dev environment on the same node: her
+/// session helper's token is nowhere he can read, and a connection to its
+/// port without it gets no shell. Alice's environment runs on; as an
+/// ordinary user she could start it at all (non-preemptible, as `muster dev
+/// start` makes it, in a queue that takes no other non-preemptible work).
+#[test]
+fn a_neighbour_cannot_take_a_shell_in_another_user_s_dev_environment() {
+    let cluster = Cluster::start("10s");
+    let _agent = cluster.agent_with("node", &cluster.url(), "2xH100-80GB", &[]);
+    let rt = runtime();
+    let admin = cluster.client();
+    wait_for_nodes(&rt, &admin, 1);
+    let token_of = |name: &str| {
+        rt.block_on(admin.add_user(&muster_api::protocol::UserCreate {
+            name: name.to_string(),
+            role: "user".to_string(),
+            queues: Vec::new(),
+        }))
+        .expect("a user")
+        .token
+    };
+    let alice = cluster.client_with(&cluster.url(), &token_of("alice"));
+    let bob = cluster.client_with(&cluster.url(), &token_of("bob"));
+    let dev = serde_json::json!({
+        "name": "her-box", "gpus": 1,
+        "command": [muster_model::DEV_SESSION_COMMAND],
+        "preemptible": false,
+    });
+    let hers = rt
+        .block_on(alice.submit(dev))
+        .expect("alice starts her environment");
+    let port = cluster.master_port(hers);
+    wait_until("alice's session helper", Duration::from_secs(30), || {
+        state(&rt, &alice, hers) == "running"
+            && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    // Everything Bob can try from inside his task: find the token in any
+    // environment he can read, then ask her helper for a shell with a
+    // guess and with no token at all.
+    let attack = format!(
+        "import glob, json, socket\n\
+         found = 0\n\
+         for path in glob.glob('/proc/*/environ'):\n\
+         \x20   try:\n\
+         \x20       if b'MUSTER_DEV_TOKEN=' in open(path, 'rb').read(): found += 1\n\
+         \x20   except OSError: pass\n\
+         print('tokens-found', found)\n\
+         for token in ['0' * 64, '']:\n\
+         \x20   try:\n\
+         \x20       s = socket.create_connection(('127.0.0.1', {port}), timeout=5)\n\
+         \x20       s.sendall((json.dumps({{'token': token, 'kind': 'shell'}}) + '\\n').encode())\n\
+         \x20       s.sendall(b'echo got-a-shell; id\\n')\n\
+         \x20       answer = s.recv(4096)\n\
+         \x20       print('answer', answer)\n\
+         \x20       if answer.startswith(b'ok'): print('shell-opened')\n\
+         \x20   except OSError as error: print('connect', error)\n\
+         print('bob-done')\n"
+    );
+    let his = serde_json::json!({"name": "his", "gpus": 1, "command": ["python3", "-c", attack]});
+    let his = rt.block_on(bob.submit(his)).expect("bob submits");
+    wait_until("bob's job to end", Duration::from_secs(60), || {
+        matches!(state(&rt, &bob, his).as_str(), "succeeded" | "failed")
+    });
+    let log = whole_log(&rt, &bob, his, 0);
+    assert!(log.contains("bob-done"), "{log}");
+    assert!(
+        log.contains("tokens-found 0"),
+        "bob read a dev token: {log}"
+    );
+    assert!(!log.contains("shell-opened"), "bob got her shell: {log}");
+    assert!(!log.contains("got-a-shell\n"), "{log}");
+    assert!(log.contains("refused: wrong token"), "{log}");
+    assert_eq!(
+        state(&rt, &alice, hers),
+        "running",
+        "her environment runs on"
+    );
+    rt.block_on(alice.cancel(hers)).expect("alice stops it");
+}
