@@ -273,7 +273,8 @@ struct Started {
 }
 
 /// Starts the command in its cgroup, as its user (in namespaces of its own
-/// when the record says so, through `task-init`).
+/// when the record says so, under an init forked from this process: see
+/// [`fork_init`]).
 fn start(
     task: &TaskRecord,
     cgroup: &TaskCgroup,
@@ -315,7 +316,7 @@ fn start(
     } else {
         None
     };
-    let (program, mut arguments): (String, Vec<String>) = match (&helper, &dev_session) {
+    let (program, arguments): (String, Vec<String>) = match (&helper, &dev_session) {
         (None, Some(program)) => (program.clone(), vec!["dev-session".to_string()]),
         _ => match &helper {
             Some(helper) => (
@@ -408,9 +409,7 @@ fn start(
     // 1 of the new PID namespace, which unshare makes for the next child),
     // and it drops to the task's user once its mounts are made.
     let namespaced = task.namespaces && helper.is_none();
-    let mut status_pipe = None;
-    let mut stdin = Stdio::null();
-    let switch = if namespaced {
+    if namespaced {
         nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID)
             .map_err(|e| format!("cannot make the task a PID namespace: {e}"))?;
         let plan = crate::taskinit::InitPlan {
@@ -425,26 +424,23 @@ fn start(
             command: std::iter::once(program.clone())
                 .chain(arguments.iter().cloned())
                 .collect(),
+            env: Some(env),
         };
-        arguments = std::iter::once("task-init".to_string())
-            .chain(plan.to_args())
-            .collect();
-        // The init's status pipe is its standard input.
-        let (read, write) =
-            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
-        status_pipe = Some(std::fs::File::from(read));
-        stdin = Stdio::from(write);
-        None
-    } else {
-        identity
-    };
-    let program = if namespaced { own_path()? } else { program };
+        let (pid, pipe) = fork_init(&plan, [log, log_too], &procs, dynamic)?;
+        return Ok(Started {
+            pid,
+            user: name,
+            uid,
+            init: Some(pipe),
+        });
+    }
+    let switch = identity;
     let mut command = std::process::Command::new(&program);
     command
         .args(&arguments)
         .env_clear()
         .envs(&env)
-        .stdin(stdin)
+        .stdin(Stdio::null())
         .stdout(log)
         .stderr(log_too)
         .process_group(0);
@@ -478,28 +474,109 @@ fn start(
     let child = command
         .spawn()
         .map_err(|e| format!("cannot start `{program}`: {e}"))?;
-    // The write end went to the child: the pipe ends when the init does.
-    drop(command);
-    if let Some(pipe) = &mut status_pipe {
-        let first = read_line(pipe);
-        if first.trim() != "started" {
-            let message = first.trim().strip_prefix("failed ").map_or_else(
-                || "the task's init ended before it started the command".to_string(),
-                str::to_string,
-            );
-            // Its namespace goes with it.
-            let pid = Pid::from_raw(child.id() as i32);
-            let _ = kill(pid, Signal::SIGKILL);
-            let _ = waitpid(pid, None);
-            return Err(message);
-        }
-    }
     Ok(Started {
         pid: child.id(),
         user: name,
         uid,
-        init: status_pipe,
+        init: None,
     })
+}
+
+/// Starts a task's init, the first process of the PID namespace made for
+/// the next child, by forking this process (single-threaded: see the
+/// module's note) rather than executing this program again, which costs
+/// a few milliseconds a task. The child takes the status pipe's write end
+/// as its standard input and the log as its output, joins the task's
+/// cgroup and a process group of its own, closes every other descriptor,
+/// and runs [`crate::taskinit::run_plan`]. Returns the init's pid and the
+/// pipe's read end, once the init says the command started.
+fn fork_init(
+    plan: &crate::taskinit::InitPlan,
+    logs: [std::fs::File; 2],
+    procs: &[std::fs::File],
+    dynamic: bool,
+) -> Result<(u32, std::fs::File), String> {
+    use std::os::fd::OwnedFd;
+    let (read, write): (OwnedFd, OwnedFd) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    // Nothing buffered may be written twice (once more by the child).
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: the supervisor has no other thread (no async runtime, no
+    // thread is ever started), so the child is a whole copy of it and may
+    // allocate and run ordinary code; it never returns into the caller (it
+    // exits with the init's code).
+    #[allow(unsafe_code)]
+    let forked = unsafe { nix::unistd::fork() }.map_err(|e| format!("fork: {e}"))?;
+    match forked {
+        nix::unistd::ForkResult::Child => {
+            drop(read);
+            let ready = (|| -> nix::Result<()> {
+                nix::unistd::dup2_stdin(&write)?;
+                nix::unistd::dup2_stdout(&logs[0])?;
+                nix::unistd::dup2_stderr(&logs[1])?;
+                nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
+                let mut buffer = [0u8; 16];
+                let me = digits(nix::unistd::getpid().as_raw(), &mut buffer);
+                for file in procs {
+                    nix::unistd::write(file.as_fd(), me)?;
+                }
+                sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+                if dynamic {
+                    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+                }
+                Ok(())
+            })();
+            let code = match ready {
+                Ok(()) => {
+                    close_all_but_stdio();
+                    // Never unwinds into the supervisor's code: this is
+                    // the init, and ends here.
+                    std::panic::catch_unwind(|| crate::taskinit::run_plan(plan)).unwrap_or(127)
+                }
+                Err(error) => {
+                    let line = format!("failed cannot start the task's init: {error}\n");
+                    let _ = nix::unistd::write(&write, line.as_bytes());
+                    127
+                }
+            };
+            std::process::exit(code)
+        }
+        nix::unistd::ForkResult::Parent { child } => {
+            // The write end is the child's alone: the pipe ends with it.
+            drop(write);
+            let mut pipe = std::fs::File::from(read);
+            let first = read_line(&mut pipe);
+            if first.trim() != "started" {
+                let message = first.trim().strip_prefix("failed ").map_or_else(
+                    || "the task's init ended before it started the command".to_string(),
+                    str::to_string,
+                );
+                // Its namespace goes with it.
+                let _ = kill(child, Signal::SIGKILL);
+                let _ = waitpid(child, None);
+                return Err(message);
+            }
+            Ok((child.as_raw() as u32, pipe))
+        }
+    }
+}
+
+/// Closes every descriptor but 0, 1 and 2 (in a forked init: what the
+/// supervisor held, its signalfd and files, is not the task's).
+fn close_all_but_stdio() {
+    let open: Vec<i32> = match std::fs::read_dir("/proc/self/fd") {
+        Ok(entries) => entries
+            .flatten()
+            .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
+            .filter(|fd| *fd > 2)
+            .collect(),
+        Err(_) => return,
+    };
+    for fd in open {
+        // The listing's own descriptor is among them, closed already.
+        let _ = nix::unistd::close(fd);
+    }
 }
 
 /// One line from the init's status pipe (up to its end, or the pipe's).

@@ -1,6 +1,8 @@
-//! A task's init: `muster task-init UID GID GROUPS CWD -- COMMAND...`,
-//! the first process (pid 1) of a task's own PID namespace, which its
-//! supervisor creates (`unshare(CLONE_NEWPID)` before it starts this).
+//! A task's init: the first process (pid 1) of a task's own PID
+//! namespace, which its supervisor creates (`unshare(CLONE_NEWPID)`, then
+//! a fork that runs [`run_plan`]: no second exec of this program); `muster
+//! task-init UID GID GROUPS CWD -- COMMAND...` runs the same by hand, and
+//! `muster task-init --probe` tells whether a host allows it.
 //!
 //! As root, it makes the task a mount namespace of its own: mounts made
 //! private, a fresh tmpfs on `/tmp` and on `/dev/shm` (they vanish with the
@@ -42,6 +44,9 @@ pub struct InitPlan {
     /// The task's working directory (absolute).
     pub working_dir: PathBuf,
     pub command: Vec<String>,
+    /// The command's environment; `None`: this process's (an init started
+    /// as `muster task-init` got it from its supervisor).
+    pub env: Option<std::collections::BTreeMap<String, String>>,
 }
 
 impl InitPlan {
@@ -104,6 +109,7 @@ impl InitPlan {
             user,
             working_dir: PathBuf::from(cwd),
             command: command.to_vec(),
+            env: None,
         })
     }
 }
@@ -148,7 +154,15 @@ pub fn main(args: &[String]) -> i32 {
             return 2;
         }
     };
-    match run(&plan) {
+    run_plan(&plan)
+}
+
+/// Is the init: makes the mounts, starts the command, reaps until it ends
+/// and says how on standard input. Returns the init's exit code. The
+/// supervisor calls it in the child it forks (no second exec of this
+/// program: the cheaper start), `muster task-init` after parsing.
+pub fn run_plan(plan: &InitPlan) -> i32 {
+    match run(plan) {
         Ok(child) => {
             tell("started");
             let ended = reap_until(child);
@@ -196,9 +210,12 @@ fn run(plan: &InitPlan) -> Result<Pid, String> {
         nix::unistd::setgid(Gid::from_raw(*gid)).map_err(|e| format!("setgid: {e}"))?;
         nix::unistd::setuid(Uid::from_raw(*uid)).map_err(|e| format!("setuid: {e}"))?;
     }
-    let child = std::process::Command::new(&plan.command[0])
-        .args(&plan.command[1..])
-        .stdin(Stdio::null())
+    let mut command = std::process::Command::new(&plan.command[0]);
+    command.args(&plan.command[1..]).stdin(Stdio::null());
+    if let Some(env) = &plan.env {
+        command.env_clear().envs(env);
+    }
+    let child = command
         .spawn()
         .map_err(|error| format!("cannot start `{}`: {error}", plan.command[0]))?;
     Ok(Pid::from_raw(child.id() as i32))
@@ -407,6 +424,7 @@ mod tests {
                 user,
                 working_dir: PathBuf::from("/home/alice/project"),
                 command: vec!["sh".into(), "-c".into(), "echo -- hi".into()],
+                env: None,
             };
             let args = plan.to_args();
             assert_eq!(InitPlan::parse(&args), Ok(plan));
