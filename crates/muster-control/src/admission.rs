@@ -228,12 +228,12 @@ pub fn node_claim_problems(spec: &NodeSpec, address: &str, limits: NodeLimits) -
             limits.memory_mib >> 10
         ));
     }
-    if let Ok(ip) = address.trim().parse::<std::net::IpAddr>() {
+    if let Ok(ip) = address.trim().parse::<core::net::IpAddr>() {
         let unusable = ip.is_unspecified()
             || ip.is_multicast()
             || match ip {
-                std::net::IpAddr::V4(v4) => v4.is_link_local() || v4.is_broadcast(),
-                std::net::IpAddr::V6(v6) => v6.is_unicast_link_local(),
+                core::net::IpAddr::V4(v4) => v4.is_link_local() || v4.is_broadcast(),
+                core::net::IpAddr::V6(v6) => v6.is_unicast_link_local(),
             };
         if unusable {
             problems.push(format!(
