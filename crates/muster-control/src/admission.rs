@@ -1,7 +1,8 @@
 //! What is admitted. A submission, decided in one commit with it: its
 //! user's and queue's pending jobs within their limits, and, for an
-//! ordinary user, the queue's priority classes and preemptibility (the
-//! pending counts are kept with every change of a job's state, see
+//! ordinary user, the queue's priority classes and preemptibility, and its
+//! live dev environments within their limit (the counts are kept with
+//! every change of a job's state, see
 //! `state.rs`, and recounted by `check_invariants`). A registering node:
 //! its claims within the server's limits, an address a node can have, GPUs
 //! no other node holds.
@@ -10,46 +11,63 @@ use crate::state::{ControlPlane, Job, JobState};
 use muster_model::{JobId, JobSpec, NodeName, NodeSpec, QueueName};
 use std::collections::BTreeMap;
 
-/// How many jobs each user and each queue has pending.
+/// What admission counts, kept with every change of a job's state: the
+/// pending jobs of each user and each queue, and each user's live (pending,
+/// running or stopping) dev environments.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct PendingCounts {
+pub(crate) struct AdmissionCounts {
     by_user: BTreeMap<String, u64>,
     by_queue: BTreeMap<QueueName, u64>,
+    dev_by_user: BTreeMap<String, u64>,
 }
 
-impl PendingCounts {
-    /// Counts the pending jobs of `jobs` from scratch.
-    pub(crate) fn of(jobs: &BTreeMap<JobId, Job>) -> PendingCounts {
-        let mut counts = PendingCounts::default();
-        for job in jobs.values().filter(|job| job.state == JobState::Pending) {
-            counts.changed(&job.user, &job.spec.queue, false, true);
+/// Whether a job in `state` holds a dev environment's place.
+fn live(state: JobState) -> bool {
+    matches!(
+        state,
+        JobState::Pending | JobState::Running | JobState::Stopping
+    )
+}
+
+/// One more (`up`) or one fewer of `key`; a count that reaches 0 goes.
+fn add<K: Ord + Clone>(counts: &mut BTreeMap<K, u64>, key: &K, up: bool) {
+    if up {
+        *counts.entry(key.clone()).or_default() += 1;
+    } else if let Some(count) = counts.get_mut(key) {
+        *count -= 1;
+        if *count == 0 {
+            counts.remove(key);
+        }
+    }
+}
+
+impl AdmissionCounts {
+    /// Counts `jobs` from scratch.
+    pub(crate) fn of(jobs: &BTreeMap<JobId, Job>) -> AdmissionCounts {
+        let mut counts = AdmissionCounts::default();
+        for job in jobs.values() {
+            counts.changed(&job.user, &job.spec, None, Some(job.state));
         }
         counts
     }
 
-    /// A job of `user` in `queue` went from pending or not to pending or
-    /// not.
-    pub(crate) fn changed(&mut self, user: &str, queue: &QueueName, was: bool, is: bool) {
-        match (was, is) {
-            (false, true) => {
-                *self.by_user.entry(user.to_string()).or_default() += 1;
-                *self.by_queue.entry(queue.clone()).or_default() += 1;
-            }
-            (true, false) => {
-                if let Some(count) = self.by_user.get_mut(user) {
-                    *count -= 1;
-                    if *count == 0 {
-                        self.by_user.remove(user);
-                    }
-                }
-                if let Some(count) = self.by_queue.get_mut(queue) {
-                    *count -= 1;
-                    if *count == 0 {
-                        self.by_queue.remove(queue);
-                    }
-                }
-            }
-            _ => {}
+    /// A job of `user` with `spec` went from state `was` to `is` (`None`:
+    /// not a job, before its submission or after its withdrawal).
+    pub(crate) fn changed(
+        &mut self,
+        user: &str,
+        spec: &JobSpec,
+        was: Option<JobState>,
+        is: Option<JobState>,
+    ) {
+        let pending = |state: Option<JobState>| state == Some(JobState::Pending);
+        if pending(was) != pending(is) {
+            add(&mut self.by_user, &user.to_string(), pending(is));
+            add(&mut self.by_queue, &spec.queue, pending(is));
+        }
+        let holds = |state: Option<JobState>| state.is_some_and(live);
+        if spec.is_dev_environment() && holds(was) != holds(is) {
+            add(&mut self.dev_by_user, &user.to_string(), holds(is));
         }
     }
 }
@@ -85,20 +103,12 @@ impl ControlPlane {
         if let Some(max) = submitter.max_dev
             && spec.is_dev_environment()
         {
-            // Dev environments come one at a time, by hand: a scan of the
-            // live jobs is cheap next to them.
             let live = self
-                .jobs
-                .values()
-                .filter(|job| {
-                    job.user == submitter.user
-                        && job.spec.is_dev_environment()
-                        && matches!(
-                            job.state,
-                            JobState::Pending | JobState::Running | JobState::Stopping
-                        )
-                })
-                .count() as u64;
+                .admission_counts
+                .dev_by_user
+                .get(submitter.user)
+                .copied()
+                .unwrap_or(0);
             if live + count > max {
                 return Err(format!(
                     "{user} has {live} dev environment(s) and may have at most {max}: stop one \
@@ -170,12 +180,16 @@ impl ControlPlane {
 
     /// How many jobs `user` has pending (array elements one each).
     pub fn pending_of_user(&self, user: &str) -> u64 {
-        self.pending_counts.by_user.get(user).copied().unwrap_or(0)
+        self.admission_counts
+            .by_user
+            .get(user)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// How many jobs queue `queue` has pending.
     pub fn pending_of_queue(&self, queue: &QueueName) -> u64 {
-        self.pending_counts
+        self.admission_counts
             .by_queue
             .get(queue)
             .copied()

@@ -20,7 +20,7 @@ pub mod services;
 mod state;
 pub mod usage;
 
-pub(crate) use admission::PendingCounts;
+pub(crate) use admission::AdmissionCounts;
 pub use admission::{
     DEFAULT_MAX_PRIORITY_CLASS, DEFAULT_NODE_LIMITS, NodeLimits, Submitter, node_claim_problems,
 };

@@ -199,7 +199,7 @@ impl ControlPlane {
             }
         }
         control.waiting = control.waiting_from_jobs();
-        control.pending_counts = crate::PendingCounts::of(&control.jobs);
+        control.admission_counts = crate::AdmissionCounts::of(&control.jobs);
         control.node_shapes = control.node_shapes_from_nodes();
         // Drift is derived from the stacks, not stored.
         let pools: std::collections::BTreeSet<_> = control

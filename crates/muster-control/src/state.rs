@@ -1,4 +1,4 @@
-use crate::PendingCounts;
+use crate::AdmissionCounts;
 use crate::records::Counters;
 use muster_model::{
     CpuMilli, JobId, JobSpec, MemoryMib, NodeName, NodeSpec, QueueName, QueueSpec, Time,
@@ -561,7 +561,7 @@ pub struct ControlPlane {
     /// How many jobs each user and each queue has pending (array elements
     /// one each), kept with every change of a job's state: what submission
     /// limits are checked against.
-    pub(crate) pending_counts: PendingCounts,
+    pub(crate) admission_counts: AdmissionCounts,
     /// The hot state: every job not finished, and finished ones for
     /// [`ControlConfig::retention_ms`] after they ended.
     pub(crate) jobs: BTreeMap<JobId, Job>,
@@ -856,7 +856,7 @@ impl ControlPlane {
     pub fn new(config: ControlConfig) -> Self {
         ControlPlane {
             config,
-            pending_counts: PendingCounts::default(),
+            admission_counts: AdmissionCounts::default(),
             jobs: BTreeMap::new(),
             nodes: BTreeMap::new(),
             allocations: BTreeMap::new(),
@@ -984,8 +984,8 @@ impl ControlPlane {
             )));
         }
         let after: Vec<JobId> = job.spec.after.iter().map(|d| d.job).collect();
-        self.pending_counts
-            .changed(&job.user, &job.spec.queue, true, false);
+        self.admission_counts
+            .changed(&job.user, &job.spec, Some(JobState::Pending), None);
         self.jobs.remove(&id);
         self.by_job.remove(&id);
         self.last_reasons.remove(&id);
@@ -1540,8 +1540,12 @@ impl ControlPlane {
             return;
         }
         job.state = JobState::Cancelled;
-        self.pending_counts
-            .changed(&job.user, &job.spec.queue, true, false);
+        self.admission_counts.changed(
+            &job.user,
+            &job.spec,
+            Some(JobState::Pending),
+            Some(JobState::Cancelled),
+        );
         job.finished = Some(now);
         job.pending_reason = None;
         job.queue_position = None;
@@ -1736,7 +1740,8 @@ impl ControlPlane {
                             array,
                         },
                     );
-                    self.pending_counts.changed(&user, &spec.queue, false, true);
+                    self.admission_counts
+                        .changed(&user, &spec, None, Some(JobState::Pending));
                     outputs.push(Output::JobChanged(element));
                 }
             }
@@ -2128,10 +2133,10 @@ impl ControlPlane {
         if job.stop_cause.is_none() || cause == StopCause::Cancel {
             job.stop_cause = Some(cause);
         }
-        let was_pending = job.state == JobState::Pending;
+        let was = job.state;
         job.state = JobState::Stopping;
-        self.pending_counts
-            .changed(&job.user, &job.spec.queue, was_pending, false);
+        self.admission_counts
+            .changed(&job.user, &job.spec, Some(was), Some(job.state));
         job.history.push((now, format!("stopping: {why}")));
         changed(outputs, Output::JobChanged(id));
         for allocation_id in job.allocations.clone() {
@@ -2238,14 +2243,10 @@ impl ControlPlane {
             *self.attained.entry(id).or_default() +=
                 job_gpus(job) * now.millis_since(started) as f64 / 1000.0;
         }
-        let was_pending = job.state == JobState::Pending;
+        let was = job.state;
         job.state = state;
-        self.pending_counts.changed(
-            &job.user,
-            &job.spec.queue,
-            was_pending,
-            state == JobState::Pending,
-        );
+        self.admission_counts
+            .changed(&job.user, &job.spec, Some(was), Some(state));
         job.stop_cause = None;
         job.history.push((now, note));
         self.memory_limited.remove(&id);
@@ -3012,10 +3013,10 @@ impl ControlPlane {
             self.allocations.insert(allocation.id, allocation);
         }
         if let Some(job) = self.jobs.get_mut(&id) {
-            let was_pending = job.state == JobState::Pending;
+            let was = job.state;
             job.state = JobState::Running;
-            self.pending_counts
-                .changed(&job.user, &job.spec.queue, was_pending, false);
+            self.admission_counts
+                .changed(&job.user, &job.spec, Some(was), Some(job.state));
             job.attempts += 1;
             job.started = Some(now);
             if let Some(due) = deadline_of(job) {
@@ -3070,11 +3071,11 @@ impl ControlPlane {
 
     /// Recomputes derived state from scratch and checks every invariant.
     pub fn check_invariants(&self) -> Result<(), String> {
-        if self.pending_counts != PendingCounts::of(&self.jobs) {
+        if self.admission_counts != AdmissionCounts::of(&self.jobs) {
             return Err(format!(
-                "the pending counts {:?} are not those of the jobs {:?}",
-                self.pending_counts,
-                PendingCounts::of(&self.jobs)
+                "the admission counts {:?} are not those of the jobs {:?}",
+                self.admission_counts,
+                AdmissionCounts::of(&self.jobs)
             ));
         }
         // No array runs more elements at once than its limit.
