@@ -662,6 +662,7 @@ impl Shell {
                 user,
                 needs_user: root,
                 procs: config.cgroups.task(&key).procs_files(),
+                cgroup: config.cgroups.task(&key),
                 container: task
                     .image
                     .is_some()

@@ -41,6 +41,9 @@ pub struct TaskContext {
     pub needs_user: bool,
     /// The task's `cgroup.procs` files.
     pub procs: Vec<PathBuf>,
+    /// The task's cgroup (whose members a network check's listener must be
+    /// among).
+    pub cgroup: crate::runtime::cgroup::TaskCgroup,
     /// A container task: the agent's state directory and the task's key
     /// (its checks run inside the container, see
     /// [`crate::container::exec_check`]).
@@ -298,18 +301,9 @@ async fn network_check(
         Some(path) => format!("GET {path}"),
         None => "TCP".to_string(),
     };
-    let (port, job, procs) = (check.port, context.job, context.procs.clone());
+    let (port, job, cgroup) = (check.port, context.job, context.cgroup.clone());
     let found = tokio::task::spawn_blocking(move || {
-        // The task's pids from its cgroup (the first file that reads).
-        let members: Option<Vec<i32>> = procs.iter().find_map(|file| {
-            let text = std::fs::read_to_string(file).ok()?;
-            Some(
-                text.lines()
-                    .filter_map(|line| line.trim().parse().ok())
-                    .collect(),
-            )
-        });
-        crate::runtime::ports::task_listener(port, members.as_deref(), job)
+        crate::runtime::ports::task_listener(port, cgroup.members().as_deref(), job)
     })
     .await
     .map_err(|error| format!("{shown}: {error}"))?;
@@ -490,6 +484,7 @@ mod tests {
                 user: None,
                 needs_user: true,
                 procs: Vec::new(),
+                cgroup: crate::runtime::cgroup::TaskCgroup::None,
                 container: None,
             };
             // No cgroup, and this process names no job: not sent.
@@ -503,9 +498,15 @@ mod tests {
             assert!(error.contains("not sent"), "{error}");
             // This process as the task (its "cgroup" lists its pid).
             let dir = tempfile::tempdir().expect("a directory");
-            let procs = dir.path().join("cgroup.procs");
-            std::fs::write(&procs, format!("{}\n", std::process::id())).expect("written");
-            context.procs = vec![procs];
+            std::fs::write(
+                dir.path().join("cgroup.procs"),
+                format!("{}\n", std::process::id()),
+            )
+            .expect("written");
+            context.cgroup = crate::runtime::cgroup::TaskCgroup::V2 {
+                dir: dir.path().to_path_buf(),
+                memory: false,
+            };
             assert_eq!(
                 network_check(&check, &context, Duration::from_secs(5)).await,
                 Ok(())

@@ -82,6 +82,9 @@ fn kernel_address(hex: &str) -> Option<std::net::IpAddr> {
     }
 }
 
+/// The most file descriptors [`task_listener`] looks at for one check.
+const MOST_SEARCHED: usize = 65_536;
+
 /// Where a replica's own listener on `port` is reached: the address its
 /// socket is bound to (loopback for a wildcard), found only when a
 /// process of the task holds that socket. `members`: the task's pids
@@ -108,21 +111,29 @@ pub fn task_listener(
     if sockets.is_empty() {
         return Err(not_sent("nothing listens there"));
     }
+    // A task decides how many processes and descriptors it has: the search
+    // stops after MOST_SEARCHED descriptors in all (then: not sent).
+    let searched = std::cell::Cell::new(0usize);
     let holds = |pid: i32| -> Option<std::net::IpAddr> {
         let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
-        fds.flatten().find_map(|fd| {
-            let target = std::fs::read_link(fd.path()).ok()?;
-            let inode: u64 = target
-                .to_str()?
-                .strip_prefix("socket:[")?
-                .strip_suffix(']')?
-                .parse()
-                .ok()?;
-            sockets
-                .iter()
-                .find(|(listening, _)| *listening == inode)
-                .map(|(_, address)| *address)
-        })
+        fds.flatten()
+            .take_while(|_| {
+                searched.set(searched.get() + 1);
+                searched.get() <= MOST_SEARCHED
+            })
+            .find_map(|fd| {
+                let target = std::fs::read_link(fd.path()).ok()?;
+                let inode: u64 = target
+                    .to_str()?
+                    .strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .parse()
+                    .ok()?;
+                sockets
+                    .iter()
+                    .find(|(listening, _)| *listening == inode)
+                    .map(|(_, address)| *address)
+            })
     };
     let found = match members.filter(|members| !members.is_empty()) {
         Some(members) => members.iter().find_map(|&pid| holds(pid)),
@@ -142,6 +153,12 @@ pub fn task_listener(
                 .find_map(holds)
         }
     };
+    if found.is_none() && searched.get() > MOST_SEARCHED {
+        return Err(not_sent(&format!(
+            "its task holds more than {MOST_SEARCHED} descriptors, too many to search for its \
+             listener"
+        )));
+    }
     let address = found.ok_or_else(|| not_sent("it is not held by this replica's task"))?;
     let address = match address {
         std::net::IpAddr::V4(v4) if v4.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
