@@ -424,7 +424,7 @@ fn start(
             command: std::iter::once(program.clone())
                 .chain(arguments.iter().cloned())
                 .collect(),
-            env: Some(env),
+            env,
         };
         let (pid, pipe) = fork_init(&plan, [log, log_too], &procs, dynamic)?;
         return Ok(Started {

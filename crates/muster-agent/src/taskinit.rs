@@ -1,8 +1,7 @@
 //! A task's init: the first process (pid 1) of a task's own PID
 //! namespace, which its supervisor creates (`unshare(CLONE_NEWPID)`, then
 //! a fork that runs [`run_plan`]: no second exec of this program); `muster
-//! task-init UID GID GROUPS CWD -- COMMAND...` runs the same by hand, and
-//! `muster task-init --probe` tells whether a host allows it.
+//! task-init --probe` tells whether a host allows it.
 //!
 //! As root, it makes the task a mount namespace of its own: mounts made
 //! private, a fresh tmpfs on `/tmp` and on `/dev/shm` (they vanish with the
@@ -44,89 +43,25 @@ pub struct InitPlan {
     /// The task's working directory (absolute).
     pub working_dir: PathBuf,
     pub command: Vec<String>,
-    /// The command's environment; `None`: this process's (an init started
-    /// as `muster task-init` got it from its supervisor).
-    pub env: Option<std::collections::BTreeMap<String, String>>,
+    /// The command's environment (nothing of the supervisor's).
+    pub env: std::collections::BTreeMap<String, String>,
 }
 
-impl InitPlan {
-    /// The arguments after `task-init`.
-    pub fn to_args(&self) -> Vec<String> {
-        let (uid, gid, groups) = match &self.user {
-            Some((uid, gid, groups)) => (
-                uid.to_string(),
-                gid.to_string(),
-                if groups.is_empty() {
-                    "-".to_string()
-                } else {
-                    groups
-                        .iter()
-                        .map(u32::to_string)
-                        .collect::<Vec<_>>()
-                        .join(",")
-                },
-            ),
-            None => ("-".to_string(), "-".to_string(), "-".to_string()),
-        };
-        let mut args = vec![
-            uid,
-            gid,
-            groups,
-            self.working_dir.display().to_string(),
-            "--".to_string(),
-        ];
-        args.extend(self.command.iter().cloned());
-        args
-    }
-
-    /// Reads what [`to_args`](Self::to_args) wrote.
-    pub fn parse(args: &[String]) -> Result<InitPlan, String> {
-        const USAGE: &str = "usage: muster task-init UID GID GROUPS CWD -- COMMAND... (started \
-                             by a task's supervisor, not by hand)";
-        let split = args.iter().position(|arg| arg == "--").ok_or(USAGE)?;
-        let (head, command) = (&args[..split], &args[split + 1..]);
-        let [uid, gid, groups, cwd] = head else {
-            return Err(USAGE.to_string());
-        };
-        if command.is_empty() {
-            return Err(USAGE.to_string());
-        }
-        let number = |text: &str| text.parse::<u32>().map_err(|_| USAGE.to_string());
-        let user = match (uid.as_str(), gid.as_str()) {
-            ("-", "-") => None,
-            (uid, gid) => {
-                let groups = match groups.as_str() {
-                    "-" => Vec::new(),
-                    list => list
-                        .split(',')
-                        .map(number)
-                        .collect::<Result<Vec<u32>, String>>()?,
-                };
-                Some((number(uid)?, number(gid)?, groups))
-            }
-        };
-        Ok(InitPlan {
-            user,
-            working_dir: PathBuf::from(cwd),
-            command: command.to_vec(),
-            env: None,
-        })
-    }
-}
-
-/// `task-init --probe` (see [`probe`]: exit 0 when namespaces can be
-/// made, else 1 with why on stderr) or the init itself.
+/// `task-init --probe`: exit 0 when namespaces can be made, else 1 with
+/// why on stderr (see [`probe`]). A task's init itself is forked by its
+/// supervisor ([`run_plan`]), never started by name.
 pub fn entry(args: &[String]) -> i32 {
-    if args.first().map(String::as_str) == Some("--probe") {
-        return match probe() {
-            Ok(()) => 0,
-            Err(why) => {
-                eprintln!("{why}");
-                1
-            }
-        };
+    if args.first().map(String::as_str) != Some("--probe") || args.len() != 1 {
+        eprintln!("usage: muster task-init --probe (run by the agent at its start)");
+        return 2;
     }
-    main(args)
+    match probe() {
+        Ok(()) => 0,
+        Err(why) => {
+            eprintln!("{why}");
+            1
+        }
+    }
 }
 
 /// Whether `SUPERVISOR task-init --probe` can give tasks namespaces on this
@@ -144,23 +79,10 @@ pub fn namespaces_available(supervisor: &Path) -> Result<(), String> {
     }
 }
 
-/// Runs the init; `args` are what follows `task-init`. Returns the
-/// process's exit code.
-pub fn main(args: &[String]) -> i32 {
-    let plan = match InitPlan::parse(args) {
-        Ok(plan) => plan,
-        Err(usage) => {
-            eprintln!("{usage}");
-            return 2;
-        }
-    };
-    run_plan(&plan)
-}
-
 /// Is the init: makes the mounts, starts the command, reaps until it ends
 /// and says how on standard input. Returns the init's exit code. The
 /// supervisor calls it in the child it forks (no second exec of this
-/// program: the cheaper start), `muster task-init` after parsing.
+/// program: the cheaper start).
 pub fn run_plan(plan: &InitPlan) -> i32 {
     match run(plan) {
         Ok(child) => {
@@ -210,12 +132,11 @@ fn run(plan: &InitPlan) -> Result<Pid, String> {
         nix::unistd::setgid(Gid::from_raw(*gid)).map_err(|e| format!("setgid: {e}"))?;
         nix::unistd::setuid(Uid::from_raw(*uid)).map_err(|e| format!("setuid: {e}"))?;
     }
-    let mut command = std::process::Command::new(&plan.command[0]);
-    command.args(&plan.command[1..]).stdin(Stdio::null());
-    if let Some(env) = &plan.env {
-        command.env_clear().envs(env);
-    }
-    let child = command
+    let child = std::process::Command::new(&plan.command[0])
+        .args(&plan.command[1..])
+        .env_clear()
+        .envs(&plan.env)
+        .stdin(Stdio::null())
         .spawn()
         .map_err(|error| format!("cannot start `{}`: {error}", plan.command[0]))?;
     Ok(Pid::from_raw(child.id() as i32))
@@ -412,27 +333,6 @@ pub fn final_status(text: &str) -> Option<(Option<i32>, Option<i32>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_plan_goes_through_its_arguments_unchanged() {
-        for user in [
-            None,
-            Some((200_001, 200_001, vec![])),
-            Some((1000, 100, vec![27, 44])),
-        ] {
-            let plan = InitPlan {
-                user,
-                working_dir: PathBuf::from("/home/alice/project"),
-                command: vec!["sh".into(), "-c".into(), "echo -- hi".into()],
-                env: None,
-            };
-            let args = plan.to_args();
-            assert_eq!(InitPlan::parse(&args), Ok(plan));
-        }
-        assert!(InitPlan::parse(&["7".into(), "--".into(), "sh".into()]).is_err());
-        let no_command: Vec<String> = ["-", "-", "-", "/", "--"].map(String::from).into();
-        assert!(InitPlan::parse(&no_command).is_err());
-    }
 
     #[test]
     fn the_last_status_line_says_how_the_task_ended() {

@@ -31,8 +31,9 @@ fn main() -> ExitCode {
             let code = muster_agent::supervise::main(&rest);
             return ExitCode::from(u8::try_from(code).unwrap_or(1));
         }
-        // `muster task-init ...`: pid 1 of a task's own namespaces, started
-        // by its supervisor (see muster_agent::taskinit).
+        // `muster task-init --probe`: whether tasks can have namespaces of
+        // their own here, asked by the agent at start (see
+        // muster_agent::taskinit).
         Some("task-init") => {
             let rest: Vec<String> = args.collect();
             let code = muster_agent::taskinit::entry(&rest);
