@@ -455,15 +455,6 @@ impl ProbeState {
         }
     }
 
-    /// Whether a check is due for a replica running since `started`.
-    pub fn due(&self, probe: &Probe, started: Time, now: Time) -> bool {
-        if now.millis_since(started) < probe.initial_delay.as_millis() as u64 {
-            return false;
-        }
-        self.last
-            .is_none_or(|last| now.millis_since(last) >= probe.period.as_millis() as u64)
-    }
-
     /// Takes a check's result (`Err`: why it failed).
     pub fn record(&mut self, probe: &Probe, now: Time, result: Result<(), String>) {
         self.last = Some(now);
@@ -806,11 +797,8 @@ mod tests {
         probe.success_threshold = 2;
         probe.initial_delay = Duration::from_secs(5);
         let mut state = ProbeState::new(false);
-        assert!(!state.due(&probe, Time(0), Time(4_999)));
-        assert!(state.due(&probe, Time(0), Time(5_000)));
         state.record(&probe, Time(5_000), Ok(()));
         assert!(!state.passing);
-        assert!(!state.due(&probe, Time(0), Time(6_000)));
         state.record(&probe, Time(7_000), Ok(()));
         assert!(state.passing);
         state.record(&probe, Time(9_000), Err("refused".into()));

@@ -57,9 +57,8 @@ pub struct Probe {
     pub initial_delay: Duration,
 }
 
-/// The longest a check may take: the controller waits for a round's HTTP
-/// and TCP checks together, so one replica that accepts and never answers
-/// holds every service's next round that long.
+/// The longest a check may take (the replica's agent runs it; a check that
+/// runs longer fails).
 pub const MAX_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest autoscaling window: the autoscaler keeps what it wanted over
