@@ -254,19 +254,17 @@ fn parse_value(value: &Value, stored: bool) -> Result<model::ServiceSpec, SpecEr
         .get("auth")
         .and_then(|value| reader.section(value, "auth", AUTH_FIELDS))
         .and_then(|auth| match auth.get("bearer_secret") {
-            Some(Value::String(name))
-                if !name.is_empty()
-                    && name.len() <= 128
-                    && !name.chars().any(|c| c.is_whitespace() || c.is_control()) =>
-            {
+            // A secret's name as a job's `env: {X: {secret: NAME}}` takes.
+            Some(Value::String(name)) if model::is_plain_name(name) && name.len() <= 63 => {
                 Some(name.clone())
             }
             Some(other) => {
                 reader.fail(
                     "auth.bearer_secret",
                     format!(
-                        "expected the name of a secret (`muster secrets set NAME`) whose value \
-                         callers send as `Authorization: Bearer VALUE`, got {other}"
+                        "expected the name of a secret (`muster secrets set NAME`: 1 to 63 \
+                         letters, digits, '-', '_' or '.') whose value callers send as \
+                         `Authorization: Bearer VALUE`, got {other}"
                     ),
                 );
                 None
@@ -856,6 +854,10 @@ autoscale: {min_replicas: 0, max_replicas: 2, requests_per_second: 5, window: 1h
         for (bad, says) in [
             ("auth: {bearer_secret: 7}", "expected the name of a secret"),
             ("auth: {bearer_secret: ''}", "expected the name of a secret"),
+            (
+                "auth: {bearer_secret: 'a b'}",
+                "expected the name of a secret",
+            ),
             ("auth: {}", "auth needs bearer_secret"),
             ("auth: {token: x}", "unknown field"),
             ("auth: yes", "expected a mapping"),

@@ -205,17 +205,13 @@ pub struct SubmitBench {
     /// data directory). Its jobs stay pending in pool `muster-bench-unplaced`.
     #[arg(long, value_name = "URL")]
     pub server: Option<String>,
-    /// The admin token of --server (prefer --token-file or $MUSTER_TOKEN:
-    /// a value on the command line is visible in /proc).
-    #[arg(long, env = "MUSTER_TOKEN", hide_env_values = true)]
+    /// The admin token of --server (default: --token-file,
+    /// $MUSTER_TOKEN_FILE, $MUSTER_TOKEN, as for every command; prefer
+    /// those: a value on the command line is visible in /proc).
+    #[arg(long)]
     pub token: Option<String>,
     /// A file holding the admin token of --server.
-    #[arg(
-        long,
-        value_name = "PATH",
-        env = "MUSTER_TOKEN_FILE",
-        conflicts_with = "token"
-    )]
+    #[arg(long, value_name = "PATH", conflicts_with = "token")]
     pub token_file: Option<std::path::PathBuf>,
     /// Serve the in-process server over plain HTTP instead of HTTPS (to
     /// measure what TLS costs).
@@ -903,10 +899,10 @@ async fn submit_to(args: &SubmitBench, store: Option<&str>) -> Result<(f64, f64,
     };
     let mut in_process = None;
     let mut _dir = None;
-    let given = match (&args.token, &args.token_file) {
-        (Some(token), _) => Some(token.clone()),
-        (None, Some(file)) => Some(crate::commands::read_token_file(file)?),
-        (None, None) => None,
+    // Only a running server needs one (the in-process one makes its own).
+    let given = match &args.server {
+        Some(_) => crate::commands::given_token(args.token.as_deref(), args.token_file.as_deref())?,
+        None => None,
     };
     let (url, token, trust) = match (&args.server, &given) {
         (Some(url), Some(token)) => (url.clone(), token.clone(), env_trust()?),

@@ -80,6 +80,22 @@ pub struct Connection {
     pub json: bool,
 }
 
+/// The token a command was given, first found of: `--token`,
+/// `--token-file`, `$MUSTER_TOKEN_FILE`, `$MUSTER_TOKEN` (what the user
+/// wrote on the command line wins over the environment).
+pub fn given_token(token: Option<&str>, file: Option<&std::path::Path>) -> Result<Option<String>> {
+    if let Some(token) = token {
+        return Ok(Some(token.to_string()));
+    }
+    let file = file
+        .map(std::path::Path::to_path_buf)
+        .or_else(|| std::env::var_os("MUSTER_TOKEN_FILE").map(PathBuf::from));
+    match file {
+        Some(file) => read_token_file(&file).map(Some),
+        None => Ok(std::env::var("MUSTER_TOKEN").ok()),
+    }
+}
+
 /// The token in `file` (surrounding white space taken off): an error that
 /// names the file when it cannot be read or holds nothing.
 pub fn read_token_file(file: &std::path::Path) -> Result<String> {
@@ -209,16 +225,9 @@ impl Connection {
             .or_else(|| std::env::var("MUSTER_SERVER").ok())
             .or_else(|| config["server"].as_str().map(str::to_string))
             .unwrap_or_else(|| DEFAULT_SERVER.to_string());
-        let token_file = self
-            .token_file
-            .clone()
-            .or_else(|| std::env::var_os("MUSTER_TOKEN_FILE").map(PathBuf::from));
-        let given = match (&self.token, token_file) {
-            (Some(token), _) => Some(token.clone()),
-            (None, Some(file)) => Some(read_token_file(&file)?),
-            (None, None) => std::env::var("MUSTER_TOKEN")
-                .ok()
-                .or_else(|| config["token"].as_str().map(str::to_string)),
+        let given = match given_token(self.token.as_deref(), self.token_file.as_deref())? {
+            Some(token) => Some(token),
+            None => config["token"].as_str().map(str::to_string),
         };
         // The admin token from a file (`muster up`'s) submits as the login
         // user; a user's own token is its user's, and says nothing more.
