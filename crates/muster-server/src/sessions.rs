@@ -5,7 +5,7 @@
 //! and when it ends. Memory only, bounded: a restarted or newly elected
 //! server signs browsers out, and past [`MAX_SESSIONS`] the oldest goes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeSet, HashMap};
 
 /// How long a session lasts from its sign-in.
 pub const SESSION_TTL_MS: u64 = 12 * 3_600_000;
@@ -23,7 +23,7 @@ struct Session {
 pub struct Sessions {
     by_id: HashMap<String, Session>,
     /// (created, id): the oldest first.
-    order: BTreeMap<(u64, String), ()>,
+    order: BTreeSet<(u64, String)>,
 }
 
 impl Sessions {
@@ -32,13 +32,13 @@ impl Sessions {
     pub fn open(&mut self, token: &str, now_ms: u64) -> Result<String, crate::auth::TokenError> {
         self.expire(now_ms);
         while self.by_id.len() >= MAX_SESSIONS {
-            let Some(((_, oldest), ())) = self.order.pop_first() else {
+            let Some((_, oldest)) = self.order.pop_first() else {
                 break;
             };
             self.by_id.remove(&oldest);
         }
         let id = crate::auth::new_token()?;
-        self.order.insert((now_ms, id.clone()), ());
+        self.order.insert((now_ms, id.clone()));
         self.by_id.insert(
             id.clone(),
             Session {
@@ -64,13 +64,13 @@ impl Sessions {
     }
 
     fn expire(&mut self, now_ms: u64) {
-        while let Some((&(created, ref id), ())) = self.order.first_key_value() {
+        while let Some((created, _)) = self.order.first() {
             if now_ms < created.saturating_add(SESSION_TTL_MS) {
                 break;
             }
-            let id = id.clone();
-            self.order.pop_first();
-            self.by_id.remove(&id);
+            if let Some((_, id)) = self.order.pop_first() {
+                self.by_id.remove(&id);
+            }
         }
     }
 
