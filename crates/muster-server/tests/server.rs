@@ -3870,15 +3870,7 @@ async fn a_user_s_services_and_dev_environments_are_bounded_and_staff_s_are_not(
         let server = Server::start(config).await.expect("server starts");
         let api = Api::new(&server);
         let admin = server.admin_token().to_string();
-        let (status, body) = api
-            .post(
-                "/v1/users",
-                &admin,
-                json!({ "name": "alice", "role": "user", "queues": ["default"] }),
-            )
-            .await;
-        assert_eq!(status, StatusCode::CREATED, "{body}");
-        let alice = body["token"].as_str().expect("a token").to_string();
+        let alice = add_user(&api, &admin, "alice").await;
         let service = |name: &str| {
             json!({ "spec": { "kind": "service", "name": name, "replicas": 1, "gpus": 0,
                               "command": ["sleep", "600"] } })
@@ -4022,6 +4014,56 @@ async fn a_service_with_a_bearer_secret_is_reached_only_with_its_token() {
             "past the check, no replica yet"
         );
         gateway.stop().await;
+        server.shutdown().await;
+    })
+    .await;
+}
+
+/// Adds an ordinary user of queue `default`: its token.
+async fn add_user(api: &Api, admin: &str, name: &str) -> String {
+    let (status, body) = api
+        .post(
+            "/v1/users",
+            admin,
+            json!({ "name": name, "role": "user", "queues": ["default"] }),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    body["token"].as_str().expect("a token").to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_defaults_a_user_has_20_services_and_4_dev_environments() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(dir.path()).await;
+        let api = Api::new(&server);
+        let admin = server.admin_token().to_string();
+        let alice = add_user(&api, &admin, "alice").await;
+        for index in 0..=20 {
+            let spec = json!({ "spec": { "kind": "service", "name": format!("s{index}"),
+                                         "replicas": 0, "gpus": 0, "command": ["true"] } });
+            let (status, body) = api.post("/v1/services", &alice, spec).await;
+            let expected = if index < 20 {
+                StatusCode::CREATED
+            } else {
+                StatusCode::FORBIDDEN
+            };
+            assert_eq!(status, expected, "service {index}: {body}");
+        }
+        for index in 0..=4 {
+            let spec = json!({ "spec": { "name": format!("box-{index}"), "gpus": 0,
+                                         "command": [muster_model::DEV_SESSION_COMMAND],
+                                         "preemptible": false },
+                               "allow_pending": true });
+            let (status, body) = api.post("/v1/jobs", &alice, spec).await;
+            let expected = if index < 4 {
+                StatusCode::CREATED
+            } else {
+                StatusCode::FORBIDDEN
+            };
+            assert_eq!(status, expected, "dev environment {index}: {body}");
+        }
         server.shutdown().await;
     })
     .await;

@@ -127,32 +127,45 @@ pub struct AdmissionArgs {
     /// The most jobs (array elements one each) a user may have pending
     /// unless `muster users set NAME --max-pending` says otherwise, or
     /// `unlimited`; operators and admins have no default limit.
-    #[arg(long, value_name = "N", default_value = "10000", value_parser = parse_pending_limit)]
-    pub max_pending_per_user: PendingLimit,
+    #[arg(long, value_name = "N", value_parser = parse_count_limit,
+          default_value_t = CountLimit(Some(muster_server::DEFAULT_MAX_PENDING_PER_USER)))]
+    pub max_pending_per_user: CountLimit,
     /// The most services an ordinary user may have, or `unlimited`
     /// (operators and admins have no limit but the cluster's 1,000).
-    #[arg(long, value_name = "N", default_value = "20", value_parser = parse_pending_limit)]
-    pub max_services_per_user: PendingLimit,
+    #[arg(long, value_name = "N", value_parser = parse_count_limit,
+          default_value_t = CountLimit(Some(muster_server::DEFAULT_MAX_SERVICES_PER_USER)))]
+    pub max_services_per_user: CountLimit,
     /// The most dev environments (pending or running) an ordinary user may
     /// have at once, or `unlimited`.
-    #[arg(long, value_name = "N", default_value = "4", value_parser = parse_pending_limit)]
-    pub max_dev_per_user: PendingLimit,
+    #[arg(long, value_name = "N", value_parser = parse_count_limit,
+          default_value_t = CountLimit(Some(muster_server::DEFAULT_MAX_DEV_PER_USER)))]
+    pub max_dev_per_user: CountLimit,
     /// New nodes join in `pending-approval`: shown, heartbeating, given no
     /// work (and so no secret) until `muster nodes approve NAME`.
     #[arg(long)]
     pub approve_nodes: bool,
 }
 
-/// `--max-pending-per-user`: a count, or `None` for unlimited.
+/// `--max-pending-per-user` and the other per-user limits: a count, or
+/// `None` for unlimited.
 #[derive(Debug, Clone, Copy)]
-pub struct PendingLimit(pub Option<u64>);
+pub struct CountLimit(pub Option<u64>);
 
-fn parse_pending_limit(text: &str) -> Result<PendingLimit, String> {
+impl std::fmt::Display for CountLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(count) => write!(f, "{count}"),
+            None => f.write_str("unlimited"),
+        }
+    }
+}
+
+fn parse_count_limit(text: &str) -> Result<CountLimit, String> {
     match text.trim() {
-        "unlimited" => Ok(PendingLimit(None)),
+        "unlimited" => Ok(CountLimit(None)),
         number => number
             .parse::<u64>()
-            .map(|n| PendingLimit(Some(n)))
+            .map(|n| CountLimit(Some(n)))
             .map_err(|_| format!("{text:?} is neither a whole number nor `unlimited`")),
     }
 }
