@@ -413,6 +413,27 @@ fn shell_named(marker: &str) -> Option<i32> {
 /// her task's environment (her secret), its memory, `ptrace`, `kill -9`,
 /// her files in `/tmp`, and the agent's files. Her job runs on, her secret
 /// is nowhere in his output, and his task sees none of her processes.
+/// Two ordinary users, Alice and Bob, with no account on the node: their
+/// clients.
+fn alice_and_bob(
+    cluster: &Cluster,
+    rt: &tokio::runtime::Runtime,
+    admin: &muster_api::client::Client,
+) -> (muster_api::client::Client, muster_api::client::Client) {
+    let client_of = |name: &str| {
+        let token = rt
+            .block_on(admin.add_user(&muster_api::protocol::UserCreate {
+                name: name.to_string(),
+                role: "user".to_string(),
+                queues: Vec::new(),
+            }))
+            .expect("a user")
+            .token;
+        cluster.client_with(&cluster.url(), &token)
+    };
+    (client_of("alice"), client_of("bob"))
+}
+
 #[test]
 fn two_tenants_on_one_node_cannot_reach_each_other() {
     let cluster = Cluster::start("10s");
@@ -420,17 +441,7 @@ fn two_tenants_on_one_node_cannot_reach_each_other() {
     let rt = runtime();
     let admin = cluster.client();
     wait_for_nodes(&rt, &admin, 1);
-    let token_of = |name: &str| {
-        rt.block_on(admin.add_user(&muster_api::protocol::UserCreate {
-            name: name.to_string(),
-            role: "user".to_string(),
-            queues: Vec::new(),
-        }))
-        .expect("a user")
-        .token
-    };
-    let alice = cluster.client_with(&cluster.url(), &token_of("alice"));
-    let bob = cluster.client_with(&cluster.url(), &token_of("bob"));
+    let (alice, bob) = alice_and_bob(&cluster, &rt, &admin);
     let tag = std::process::id();
     let marker = format!("muster-alice-{tag}");
     let secret = format!("hf_alice_{tag}");
@@ -744,17 +755,7 @@ fn a_neighbour_cannot_take_a_shell_in_another_user_s_dev_environment() {
     let rt = runtime();
     let admin = cluster.client();
     wait_for_nodes(&rt, &admin, 1);
-    let token_of = |name: &str| {
-        rt.block_on(admin.add_user(&muster_api::protocol::UserCreate {
-            name: name.to_string(),
-            role: "user".to_string(),
-            queues: Vec::new(),
-        }))
-        .expect("a user")
-        .token
-    };
-    let alice = cluster.client_with(&cluster.url(), &token_of("alice"));
-    let bob = cluster.client_with(&cluster.url(), &token_of("bob"));
+    let (alice, bob) = alice_and_bob(&cluster, &rt, &admin);
     let dev = serde_json::json!({
         "name": "her-box", "gpus": 1,
         "command": [muster_model::DEV_SESSION_COMMAND],

@@ -368,36 +368,25 @@ fn a_node_waiting_for_approval_gets_no_job_and_no_secret_until_approved() {
         found.is_empty(),
         "the pending node holds the secret: {found:?}"
     );
-    let listed = common::muster(
-        cluster.dir.path(),
-        &[
-            "nodes",
+    // The operator's CLI, its token from the file.
+    let (url, fingerprint) = (cluster.url(), cluster.ca_sha256());
+    let admin_file = admin_file.to_str().expect("utf-8 path");
+    let cli = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend([
             "--server",
-            &cluster.url(),
+            &url,
             "--token-file",
-            admin_file.to_str().expect("utf-8 path"),
+            admin_file,
             "--ca-sha256",
-            &cluster.ca_sha256(),
-        ],
-    );
-    let listed = common::success(&listed);
+            &fingerprint,
+        ]);
+        common::success(&common::muster(cluster.dir.path(), &all))
+    };
+    let listed = cli(&["nodes"]);
     assert!(listed.contains("pending-approval"), "{listed}");
     // An operator approves it.
-    let approved = common::muster(
-        cluster.dir.path(),
-        &[
-            "nodes",
-            "approve",
-            "newcomer",
-            "--server",
-            &cluster.url(),
-            "--token-file",
-            admin_file.to_str().expect("utf-8 path"),
-            "--ca-sha256",
-            &cluster.ca_sha256(),
-        ],
-    );
-    assert!(common::success(&approved).contains("approved"));
+    assert!(cli(&["nodes", "approve", "newcomer"]).contains("approved"));
     assert_eq!(
         rt.block_on(client.node("newcomer"))
             .expect("the node")
