@@ -533,6 +533,10 @@ impl PoolPolicy {
     }
 }
 
+/// The most nodes that wait for approval at once
+/// ([`ControlConfig::approve_nodes`]).
+pub const MAX_PENDING_APPROVAL: usize = 1_024;
+
 /// The default retention of finished jobs in the hot state: one hour.
 pub const DEFAULT_RETENTION_MS: u64 = 3_600_000;
 
@@ -1787,6 +1791,17 @@ impl ControlPlane {
                     )));
                 }
                 let name = spec.name.clone();
+                // Under approval, whoever holds a join token cannot fill the
+                // cluster with nodes that wait: at most MAX_PENDING_APPROVAL.
+                if self.config.approve_nodes && !self.nodes.contains_key(&name) {
+                    let waiting = self.nodes.values().filter(|n| n.pending_approval).count();
+                    if waiting >= MAX_PENDING_APPROVAL {
+                        return Err(ControlError::Conflict(format!(
+                            "node {name} cannot join: {waiting} nodes already wait for approval \
+                             (`muster nodes approve NAME`, or `muster nodes remove NAME`)"
+                        )));
+                    }
+                }
                 if let Some(old) = self.nodes.get(&name) {
                     // Work placed on GPUs the node no longer has (or no
                     // longer has room for) cannot run there: re-queued.

@@ -1962,6 +1962,33 @@ fn under_approve_nodes_a_new_node_takes_no_work_until_approved_and_keeps_it_acro
     // Nor does registering again take the approval back.
     world.step(register(&spec));
     assert!(!world.control.node(&node).expect("known").pending_approval);
+    // At most MAX_PENDING_APPROVAL new nodes wait at once.
+    for index in 0..muster_control::MAX_PENDING_APPROVAL {
+        world.step(Input::Register {
+            spec: MakeNode::new(&format!("w{index}"))
+                .gpus(1, "H100-80GB")
+                .build()
+                .spec,
+            address: "10.0.1.1".into(),
+            software: Software::default(),
+        });
+    }
+    let refused = world
+        .control
+        .handle(
+            world.now,
+            Input::Register {
+                spec: MakeNode::new("one-too-many")
+                    .gpus(1, "H100-80GB")
+                    .build()
+                    .spec,
+                address: "10.0.1.2".into(),
+                software: Software::default(),
+            },
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("already wait for approval"), "{refused}");
     // An unknown node cannot be approved.
     assert!(
         world
