@@ -130,15 +130,22 @@ async fn a_container_task_gets_the_task_contract_and_its_exit_code() {
     assert!(log.contains("MUSTER_GPU_UUIDS=GPU-a,GPU-b"), "{log}");
     // Half a CPU: 50 ms of every 100 ms (cgroup v1 or v2).
     assert!(log.contains("quota 50000"), "the CPU limit: {log}");
-    // Run as root, the agent runs tasks as nobody: so does the container.
-    let nobody = nix::unistd::User::from_name("nobody")
-        .ok()
-        .flatten()
-        .map(|user| user.uid.as_raw().to_string());
-    if nix::unistd::Uid::effective().is_root()
-        && let Some(uid) = nobody
-    {
-        assert!(log.lines().any(|line| line == uid), "uid {uid}: {log}");
+    // Run as root, the agent gives a task whose user has no account here
+    // a uid of its own from its range (never root, never a shared
+    // `nobody`): so does the container.
+    if nix::unistd::Uid::effective().is_root() {
+        let range = muster_agent::runtime::uids::UidRange::parse(
+            muster_agent::runtime::uids::DEFAULT_TASK_UID_RANGE,
+        )
+        .expect("the default range");
+        let uid = log
+            .lines()
+            .find_map(|line| line.trim().parse::<u32>().ok())
+            .unwrap_or_else(|| panic!("no uid in the log: {log}"));
+        assert!(
+            range.contains(uid),
+            "uid {uid}, not one of the task range: {log}"
+        );
     }
     assert_eq!(containers_of(&key), "", "the container is removed");
 }
