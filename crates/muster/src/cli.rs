@@ -496,4 +496,13 @@ mod tests {
         assert!(parse_duration_s("").is_err());
         assert!(parse_duration_s("1.5h").is_err());
     }
+
+    #[test]
+    fn every_command_s_arguments_are_well_formed() {
+        // clap checks a command's arguments only when it is built: a
+        // duplicate name (a flag added to Connection that a command also
+        // had) broke `muster login` alone, at run time.
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
 }

@@ -298,11 +298,14 @@ fn a_dead_agent_s_task_fences_itself_before_the_job_runs_elsewhere() {
     wait_for_nodes(&rt, &client, 2);
     rt.block_on(client.node_action("node-b", "cordon"))
         .expect("cordon");
-    let log = common::task_writable(cluster.dir.path(), "out").join("runs.log");
+    // Each attempt leaves a file of its own: the attempts run as different
+    // uids of the agents' task range (mode 0600 files), so one could not
+    // append to a file the other made.
+    let runs = common::task_writable(cluster.dir.path(), "out");
     let marker = format!("muster-orphan-{}", std::process::id());
     let script = format!(
-        "echo start $(date +%s%N) >> {log}; exec -a {marker} sleep 8",
-        log = log.display()
+        "now=$(date +%s%N); echo start $now > {runs}/start-$now; exec -a {marker} sleep 8",
+        runs = runs.display()
     );
     let spec = serde_json::json!({"name": "orphan", "gpus": 1, "command": ["bash", "-c", script]});
     let id = rt.block_on(client.submit(spec)).expect("submitted");
@@ -326,11 +329,15 @@ fn a_dead_agent_s_task_fences_itself_before_the_job_runs_elsewhere() {
         Duration::from_secs(40),
         || state(&rt, &client, id) == "succeeded",
     );
-    let text = std::fs::read_to_string(&log).expect("runs log");
-    let starts: Vec<u128> = text
+    let mut text = String::new();
+    for entry in std::fs::read_dir(&runs).expect("the runs' files").flatten() {
+        text.push_str(&std::fs::read_to_string(entry.path()).expect("a run's file"));
+    }
+    let mut starts: Vec<u128> = text
         .lines()
         .filter_map(|l| l.strip_prefix("start ")?.trim().parse().ok())
         .collect();
+    starts.sort_unstable();
     assert_eq!(starts.len(), 2, "{text}");
     assert!(
         gone <= starts[1],

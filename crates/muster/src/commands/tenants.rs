@@ -149,9 +149,8 @@ pub fn users(args: UsersArgs) -> Result<u8, Failure> {
 
 #[derive(Debug, Args)]
 pub struct LoginArgs {
-    /// Read the token from this file instead of standard input.
-    #[arg(long, value_name = "FILE")]
-    pub token_file: Option<std::path::PathBuf>,
+    /// The token from `--token-file FILE` (or `--token`); else standard
+    /// input.
     #[command(flatten)]
     pub connection: Connection,
 }
@@ -159,10 +158,9 @@ pub struct LoginArgs {
 /// Checks a token against the server and keeps it (and the server) in the
 /// client config, readable by its owner only.
 pub fn login(args: LoginArgs) -> Result<u8, Failure> {
-    let token = match (&args.connection.token, &args.token_file) {
+    let token = match (&args.connection.token, &args.connection.token_file) {
         (Some(token), _) => token.clone(),
-        (None, Some(file)) => std::fs::read_to_string(file)
-            .with_context(|| format!("cannot read {}", file.display()))?,
+        (None, Some(file)) => crate::commands::read_token_file(file)?,
         (None, None) => {
             eprintln!("paste the token and press Enter (or end with Ctrl-D):");
             let mut text = String::new();
