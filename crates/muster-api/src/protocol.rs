@@ -985,7 +985,11 @@ pub struct QueueUpdate {
     pub members_see_jobs: bool,
     /// The most jobs (array elements one each) it may have pending; a
     /// submission past it is refused (absent: no limit of its own).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole_u64_or_null"
+    )]
     #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 100_000_000))]
     pub max_pending: Option<u64>,
     /// The highest priority class its users may submit: `low`, `normal`,
@@ -1112,11 +1116,19 @@ pub struct NodeHistory {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JoinTokenCreate {
     /// How long it admits nodes, in milliseconds (absent: until revoked).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole_u64_or_null"
+    )]
     #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 31_622_400_000_u64))]
     pub ttl_ms: Option<u64>,
     /// How many nodes may join with it (absent: any number).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole_u64_or_null"
+    )]
     #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1_000_000))]
     pub uses: Option<u64>,
     /// The pool its nodes join (absent: as each agent says).
@@ -1205,7 +1217,11 @@ pub struct UserLimits {
     /// The most jobs (array elements one each) it may have pending
     /// (absent: the server's `--max-pending-per-user` for a user, none for
     /// operators and admins).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole_u64_or_null"
+    )]
     #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 100_000_000))]
     pub max_pending: Option<u64>,
 }
@@ -1625,6 +1641,18 @@ fn whole_u64<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D
                 "expected a whole number from 0 to {MAX}, got {number}"
             ))
         })
+}
+
+/// [`whole_u64`], or absent / `null`.
+fn whole_u64_or_null<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u64>, D::Error> {
+    match Option::<serde_json::Number>::deserialize(deserializer)? {
+        None => Ok(None),
+        Some(number) => whole_u64(serde_json::Value::Number(number))
+            .map(Some)
+            .map_err(serde::de::Error::custom),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

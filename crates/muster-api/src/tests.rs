@@ -1098,3 +1098,27 @@ fn a_secret_is_named_in_env_or_secrets_and_never_a_value() {
         assert!(errors.contains(wanted), "{yaml}: {errors}");
     }
 }
+
+#[test]
+fn optional_counts_take_whole_numbers_as_json_schema_counts_them() {
+    // JSON Schema's integers include 66973.0: the API's schema says
+    // integer, so the server must take it (a fraction it refuses).
+    let update: crate::protocol::QueueUpdate = serde_json::from_value(serde_json::json!({
+        "guaranteed_gpus": 1.0, "borrow_limit_gpus": null, "weight": 1,
+        "max_pending": 66973.0,
+    }))
+    .expect("a whole number");
+    assert_eq!(update.max_pending, Some(66973));
+    let limits: crate::protocol::UserLimits =
+        serde_json::from_value(serde_json::json!({ "max_pending": 5.0 })).expect("whole");
+    assert_eq!(limits.max_pending, Some(5));
+    let token: crate::protocol::JoinTokenCreate =
+        serde_json::from_value(serde_json::json!({ "uses": 3.0, "ttl_ms": null })).expect("whole");
+    assert_eq!((token.uses, token.ttl_ms), (Some(3), None));
+    assert!(
+        serde_json::from_value::<crate::protocol::UserLimits>(serde_json::json!({
+            "max_pending": 1.5
+        }))
+        .is_err()
+    );
+}

@@ -222,6 +222,10 @@ impl JoinTokens {
 /// The most a join token may live: a year.
 const MAX_TTL_MS: u64 = 366 * 86_400_000;
 
+/// The most nodes one join token may admit when it names a count (as
+/// `muster nodes token create --uses` and the API's schema say).
+const MAX_USES: u64 = 1_000_000;
+
 fn view(record: &JoinTokenRecord, now_ms: u64) -> JoinTokenView {
     JoinTokenView {
         id: record.id.clone(),
@@ -270,9 +274,12 @@ pub async fn create_join_token(
             "ttl_ms: from 1 ms to a year (leave it out for a token that lasts until revoked)",
         ));
     }
-    if request.uses == Some(0) {
+    if request
+        .uses
+        .is_some_and(|uses| uses == 0 || uses > MAX_USES)
+    {
         return Err(ApiError::invalid(
-            "uses: at least 1 (leave it out for any number of nodes)",
+            "uses: from 1 to 1000000 (leave it out for any number of nodes)",
         ));
     }
     if let Some(pool) = &request.pool

@@ -3436,6 +3436,11 @@ async fn join_tokens_expire_run_out_are_revoked_and_nodes_claim_only_what_they_m
                 )
             }
         };
+        // Counts past what the schema allows are refused, as it says.
+        for bad in [json!({ "uses": 1_000_001 }), json!({ "ttl_ms": 0 })] {
+            let (status, body) = api.post("/v1/join-tokens", &admin, bad.clone()).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {body}");
+        }
         // One use: the second node is refused, and a burst cannot pass it.
         let (once, once_id) = create(json!({ "uses": 1, "ttl_ms": 3_600_000 })).await;
         let (first, second) = tokio::join!(
