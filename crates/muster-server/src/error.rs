@@ -98,6 +98,15 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
                     ))
                 }
             })?;
+        // Every request body is a JSON object: serde would also take a
+        // struct written as an array of its fields (`[null, null]`), which
+        // the API's schema does not allow.
+        let first = bytes.iter().find(|byte| !byte.is_ascii_whitespace());
+        if first.is_some_and(|byte| *byte != b'{') {
+            return Err(ApiError::invalid(
+                "invalid json body: expected a JSON object ({...})",
+            ));
+        }
         serde_json::from_slice(&bytes)
             .map(Body)
             .map_err(|error| ApiError::invalid(format!("invalid json body: {error}")))

@@ -3437,7 +3437,13 @@ async fn join_tokens_expire_run_out_are_revoked_and_nodes_claim_only_what_they_m
             }
         };
         // Counts past what the schema allows are refused, as it says.
-        for bad in [json!({ "uses": 1_000_001 }), json!({ "ttl_ms": 0 })] {
+        // A body that is no object (serde would read `[null, null]` as the
+        // struct's fields in order) is refused too.
+        for bad in [
+            json!({ "uses": 1_000_001 }),
+            json!({ "ttl_ms": 0 }),
+            json!([null, null]),
+        ] {
             let (status, body) = api.post("/v1/join-tokens", &admin, bad.clone()).await;
             assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {body}");
         }

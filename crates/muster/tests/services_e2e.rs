@@ -840,10 +840,10 @@ fn a_network_check_reaches_only_its_replica_s_own_listener() {
     // A fixed port the replica never listens on; once it runs, something
     // else (here this test, standing for the server's API or another
     // tenant's service) listens there.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port();
+    // The last port of this cluster's own range (its jobs, numbered from
+    // 1, take the first ones; other tests' clusters have other ranges), not
+    // an ephemeral one another test could be given meanwhile.
+    let port = cluster.master_port_base() + 99;
     let mut spec = spec("1", false);
     spec["name"] = "scanner".into();
     spec["replicas"] = 1.into();
@@ -886,7 +886,12 @@ fn a_network_check_reaches_only_its_replica_s_own_listener() {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let why = why.expect("the replica's check says why it was not sent");
+    let why = why.unwrap_or_else(|| {
+        panic!(
+            "the replica's check never said why it was not sent; last: {:?}",
+            replica()
+        )
+    });
     assert!(why.contains(&format!("port {port}")), "{why}");
     assert_eq!(arrived, 0, "a check reached a listener not its replica's");
     let scanner = rt.block_on(client.service("scanner")).expect("the service");
