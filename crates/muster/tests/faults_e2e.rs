@@ -178,20 +178,30 @@ fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
     wait_for_nodes(&rt, &client, 2);
     rt.block_on(client.node_action("node-b", "cordon"))
         .expect("cordon");
-    let log = common::task_writable(cluster.dir.path(), "out").join("runs.log");
+    // Each run keeps its own file (the runs have different task uids, and
+    // one's mode 0600 file is not the other's to append to); the events of
+    // all of them, in time order, tell whether they overlapped.
+    let runs = common::task_writable(cluster.dir.path(), "out");
     let script = format!(
-        "echo start $(date +%s%N) >> {log}; \
-         trap 'echo stop $(date +%s%N) >> {log}; exit 143' TERM; \
-         sleep 6 & wait $!; echo stop $(date +%s%N) >> {log}",
-        log = log.display()
+        "log={runs}/run-$(date +%s%N); echo start $(date +%s%N) >> $log; \
+         trap 'echo stop $(date +%s%N) >> $log; exit 143' TERM; \
+         sleep 6 & wait $!; echo stop $(date +%s%N) >> $log",
+        runs = runs.display()
     );
+    let read_runs = || {
+        let mut text = String::new();
+        for entry in std::fs::read_dir(&runs).into_iter().flatten().flatten() {
+            text.push_str(&std::fs::read_to_string(entry.path()).unwrap_or_default());
+        }
+        text
+    };
     let spec = serde_json::json!({
         "name": "fenced", "gpus": 1, "command": ["bash", "-c", script],
         "checkpoint": {"grace_period": "2s"}
     });
     let id = rt.block_on(client.submit(spec)).expect("submitted");
     wait_until("the job to run on node-a", Duration::from_secs(30), || {
-        std::fs::read_to_string(&log).is_ok_and(|t| t.contains("start"))
+        read_runs().contains("start")
     });
     rt.block_on(client.node_action("node-b", "uncordon"))
         .expect("uncordon");
@@ -204,7 +214,7 @@ fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
         state(&rt, &client, id) == "succeeded"
     });
     // The workload's own log: runs never overlapped.
-    let text = std::fs::read_to_string(&log).expect("runs log");
+    let text = read_runs();
     let mut events: Vec<(&str, u128)> = text
         .lines()
         .filter_map(|line| {
@@ -212,6 +222,7 @@ fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
             Some((what, at.trim().parse().ok()?))
         })
         .collect();
+    events.sort_by_key(|event| event.1);
     // The fenced run may get its stop signal twice (the agent's fencing and
     // its supervisor's deadline, milliseconds apart), and its trap then
     // writes "stop" twice: one run still, the first stop counts.
