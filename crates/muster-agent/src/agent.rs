@@ -646,6 +646,7 @@ impl Shell {
             let plan = crate::runtime::record::UserPlan {
                 job_user: task.user.clone(),
                 dynamic_uid: self.runtime.task_uid(&key),
+                dynamic_gid: self.runtime.task_gid(task.user_group),
                 fallback: None,
                 allow_root: config.allow_root,
             };
@@ -785,6 +786,7 @@ impl Shell {
                         stop_signal: Signal::parse(&spec.stop_signal).unwrap_or(Signal::Term),
                         grace_period: Duration::from_millis(spec.grace_period_ms),
                         user: spec.user.clone(),
+                        user_group: spec.user_group,
                         memory_limit_mib: spec.memory_mib,
                         image: spec.image.clone(),
                         cpu_milli: spec.cpu_milli,

@@ -81,6 +81,10 @@ pub struct TaskUser {
     pub home: PathBuf,
 }
 
+/// The group of a task with a uid of the agent's range whose user has no
+/// group number (Debian's `nogroup`, the overflow gid).
+pub const NOGROUP: u32 = 65534;
+
 /// The name a task with a uid of the agent's range goes by (`USER`,
 /// `LOGNAME`): it has no account.
 pub fn dynamic_name(uid: u32) -> String {
@@ -117,7 +121,7 @@ pub fn choose_user(
         return Ok(Some(TaskUser {
             name: dynamic_name(uid),
             uid,
-            gid: uid,
+            gid: plan.dynamic_gid.unwrap_or(NOGROUP),
             home: PathBuf::from("/tmp"),
         }));
     }
@@ -371,10 +375,18 @@ fn start(
             (name, uid.as_raw())
         }
     };
-    // A uid of the agent's range has no account, and so no groups; its
-    // files are its own alone (umask 077): the next holder of the uid, much
-    // later, is another tenant.
+    // A uid of the agent's range has no account, and so no supplementary
+    // groups. Its files are its user's group's (umask 007: every run of the
+    // user's jobs shares them), or, without a group, its own alone (umask
+    // 077): the next holder of the uid, much later, is another tenant.
     let dynamic = user.is_some_and(|user| task.user.dynamic_uid == Some(user.uid));
+    let umask = dynamic.then(|| {
+        nix::sys::stat::Mode::from_bits_truncate(if task.user.dynamic_gid.is_some() {
+            0o007
+        } else {
+            0o077
+        })
+    });
     let identity = match user.filter(|_| helper.is_none()) {
         Some(user) => {
             let groups = if dynamic {
@@ -426,7 +438,7 @@ fn start(
                 .collect(),
             env,
         };
-        let (pid, pipe) = fork_init(&plan, [log, log_too], &procs, dynamic)?;
+        let (pid, pipe) = fork_init(&plan, [log, log_too], &procs, umask)?;
         return Ok(Started {
             pid,
             user: name,
@@ -460,8 +472,8 @@ fn start(
                 nix::unistd::write(file.as_fd(), me)?;
             }
             sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
-            if dynamic {
-                nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+            if let Some(mask) = umask {
+                nix::sys::stat::umask(mask);
             }
             if let Some((uid, gid, groups)) = &switch {
                 nix::unistd::setgroups(groups)?;
@@ -494,7 +506,7 @@ fn fork_init(
     plan: &crate::taskinit::InitPlan,
     logs: [std::fs::File; 2],
     procs: &[std::fs::File],
-    dynamic: bool,
+    umask: Option<nix::sys::stat::Mode>,
 ) -> Result<(u32, std::fs::File), String> {
     use std::os::fd::OwnedFd;
     let (read, write): (OwnedFd, OwnedFd) =
@@ -522,8 +534,8 @@ fn fork_init(
                     nix::unistd::write(file.as_fd(), me)?;
                 }
                 sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
-                if dynamic {
-                    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+                if let Some(mask) = umask {
+                    nix::sys::stat::umask(mask);
                 }
                 Ok(())
             })();
@@ -947,6 +959,7 @@ mod tests {
         UserPlan {
             job_user: job_user.map(str::to_string),
             dynamic_uid,
+            dynamic_gid: None,
             fallback: None,
             allow_root,
         }
@@ -958,8 +971,15 @@ mod tests {
         assert_eq!(chosen(plan(Some("alice"), None, false)).uid, 1000);
         // Unknown here: the task's own uid, with a name of its own.
         let bob = chosen(plan(Some("bob"), Some(200_007), false));
-        assert_eq!((bob.uid, bob.gid), (200_007, 200_007));
+        assert_eq!((bob.uid, bob.gid), (200_007, NOGROUP));
         assert_eq!(bob.name, "muster-task-200007");
+        // With his group number's gid: in it, on every node and attempt.
+        let grouped = UserPlan {
+            dynamic_gid: Some(200_003),
+            ..plan(Some("bob"), Some(200_011), false)
+        };
+        let grouped = chosen(grouped);
+        assert_eq!((grouped.uid, grouped.gid), (200_011, 200_003));
         assert_eq!(chosen(plan(None, Some(200_008), false)).uid, 200_008);
         // The job says root: not without the operator's word.
         assert_eq!(

@@ -51,6 +51,7 @@ fn launch(allocation: &str, image: &str, script: &str) -> TaskLaunch {
         stop_signal: Signal::Term,
         grace_period: Duration::from_secs(2),
         user: None,
+        user_group: None,
         memory_limit_mib: None,
         image: Some(image.to_string()),
         cpu_milli: Some(500),

@@ -37,6 +37,7 @@ fn launch(allocation: &str, script: &str) -> TaskLaunch {
         stop_signal: Signal::Term,
         grace_period: Duration::from_secs(1),
         user: None,
+        user_group: None,
         memory_limit_mib: None,
         image: None,
         cpu_milli: None,
@@ -932,6 +933,91 @@ async fn two_tenants_tasks_get_uids_of_their_own_and_cannot_reach_each_other() {
             let _ = std::fs::remove_file(file);
         }
     }
+}
+
+/// Runs of one user's job (another attempt, as another uid) read and write
+/// what the earlier ones left, through the user's group; another user's
+/// task does not.
+#[tokio::test]
+async fn runs_of_one_user_share_their_files_and_another_user_s_task_does_not() {
+    if !nix::unistd::Uid::effective().is_root() {
+        return; // tasks then run as the agent's own user
+    }
+    let (dir, runtime) = runtime();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).expect("mkdir");
+    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let run = |name: &str, user: &str, group: u32, script: &str| {
+        let mut task = launch(name, script);
+        task.user = Some(user.to_string());
+        task.user_group = Some(group);
+        task.working_dir = Some(work.clone());
+        task
+    };
+    let first = run(
+        "first",
+        "alice-has-no-account-here",
+        5,
+        "id -u; id -g; mkdir ckpts; echo step-1 > ckpts/state; echo begun > log",
+    );
+    runtime.start(first).await.expect("start");
+    assert_eq!(next_exit(&runtime).await.exit_code, Some(0));
+    let second = run(
+        "second",
+        "alice-has-no-account-here",
+        5,
+        "id -u; cat ckpts/state && echo step-2 >> ckpts/state && echo resumed; \
+         echo again >> log; mv ckpts/state ckpts/state.old && echo renamed",
+    );
+    runtime.start(second).await.expect("start");
+    assert_eq!(next_exit(&runtime).await.exit_code, Some(0));
+    let other = run(
+        "other",
+        "bob-has-no-account-here",
+        6,
+        "id -g; cat ckpts/state.old && echo read; echo x >> log && echo wrote; \
+         touch ckpts/mine && echo entered; echo done",
+    );
+    runtime.start(other).await.expect("start");
+    let _ = next_exit(&runtime).await;
+    let first = log_text(&runtime, "first").await;
+    let second = log_text(&runtime, "second").await;
+    let other = log_text(&runtime, "other").await;
+    let line = |log: &str, n: usize| -> u32 {
+        log.lines()
+            .nth(n)
+            .and_then(|line| line.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no id on line {n}: {log}"))
+    };
+    let range = muster_agent::runtime::uids::UidRange::parse(
+        muster_agent::runtime::uids::DEFAULT_TASK_UID_RANGE,
+    )
+    .expect("range");
+    assert_ne!(line(&first, 0), line(&second, 0), "two runs, two uids");
+    assert_eq!(Some(line(&first, 1)), range.group(5), "{first}");
+    assert!(
+        second.contains("step-1") && second.contains("resumed") && second.contains("renamed"),
+        "the second run could not take up the first's files: {second}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(work.join("ckpts/state.old")).expect("state"),
+        "step-1\nstep-2\n"
+    );
+    assert_eq!(Some(line(&other, 0)), range.group(6), "{other}");
+    assert!(other.contains("done"), "{other}");
+    for harm in ["step-", "read", "wrote", "entered"] {
+        assert!(
+            !other.lines().any(|l| l.starts_with(harm)),
+            "another user's task reached alice's files ({harm}): {other}"
+        );
+    }
+    let mode = std::fs::metadata(work.join("log"))
+        .expect("log")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o660, "umask 007: the group's, no one else's");
 }
 
 /// Under an init, a task's exit code, the signal that ended it and a start

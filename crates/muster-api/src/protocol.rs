@@ -498,6 +498,14 @@ pub struct DesiredAllocation {
     /// node (else as the agent's task user).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// The number of the job's user's group, the same on every node and
+    /// never another user's: a task of a user without an account on the
+    /// node runs in group FIRST+N of the agent's task uid range, so every
+    /// run of the user's jobs (another attempt, another node) reads and
+    /// writes the files the earlier ones left (umask 007), and no other
+    /// tenant's task does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_group: Option<u32>,
     /// The task's memory limit, in MiB (the job's memory per node).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mib: Option<u64>,
@@ -1208,6 +1216,11 @@ pub struct UserView {
     /// default for users, none for operators and admins).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_pending: Option<u64>,
+    /// The number of its group on the nodes: where it has no account, its
+    /// tasks run in gid FIRST+N of the agent's task uid range (200000+N by
+    /// default), the same on every node and never another user's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_group: Option<u32>,
 }
 
 /// `POST /v1/users/{name}/limits` (admin): a user's own limits, whole.

@@ -2680,6 +2680,7 @@ async fn heartbeat(
             .collect::<Vec<_>>();
         crate::secrets::fill(&shared, core.control(), &mut desired);
         crate::services::fill_checks(&shared, core.control(), &mut desired);
+        crate::users::fill_groups(&shared, &mut desired);
         // Every change so far is queued at or before this number.
         (version, desired, shared.writer.queued())
     };

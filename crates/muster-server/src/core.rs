@@ -565,6 +565,17 @@ impl Shared {
         record: Option<&T>,
         put: impl FnOnce(&mut crate::store::Batch, Option<String>),
     ) -> Result<(), ApiError> {
+        self.queue_record(record, put)?.wait().await?;
+        Ok(())
+    }
+
+    /// As [`Shared::save_record`], queued now (under whatever lock the
+    /// caller holds) and durable once the answer is awaited.
+    pub fn queue_record<T: serde::Serialize>(
+        &self,
+        record: Option<&T>,
+        put: impl FnOnce(&mut crate::store::Batch, Option<String>),
+    ) -> Result<crate::writer::Durable, ApiError> {
         if let Some(reason) = self.read_only_reason() {
             return Err(read_only(&reason));
         }
@@ -574,8 +585,7 @@ impl Shared {
             .map_err(|error| ApiError::new(ErrorCode::Internal, error.to_string()))?;
         let mut batch = crate::store::Batch::default();
         put(&mut batch, text);
-        self.writer.queue(batch).wait().await?;
-        Ok(())
+        Ok(self.writer.queue(batch))
     }
 
     pub fn read_only_reason(&self) -> Option<String> {

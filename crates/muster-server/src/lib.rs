@@ -391,9 +391,24 @@ impl Server {
                 })
                 .await?;
         }
+        let (users, numbered) =
+            users::Users::load(std::mem::take(&mut loaded.users), loaded.next_task_group);
+        if !numbered.is_empty() {
+            // Users of a server before group numbers: numbered once, kept.
+            let mut batch = store::Batch {
+                next_task_group: Some(u64::from(users.next_group())),
+                ..store::Batch::default()
+            };
+            for record in &numbered {
+                batch
+                    .users
+                    .insert(record.name.clone(), Some(serde_json::to_string(record)?));
+            }
+            store.write(&batch).await?;
+        }
         let tenants = users::Tenants {
             join_tokens,
-            users: users::Users::load(std::mem::take(&mut loaded.users)),
+            users,
             keys: idempotency::Keys::load(std::mem::take(&mut loaded.idempotency), now().0),
             secrets: secrets::Secrets::new(secrets_key, std::mem::take(&mut loaded.secrets)),
         };

@@ -104,6 +104,8 @@ pub struct Batch {
     /// Deletes audit entries and idempotency keys older than these (ms).
     pub prune_audit_before: Option<u64>,
     pub prune_idempotency_before: Option<u64>,
+    /// The next user's group number (see `crate::users::Users::group_of`).
+    pub next_task_group: Option<u64>,
 }
 
 /// One mutating request, as the audit log keeps it.
@@ -145,6 +147,7 @@ impl Batch {
             && self.idempotency.is_empty()
             && self.prune_audit_before.is_none()
             && self.prune_idempotency_before.is_none()
+            && self.next_task_group.is_none()
     }
 
     /// Folds a later batch into this one (later records win; a node
@@ -179,6 +182,7 @@ impl Batch {
         self.prune_idempotency_before = self
             .prune_idempotency_before
             .max(later.prune_idempotency_before);
+        self.next_task_group = self.next_task_group.max(later.next_task_group);
     }
 }
 
@@ -199,6 +203,8 @@ pub struct Loaded {
     /// Idempotency keys: (user, key, job, at ms).
     pub idempotency: Vec<(String, String, u64, u64)>,
     pub counters: Counters,
+    /// The next user's group number, as stored (0: none stored).
+    pub next_task_group: u64,
 }
 
 /// Which retired jobs to list.
@@ -832,6 +838,7 @@ impl Store for SqlStore {
                 "next_allocation" => loaded.counters.next_allocation = value,
                 "next_generation" => loaded.counters.next_generation = value,
                 "next_epoch" => loaded.counters.next_epoch = value,
+                "next_task_group" => loaded.next_task_group = value,
                 _ => {}
             }
         }
@@ -942,9 +949,22 @@ impl Store for SqlStore {
             )
             .await?;
         }
+        let greatest = self.backend.greatest();
+        if let Some(next) = batch.next_task_group {
+            // Only ever up: a number once given is never given again.
+            let upsert = format!(
+                "ON CONFLICT (key) DO UPDATE SET value = {greatest}(meta.value, excluded.value)"
+            );
+            insert_rows(
+                &mut tx,
+                "meta (key, value)",
+                &upsert,
+                vec![vec![text("next_task_group"), int(next)]],
+            )
+            .await?;
+        }
         // One statement a minute: a batch may hold a minute twice (both
         // add up), which one multi-row upsert may not.
-        let greatest = self.backend.greatest();
         let add_usage = format!(
             "INSERT INTO usage_minutes (allocation, minute, job, rank, node, pool, gpu_model, \
              queue, \"user\", allocated_gpu_ms, measured_gpu_ms, used_gpu_ms, idle_gpu_ms, \

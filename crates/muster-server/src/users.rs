@@ -59,6 +59,12 @@ pub struct UserRecord {
     /// `--max-pending-per-user` for a user, none for staff).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_pending: Option<u64>,
+    /// The number of its group on the nodes (see [`Users::group_of`]):
+    /// given when the user is made, never given to another user, even
+    /// once this one is removed. `None` only in records of servers before
+    /// groups, numbered at the next start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_group: Option<u32>,
 }
 
 /// Who made a request, for authorization.
@@ -128,20 +134,81 @@ pub fn token_hash(token: &str) -> String {
 /// The most users a server keeps.
 pub const MAX_USERS: usize = 10_000;
 
+/// The group number of the built-in `admin` (what `muster up` submits
+/// as); users are numbered from 1 in the order they are made.
+pub const ADMIN_TASK_GROUP: u32 = 0;
+
 /// Every user, by name and by token hash.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Users {
     by_name: BTreeMap<String, UserRecord>,
     by_hash: HashMap<String, String>,
+    /// The next user's group number: above every number ever given.
+    next_group: u32,
+}
+
+impl Default for Users {
+    fn default() -> Users {
+        Users {
+            by_name: BTreeMap::new(),
+            by_hash: HashMap::new(),
+            next_group: ADMIN_TASK_GROUP + 1,
+        }
+    }
 }
 
 impl Users {
-    pub fn load(records: Vec<UserRecord>) -> Users {
+    /// The users as stored, with `next_group` the stored mark of group
+    /// numbers given so far. Records without a number (made before groups)
+    /// are numbered now, oldest first; they are returned too, to be stored.
+    pub fn load(records: Vec<UserRecord>, next_group: u64) -> (Users, Vec<UserRecord>) {
         let mut users = Users::default();
-        for record in records {
-            users.put(record);
+        let mut next = u32::try_from(next_group)
+            .unwrap_or(u32::MAX)
+            .max(ADMIN_TASK_GROUP + 1);
+        for record in &records {
+            if let Some(group) = record.task_group {
+                next = next.max(group.saturating_add(1));
+            }
         }
-        users
+        users.next_group = next;
+        let mut unnumbered: Vec<UserRecord> = Vec::new();
+        for record in records {
+            if record.task_group.is_some() {
+                users.put(record);
+            } else {
+                unnumbered.push(record);
+            }
+        }
+        unnumbered.sort_by(|a, b| (a.created_ms, &a.name).cmp(&(b.created_ms, &b.name)));
+        for record in &mut unnumbered {
+            record.task_group = Some(users.take_group());
+            users.put(record.clone());
+        }
+        (users, unnumbered)
+    }
+
+    /// A group number for a user being made: never given before.
+    pub fn take_group(&mut self) -> u32 {
+        let group = self.next_group;
+        self.next_group = self.next_group.saturating_add(1);
+        group
+    }
+
+    /// The mark to store with a user made: above every number given.
+    pub fn next_group(&self) -> u32 {
+        self.next_group
+    }
+
+    /// The group number the tasks of `user` run in on nodes where the user
+    /// has no account: the same on every node and for every run, so a
+    /// job's later attempt may write the files an earlier one left, and
+    /// never another user's (`None`: no such user, e.g. one removed).
+    pub fn group_of(&self, user: &str) -> Option<u32> {
+        if user == crate::api::DEFAULT_USER {
+            return Some(ADMIN_TASK_GROUP);
+        }
+        self.by_name.get(user)?.task_group
     }
 
     /// Adds or replaces a user (a replaced token stops working).
@@ -195,12 +262,13 @@ mod tests {
             token_sha256: token_hash(token),
             created_ms: 0,
             max_pending: None,
+            task_group: None,
         }
     }
 
     #[test]
     fn a_token_finds_its_user_and_a_rotated_one_no_longer_does() {
-        let mut users = Users::load(vec![record("alice", Role::User, "t1")]);
+        let (mut users, _) = Users::load(vec![record("alice", Role::User, "t1")], 0);
         assert_eq!(users.of_token("t1").map(|u| u.name.as_str()), Some("alice"));
         assert!(users.of_token("t2").is_none());
         users.put(record("alice", Role::User, "t2"));
@@ -209,6 +277,53 @@ mod tests {
         users.remove("alice");
         assert!(users.of_token("t2").is_none());
         assert_eq!(token_hash("abc").len(), 64);
+    }
+
+    #[test]
+    fn group_numbers_are_unique_kept_and_never_given_again() {
+        let numbered = |name: &str, group: u32, created_ms: u64| UserRecord {
+            task_group: Some(group),
+            created_ms,
+            ..record(name, Role::User, name)
+        };
+        let older = |name: &str, created_ms: u64| UserRecord {
+            created_ms,
+            ..record(name, Role::User, name)
+        };
+        // Stored: carol 7, and a mark of 9 (a user numbered 8 was removed);
+        // alice and bob come from before groups (bob the older).
+        let (mut users, numbered_now) = Users::load(
+            vec![
+                numbered("carol", 7, 5),
+                older("alice", 20),
+                older("bob", 10),
+            ],
+            9,
+        );
+        assert_eq!(users.group_of("carol"), Some(7));
+        assert_eq!(users.group_of("bob"), Some(9));
+        assert_eq!(users.group_of("alice"), Some(10));
+        assert_eq!(
+            users.group_of(crate::api::DEFAULT_USER),
+            Some(ADMIN_TASK_GROUP)
+        );
+        assert_eq!(users.group_of("nobody-here"), None);
+        let names: Vec<&str> = numbered_now.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["bob", "alice"]);
+        // The next user's is above every one given, removed ones too.
+        users.remove("alice");
+        assert_eq!(users.take_group(), 11);
+        assert_eq!(users.next_group(), 12);
+        // A mark below a stored number (a lost write) does not reuse it.
+        let (users, _) = Users::load(vec![numbered("dave", 30, 0)], 3);
+        assert_eq!(users.next_group(), 31);
+        // Rotating a token keeps the number.
+        let mut users = users;
+        users.put(UserRecord {
+            token_sha256: token_hash("new"),
+            ..users.get("dave").cloned().expect("dave")
+        });
+        assert_eq!(users.group_of("dave"), Some(30));
     }
 
     #[test]
@@ -241,6 +356,15 @@ use muster_api::protocol::{
 
 type Shared_ = State<std::sync::Arc<Shared>>;
 
+/// Gives each task an agent is sent its user's group number (see
+/// [`Users::group_of`]).
+pub fn fill_groups(shared: &Shared, desired: &mut [muster_api::protocol::DesiredAllocation]) {
+    let users = shared.users();
+    for task in desired {
+        task.user_group = task.user.as_deref().and_then(|user| users.group_of(user));
+    }
+}
+
 fn view(record: &UserRecord) -> UserView {
     UserView {
         name: record.name.clone(),
@@ -251,6 +375,7 @@ fn view(record: &UserRecord) -> UserView {
         },
         created_ms: record.created_ms,
         max_pending: record.max_pending,
+        task_group: record.task_group,
     }
 }
 
@@ -333,15 +458,27 @@ pub async fn create_user(
         }
     }
     let token = new_token()?;
-    let record = UserRecord {
+    let mut record = UserRecord {
         name: name.clone(),
         role,
         queues,
         token_sha256: token_hash(&token),
         created_ms: now().0,
         max_pending: None,
+        task_group: None,
     };
-    save(&shared, &name, Some(&record)).await?;
+    // The number is taken and its mark queued under one lock, so two users
+    // made at once never get the same one, nor is the mark stored lower.
+    let durable = {
+        let mut users = shared.users_mut();
+        record.task_group = Some(users.take_group());
+        let next = users.next_group();
+        shared.queue_record(Some(&record), |batch, text| {
+            batch.users.insert(name.clone(), text);
+            batch.next_task_group = Some(u64::from(next));
+        })?
+    };
+    durable.wait().await?;
     shared.users_mut().put(record.clone());
     tracing::info!(user = %name, role = role.name(), "user added");
     Ok((

@@ -259,6 +259,8 @@ pub fn desired_view(task: DesiredTask) -> DesiredAllocation {
         grace_period_ms: task.grace_period_ms,
         stop: task.stop,
         user: Some(task.user),
+        // Filled on the way out (crate::users::fill_groups).
+        user_group: None,
         memory_mib: (task.memory_mib > 0).then_some(task.memory_mib),
         image: task.image,
         cpu_milli: (task.cpu_milli > 0).then_some(task.cpu_milli),

@@ -2848,6 +2848,9 @@ async fn changes_are_audited_and_a_retried_submission_makes_one_job() {
             .await;
         let alice = body["token"].as_str().expect("a token").to_string();
         assert_eq!(body["user"]["queues"], json!(["default"]));
+        // Users are numbered for their group on the nodes, from 1 (the
+        // built-in admin's is 0).
+        assert_eq!(body["user"]["task_group"], 1, "{body}");
         // The token is shown once: the list has no token, the store no copy.
         let (_, list) = api.get("/v1/users", &admin).await;
         assert!(!list.to_string().contains(&alice), "{list}");
@@ -2911,10 +2914,13 @@ async fn changes_are_audited_and_a_retried_submission_makes_one_job() {
             .await
             .unwrap();
         assert_eq!(response.status(), StatusCode::CREATED);
-        // A restart keeps the keys and the users.
+        // A restart keeps the keys and the users, with their numbers.
         server.shutdown().await;
         let server = start(dir.path()).await;
         let api = Api::new(&server);
+        let (_, list) = api.get("/v1/users", &admin).await;
+        assert_eq!(list["users"][0]["name"], "alice", "{list}");
+        assert_eq!(list["users"][0]["task_group"], 1, "{list}");
         let (status, after) = {
             let response = api
                 .http
@@ -3006,6 +3012,15 @@ async fn changes_are_audited_and_a_retried_submission_makes_one_job() {
             api.get("/v1/whoami", &fresh).await.0,
             StatusCode::UNAUTHORIZED
         );
+        // Her number is never another's: two users made at once, after
+        // her removal, get two new ones.
+        let make = |name: &'static str| {
+            api.post("/v1/users", &admin, json!({ "name": name, "role": "user" }))
+        };
+        let ((_, carol), (_, dave)) = tokio::join!(make("carol"), make("dave"));
+        let mut numbers = [&carol, &dave].map(|b| b["user"]["task_group"].as_u64());
+        numbers.sort_unstable();
+        assert_eq!(numbers, [Some(2), Some(3)], "{carol} {dave}");
         // A flood of requests without a token cannot fill the store: their
         // refusals are logged at a bounded rate and the rest counted.
         for _ in 0..300 {

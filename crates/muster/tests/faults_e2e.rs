@@ -178,30 +178,22 @@ fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
     wait_for_nodes(&rt, &client, 2);
     rt.block_on(client.node_action("node-b", "cordon"))
         .expect("cordon");
-    // Each run keeps its own file (the runs have different task uids, and
-    // one's mode 0600 file is not the other's to append to); the events of
-    // all of them, in time order, tell whether they overlapped.
-    let runs = common::task_writable(cluster.dir.path(), "out");
+    // One file for every run: the runs have different task uids, and each
+    // appends to what the earlier one left through the user's group.
+    let log = common::task_writable(cluster.dir.path(), "out").join("runs.log");
     let script = format!(
-        "log={runs}/run-$(date +%s%N); echo start $(date +%s%N) >> $log; \
-         trap 'echo stop $(date +%s%N) >> $log; exit 143' TERM; \
-         sleep 6 & wait $!; echo stop $(date +%s%N) >> $log",
-        runs = runs.display()
+        "echo start $(date +%s%N) >> {log}; \
+         trap 'echo stop $(date +%s%N) >> {log}; exit 143' TERM; \
+         sleep 6 & wait $!; echo stop $(date +%s%N) >> {log}",
+        log = log.display()
     );
-    let read_runs = || {
-        let mut text = String::new();
-        for entry in std::fs::read_dir(&runs).into_iter().flatten().flatten() {
-            text.push_str(&std::fs::read_to_string(entry.path()).unwrap_or_default());
-        }
-        text
-    };
     let spec = serde_json::json!({
         "name": "fenced", "gpus": 1, "command": ["bash", "-c", script],
         "checkpoint": {"grace_period": "2s"}
     });
     let id = rt.block_on(client.submit(spec)).expect("submitted");
     wait_until("the job to run on node-a", Duration::from_secs(30), || {
-        read_runs().contains("start")
+        std::fs::read_to_string(&log).is_ok_and(|t| t.contains("start"))
     });
     rt.block_on(client.node_action("node-b", "uncordon"))
         .expect("uncordon");
@@ -214,7 +206,7 @@ fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
         state(&rt, &client, id) == "succeeded"
     });
     // The workload's own log: runs never overlapped.
-    let text = read_runs();
+    let text = std::fs::read_to_string(&log).expect("runs log");
     let mut events: Vec<(&str, u128)> = text
         .lines()
         .filter_map(|line| {
@@ -222,7 +214,6 @@ fn a_partitioned_agent_fences_its_task_before_the_job_runs_elsewhere() {
             Some((what, at.trim().parse().ok()?))
         })
         .collect();
-    events.sort_by_key(|event| event.1);
     // The fenced run may get its stop signal twice (the agent's fencing and
     // its supervisor's deadline, milliseconds apart), and its trap then
     // writes "stop" twice: one run still, the first stop counts.
@@ -309,14 +300,13 @@ fn a_dead_agent_s_task_fences_itself_before_the_job_runs_elsewhere() {
     wait_for_nodes(&rt, &client, 2);
     rt.block_on(client.node_action("node-b", "cordon"))
         .expect("cordon");
-    // Each attempt leaves a file of its own: the attempts run as different
-    // uids of the agents' task range (mode 0600 files), so one could not
-    // append to a file the other made.
-    let runs = common::task_writable(cluster.dir.path(), "out");
+    // One file for every run: the runs have different task uids, and each
+    // appends to what the earlier one left through the user's group.
+    let log = common::task_writable(cluster.dir.path(), "out").join("runs.log");
     let marker = format!("muster-orphan-{}", std::process::id());
     let script = format!(
-        "now=$(date +%s%N); echo start $now > {runs}/start-$now; exec -a {marker} sleep 8",
-        runs = runs.display()
+        "echo start $(date +%s%N) >> {log}; exec -a {marker} sleep 8",
+        log = log.display()
     );
     let spec = serde_json::json!({"name": "orphan", "gpus": 1, "command": ["bash", "-c", script]});
     let id = rt.block_on(client.submit(spec)).expect("submitted");
@@ -340,15 +330,11 @@ fn a_dead_agent_s_task_fences_itself_before_the_job_runs_elsewhere() {
         Duration::from_secs(40),
         || state(&rt, &client, id) == "succeeded",
     );
-    let mut text = String::new();
-    for entry in std::fs::read_dir(&runs).expect("the runs' files").flatten() {
-        text.push_str(&std::fs::read_to_string(entry.path()).expect("a run's file"));
-    }
-    let mut starts: Vec<u128> = text
+    let text = std::fs::read_to_string(&log).expect("runs log");
+    let starts: Vec<u128> = text
         .lines()
         .filter_map(|l| l.strip_prefix("start ")?.trim().parse().ok())
         .collect();
-    starts.sort_unstable();
     assert_eq!(starts.len(), 2, "{text}");
     assert!(
         gone <= starts[1],

@@ -173,6 +173,10 @@ pub struct TaskLaunch {
     pub grace_period: Duration,
     /// The job's user: the task runs as this user when it exists here.
     pub user: Option<String>,
+    /// The number of the user's group (the same on every node): without
+    /// an account here, the task runs in group FIRST+N of the task uid
+    /// range (see [`uids::UidRange::group`]).
+    pub user_group: Option<u32>,
     /// The task's memory limit (the job's memory per node), where the node's
     /// cgroups can hold one.
     pub memory_limit_mib: Option<u64>,
@@ -402,6 +406,7 @@ impl ProcessRuntime {
         let plan = UserPlan {
             job_user: launch.user.clone(),
             dynamic_uid: None,
+            dynamic_gid: None,
             fallback: None,
             allow_root: self.config.allow_root,
         };
@@ -424,6 +429,12 @@ impl ProcessRuntime {
                 ),
             }),
         }
+    }
+
+    /// The gid of user group `number` on this node (`None`: no task uid
+    /// range, or the number is past it).
+    pub fn task_gid(&self, number: Option<u32>) -> Option<u32> {
+        self.config.task_uids?.group(number?)
     }
 
     pub fn state_dir(&self) -> &Path {
@@ -573,6 +584,15 @@ impl ProcessRuntime {
             }
         }
         let dynamic_uid = self.task_uid_for(&launch)?;
+        let dynamic_gid = dynamic_uid.and(self.task_gid(launch.user_group));
+        if dynamic_uid.is_some() && dynamic_gid.is_none() {
+            tracing::warn!(
+                allocation = %allocation,
+                group = ?launch.user_group,
+                "the task's user has no group number within the task uid range: it runs in \
+                 nogroup, and a later run of its job cannot write the files this one makes"
+            );
+        }
         let record = TaskRecord {
             format: record::FORMAT,
             allocation: allocation.clone(),
@@ -601,6 +621,7 @@ impl ProcessRuntime {
             user: UserPlan {
                 job_user: launch.user.clone(),
                 dynamic_uid,
+                dynamic_gid,
                 fallback: None,
                 allow_root: self.config.allow_root,
             },
@@ -1226,6 +1247,7 @@ mod tests {
             stop_signal: Signal::Term,
             grace_period: Duration::from_secs(1),
             user: None,
+            user_group: None,
             memory_limit_mib: None,
             image: None,
             cpu_milli: None,

@@ -104,6 +104,10 @@ pub struct UserPlan {
     /// for its life (see `crate::runtime::uids`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dynamic_uid: Option<u32>,
+    /// With it, this gid: its user's group (the same on every node, see
+    /// `crate::runtime::uids`); `None`: `nogroup`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamic_gid: Option<u32>,
     /// A shared fallback user, in records of agents before task uids (read,
     /// never written).
     #[serde(default, skip_serializing_if = "Option::is_none")]

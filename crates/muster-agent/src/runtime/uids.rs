@@ -6,6 +6,13 @@
 //! kept in the state directory), so a uid is reused as late as possible and
 //! files a task left in a shared directory are not the next task's.
 //!
+//! A task's group is its user's: the server numbers users once, for good,
+//! and the task runs in gid FIRST+N of the same range, with umask 007, so
+//! every run of the user's jobs, on any node, may read and write what the
+//! earlier ones left (a job's next attempt appends to its checkpoint) while
+//! other tenants' tasks, in other groups, may not. A task whose user has
+//! no number (a server before them) runs in `nogroup` with umask 077.
+//!
 //! The range is checked at the agent's start: no account or group of
 //! `/etc/passwd` and `/etc/group` may have an id in it (a task could then
 //! act as that account).
@@ -81,6 +88,14 @@ impl UidRange {
 
     pub fn contains(&self, uid: u32) -> bool {
         (self.first..=self.last).contains(&uid)
+    }
+
+    /// The gid of user group `number` (the server's, the same on every
+    /// node): FIRST+N, the range's ids doubling as gids (no group of the
+    /// host has one, as [`check_free`] makes sure). `None` past the range.
+    pub fn group(&self, number: u32) -> Option<u32> {
+        let gid = self.first.checked_add(number)?;
+        self.contains(gid).then_some(gid)
     }
 }
 
@@ -252,6 +267,12 @@ mod tests {
             }
         );
         assert_eq!(UidRange::parse("7-7").unwrap().len(), 1);
+        // A user group's gid: within the range, never past it.
+        let range = UidRange::parse("200000-200009").unwrap();
+        assert_eq!(range.group(0), Some(200_000));
+        assert_eq!(range.group(9), Some(200_009));
+        assert_eq!(range.group(10), None);
+        assert_eq!(range.group(u32::MAX), None);
         for bad in [
             "",
             "200000",

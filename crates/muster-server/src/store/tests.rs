@@ -188,6 +188,7 @@ fn everything() -> Batch {
         next_generation: 4,
         next_epoch: 6,
     });
+    batch.next_task_group = Some(9);
     batch.prices.insert("H100".into(), Some(2.5));
     batch.pools.insert(
         "inference".into(),
@@ -212,6 +213,7 @@ fn everything() -> Batch {
                 token_sha256: "ab".repeat(32),
                 created_ms: 7,
                 max_pending: Some(500),
+                task_group: Some(8),
             })
             .expect("JSON"),
         ),
@@ -294,6 +296,8 @@ async fn every_record_round_trips_and_later_writes_win() {
         later
             .idempotency
             .insert(("alice".into(), "key-1".into()), (4, 300));
+        // A lower mark of group numbers, written late, lowers nothing.
+        later.next_task_group = Some(3);
         store.write(&later).await.unwrap();
         store.close().await;
 
@@ -340,6 +344,7 @@ async fn every_record_round_trips_and_later_writes_win() {
                 next_epoch: 6
             }
         );
+        assert_eq!(loaded.next_task_group, 9, "{backend}: only ever up");
         assert_eq!(
             store.prices().await.unwrap(),
             BTreeMap::from([("L4".to_string(), 0.75)]),
@@ -582,6 +587,8 @@ async fn a_store_copies_into_an_empty_one_whole() {
         );
         assert_eq!(after.idempotency, before.idempotency);
         assert_eq!(after.counters, before.counters);
+        assert_eq!(after.next_task_group, before.next_task_group);
+        assert_eq!(before.next_task_group, 9);
         assert_eq!(
             store.prices().await.unwrap(),
             source.prices().await.unwrap()

@@ -124,7 +124,7 @@ pub fn users(args: UsersArgs) -> Result<u8, Failure> {
                 print_json(&list)?;
             } else {
                 table(
-                    &["USER", "ROLE", "QUEUES", "MADE"],
+                    &["USER", "ROLE", "QUEUES", "GROUP", "MADE"],
                     list.users
                         .iter()
                         .map(|user| {
@@ -136,6 +136,8 @@ pub fn users(args: UsersArgs) -> Result<u8, Failure> {
                                 } else {
                                     user.queues.join(",")
                                 },
+                                user.task_group
+                                    .map_or_else(|| "-".to_string(), |n| n.to_string()),
                                 format!("{} ago", ago(user.created_ms)),
                             ]
                         })
