@@ -4066,16 +4066,19 @@ async fn with_the_defaults_a_user_has_20_services_and_4_dev_environments() {
         let api = Api::new(&server);
         let admin = server.admin_token().to_string();
         let alice = add_user(&api, &admin, "alice").await;
+        // The cap-th is refused, every one before it made.
+        let expected = |index: usize, cap: usize| {
+            if index < cap {
+                StatusCode::CREATED
+            } else {
+                StatusCode::FORBIDDEN
+            }
+        };
         for index in 0..=20 {
             let spec = json!({ "spec": { "kind": "service", "name": format!("s{index}"),
                                          "replicas": 0, "gpus": 0, "command": ["true"] } });
             let (status, body) = api.post("/v1/services", &alice, spec).await;
-            let expected = if index < 20 {
-                StatusCode::CREATED
-            } else {
-                StatusCode::FORBIDDEN
-            };
-            assert_eq!(status, expected, "service {index}: {body}");
+            assert_eq!(status, expected(index, 20), "service {index}: {body}");
         }
         for index in 0..=4 {
             let spec = json!({ "spec": { "name": format!("box-{index}"), "gpus": 0,
@@ -4083,12 +4086,11 @@ async fn with_the_defaults_a_user_has_20_services_and_4_dev_environments() {
                                          "preemptible": false },
                                "allow_pending": true });
             let (status, body) = api.post("/v1/jobs", &alice, spec).await;
-            let expected = if index < 4 {
-                StatusCode::CREATED
-            } else {
-                StatusCode::FORBIDDEN
-            };
-            assert_eq!(status, expected, "dev environment {index}: {body}");
+            assert_eq!(
+                status,
+                expected(index, 4),
+                "dev environment {index}: {body}"
+            );
         }
         server.shutdown().await;
     })
