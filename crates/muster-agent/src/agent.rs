@@ -303,6 +303,7 @@ pub async fn run(
         keys,
         forgotten: BTreeSet::new(),
         in_flight: None,
+        starts: futures_util::stream::FuturesUnordered::new(),
         server: base.clone(),
         backend: Arc::clone(&config.backend),
         checks: Arc::new(crate::checks::Checks::default()),
@@ -357,6 +358,14 @@ pub async fn run(
                 match shell.answered(answer) {
                     Ok(input) => input,
                     Err(refused) => return Err(refused),
+                }
+            }
+            Some(failed) = futures_util::StreamExt::next(&mut shell.starts),
+                if !shell.starts.is_empty() =>
+            {
+                match failed {
+                    Some(task) => Input::StartFailed { task },
+                    None => continue,
                 }
             }
             exit = runtime.next_exit() => {
@@ -449,6 +458,9 @@ fn gpu_sample(
 /// A request in flight, resolving to its answer.
 type InFlight = Pin<Box<dyn Future<Output = Answer> + Send>>;
 
+/// A task's start, resolving to the task when it could not be started.
+type Starting = Pin<Box<dyn Future<Output = Option<TaskId>> + Send>>;
+
 enum Answer {
     Register {
         sequence: u64,
@@ -480,6 +492,10 @@ struct Shell {
     /// Tasks the core forgot, kept until their log is shipped.
     forgotten: BTreeSet<String>,
     in_flight: Option<InFlight>,
+    /// Starts under way, each resolving to its task when it failed: tasks
+    /// start side by side, and the loop (heartbeats, exits) goes on
+    /// meanwhile.
+    starts: futures_util::stream::FuturesUnordered<Starting>,
     /// The server, with no token: each request's client is made from it.
     server: Client,
     backend: Arc<dyn GpuBackend>,
@@ -672,9 +688,9 @@ impl Shell {
         });
     }
 
-    /// Carries the core's outputs out, in order, feeding it what comes of
-    /// them (a start that failed) until nothing is left. Err: the server
-    /// refused this node for good.
+    /// Carries the core's outputs out, in order, until nothing is left
+    /// (a start is only begun here: the loop takes in its failure, if it
+    /// fails). Err: the server refused this node for good.
     async fn carry_out(
         &mut self,
         core: &mut AgentCore<DesiredAllocation>,
@@ -805,23 +821,35 @@ impl Shell {
                     };
                     let env = launch.env.clone();
                     let indices = launch.gpu_indices.clone();
-                    if let Err(error) = self.runtime.start(launch).await {
-                        // Reported as a failed task (exit code 127, as a
-                        // shell would for a missing command). The supervisor
-                        // wrote why into the task's log when it got that
-                        // far; otherwise the agent does.
-                        tracing::warn!("cannot start {key}: {error}");
-                        let log = self.runtime.log_path(&key);
-                        if !log.exists() {
-                            if let Some(parent) = log.parent() {
-                                let _ = std::fs::create_dir_all(parent);
+                    let runtime = Arc::clone(&self.runtime);
+                    let backend = Arc::clone(&self.backend);
+                    // Polled by the loop itself (not spawned), so the
+                    // backend hears of the start before the loop can take
+                    // in the task's exit.
+                    self.starts.push(Box::pin(async move {
+                        match runtime.start(launch).await {
+                            Ok(()) => {
+                                backend.task_started(&key, &indices, &env);
+                                None
                             }
-                            let _ = std::fs::write(&log, format!("muster: {error}\n"));
+                            Err(error) => {
+                                // Reported as a failed task (exit code 127,
+                                // as a shell would for a missing command).
+                                // The supervisor wrote why into the task's
+                                // log when it got that far; otherwise the
+                                // agent does.
+                                tracing::warn!("cannot start {key}: {error}");
+                                let log = runtime.log_path(&key);
+                                if !log.exists() {
+                                    if let Some(parent) = log.parent() {
+                                        let _ = std::fs::create_dir_all(parent);
+                                    }
+                                    let _ = std::fs::write(&log, format!("muster: {error}\n"));
+                                }
+                                Some(task)
+                            }
                         }
-                        queue.extend(core.handle(now_ms(), Input::StartFailed { task }));
-                    } else {
-                        self.backend.task_started(&key, &indices, &env);
-                    }
+                    }));
                 }
                 Output::StopTask {
                     task,

@@ -165,21 +165,35 @@ fn private_mounts(working_dir: &Path) -> Result<(), String> {
         // fresh one is mounted: the working directory, if under this one;
         // and in /tmp, the operator's entries (owned by root: a checkout, a
         // shared scratch directory), never a tenant's.
-        let mut keep: Vec<(PathBuf, Kept)> = Vec::new();
+        // Each with whether the task needs it: the working directory does;
+        // an operator's entry removed since the scan is left out.
+        let mut keep: Vec<(PathBuf, Kept, bool)> = Vec::new();
         if let Ok(rest) = working_dir.strip_prefix(dir)
             && !rest.as_os_str().is_empty()
         {
-            keep.push((working_dir.to_path_buf(), hold(working_dir)?));
+            keep.push((working_dir.to_path_buf(), hold(working_dir)?, true));
         }
         if dir == Path::new("/tmp") {
-            keep.extend(operators_entries(dir));
+            keep.extend(
+                operators_entries(dir)
+                    .into_iter()
+                    .map(|(path, kept)| (path, kept, false)),
+            );
         }
         nix::mount::mount(Some("tmpfs"), dir, Some("tmpfs"), flags, Some("mode=1777"))
             .map_err(|e| format!("cannot mount a private {}: {e}", dir.display()))?;
         // Deepest last: the working directory may lie inside a kept entry.
-        keep.sort_by_key(|(path, _)| path.components().count());
-        for (path, kept) in keep {
-            bind_back(&path, kept)?;
+        keep.sort_by_key(|(path, _, _)| path.components().count());
+        for (path, kept, needed) in keep {
+            match bind_back(&path, kept) {
+                Ok(()) => {}
+                Err(why) if needed => return Err(why),
+                // Removed from the host's /tmp meanwhile (its handle names
+                // a deleted entry): gone there too.
+                Err(_) => {
+                    let _ = std::fs::remove_file(&path).or_else(|_| std::fs::remove_dir(&path));
+                }
+            }
         }
     }
     nix::mount::mount(

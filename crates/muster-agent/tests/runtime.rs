@@ -1078,3 +1078,42 @@ fn sleeping(marker: &str) -> i32 {
     assert_eq!(found.len(), 1, "one sleeper named {marker}: {found:?}");
     found[0]
 }
+
+/// Starts of different tasks run side by side (the agent's loop does not
+/// wait for one to begin the next); a second start of a task whose first is
+/// under way is refused; a stop that comes while a task is being started
+/// stops it once it runs.
+#[tokio::test]
+async fn starts_run_side_by_side_and_a_stop_waits_for_its_start() {
+    let (_dir, runtime) = runtime();
+    let (a, b, again) = tokio::join!(
+        runtime.start(launch("side-a", "sleep 30")),
+        runtime.start(launch("side-b", "sleep 30")),
+        runtime.start(launch("side-a", "sleep 30")),
+    );
+    a.expect("start a");
+    b.expect("start b");
+    let error = again.expect_err("a second start of side-a while its first is under way");
+    assert!(error.to_string().contains("side-a"), "{error}");
+    let stop = async {
+        // After the start below has begun.
+        tokio::task::yield_now().await;
+        runtime
+            .stop("side-c", Signal::Term, Duration::from_millis(200))
+            .await
+    };
+    let (started, stopped) = tokio::join!(runtime.start(launch("side-c", "sleep 30")), stop);
+    started.expect("start c");
+    let stopped = stopped.expect("the stop found the task once it ran");
+    assert_ne!(stopped, StopOutcome::NotRunning);
+    let exit = next_exit(&runtime).await;
+    assert_eq!(exit.allocation, "side-c");
+    assert_eq!(exit.signal, Some(15), "{exit:?}");
+    for name in ["side-a", "side-b"] {
+        runtime
+            .stop(name, Signal::Term, Duration::from_millis(200))
+            .await
+            .expect("stop");
+        assert_eq!(next_exit(&runtime).await.allocation, name);
+    }
+}

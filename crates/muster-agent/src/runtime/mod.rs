@@ -330,13 +330,29 @@ struct Watched {
     exit: watch::Receiver<Option<TaskExit>>,
 }
 
+/// A start under way ([`ProcessRuntime::begin_start`]): dropping it ends
+/// the mark and wakes whoever waits for the start.
+struct Starting<'a> {
+    runtime: &'a ProcessRuntime,
+    allocation: String,
+    _done: watch::Sender<()>,
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        self.runtime.lock_starting().remove(&self.allocation);
+    }
+}
+
 /// Runs tasks under supervisors, with their state under one directory.
 #[derive(Debug)]
 pub struct ProcessRuntime {
     config: RuntimeConfig,
     tasks: Mutex<BTreeMap<String, Watched>>,
-    /// Serializes starts, so two starts of one allocation cannot race.
-    starting: tokio::sync::Mutex<()>,
+    /// The allocations being started, each with a channel that closes once
+    /// its start is done: starts of different allocations run at once, a
+    /// second start of one is refused, and a stop waits for the start.
+    starting: Mutex<BTreeMap<String, watch::Receiver<()>>>,
     exits_sender: mpsc::UnboundedSender<TaskExit>,
     exits: tokio::sync::Mutex<mpsc::UnboundedReceiver<TaskExit>>,
     /// The fence deadline last written.
@@ -380,7 +396,7 @@ impl ProcessRuntime {
         let (exits_sender, exits) = mpsc::unbounded_channel();
         ProcessRuntime {
             tasks: Mutex::new(BTreeMap::new()),
-            starting: tokio::sync::Mutex::new(()),
+            starting: Mutex::new(BTreeMap::new()),
             exits_sender,
             exits: tokio::sync::Mutex::new(exits),
             fence_deadline: Mutex::new(None),
@@ -564,7 +580,7 @@ impl ProcessRuntime {
                 });
             }
         }
-        let _starting = self.starting.lock().await;
+        let _starting = self.begin_start(&allocation)?;
         self.check_not_running(&allocation)?;
         // A port it will listen on, taken by a neighbour: said now, not
         // as a crash later.
@@ -771,6 +787,38 @@ impl ProcessRuntime {
         Ok(())
     }
 
+    /// Marks `allocation` as being started until the guard drops; errors
+    /// when it is already.
+    fn begin_start(&self, allocation: &str) -> Result<Starting<'_>, RuntimeError> {
+        let mut starting = self.lock_starting();
+        if starting.contains_key(allocation) {
+            return Err(RuntimeError::AlreadyRunning {
+                allocation: allocation.to_string(),
+                pid: 0,
+            });
+        }
+        let (done, waiting) = watch::channel(());
+        starting.insert(allocation.to_string(), waiting);
+        Ok(Starting {
+            runtime: self,
+            allocation: allocation.to_string(),
+            _done: done,
+        })
+    }
+
+    /// Waits until a start of `allocation` under way (if any) is done.
+    async fn start_done(&self, allocation: &str) {
+        let waiting = self.lock_starting().get(allocation).cloned();
+        if let Some(mut waiting) = waiting {
+            // Closed (an error) once the start's guard is dropped.
+            while waiting.changed().await.is_ok() {}
+        }
+    }
+
+    fn lock_starting(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, watch::Receiver<()>>> {
+        self.starting.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Errors when the allocation runs, here or (after a restart) from a
     /// previous agent's start.
     fn check_not_running(&self, allocation: &str) -> Result<(), RuntimeError> {
@@ -837,6 +885,9 @@ impl ProcessRuntime {
         fenced: bool,
     ) -> Result<StopOutcome, RuntimeError> {
         check_allocation(allocation)?;
+        // A stop that comes while the task is being started acts on it once
+        // it runs (or finds that it never did).
+        self.start_done(allocation).await;
         let watched = self
             .lock_tasks()
             .get(allocation)
@@ -1047,6 +1098,11 @@ impl ProcessRuntime {
     /// once the control plane has the exit.
     pub async fn forget(&self, allocation: &str) -> Result<(), RuntimeError> {
         check_allocation(allocation)?;
+        if self.lock_starting().contains_key(allocation) {
+            return Err(RuntimeError::StillRunning {
+                allocation: allocation.to_string(),
+            });
+        }
         {
             let tasks = self.lock_tasks();
             if let Some(task) = tasks.get(allocation)

@@ -247,10 +247,18 @@ fn choose(range: UidRange, cursor: u32, free: impl Fn(u32) -> bool) -> Option<u3
         .find(|uid| free(*uid))
 }
 
+/// Written in place (one write of at most 11 bytes, the file's length set
+/// after): no new file at each start. A torn write only loses the cursor.
 fn write_cursor(path: &Path, cursor: u32) -> std::io::Result<()> {
-    let temporary = path.with_extension("tmp");
-    std::fs::write(&temporary, format!("{cursor}\n"))?;
-    std::fs::rename(&temporary, path)
+    use std::io::Write;
+    let text = format!("{cursor}\n");
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)?;
+    file.write_all(text.as_bytes())?;
+    file.set_len(text.len() as u64)
 }
 
 #[cfg(test)]
