@@ -43,7 +43,16 @@ pub fn load_or_create(path: &Path) -> Result<(String, bool), TokenError> {
             Ok((token, false))
         }
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            // Written whole under a name of its own, then linked into place:
+            // whoever reads the file (another server copying the cluster's
+            // identity, a test) never finds it empty or half written, and a
+            // file made meanwhile by another process is kept.
             let token = new_token()?;
+            let mut name = path.as_os_str().to_os_string();
+            static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            name.push(format!(".{}-{made}.new", std::process::id()));
+            let temporary = PathBuf::from(name);
             let mut options = std::fs::OpenOptions::new();
             options.write(true).create_new(true);
             #[cfg(unix)]
@@ -51,11 +60,19 @@ pub fn load_or_create(path: &Path) -> Result<(String, bool), TokenError> {
                 use std::os::unix::fs::OpenOptionsExt;
                 options.mode(0o600);
             }
-            let mut file = options.open(path).map_err(file_error)?;
-            file.write_all(format!("{token}\n").as_bytes())
-                .and_then(|()| file.sync_all())
-                .map_err(file_error)?;
-            Ok((token, true))
+            let written = options.open(&temporary).and_then(|mut file| {
+                file.write_all(format!("{token}\n").as_bytes())?;
+                file.sync_all()
+            });
+            let linked = written.and_then(|()| std::fs::hard_link(&temporary, path));
+            let _ = std::fs::remove_file(&temporary);
+            match linked {
+                Ok(()) => Ok((token, true)),
+                Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => {
+                    load_or_create(path)
+                }
+                Err(error) => Err(file_error(error)),
+            }
         }
         Err(error) => Err(file_error(error)),
     }
@@ -113,5 +130,41 @@ mod tests {
             let mode = std::fs::metadata(&path).unwrap().permissions().mode();
             assert_eq!(mode & 0o777, 0o600);
         }
+    }
+
+    /// Readers racing the first writer (a second server copying the
+    /// cluster's files, another process) see the whole token or nothing,
+    /// and every one of them gets the same token.
+    #[test]
+    fn a_token_file_is_never_seen_half_written() {
+        let dir = tempfile::tempdir().unwrap();
+        for round in 0..20 {
+            let path = dir.path().join(format!("token-{round}"));
+            let tokens: Vec<String> = std::thread::scope(|scope| {
+                let readers: Vec<_> = (0..6)
+                    .map(|_| {
+                        scope.spawn(|| match std::fs::read_to_string(&path) {
+                            Ok(text) => assert_eq!(text.trim().len(), 64, "{text:?}"),
+                            Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::NotFound),
+                        })
+                    })
+                    .collect();
+                let makers: Vec<_> = (0..4)
+                    .map(|_| scope.spawn(|| load_or_create(&path).unwrap().0))
+                    .collect();
+                for reader in readers {
+                    reader.join().unwrap();
+                }
+                makers.into_iter().map(|m| m.join().unwrap()).collect()
+            });
+            assert!(tokens.windows(2).all(|w| w[0] == w[1]), "{tokens:?}");
+        }
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .filter(|name| name.to_string_lossy().ends_with(".new"))
+            .collect();
+        assert!(left.is_empty(), "temporary files left: {left:?}");
     }
 }

@@ -167,7 +167,15 @@ pub async fn run(
                         Err(error) => tracing::warn!("cannot forward yet: {error:#}"),
                     }
                 }
-                let _ = role.send(Role::Follower { leader: url });
+                // Told once per change: the loop looks every quarter lease.
+                let following = Role::Follower { leader: url };
+                role.send_if_modified(|now| {
+                    let changed = *now != following;
+                    if changed {
+                        *now = following;
+                    }
+                    changed
+                });
                 tokio::select! {
                     _ = tokio::time::sleep(ha.renew_every()) => {}
                     _ = stop.changed() => {}

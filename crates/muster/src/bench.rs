@@ -753,7 +753,14 @@ async fn failover(args: FailoverBench) -> Result<()> {
     let mut servers: [Option<ChildProcess>; 2] = [Some(start(0, 0)?), None];
     let identity = dir.path().join("a");
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !(identity.join("admin.token").exists() && identity.join("tls/ca.pem").exists()) {
+    // Every file the second server needs, each written whole (tokens and
+    // the secrets key are linked into place once written): the secrets key
+    // comes after the tokens, and copying before it was there failed the
+    // start.
+    while !muster_server::ha::SHARED_FILES
+        .iter()
+        .all(|name| identity.join(name).exists())
+    {
         if Instant::now() > deadline {
             bail!(
                 "the first server did not start; see {}",
