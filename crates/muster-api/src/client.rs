@@ -114,6 +114,13 @@ fn rebase(url: &mut reqwest::Url, server: &str) {
     }
 }
 
+/// A deposed leader's refusal ([`crate::protocol::NO_LONGER_LEADS_HEADER`]).
+fn no_longer_leads(response: &reqwest::Response) -> bool {
+    response
+        .headers()
+        .contains_key(crate::protocol::NO_LONGER_LEADS_HEADER)
+}
+
 /// The message a follower answers with (503) while no server leads or the
 /// leader does not answer: a submission waits and tries again.
 pub const FOLLOWER_UNAVAILABLE: &str = "this server is a follower";
@@ -189,6 +196,9 @@ impl Client {
     /// `base` like `https://127.0.0.1:7070`; an `https` server must have a
     /// certificate the system trusts (see [`Client::with_trust`]).
     pub fn new(base: &str, token: &str) -> Self {
+        // reqwest builds its TLS configuration even for http://: the
+        // process's provider first, or it panics.
+        let _ = crate::tls::provider();
         Client {
             servers: Servers::parse(base),
             token: token.to_string(),
@@ -285,6 +295,17 @@ impl Client {
             };
             rebase(attempt.url_mut(), server);
             match self.http.execute(attempt).await {
+                // A deposed leader refused it (the store took nothing of
+                // it): the next server leads or forwards to the one that
+                // does. Sent again there at once, to every server at most.
+                Ok(response)
+                    if response.status().as_u16() == 503
+                        && tried + 1 < count
+                        && no_longer_leads(&response) =>
+                {
+                    self.servers.failed(index);
+                    tried += 1;
+                }
                 // Never sent: the next server may take it now.
                 Err(error) if error.is_connect() => {
                     self.servers.failed(index);
@@ -1004,6 +1025,94 @@ fn encode(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A loopback listener that answers each request with `answer` (status
+    /// line, headers, body) and counts them.
+    async fn answering(
+        answer: &'static str,
+    ) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = hits.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                // The request whole (headers, then Content-Length bytes).
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 4096];
+                while let Ok(read) = stream.read(&mut buffer).await {
+                    if read == 0 {
+                        break;
+                    }
+                    request.extend_from_slice(&buffer[..read]);
+                    let text = String::from_utf8_lossy(&request).to_string();
+                    if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                        let length = head
+                            .lines()
+                            .find_map(|line| {
+                                let (name, value) = line.split_once(':')?;
+                                name.eq_ignore_ascii_case("content-length")
+                                    .then(|| value.trim().parse::<usize>().ok())?
+                            })
+                            .unwrap_or(0);
+                        if body.len() >= length {
+                            break;
+                        }
+                    }
+                }
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let _ = stream.write_all(answer.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            }
+        });
+        (url, hits)
+    }
+
+    /// A deposed leader's refusal (the store took nothing) sends the
+    /// request on to the next server at once, and later requests go there.
+    #[tokio::test]
+    async fn a_refusal_from_a_deposed_leader_moves_on_to_the_next_server() {
+        let body = r#"{"code":"unavailable","message":"this server no longer leads (it wrote in term 2)"}"#;
+        let refused: &'static str = Box::leak(
+            format!(
+                "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+                 muster-no-longer-leads: 1\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .into_boxed_str(),
+        );
+        let ok = r#"{"id":7}"#;
+        let accepted: &'static str = Box::leak(
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+                 connection: close\r\n\r\n{ok}",
+                ok.len()
+            )
+            .into_boxed_str(),
+        );
+        let (deposed, deposed_hits) = answering(refused).await;
+        let (leader, leader_hits) = answering(accepted).await;
+        let client = super::Client::new(&format!("{deposed},{leader}"), "token");
+        let id = client
+            .submit_once(serde_json::json!({"command": ["true"]}))
+            .await
+            .expect("the next server took it");
+        assert_eq!(id, 7);
+        assert_eq!(client.current(), leader, "later requests go to the leader");
+        let hits = |h: &std::sync::atomic::AtomicUsize| h.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!((hits(&deposed_hits), hits(&leader_hits)), (1, 1));
+        // With one server, nowhere to go: the refusal is the answer.
+        let alone = super::Client::new(&deposed, "token");
+        let error = alone
+            .submit_once(serde_json::json!({"command": ["true"]}))
+            .await
+            .expect_err("refused");
+        assert!(error.to_string().contains("no longer leads"), "{error}");
+    }
+
     #[test]
     fn encodes_unsafe_characters() {
         assert_eq!(super::encode("a b/c"), "a%20b%2Fc");

@@ -36,6 +36,15 @@ impl ErrorCode {
     }
 }
 
+/// The start of the message a deposed leader answers a change with (503,
+/// code `unavailable`, header [`NO_LONGER_LEADS_HEADER`]): the store took
+/// nothing of the request, and another server leads.
+pub const NO_LONGER_LEADS: &str = "this server no longer leads";
+
+/// The header a deposed leader's refusal carries: a client given several
+/// servers sends the request to the next at once, without reading the body.
+pub const NO_LONGER_LEADS_HEADER: &str = "muster-no-longer-leads";
+
 /// The body of every error response.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

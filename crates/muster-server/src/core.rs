@@ -426,8 +426,9 @@ pub fn read_only(reason: &str) -> ApiError {
         return ApiError::new(
             ErrorCode::Unavailable,
             format!(
-                "this server no longer leads ({reason}); it is stepping down to forward to the \
-                 new leader: try again (a client given several servers moves on by itself)"
+                "{} ({reason}); it is stepping down to forward to the new leader: try \
+                 again (a client given several servers moves on by itself)",
+                muster_api::protocol::NO_LONGER_LEADS
             ),
         );
     }

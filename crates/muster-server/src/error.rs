@@ -47,7 +47,18 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body)).into_response()
+        let deposed = self
+            .body
+            .message
+            .starts_with(muster_api::protocol::NO_LONGER_LEADS);
+        let mut response = (self.status, axum::Json(self.body)).into_response();
+        if deposed {
+            response.headers_mut().insert(
+                muster_api::protocol::NO_LONGER_LEADS_HEADER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        response
     }
 }
 
