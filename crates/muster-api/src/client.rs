@@ -129,6 +129,19 @@ pub const FOLLOWER_UNAVAILABLE: &str = "this server is a follower";
 /// store choose a new leader within their `--leader-lease`, 4 s by default).
 const ELECTION_WAIT: Duration = Duration::from_secs(15);
 
+/// The first pause before a request is sent again.
+const FIRST_RETRY_WAIT: Duration = Duration::from_millis(250);
+
+/// The longest pause between two tries: a quarter of the default
+/// `--leader-lease` (4 s), so a client sees a new leader within about a
+/// quarter lease of its election, never a whole lease or more later.
+const LONGEST_RETRY_WAIT: Duration = Duration::from_secs(1);
+
+/// The pause after `wait`: doubled, at most [`LONGEST_RETRY_WAIT`].
+fn next_wait(wait: Duration) -> Duration {
+    (wait * 2).min(LONGEST_RETRY_WAIT)
+}
+
 /// How long a submission is retried while the server cannot be reached.
 const SUBMIT_RETRY_FOR: Duration = Duration::from_secs(60);
 
@@ -353,7 +366,7 @@ impl Client {
     /// [`ELECTION_WAIT`].
     async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
         let deadline = std::time::Instant::now() + ELECTION_WAIT;
-        let mut wait = Duration::from_millis(250);
+        let mut wait = FIRST_RETRY_WAIT;
         loop {
             let url = format!("{}{path}", self.current());
             match self.send(self.http.get(&url), &url).await {
@@ -362,7 +375,7 @@ impl Client {
                         && std::time::Instant::now() < deadline =>
                 {
                     tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_secs(2));
+                    wait = next_wait(wait);
                 }
                 other => return other,
             }
@@ -413,12 +426,12 @@ impl Client {
         };
         let key = idempotency_key();
         let deadline = std::time::Instant::now() + SUBMIT_RETRY_FOR;
-        let mut wait = Duration::from_millis(250);
+        let mut wait = FIRST_RETRY_WAIT;
         loop {
             match self.submit_attempt(&request, &key, None).await {
                 Err(ClientError::Transport { .. }) if std::time::Instant::now() < deadline => {
                     tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_secs(5));
+                    wait = next_wait(wait);
                 }
                 // A follower with no leader to forward to (an election
                 // under way): ask again.
@@ -427,7 +440,7 @@ impl Client {
                         && std::time::Instant::now() < deadline =>
                 {
                     tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_secs(5));
+                    wait = next_wait(wait);
                 }
                 // A retry that arrived while the first was still being
                 // saved: ask again.
@@ -1111,6 +1124,21 @@ mod tests {
             .await
             .expect_err("refused");
         assert!(error.to_string().contains("no longer leads"), "{error}");
+    }
+
+    /// Retries back off 0.25, 0.5, 1 s and then stay at 1 s: a takeover at
+    /// 3.9 s is seen by 4.75 s, not at 7.75 s as with a doubling to 4 s.
+    #[test]
+    fn retries_never_wait_past_a_quarter_of_the_leader_lease() {
+        let mut wait = super::FIRST_RETRY_WAIT;
+        let mut sent = std::time::Duration::ZERO;
+        let mut tries = Vec::new();
+        while sent < std::time::Duration::from_secs(6) {
+            sent += wait;
+            tries.push(sent.as_millis());
+            wait = super::next_wait(wait);
+        }
+        assert_eq!(tries, [250, 750, 1750, 2750, 3750, 4750, 5750, 6750]);
     }
 
     #[test]
