@@ -36,6 +36,13 @@ pub struct Writer {
     queue: mpsc::UnboundedSender<Request>,
     /// The last sequence number handed out.
     queued: Arc<AtomicU64>,
+    /// Held from taking a number to sending the batch, so batches reach
+    /// the writer in the order of their numbers: a commit covers every
+    /// number up to its last, and [`Writer::durable_through`] never passes
+    /// a batch still on its way (one queued outside the control plane's
+    /// lock could otherwise take a number, be overtaken and be committed
+    /// after a later one).
+    order: Arc<std::sync::Mutex<()>>,
     committed: watch::Receiver<Committed>,
 }
 
@@ -76,12 +83,18 @@ impl Writer {
         let writer = Writer {
             queue,
             queued: Arc::new(AtomicU64::new(0)),
+            order: Arc::new(std::sync::Mutex::new(())),
             committed,
         };
         (writer, task)
     }
 
     fn send(&self, batch: Batch, done: Option<oneshot::Sender<Result<(), StoreError>>>) -> bool {
+        // Never blocks for long: an unbounded send.
+        let _order = self
+            .order
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let sequence = self.queued.fetch_add(1, Ordering::SeqCst) + 1;
         self.queue
             .send(Request {
@@ -264,6 +277,59 @@ mod tests {
             2,
             "no write after the failure"
         );
+        drop(writer);
+        task.await.unwrap();
+    }
+
+    /// A store that records which retired ids it wrote.
+    #[derive(Clone, Default)]
+    struct RecordingStore {
+        written: Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>,
+    }
+
+    impl Store for RecordingStore {
+        async fn load(&self) -> Result<Loaded, StoreError> {
+            Ok(Loaded::default())
+        }
+
+        async fn write(&self, batch: &Batch) -> Result<(), StoreError> {
+            tokio::task::yield_now().await;
+            self.written
+                .lock()
+                .unwrap()
+                .extend(batch.retired.iter().copied());
+            Ok(())
+        }
+    }
+
+    /// Batches queued at once from several threads (some outside the
+    /// control plane's lock, as accounting's are): once a queuer's
+    /// `durable_through(queued())` returns, its own batch is written.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_batch_is_durable_once_its_number_is_covered() {
+        let store = RecordingStore::default();
+        let (writer, task) = Writer::start(store.clone());
+        let mut queuers = Vec::new();
+        for thread in 0..8u64 {
+            let writer = writer.clone();
+            let store = store.clone();
+            queuers.push(tokio::spawn(async move {
+                for round in 0..300u64 {
+                    let id = thread * 1_000 + round;
+                    let mut batch = Batch::default();
+                    batch.retired.insert(id);
+                    writer.queue_quietly(batch);
+                    writer.durable_through(writer.queued()).await.unwrap();
+                    assert!(
+                        store.written.lock().unwrap().contains(&id),
+                        "batch {id} was covered before it was written"
+                    );
+                }
+            }));
+        }
+        for queuer in queuers {
+            queuer.await.unwrap();
+        }
         drop(writer);
         task.await.unwrap();
     }
