@@ -2695,6 +2695,17 @@ async fn heartbeat(
             Some(reason) => crate::core::read_only(&reason),
             None => ApiError::from(error),
         })?;
+    // A renewal of the node's lease only from a server whose own lease is
+    // current: one woken from a pause may have been replaced.
+    if let Some(clock) = &shared.settings.leadership
+        && let Err(since) = clock.current(std::time::Instant::now())
+    {
+        return Err(crate::core::read_only(&format!(
+            "its lease was last renewed {} ms ago, more than a lease: no longer the leader \
+             unless it renews",
+            since.as_millis()
+        )));
+    }
     Ok(Json(HeartbeatResponse {
         version,
         lease_ms: shared.settings.lease_ms,

@@ -343,6 +343,8 @@ pub struct Settings {
     /// The server serves HTTPS: the dashboard's cookie is `Secure`, with
     /// HSTS.
     pub https: bool,
+    /// This leader's own lease, when it leads several servers.
+    pub leadership: Option<std::sync::Arc<crate::ha::LeaseClock>>,
 }
 
 /// What every task and handler shares.

@@ -82,6 +82,54 @@ impl HaConfig {
     }
 }
 
+/// When the leader last renewed its lease, for the handlers: a leader
+/// answers a heartbeat (a lease renewal for the node) only while its own
+/// lease is surely current. `Instant` runs on while the process is stopped,
+/// so a leader woken from a pause longer than its lease refuses until it
+/// has renewed again, or stepped down, instead of answering from what it
+/// knew before.
+#[derive(Debug)]
+pub struct LeaseClock {
+    base: Instant,
+    /// Milliseconds from `base` to the start of the last renewal that
+    /// succeeded.
+    renewed_ms: std::sync::atomic::AtomicU64,
+    lease: Duration,
+}
+
+impl LeaseClock {
+    /// A lease taken by an attempt that started at `at`.
+    pub fn new(lease: Duration, at: Instant) -> Arc<LeaseClock> {
+        let clock = Arc::new(LeaseClock {
+            base: at,
+            renewed_ms: std::sync::atomic::AtomicU64::new(0),
+            lease,
+        });
+        clock.renewed(at);
+        clock
+    }
+
+    /// A renewal that started at `at` succeeded.
+    pub fn renewed(&self, at: Instant) {
+        let ms = at.saturating_duration_since(self.base).as_millis() as u64;
+        self.renewed_ms
+            .fetch_max(ms, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the lease is current at `now` (its last renewal less than a
+    /// lease ago); `Err` says how long ago it was.
+    pub fn current(&self, now: Instant) -> Result<(), Duration> {
+        let renewed = self.base
+            + Duration::from_millis(self.renewed_ms.load(std::sync::atomic::Ordering::SeqCst));
+        let since = now.saturating_duration_since(renewed);
+        if since < self.lease {
+            Ok(())
+        } else {
+            Err(since)
+        }
+    }
+}
+
 /// This machine's name (`localhost` when it cannot be read).
 pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -124,6 +172,7 @@ pub async fn run(
         if *stop.borrow() {
             break;
         }
+        let attempt = Instant::now();
         match election.lead(&ha.id, &ha.advertise, None, ha.lease).await {
             Ok(Leadership::Leader { term }) => {
                 if let Some(forwarder) = forwarder.take() {
@@ -132,6 +181,8 @@ pub async fn run(
                 tracing::info!(term, id = %ha.id, "leading");
                 let mut leading = config.clone();
                 leading.fence_term = Some(term);
+                let clock = LeaseClock::new(ha.lease, attempt);
+                leading.leadership = Some(clock.clone());
                 let handle = match Server::start(leading).await {
                     Ok(handle) => handle,
                     Err(error) => {
@@ -144,7 +195,7 @@ pub async fn run(
                 // A store copied once (--migrate-from) is not copied again.
                 config.migrate_from = None;
                 let _ = role.send(Role::Leader { term });
-                let lost = lead(&election, &ha, term, &handle, &mut stop).await;
+                let lost = lead(&election, &ha, term, &handle, &clock, &mut stop).await;
                 handle.shutdown().await;
                 match lost {
                     None => {
@@ -204,6 +255,7 @@ async fn lead(
     ha: &HaConfig,
     term: i64,
     handle: &ServerHandle,
+    clock: &LeaseClock,
     stop: &mut watch::Receiver<bool>,
 ) -> Option<String> {
     let mut renewed = Instant::now();
@@ -223,7 +275,10 @@ async fn lead(
             .lead(&ha.id, &ha.advertise, Some(term), ha.lease)
             .await
         {
-            Ok(Leadership::Leader { term: now }) if now == term => renewed = attempt,
+            Ok(Leadership::Leader { term: now }) if now == term => {
+                renewed = attempt;
+                clock.renewed(attempt);
+            }
             Ok(Leadership::Leader { term: now }) => {
                 return Some(format!("the lease moved to term {now}"));
             }
@@ -243,5 +298,28 @@ async fn lead(
                 tracing::warn!("cannot renew the lease yet: {error}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_is_current_for_a_lease_from_its_last_renewal_s_start() {
+        let start = Instant::now();
+        let clock = LeaseClock::new(Duration::from_secs(4), start);
+        assert_eq!(clock.current(start + Duration::from_millis(3_999)), Ok(()));
+        assert_eq!(
+            clock.current(start + Duration::from_secs(20)),
+            Err(Duration::from_secs(20)),
+            "a leader woken after a 20 s pause"
+        );
+        clock.renewed(start + Duration::from_secs(19));
+        assert_eq!(clock.current(start + Duration::from_secs(20)), Ok(()));
+        // An older renewal, finished late, moves nothing back.
+        clock.renewed(start + Duration::from_secs(2));
+        assert_eq!(clock.current(start + Duration::from_secs(22)), Ok(()));
+        assert!(clock.current(start + Duration::from_secs(23)).is_err());
     }
 }

@@ -103,6 +103,9 @@ pub struct ServerConfig {
     /// store (see [`ha`]): every write carries it, and fails once another
     /// server holds a later one.
     pub fence_term: Option<i64>,
+    /// The leader's own lease (with [`ServerConfig::fence_term`]): no
+    /// heartbeat is answered while it may have lapsed.
+    pub leadership: Option<Arc<ha::LeaseClock>>,
     /// A running job whose GPUs all stay below 5% utilisation this long is
     /// shown idle (`ps`, `describe`, `/metrics`).
     pub idle_after_ms: u64,
@@ -192,6 +195,7 @@ impl ServerConfig {
             store: None,
             migrate_from: None,
             fence_term: None,
+            leadership: None,
             idle_after_ms: DEFAULT_IDLE_AFTER_MS,
             stack_policy: muster_control::StackPolicy::Report,
             service_levels: muster_sched::ServiceLevels::default(),
@@ -444,6 +448,7 @@ impl Server {
                 max_services_per_user: config.max_services_per_user,
                 max_dev_per_user: config.max_dev_per_user,
                 https: !matches!(config.tls, tls::TlsMode::Off),
+                leadership: config.leadership.clone(),
             },
             core,
             writer,

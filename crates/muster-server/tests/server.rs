@@ -4096,3 +4096,47 @@ async fn with_the_defaults_a_user_has_20_services_and_4_dev_environments() {
     })
     .await;
 }
+
+/// A leader whose own lease may have lapsed (woken from a pause longer than
+/// it) renews no node's lease: its heartbeat answer is a 503 that sends the
+/// agent to the next server, until the leader has renewed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_lease_may_have_lapsed_answers_no_heartbeat() {
+    bounded(async {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = test_config(dir.path());
+        let lease = Duration::from_secs(2);
+        let clock = muster_server::ha::LeaseClock::new(lease, std::time::Instant::now());
+        config.leadership = Some(clock.clone());
+        let server = Server::start(config).await.expect("server starts");
+        let api = Api::new(&server);
+        let registered = api.register(server.join_token(), "gpu-1").await;
+        let beat = heartbeat_body(registered.epoch, vec![], 0, 0);
+        let send = || async {
+            api.http
+                .post(api.url("/v1/agents/gpu-1/heartbeat"))
+                .bearer_auth(&registered.node_token)
+                .json(&beat)
+                .send()
+                .await
+                .expect("sent")
+        };
+        clock.renewed(std::time::Instant::now());
+        assert_eq!(send().await.status(), StatusCode::OK, "a current lease");
+        // As after a pause: the last renewal is more than a lease ago.
+        tokio::time::sleep(lease + Duration::from_millis(500)).await;
+        let refused = send().await;
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            refused
+                .headers()
+                .contains_key(muster_api::protocol::NO_LONGER_LEADS_HEADER)
+        );
+        let body = refused.text().await.expect("a body");
+        assert!(body.contains("no longer leads"), "{body}");
+        clock.renewed(std::time::Instant::now());
+        assert_eq!(send().await.status(), StatusCode::OK, "renewed again");
+        server.shutdown().await;
+    })
+    .await;
+}
