@@ -2700,9 +2700,9 @@ async fn heartbeat(
     if let Some(clock) = &shared.settings.leadership
         && let Err(since) = clock.current(std::time::Instant::now())
     {
-        return Err(crate::core::read_only(&format!(
-            "its lease was last renewed {} ms ago, more than a lease: no longer the leader \
-             unless it renews",
+        return Err(crate::core::no_longer_leads(&format!(
+            "its lease was last renewed {} ms ago, more than a lease: it leads again only once \
+             it renews",
             since.as_millis()
         )));
     }

@@ -420,19 +420,28 @@ fn poisoned() -> ! {
     std::process::abort();
 }
 
+/// A deposed leader's refusal (`reason`: why it may no longer lead): the
+/// store took nothing, and a client given several servers sends it on to
+/// the next at once.
+pub fn no_longer_leads(reason: &str) -> ApiError {
+    let mut error = ApiError::new(
+        ErrorCode::Unavailable,
+        format!(
+            "{} ({reason}); it is stepping down to forward to the new leader: try again (a \
+             client given several servers moves on by itself)",
+            muster_api::protocol::NO_LONGER_LEADS
+        ),
+    );
+    error.no_longer_leads = true;
+    error
+}
+
 /// The answer to every change once the store has failed.
 pub fn read_only(reason: &str) -> ApiError {
     // A leader another server has replaced steps down on its own within a
     // quarter of its lease (crate::ha): nothing to restart.
     if reason.contains("no longer the leader") {
-        return ApiError::new(
-            ErrorCode::Unavailable,
-            format!(
-                "{} ({reason}); it is stepping down to forward to the new leader: try \
-                 again (a client given several servers moves on by itself)",
-                muster_api::protocol::NO_LONGER_LEADS
-            ),
-        );
+        return no_longer_leads(reason);
     }
     ApiError::new(
         ErrorCode::Unavailable,

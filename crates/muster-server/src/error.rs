@@ -17,6 +17,9 @@ pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 pub struct ApiError {
     pub status: StatusCode,
     pub body: ErrorBody,
+    /// A deposed leader's refusal: answered with
+    /// [`muster_api::protocol::NO_LONGER_LEADS_HEADER`].
+    pub no_longer_leads: bool,
 }
 
 impl ApiError {
@@ -28,6 +31,7 @@ impl ApiError {
                 code,
                 message: message.into(),
             },
+            no_longer_leads: false,
         }
     }
 
@@ -47,12 +51,8 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let deposed = self
-            .body
-            .message
-            .starts_with(muster_api::protocol::NO_LONGER_LEADS);
         let mut response = (self.status, axum::Json(self.body)).into_response();
-        if deposed {
+        if self.no_longer_leads {
             response.headers_mut().insert(
                 muster_api::protocol::NO_LONGER_LEADS_HEADER,
                 axum::http::HeaderValue::from_static("1"),

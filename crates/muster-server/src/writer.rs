@@ -6,8 +6,7 @@
 
 use crate::store::{Batch, Store, StoreError};
 use prometheus_client::metrics::histogram::Histogram;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::{mpsc, oneshot, watch};
 
 /// The most queued changes folded into one commit.
@@ -34,15 +33,13 @@ pub struct Committed {
 #[derive(Debug, Clone)]
 pub struct Writer {
     queue: mpsc::UnboundedSender<Request>,
-    /// The last sequence number handed out.
-    queued: Arc<AtomicU64>,
-    /// Held from taking a number to sending the batch, so batches reach
-    /// the writer in the order of their numbers: a commit covers every
-    /// number up to its last, and [`Writer::durable_through`] never passes
-    /// a batch still on its way (one queued outside the control plane's
-    /// lock could otherwise take a number, be overtaken and be committed
-    /// after a later one).
-    order: Arc<std::sync::Mutex<()>>,
+    /// The last sequence number handed out, held from taking a number to
+    /// sending the batch, so batches reach the writer in the order of
+    /// their numbers: a commit covers every number up to its last, and
+    /// [`Writer::durable_through`] never passes a batch still on its way
+    /// (one queued outside the control plane's lock could otherwise take a
+    /// number, be overtaken and be committed after a later one).
+    queued: Arc<Mutex<u64>>,
     committed: watch::Receiver<Committed>,
 }
 
@@ -82,20 +79,17 @@ impl Writer {
         let task = tokio::spawn(run(store, receiver, committed_sender, commit_seconds));
         let writer = Writer {
             queue,
-            queued: Arc::new(AtomicU64::new(0)),
-            order: Arc::new(std::sync::Mutex::new(())),
+            queued: Arc::new(Mutex::new(0)),
             committed,
         };
         (writer, task)
     }
 
     fn send(&self, batch: Batch, done: Option<oneshot::Sender<Result<(), StoreError>>>) -> bool {
-        // Never blocks for long: an unbounded send.
-        let _order = self
-            .order
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let sequence = self.queued.fetch_add(1, Ordering::SeqCst) + 1;
+        // Never held for long: an unbounded send.
+        let mut queued = self.lock_queued();
+        *queued += 1;
+        let sequence = *queued;
         self.queue
             .send(Request {
                 batch,
@@ -130,7 +124,11 @@ impl Writer {
     /// The sequence number of the last batch queued: read under the
     /// control plane's lock, it covers every change made so far.
     pub fn queued(&self) -> u64 {
-        self.queued.load(Ordering::SeqCst)
+        *self.lock_queued()
+    }
+
+    fn lock_queued(&self) -> std::sync::MutexGuard<'_, u64> {
+        self.queued.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Why the store stopped taking commits, if it did.
@@ -208,7 +206,7 @@ async fn run<S: Store>(
 mod tests {
     use super::*;
     use crate::store::Loaded;
-    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
     /// A store whose commits take a while, counting commits and records.
