@@ -2,15 +2,23 @@
 //! agents. Every call sends the bearer token; an API error comes back as
 //! [`ClientError::Api`] with the server's code and message.
 
+mod failover;
+
 use crate::protocol::*;
+use failover::{
+    ELECTION_WAIT, FIRST_RETRY_WAIT, SUBMIT_RETRY_FOR, Servers, next_wait, no_longer_leads, rebase,
+};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// The `Upgrade` protocol of dev environments' tunnels.
 pub const TUNNEL_PROTOCOL: &str = "muster-tunnel";
+
+/// The message a follower answers with (503) while no server leads or the
+/// leader does not answer: a submission waits and tries again.
+pub const FOLLOWER_UNAVAILABLE: &str = "this server is a follower";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -60,90 +68,6 @@ pub struct Client {
     user: Option<String>,
     http: reqwest::Client,
 }
-
-/// The servers a client may talk to (several servers on one PostgreSQL
-/// store, any of which answers: see docs/ha.md), and the one it uses now.
-/// Shared by a client's clones: one that finds a server gone moves them
-/// all on.
-#[derive(Debug)]
-struct Servers {
-    /// As given: URLs separated by commas.
-    given: String,
-    urls: Vec<String>,
-    current: AtomicUsize,
-}
-
-impl Servers {
-    fn parse(given: &str) -> Arc<Servers> {
-        let mut urls: Vec<String> = given
-            .split(',')
-            .map(|url| url.trim().trim_end_matches('/').to_string())
-            .filter(|url| !url.is_empty())
-            .collect();
-        if urls.is_empty() {
-            urls.push(given.trim().trim_end_matches('/').to_string());
-        }
-        Arc::new(Servers {
-            given: urls.join(","),
-            urls,
-            current: AtomicUsize::new(0),
-        })
-    }
-
-    fn current(&self) -> (usize, &str) {
-        let index = self.current.load(Ordering::Relaxed) % self.urls.len();
-        (index, &self.urls[index])
-    }
-
-    /// `index` did not answer: the next server is tried from now on
-    /// (unless another request moved on already).
-    fn failed(&self, index: usize) {
-        let next = (index + 1) % self.urls.len();
-        let _ = self
-            .current
-            .compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed);
-    }
-}
-
-/// Points `url` at `server` (scheme, host and port), keeping its path.
-fn rebase(url: &mut reqwest::Url, server: &str) {
-    if let Ok(base) = reqwest::Url::parse(server) {
-        let _ = url.set_scheme(base.scheme());
-        let _ = url.set_host(base.host_str());
-        let _ = url.set_port(base.port());
-    }
-}
-
-/// A deposed leader's refusal ([`crate::protocol::NO_LONGER_LEADS_HEADER`]).
-fn no_longer_leads(response: &reqwest::Response) -> bool {
-    response
-        .headers()
-        .contains_key(crate::protocol::NO_LONGER_LEADS_HEADER)
-}
-
-/// The message a follower answers with (503) while no server leads or the
-/// leader does not answer: a submission waits and tries again.
-pub const FOLLOWER_UNAVAILABLE: &str = "this server is a follower";
-
-/// How long a read waits for an election (servers sharing a PostgreSQL
-/// store choose a new leader within their `--leader-lease`, 4 s by default).
-const ELECTION_WAIT: Duration = Duration::from_secs(15);
-
-/// The first pause before a request is sent again.
-const FIRST_RETRY_WAIT: Duration = Duration::from_millis(250);
-
-/// The longest pause between two tries: a quarter of the default
-/// `--leader-lease` (4 s), so a client sees a new leader within about a
-/// quarter lease of its election, never a whole lease or more later.
-const LONGEST_RETRY_WAIT: Duration = Duration::from_secs(1);
-
-/// The pause after `wait`: doubled, at most [`LONGEST_RETRY_WAIT`].
-fn next_wait(wait: Duration) -> Duration {
-    (wait * 2).min(LONGEST_RETRY_WAIT)
-}
-
-/// How long a submission is retried while the server cannot be reached.
-const SUBMIT_RETRY_FOR: Duration = Duration::from_secs(60);
 
 /// A key no other submission has: 128 bits from the process's random hash
 /// seeds, the time and a counter.
@@ -1124,21 +1048,6 @@ mod tests {
             .await
             .expect_err("refused");
         assert!(error.to_string().contains("no longer leads"), "{error}");
-    }
-
-    /// Retries back off 0.25, 0.5, 1 s and then stay at 1 s: a takeover at
-    /// 3.9 s is seen by 4.75 s, not at 7.75 s as with a doubling to 4 s.
-    #[test]
-    fn retries_never_wait_past_a_quarter_of_the_leader_lease() {
-        let mut wait = super::FIRST_RETRY_WAIT;
-        let mut sent = std::time::Duration::ZERO;
-        let mut tries = Vec::new();
-        while sent < std::time::Duration::from_secs(6) {
-            sent += wait;
-            tries.push(sent.as_millis());
-            wait = super::next_wait(wait);
-        }
-        assert_eq!(tries, [250, 750, 1750, 2750, 3750, 4750, 5750, 6750]);
     }
 
     #[test]
