@@ -31,6 +31,7 @@ pub mod runtime;
 pub mod stack;
 pub mod supervise;
 pub mod taskinit;
+mod tunnels;
 
 pub use agent::{AgentConfig, run};
 pub use gpu::{
