@@ -19,7 +19,11 @@
 //!   abandoned) is ignored. The lease counts from when the answered request
 //!   was sent. A request is given up at the fence time (a registration
 //!   after [`REQUEST_LIMIT_MS`] at most), or after [`REQUEST_LIMIT_MS`] when
-//!   no lease is left.
+//!   no lease is left; a heartbeat also after its long poll plus
+//!   [`ANSWER_MARGIN_MS`], and early enough to leave
+//!   [`FAILOVER_RESERVE_MS`] for another try while the time left holds two
+//!   (the shell sends it to the next server). A try after one that got no
+//!   answer asks for no wait.
 //! - **Fencing**: once `now - last renewal + margin >= lease` (margin:
 //!   `min(fence margin, lease / 4)`) every task is stopped with a short
 //!   grace, and nothing starts until a heartbeat is answered again. The
@@ -51,6 +55,9 @@ pub const REQUEST_LIMIT_MS: u64 = 5_000;
 pub const ANSWER_MARGIN_MS: u64 = 3_000;
 /// The pause after a heartbeat failed on the network before the next one.
 pub const HEARTBEAT_RETRY_MS: u64 = 250;
+/// What a heartbeat leaves of the time before the fence for one more try
+/// (a pause and an answer margin), while the time left holds two.
+pub const FAILOVER_RESERVE_MS: u64 = ANSWER_MARGIN_MS + HEARTBEAT_RETRY_MS;
 /// The first pause after a failed registration; it doubles each time.
 pub const REGISTER_BACKOFF_MIN_MS: u64 = 200;
 /// The longest pause between two registrations.
@@ -332,6 +339,8 @@ pub struct AgentCore<L> {
     version: u64,
     tasks: BTreeMap<TaskId, Task>,
     fenced: bool,
+    /// The last heartbeat got no answer (network, timeout, server error).
+    unanswered: bool,
     unhealthy_gpus: Vec<u32>,
     /// The unhealthy GPUs the server was last told of.
     unhealthy_reported: Vec<u32>,
@@ -390,6 +399,7 @@ impl<L: Clone> AgentCore<L> {
             version: 0,
             tasks,
             fenced: false,
+            unanswered: false,
             unhealthy_gpus: Vec::new(),
             unhealthy_reported: Vec::new(),
         };
@@ -501,6 +511,7 @@ impl<L: Clone> AgentCore<L> {
                     self.version = version;
                     self.renew(request.sent_ms, &mut outputs);
                     self.fenced = false;
+                    self.unanswered = false;
                     self.desired = desired.into_iter().map(|d| (d.task, d)).collect();
                     self.reconcile(&mut outputs);
                     self.forget(sequence, &mut outputs);
@@ -516,6 +527,7 @@ impl<L: Clone> AgentCore<L> {
                             outputs.push(Output::Report(Report::RegisterAgain));
                         }
                         HeartbeatFailure::Transport => {
+                            self.unanswered = true;
                             self.next_send_ms = now_ms + HEARTBEAT_RETRY_MS;
                         }
                     }
@@ -605,7 +617,10 @@ impl<L: Clone> AgentCore<L> {
         }));
         match request.kind {
             RequestKind::Register => self.register_failed(now_ms),
-            RequestKind::Heartbeat { .. } => self.next_send_ms = now_ms + HEARTBEAT_RETRY_MS,
+            RequestKind::Heartbeat { .. } => {
+                self.unanswered = true;
+                self.next_send_ms = now_ms + HEARTBEAT_RETRY_MS;
+            }
         }
     }
 
@@ -808,19 +823,28 @@ impl<L: Clone> AgentCore<L> {
         // The server renews the lease when the request arrives: the lease
         // counts from when it was sent. An answer is given up once the
         // lease could have run out (a black-holed connection must not delay
-        // fencing), or once the long poll plus [`ANSWER_MARGIN_MS`] has
-        // passed: a server that stopped answering (paused, or a leader
-        // deposed) is left in time to try another before the fence.
-        let wait_ms = if news {
+        // fencing), once the long poll plus [`ANSWER_MARGIN_MS`] has
+        // passed, and early enough to leave [`FAILOVER_RESERVE_MS`] for
+        // one more try while there is room for two: a server that stopped
+        // answering (paused, or a leader deposed) is left in time to try
+        // another before the fence. A try after one that got no answer asks
+        // for no wait: the next server may be a new leader, whose first
+        // answer is worth having at once.
+        let budget = if remaining == 0 {
+            REQUEST_LIMIT_MS
+        } else if remaining >= 2 * FAILOVER_RESERVE_MS {
+            remaining - FAILOVER_RESERVE_MS
+        } else {
+            remaining
+        };
+        let wait_ms = if news || self.unanswered {
             0
         } else {
-            self.heartbeat_ms.min(remaining / 3)
+            self.heartbeat_ms
+                .min(remaining / 3)
+                .min(budget.saturating_sub(ANSWER_MARGIN_MS))
         };
-        let limit = if remaining == 0 {
-            REQUEST_LIMIT_MS
-        } else {
-            remaining.min(wait_ms + ANSWER_MARGIN_MS)
-        };
+        let limit = budget.min(wait_ms + ANSWER_MARGIN_MS);
         let observed: Vec<ObservedTask> = self
             .tasks
             .iter()

@@ -11,8 +11,9 @@ mod core;
 
 pub use crate::core::{
     ANSWER_MARGIN_MS, AdoptedTask, AgentCore, CoreConfig, DEFAULT_HEARTBEAT_MS, DEFAULT_LEASE_MS,
-    DesiredTask, HEARTBEAT_RETRY_MS, HeartbeatFailure, Input, LeaseRecord, ObservedTask, Output,
-    REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS, REQUEST_LIMIT_MS, Report, TaskId,
+    DesiredTask, FAILOVER_RESERVE_MS, HEARTBEAT_RETRY_MS, HeartbeatFailure, Input, LeaseRecord,
+    ObservedTask, Output, REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS, REQUEST_LIMIT_MS,
+    Report, TaskId,
 };
 
 /// How a task ended.

@@ -4,9 +4,9 @@
 
 use muster_model::Signal;
 use muster_node::{
-    AdoptedTask, AgentCore, CoreConfig, DesiredTask, FENCED_GRACE_MS, HEARTBEAT_RETRY_MS,
-    HeartbeatFailure, Input, LeaseRecord, Output, REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS,
-    Report, TaskExit, TaskId,
+    ANSWER_MARGIN_MS, AdoptedTask, AgentCore, CoreConfig, DesiredTask, FAILOVER_RESERVE_MS,
+    FENCED_GRACE_MS, HEARTBEAT_RETRY_MS, HeartbeatFailure, Input, LeaseRecord, Output,
+    REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS, Report, TaskExit, TaskId,
 };
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -223,16 +223,23 @@ fn registers_first_then_heartbeats_with_increasing_sequences() {
         panic!("a heartbeat at once: {outputs:?}");
     };
     assert_eq!(*sequence, 2);
-    // The lease left before fencing bounds the wait and the request, and
-    // so does the long poll plus a margin: a server that stopped
-    // answering is left in time to try another before the fence.
+    // The lease left before fencing bounds the wait and the request, less
+    // a reserve for one more try, and so does the long poll plus a
+    // margin: a server that stopped answering is left in time to try
+    // another before the fence.
     let remaining = 1_000 + LEASE_MS - EFFECTIVE_MARGIN_MS - 1_000;
-    assert_eq!(*wait_ms, HEARTBEAT_MS.min(remaining / 3));
+    let budget = remaining - FAILOVER_RESERVE_MS;
+    assert_eq!(
+        *wait_ms,
+        HEARTBEAT_MS
+            .min(remaining / 3)
+            .min(budget - ANSWER_MARGIN_MS)
+    );
     assert_eq!(
         *deadline_ms,
-        1_000 + remaining.min(*wait_ms + muster_node::ANSWER_MARGIN_MS)
+        1_000 + budget.min(*wait_ms + ANSWER_MARGIN_MS)
     );
-    assert!(*deadline_ms < 1_000 + remaining);
+    assert!(*deadline_ms + FAILOVER_RESERVE_MS <= 1_000 + remaining);
     // A changed desired set (version 0 to 1): the next long poll goes at
     // once.
     let outputs = node.reply(Vec::new());
@@ -462,6 +469,88 @@ fn a_refused_heartbeat_registers_again_and_takes_the_new_epoch() {
         _ => None,
     });
     assert_eq!(heartbeat, Some(78), "heartbeats carry the new epoch");
+}
+
+/// A leader paused with a 20 s node lease (the high-availability
+/// default): the agent's tries against servers that do not answer are cut
+/// so that several fit before the fence, each after the first asks for no
+/// wait (a new leader answers it at once) and has a whole answer margin,
+/// and none leaves less than a reserve for the next unless the fence is
+/// that close.
+#[test]
+fn a_server_that_stops_answering_leaves_time_for_tries_elsewhere_before_the_fence() {
+    const LEASE: u64 = 20_000;
+    let mut node = Node::fresh();
+    let (_, sequence) = node.in_flight.take().expect("a registration");
+    node.step(Input::Registered {
+        sequence,
+        epoch: 77,
+        lease_ms: LEASE,
+        heartbeat_ms: HEARTBEAT_MS,
+    });
+    let renewed_at = node.now;
+    let (_, sequence) = node.in_flight.take().expect("a heartbeat");
+    node.step(Input::HeartbeatReply {
+        sequence,
+        version: 1,
+        lease_ms: LEASE,
+        desired: vec![want(1, 1, 1, &[0])],
+    });
+    // The task's start is news: reported at once, and answered.
+    let (_, sequence) = node.in_flight.take().expect("the start's report");
+    node.step(Input::HeartbeatReply {
+        sequence,
+        version: 1,
+        lease_ms: LEASE,
+        desired: vec![want(1, 1, 1, &[0])],
+    });
+    let fence = node.core.fence_at_ms();
+    assert_eq!(fence, renewed_at + LEASE - MARGIN_MS);
+    // Nothing answers from now on: each try runs to its deadline.
+    // (sent, wait, deadline) of each try.
+    let mut tries: Vec<(u64, u64, u64)> = Vec::new();
+    while !node.core.fenced() {
+        let wake = node.core.next_wake_ms();
+        assert!(wake > node.now);
+        node.now = wake;
+        for output in node.step(Input::Tick) {
+            if let Output::SendHeartbeat {
+                wait_ms,
+                deadline_ms,
+                ..
+            } = output
+            {
+                tries.push((node.now, wait_ms, deadline_ms));
+            }
+        }
+    }
+    assert!(
+        tries.len() >= 4,
+        "four tries (two on each of two servers) before the fence: {tries:?}"
+    );
+    for (index, &(sent, wait, deadline)) in tries.iter().enumerate() {
+        assert!(
+            deadline <= fence,
+            "try {index} ends by the fence: {tries:?}"
+        );
+        if index > 0 {
+            assert_eq!(wait, 0, "a try after one unanswered asks for no wait");
+            assert_eq!(sent, tries[index - 1].2 + HEARTBEAT_RETRY_MS, "{tries:?}");
+        }
+        let last = index + 1 == tries.len();
+        if !last {
+            assert!(
+                deadline - sent >= ANSWER_MARGIN_MS,
+                "try {index} waits a whole answer margin: {tries:?}"
+            );
+        }
+        if sent + 2 * FAILOVER_RESERVE_MS <= fence {
+            assert!(
+                deadline + FAILOVER_RESERVE_MS <= fence,
+                "try {index} leaves a reserve for the next: {tries:?}"
+            );
+        }
+    }
 }
 
 #[test]

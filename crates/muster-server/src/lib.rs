@@ -312,6 +312,10 @@ impl Server {
             .unwrap_or_else(|| store::StoreLocation::in_data_dir(&data_dir));
         let store_options = store::StoreOptions {
             max_mib: config.store_max_mib,
+            idle_transaction_limit: config
+                .leadership
+                .as_ref()
+                .map(|clock| ha::idle_transaction_limit(clock.lease())),
         };
         let store = SqlStore::open_at(&location, store_options).await?;
         let store = match config.fence_term {

@@ -401,6 +401,11 @@ pub struct StoreOptions {
     /// Past it, commits fail and the server turns read-only. (A PostgreSQL
     /// database is bounded by its server's own settings.)
     pub max_mib: Option<u64>,
+    /// PostgreSQL ends a session of this store that sits idle inside a
+    /// transaction this long (a leader's: see
+    /// [`crate::ha::idle_transaction_limit`]); `None`: the database's
+    /// setting.
+    pub idle_transaction_limit: Option<Duration>,
 }
 
 /// The store, on SQLite or PostgreSQL.
@@ -480,9 +485,29 @@ impl SqlStore {
                 let options = url
                     .parse::<AnyConnectOptions>()
                     .map_err(|error| open_error(error.to_string()))?;
+                let settings = store_options
+                    .idle_transaction_limit
+                    .map(|limit| {
+                        format!(
+                            "SET idle_in_transaction_session_timeout = {}",
+                            limit.as_millis().max(1)
+                        )
+                    })
+                    .unwrap_or_default();
                 AnyPoolOptions::new()
                     .max_connections(8)
                     .acquire_timeout(Duration::from_secs(10))
+                    .after_connect(move |connection, _| {
+                        let settings = settings.clone();
+                        Box::pin(async move {
+                            if !settings.is_empty() {
+                                sqlx::raw_sql(AssertSqlSafe(settings))
+                                    .execute(connection)
+                                    .await?;
+                            }
+                            Ok(())
+                        })
+                    })
                     .connect_with(options)
                     .await
                     .map_err(|error| open_error(error.to_string()))?

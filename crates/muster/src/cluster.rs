@@ -22,9 +22,12 @@ pub struct ServerArgs {
     /// directory, or $MUSTER_DATA_DIR).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// A node that has not renewed its lease for this long is lost.
-    #[arg(long, default_value = "10s", value_parser = parse_duration_ms)]
-    pub lease: u64,
+    /// A node that has not renewed its lease for this long is lost
+    /// [default: 10s; with a PostgreSQL store three --leader-lease and 8 s,
+    /// 20s, and at least two and 8 s, so that nodes keep their tasks
+    /// through a pause of the leader].
+    #[arg(long, value_parser = parse_duration_ms)]
+    pub lease: Option<u64>,
     /// Placement policy: fgd, best-fit, packing, random or default.
     #[arg(long, default_value = "default")]
     pub placement: muster_sched::PlacementPolicy,
@@ -689,6 +692,18 @@ fn server_config(
 pub fn server(args: ServerArgs) -> Result<()> {
     init_logging();
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let highly_available_store = matches!(
+        args.store,
+        Some(muster_server::store::StoreLocation::Postgres(_))
+    );
+    let lease_ms = if highly_available_store {
+        let leader = Duration::from_millis(args.leader_lease.max(500));
+        let given = args.lease.map(Duration::from_millis);
+        let lease = muster_server::ha::node_lease(given, leader).map_err(anyhow::Error::msg)?;
+        u64::try_from(lease.as_millis()).unwrap_or(u64::MAX)
+    } else {
+        args.lease.unwrap_or(10_000)
+    };
     runtime()?.block_on(async {
         let config = muster_server::ServerConfig {
             usage_retention_ms: args.usage_retention,
@@ -709,7 +724,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
             ..server_config(
                 args.listen,
                 data_dir.clone(),
-                args.lease,
+                lease_ms,
                 args.placement,
                 args.max_log_bytes,
                 args.retention,
@@ -718,10 +733,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
                 args.stack_policy,
             )
         };
-        if matches!(
-            args.store,
-            Some(muster_server::store::StoreLocation::Postgres(_))
-        ) {
+        if highly_available_store {
             return highly_available(&args, config).await;
         }
         let handle = muster_server::Server::start(config).await?;

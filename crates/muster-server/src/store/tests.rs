@@ -1042,6 +1042,72 @@ async fn one_server_leads_and_a_deposed_leaders_writes_are_refused() {
     target.done(b).await;
 }
 
+/// A leader stopped (SIGSTOP) inside a transaction holds the `leader`
+/// row's share lock, which a takeover waits for: PostgreSQL ends that
+/// session once it has idled past the limit, the takeover goes through,
+/// and the stopped leader's transaction commits nothing.
+#[tokio::test]
+async fn a_leader_stopped_inside_a_transaction_holds_a_takeover_back_only_briefly() {
+    let stores = TestStores::new().await;
+    let Some(target) = stores
+        .targets()
+        .await
+        .into_iter()
+        .find(|target| target.location.backend() == Backend::Postgres)
+    else {
+        return; // said loudly above; CI requires PostgreSQL
+    };
+    let lease = Duration::from_millis(600);
+    let limit = Duration::from_millis(700);
+    let options = StoreOptions {
+        idle_transaction_limit: Some(limit),
+        ..StoreOptions::default()
+    };
+    let a = SqlStore::open_at(&target.location, options).await.unwrap();
+    let b = target.open().await;
+    assert_eq!(
+        a.lead("a", "https://a:7070", None, lease).await.unwrap(),
+        Leadership::Leader { term: 1 }
+    );
+    // a's writer is stopped between two statements of a transaction.
+    let mut stuck = a.pool.begin().await.unwrap();
+    sqlx::query("SELECT term FROM leader WHERE id = 1 FOR SHARE")
+        .execute(&mut *stuck)
+        .await
+        .unwrap();
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    let asked = std::time::Instant::now();
+    let taken = tokio::time::timeout(
+        Duration::from_secs(20),
+        b.lead("b", "https://b:7070", None, lease),
+    )
+    .await
+    .expect("the takeover is not held back for long")
+    .unwrap();
+    assert_eq!(taken, Leadership::Leader { term: 2 });
+    eprintln!("the takeover waited {:?}", asked.elapsed());
+    // a wakes: its session is gone, and nothing of it commits.
+    let woke = sqlx::query("INSERT INTO meta (key, value) VALUES ('stuck', 1)")
+        .execute(&mut *stuck)
+        .await;
+    let committed = match woke {
+        Ok(_) => stuck.commit().await,
+        Err(error) => {
+            // Returned to the pool, which closing waits for.
+            drop(stuck);
+            Err(error)
+        }
+    };
+    assert!(committed.is_err(), "the ended session commits nothing");
+    let row = sqlx::query("SELECT value FROM meta WHERE key = 'stuck'")
+        .fetch_optional(&b.pool)
+        .await
+        .unwrap();
+    assert!(row.is_none());
+    a.close().await;
+    target.done(b).await;
+}
+
 #[tokio::test]
 async fn an_sqlite_store_has_no_election() {
     let target = Target::sqlite();
