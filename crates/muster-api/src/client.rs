@@ -6,7 +6,8 @@ mod failover;
 
 use crate::protocol::*;
 use failover::{
-    ELECTION_WAIT, FIRST_RETRY_WAIT, SUBMIT_RETRY_FOR, Servers, next_wait, no_longer_leads, rebase,
+    ELECTION_WAIT, FIRST_RETRY_WAIT, READ_DEADLINE, REQUEST_DEADLINE, SUBMIT_RETRY_FOR, Servers,
+    next_wait, no_longer_leads, rebase,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -121,6 +122,11 @@ fn transport_reason(error: &reqwest::Error) -> String {
             "{text} (the server answered in TLS: muster serves HTTPS by default, so use an \
              https:// URL)"
         )
+    } else if error.is_timeout() {
+        format!(
+            "{text} (no answer in time: a request that changes something may or may not have \
+             been carried out; look before doing it again)"
+        )
     } else {
         text
     }
@@ -215,10 +221,13 @@ impl Client {
             url: url.to_string(),
             reason: transport_reason(&error),
         };
-        let request = request
+        let mut request = request
             .bearer_auth(&self.token)
             .build()
             .map_err(transport)?;
+        // Every request has a deadline: a server stopped (SIGSTOP) or cut
+        // off mid-answer is left for the next, never waited on for ever.
+        request.timeout_mut().get_or_insert(REQUEST_DEADLINE);
         let count = self.servers.urls.len();
         let mut tried = 0;
         let response = loop {
@@ -285,18 +294,27 @@ impl Client {
         })
     }
 
-    /// A read. One that a follower answers with no leader to forward to
-    /// (an election under way) is asked again, backing off, for up to
-    /// [`ELECTION_WAIT`].
+    /// A read, given up after [`READ_DEADLINE`]. One that a follower
+    /// answers with no leader to forward to (an election under way), or,
+    /// with several servers, one not answered (the next server is asked),
+    /// is asked again, backing off, for up to [`ELECTION_WAIT`].
     async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
         let deadline = std::time::Instant::now() + ELECTION_WAIT;
         let mut wait = FIRST_RETRY_WAIT;
+        let several = self.servers.urls.len() > 1;
         loop {
             let url = format!("{}{path}", self.current());
-            match self.send(self.http.get(&url), &url).await {
+            let request = self.http.get(&url).timeout(READ_DEADLINE);
+            match self.send(request, &url).await {
                 Err(ClientError::Api { status: 503, body })
                     if body.message.starts_with(FOLLOWER_UNAVAILABLE)
                         && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(wait).await;
+                    wait = next_wait(wait);
+                }
+                Err(ClientError::Transport { .. })
+                    if several && std::time::Instant::now() < deadline =>
                 {
                     tokio::time::sleep(wait).await;
                     wait = next_wait(wait);

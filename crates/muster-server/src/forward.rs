@@ -10,16 +10,26 @@ use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use muster_api::client::FOLLOWER_UNAVAILABLE;
 use muster_api::protocol::ErrorCode;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-/// The leader's URL, as the election last saw it (`None`: no leader).
-pub type LeaderUrl = Arc<RwLock<Option<String>>>;
+/// The leader as the election last saw it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Leader {
+    /// Its advertised URL (`None`: no leader).
+    pub url: Option<String>,
+    /// It missed renewals of its lease (stopped, or cut off from the
+    /// store): another server takes over unless it renews in time.
+    pub silent: bool,
+}
+
+/// Where the election loop publishes the [`Leader`] to forward to.
+pub type LeaderUrl = watch::Sender<Leader>;
 
 struct Forwarding {
-    leader: LeaderUrl,
+    leader: watch::Receiver<Leader>,
     http: reqwest::Client,
 }
 
@@ -66,13 +76,21 @@ fn unavailable(message: String) -> Response {
 }
 
 async fn forward(State(state): State<Arc<Forwarding>>, request: Request) -> Response {
-    let leader = state.leader.read().ok().and_then(|leader| leader.clone());
-    let Some(leader) = leader else {
+    let mut watched = state.leader.clone();
+    let seen = watched.borrow_and_update().clone();
+    let Some(leader) = seen.url else {
         return unavailable(format!(
             "{FOLLOWER_UNAVAILABLE} and no server leads yet (an election is under way); try \
              again in a moment"
         ));
     };
+    if seen.silent {
+        return unavailable(format!(
+            "{FOLLOWER_UNAVAILABLE} and the leader at {leader} has missed renewals of its lease \
+             (stopped, or cut off from the store): another server takes over unless it renews \
+             in time; try again in a moment"
+        ));
+    }
     let path = request
         .uri()
         .path_and_query()
@@ -93,34 +111,50 @@ async fn forward(State(state): State<Arc<Forwarding>>, request: Request) -> Resp
     };
     let mut outgoing = HeaderMap::new();
     copy_headers(&headers, &mut outgoing);
-    let sent = state
-        .http
-        .request(method, format!("{leader}{path}"))
-        .headers(outgoing)
-        .body(body)
-        .send()
-        .await;
-    let answer = match sent {
-        Ok(answer) => answer,
-        Err(error) => {
-            return unavailable(format!(
-                "{FOLLOWER_UNAVAILABLE} and the leader at {leader} does not answer ({error}); \
-                 try again in a moment"
-            ));
+    let exchange = async {
+        let answer = match state
+            .http
+            .request(method, format!("{leader}{path}"))
+            .headers(outgoing)
+            .body(body)
+            .send()
+            .await
+        {
+            Ok(answer) => answer,
+            Err(error) => {
+                return unavailable(format!(
+                    "{FOLLOWER_UNAVAILABLE} and the leader at {leader} does not answer \
+                     ({error}); try again in a moment"
+                ));
+            }
+        };
+        let status = answer.status();
+        let mut response_headers = HeaderMap::new();
+        copy_headers(answer.headers(), &mut response_headers);
+        match answer.bytes().await {
+            Ok(bytes) => {
+                let mut response = Response::new(Body::from(bytes));
+                *response.status_mut() = status;
+                *response.headers_mut() = response_headers;
+                response
+            }
+            Err(error) => unavailable(format!(
+                "{FOLLOWER_UNAVAILABLE} and the leader at {leader} broke off its answer \
+                 ({error}); try again in a moment"
+            )),
         }
     };
-    let status = answer.status();
-    let mut response_headers = HeaderMap::new();
-    copy_headers(answer.headers(), &mut response_headers);
-    match answer.bytes().await {
-        Ok(bytes) => {
-            let mut response = Response::new(Body::from(bytes));
-            *response.status_mut() = status;
-            *response.headers_mut() = response_headers;
-            response
-        }
-        Err(error) => unavailable(format!(
-            "the leader at {leader} broke off its answer: {error}"
+    // A leader that falls silent (or is replaced) while it holds the
+    // request is not waited for: its client hears at once and asks again
+    // (a submission with its idempotency key, so a job it did take is
+    // answered, never made twice; a deposed leader commits nothing).
+    let gave_up = watched.wait_for(|now| now.silent || now.url.as_deref() != Some(leader.as_str()));
+    tokio::select! {
+        response = exchange => response,
+        _ = gave_up => unavailable(format!(
+            "{FOLLOWER_UNAVAILABLE} and the leader at {leader} fell silent (it missed renewals \
+             of its lease) before it answered: whether it carried the request out is not \
+             known; another server takes over unless it renews in time; try again in a moment"
         )),
     }
 }
@@ -128,7 +162,10 @@ async fn forward(State(state): State<Arc<Forwarding>>, request: Request) -> Resp
 impl Forwarder {
     /// Serves `config.listen` (with the server's TLS), forwarding to the
     /// leader `leader` names.
-    pub async fn start(config: &ServerConfig, leader: LeaderUrl) -> anyhow::Result<Forwarder> {
+    pub async fn start(
+        config: &ServerConfig,
+        leader: watch::Receiver<Leader>,
+    ) -> anyhow::Result<Forwarder> {
         use anyhow::Context;
         crate::create_private_dir(&config.data_dir).with_context(|| {
             format!(

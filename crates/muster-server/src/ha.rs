@@ -209,7 +209,7 @@ pub async fn run(
     }
     let election = SqlStore::open_at(&location, StoreOptions::default()).await?;
     let mut forwarder: Option<crate::forward::Forwarder> = None;
-    let leader_url = Arc::new(std::sync::RwLock::new(None::<String>));
+    let leader_url = crate::forward::LeaderUrl::new(crate::forward::Leader::default());
     loop {
         if *stop.borrow() {
             break;
@@ -247,13 +247,23 @@ pub async fn run(
                     Some(reason) => tracing::warn!(term, "no longer the leader: {reason}"),
                 }
             }
-            Ok(Leadership::Follower { leader }) => {
+            Ok(Leadership::Follower { leader, lease_left }) => {
                 let url = leader.map(|(url, _)| url);
-                if let Ok(mut current) = leader_url.write() {
-                    *current = url.clone();
-                }
+                // Renewed every quarter lease, a lease under half left
+                // means renewals were missed: the leader may be stopped or
+                // cut off, and requests are not sent into the void.
+                let silent = url.is_some() && lease_left < ha.lease / 2;
+                leader_url.send_if_modified(|now| {
+                    let next = crate::forward::Leader {
+                        url: url.clone(),
+                        silent,
+                    };
+                    let changed = *now != next;
+                    *now = next;
+                    changed
+                });
                 if forwarder.is_none() {
-                    match crate::forward::Forwarder::start(&config, leader_url.clone()).await {
+                    match crate::forward::Forwarder::start(&config, leader_url.subscribe()).await {
                         Ok(started) => forwarder = Some(started),
                         // The address may still be held by the server this
                         // process just stopped: try again next round.
@@ -324,7 +334,7 @@ async fn lead(
             Ok(Leadership::Leader { term: now }) => {
                 return Some(format!("the lease moved to term {now}"));
             }
-            Ok(Leadership::Follower { leader }) => {
+            Ok(Leadership::Follower { leader, .. }) => {
                 return Some(format!(
                     "another server leads ({})",
                     leader.map_or("unknown".to_string(), |(url, term)| format!(

@@ -1391,7 +1391,13 @@ pub enum Leadership {
     /// The caller holds the lease, in this term.
     Leader { term: i64 },
     /// Another server does (its advertised URL and term), or nobody yet.
-    Follower { leader: Option<(String, i64)> },
+    Follower {
+        leader: Option<(String, i64)>,
+        /// How long the leader's lease runs on, by the database's clock
+        /// (renewed every quarter lease, it seldom falls under three
+        /// quarters).
+        lease_left: Duration,
+    },
 }
 
 impl SqlStore {
@@ -1459,6 +1465,9 @@ impl SqlStore {
         } else {
             Leadership::Follower {
                 leader: (!holder.is_empty()).then_some((current, term)),
+                lease_left: Duration::from_millis(
+                    u64::try_from(expires_ms.saturating_sub(now_ms)).unwrap_or(0),
+                ),
             }
         };
         tx.commit().await.map_err(database)?;

@@ -1,11 +1,14 @@
-//! High availability with real processes: PostgreSQL, two `muster server`s
-//! on it and two agents that know both. The leader is killed (SIGKILL)
-//! during a burst of submissions: the follower leads within 10 s, every
-//! acknowledged job is there exactly once, the running job keeps running
-//! and no job runs twice. Then the new leader is paused (SIGSTOP) for 30 s:
-//! the other takes over, and when the paused one wakes (SIGCONT) its writes
-//! are refused under the new term and it steps down to forwarding. Every
-//! wait is bounded.
+//! High availability with real processes, at the flags users run (the
+//! default `--lease` and `--leader-lease`): PostgreSQL, two `muster
+//! server`s on it and two agents that know both. The leader is killed
+//! (SIGKILL) during a burst of submissions: the follower leads within 10 s,
+//! every acknowledged job is there exactly once, the running job keeps
+//! running and no job runs twice. Then the new leader is paused (SIGSTOP)
+//! for 20 s during a burst, and the next one for 60 s: each time the other
+//! takes over, no agent fences a task, the long job keeps its first
+//! attempt, no finished job starts again, and when the paused one wakes
+//! (SIGCONT) its writes are refused under the new term and it steps down to
+//! forwarding. Every wait is bounded.
 
 use muster_api::client::Client;
 use muster_testkit::postgres::TestPostgres;
@@ -35,6 +38,113 @@ fn starts(dir: &Path) -> std::collections::BTreeMap<u64, usize> {
         .collect()
 }
 
+/// Starts 8 clients submitting 25 short jobs each (`command`), noting
+/// each acknowledged id in `acknowledged`; a client stops at its first
+/// error.
+fn start_burst(
+    rt: &tokio::runtime::Runtime,
+    client: &Client,
+    command: &serde_json::Value,
+    acknowledged: &Arc<Mutex<Vec<u64>>>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..8)
+        .map(|_| {
+            let client = client.clone();
+            let acknowledged = Arc::clone(acknowledged);
+            let command = command.clone();
+            rt.spawn(async move {
+                for _ in 0..25 {
+                    let spec = serde_json::json!({"name": "burst", "command": command});
+                    match client.submit(spec).await {
+                        Ok(id) => acknowledged.lock().expect("lock").push(id),
+                        Err(error) => {
+                            eprintln!("a burst client stops: {error}");
+                            break;
+                        }
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
+/// How many times the agents logged fencing their tasks.
+fn fenced(root: &Path) -> usize {
+    ["n1", "n2"]
+        .iter()
+        .map(|name| {
+            std::fs::read_to_string(root.join(format!("{name}.log")))
+                .unwrap_or_default()
+                .matches("stopping every task (fenced)")
+                .count()
+        })
+        .sum()
+}
+
+/// After a leader's pause: no agent fenced since `fenced_before`, the
+/// nodes are ready, the long job runs in its first attempt, every
+/// acknowledged job succeeded and is listed once, and no job started
+/// twice.
+fn settled_once(
+    rt: &tokio::runtime::Runtime,
+    client: &Client,
+    started: &Path,
+    long: u64,
+    acknowledged: &[u64],
+    root: &Path,
+    fenced_before: usize,
+) {
+    assert!(
+        acknowledged.len() >= 20,
+        "{} acknowledged",
+        acknowledged.len()
+    );
+    wait_until("the burst to finish", Duration::from_secs(90), || {
+        acknowledged.iter().all(|id| {
+            rt.block_on(client.job(*id))
+                .is_ok_and(|job| job.state == "succeeded")
+        })
+    });
+    assert_eq!(fenced(root), fenced_before, "no agent fenced its tasks");
+    let nodes = rt.block_on(client.nodes()).expect("nodes");
+    assert!(
+        nodes.nodes.iter().all(|node| node.state == "ready"),
+        "{:?}",
+        nodes.nodes
+    );
+    let job = rt.block_on(client.job(long)).expect("long job");
+    assert_eq!(
+        (job.state.as_str(), job.attempts),
+        ("running", 1),
+        "{job:?}"
+    );
+    let (jobs, _) = rt
+        .block_on(client.all_jobs(&Default::default(), None))
+        .expect("jobs listed");
+    let mut ids: Vec<u64> = jobs.iter().map(|job| job.id).collect();
+    ids.sort_unstable();
+    let listed = ids.len();
+    ids.dedup();
+    assert_eq!(ids.len(), listed, "no job is listed twice");
+    for id in acknowledged {
+        assert!(ids.binary_search(id).is_ok(), "acknowledged job {id} lost");
+        let job = jobs.iter().find(|job| job.id == *id).expect("listed");
+        assert_eq!(job.attempts, 1, "job {id} ran in one attempt: {job:?}");
+    }
+    let counted = starts(started);
+    for id in acknowledged.iter().chain([&long]) {
+        assert_eq!(
+            counted.get(id),
+            Some(&1),
+            "job {id} started once: {counted:?}"
+        );
+    }
+    assert!(
+        counted.values().all(|&n| n == 1),
+        "no job ran twice: {counted:?}"
+    );
+}
+
 #[test]
 fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
     let Some(postgres) = TestPostgres::get() else {
@@ -59,10 +169,6 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
                 &database,
                 "--advertise",
                 &url(port),
-                "--lease",
-                "20s",
-                "--leader-lease",
-                "2s",
             ],
         )
     };
@@ -160,22 +266,7 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
 
     // A burst of short jobs from 8 clients; the leader dies in the middle.
     let acknowledged: Arc<Mutex<Vec<u64>>> = Arc::default();
-    let burst: Vec<_> = (0..8)
-        .map(|_| {
-            let client = client.clone();
-            let acknowledged = Arc::clone(&acknowledged);
-            let command = record("true");
-            rt.spawn(async move {
-                for _ in 0..25 {
-                    let spec = serde_json::json!({"name": "burst", "command": command});
-                    match client.submit(spec).await {
-                        Ok(id) => acknowledged.lock().expect("lock").push(id),
-                        Err(_) => break,
-                    }
-                }
-            })
-        })
-        .collect();
+    let burst = start_burst(&rt, &client, &record("true"), &acknowledged);
     wait_until("some acknowledgements", Duration::from_secs(60), || {
         acknowledged.lock().expect("lock").len() >= 40
     });
@@ -245,15 +336,24 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
         "no job ran twice: {counted:?}"
     );
 
-    // a comes back as a follower; then b, leading, is paused for 30 s.
+    // a comes back as a follower; then b, leading, is paused for 20 s
+    // during a burst.
     a = Some(server("a", port_a));
     wait_until("a to follow", Duration::from_secs(30), || {
         listening(port_a) && log("a").matches("following the leader at").count() >= 1
     });
+    let fenced_before = fenced(root);
+    let pausing: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let burst = start_burst(&rt, &client, &record("true"), &pausing);
+    wait_until(
+        "the second burst under way",
+        Duration::from_secs(60),
+        || pausing.lock().expect("lock").len() >= 20,
+    );
     let b_pid = nix::unistd::Pid::from_raw(b.as_ref().expect("b").pid());
     nix::sys::signal::kill(b_pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
     let paused = Instant::now();
-    wait_until("a to lead", Duration::from_secs(10), || {
+    wait_until("a to lead", Duration::from_secs(15), || {
         leader().0 == url(port_a)
     });
     let (_, third_term) = leader();
@@ -270,19 +370,19 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
         .expect("a takes submissions while b is paused");
     // A submission to b alone, sent just before b wakes: b takes it up
     // still believing it leads, and the store refuses its write.
-    std::thread::sleep(Duration::from_secs(28).saturating_sub(paused.elapsed()));
+    std::thread::sleep(Duration::from_secs(18).saturating_sub(paused.elapsed()));
     let b_only = Client::with_trust(&url(port_b), &token, &trust).expect("client");
     let late = rt.spawn(async move {
         b_only
             .submit(serde_json::json!({"name": "late", "command": ["true"]}))
             .await
     });
-    std::thread::sleep(Duration::from_secs(30).saturating_sub(paused.elapsed()));
+    std::thread::sleep(Duration::from_secs(20).saturating_sub(paused.elapsed()));
     nix::sys::signal::kill(b_pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
     let late = rt.block_on(late).expect("the late submission");
     eprintln!("the submission b took up as it woke: {late:?}");
     // b wrote as the leader of term 2 (the submission, and its lease
-    // ticker marking the nodes lost after 30 s without heartbeats): the
+    // ticker marking the nodes lost after 20 s without heartbeats): the
     // store refused it.
     let refused = "no longer the leader: it wrote in term";
     assert!(
@@ -292,7 +392,6 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
         "a write of b's, refused: {late:?}\n{}",
         log("b")
     );
-    let late_landed = late.ok();
     // b wakes thinking it leads; what it tries to write is refused under
     // the new term, and it steps down.
     wait_until("b to step down", Duration::from_secs(30), || {
@@ -306,29 +405,16 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
         (url(port_a), third_term),
         "a still leads, in its term"
     );
+    for task in burst {
+        rt.block_on(task).expect("burst client");
+    }
+    let late_landed = late.ok();
+    let mut ours = pausing.lock().expect("lock").clone();
+    ours.push(during);
     // Nothing b did while it believed it led took: the nodes are up, the
     // long job still runs in its first attempt, and b now forwards to a.
     let via_b = Client::with_trust(&url(port_b), &token, &trust).expect("client");
-    let nodes = rt.block_on(via_b.nodes()).expect("nodes through b");
-    assert!(
-        nodes.nodes.iter().all(|node| node.state == "ready"),
-        "{:?}",
-        nodes.nodes
-    );
-    let job = rt.block_on(via_b.job(long)).expect("long job through b");
-    assert_eq!(
-        (job.state.as_str(), job.attempts),
-        ("running", 1),
-        "{job:?}"
-    );
-    wait_until(
-        "the job submitted during the pause to finish",
-        Duration::from_secs(60),
-        || {
-            rt.block_on(via_b.job(during))
-                .is_ok_and(|job| job.state == "succeeded")
-        },
-    );
+    settled_once(&rt, &via_b, &started, long, &ours, root, fenced_before);
     // A refused submission left nothing (one b forwarded, had it stepped
     // down first, would be a's).
     let (jobs, _) = rt
@@ -340,11 +426,43 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
         .map(|job| job.id)
         .collect();
     assert_eq!(late_jobs, late_landed.into_iter().collect::<Vec<_>>());
-    let counted = starts(&started);
-    assert!(
-        counted.values().all(|&n| n == 1),
-        "no job ran twice: {counted:?}"
+
+    // Now a, leading, is paused for 60 s during a burst: b takes over, and
+    // the same holds.
+    let fenced_before = fenced(root);
+    let pausing: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let burst = start_burst(&rt, &client, &record("true"), &pausing);
+    wait_until("the third burst under way", Duration::from_secs(60), || {
+        pausing.lock().expect("lock").len() >= 20
+    });
+    let a_pid = nix::unistd::Pid::from_raw(a.as_ref().expect("a").pid());
+    nix::sys::signal::kill(a_pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    let paused = Instant::now();
+    wait_until("b to lead", Duration::from_secs(15), || {
+        leader().0 == url(port_b)
+    });
+    let (_, fourth_term) = leader();
+    assert!(fourth_term > third_term);
+    eprintln!(
+        "failover: b leads {:?} after a was paused",
+        paused.elapsed()
     );
+    for task in burst {
+        rt.block_on(task).expect("burst client");
+    }
+    std::thread::sleep(Duration::from_secs(60).saturating_sub(paused.elapsed()));
+    nix::sys::signal::kill(a_pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
+    wait_until("a to forward", Duration::from_secs(30), || {
+        log("a").matches("following the leader at").count() >= 2
+    });
+    assert_eq!(
+        leader(),
+        (url(port_b), fourth_term),
+        "b still leads, in its term"
+    );
+    let ours = pausing.lock().expect("lock").clone();
+    let via_a = Client::with_trust(&url(port_a), &token, &trust).expect("client");
+    settled_once(&rt, &via_a, &started, long, &ours, root, fenced_before);
     drop(agents);
     drop(a);
     drop(b);

@@ -82,6 +82,15 @@ pub(super) fn next_wait(wait: Duration) -> Duration {
     (wait * 2).min(LONGEST_RETRY_WAIT)
 }
 
+/// How long a request may wait for its answer unless it says otherwise
+/// (long polls and log follows do): past it the server is taken for
+/// stopped or cut off, and the next one is used.
+pub(super) const REQUEST_DEADLINE: Duration = Duration::from_secs(30);
+
+/// How long a read may wait for its answer before it is asked of the next
+/// server.
+pub(super) const READ_DEADLINE: Duration = Duration::from_secs(10);
+
 /// How long a submission is retried while the server cannot be reached.
 pub(super) const SUBMIT_RETRY_FOR: Duration = Duration::from_secs(60);
 
