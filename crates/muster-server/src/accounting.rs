@@ -477,7 +477,7 @@ async fn change_price(
     price: Option<f64>,
 ) -> Result<Json<PriceList>, ApiError> {
     if let Some(reason) = shared.read_only_reason() {
-        return Err(crate::core::read_only(&reason));
+        return Err(shared.refused(&reason));
     }
     let key = muster_api::prices::price_key(model);
     if price.is_some()

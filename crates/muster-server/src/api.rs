@@ -1183,7 +1183,7 @@ pub(crate) async fn submit_spec(
             shared.withdraw(JobId(id.0 + element));
         }
         return Err(match shared.read_only_reason() {
-            Some(reason) => crate::core::read_only(&reason),
+            Some(reason) => shared.refused(&reason),
             None => error.into(),
         });
     }
@@ -2692,7 +2692,7 @@ async fn heartbeat(
         .durable_through(covered)
         .await
         .map_err(|error| match shared.read_only_reason() {
-            Some(reason) => crate::core::read_only(&reason),
+            Some(reason) => shared.refused(&reason),
             None => ApiError::from(error),
         })?;
     // A renewal of the node's lease only from a server whose own lease is

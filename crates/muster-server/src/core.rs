@@ -589,7 +589,7 @@ impl Shared {
         put: impl FnOnce(&mut crate::store::Batch, Option<String>),
     ) -> Result<crate::writer::Durable, ApiError> {
         if let Some(reason) = self.read_only_reason() {
-            return Err(read_only(&reason));
+            return Err(self.refused(&reason));
         }
         let text = record
             .map(serde_json::to_string)
@@ -602,6 +602,18 @@ impl Shared {
 
     pub fn read_only_reason(&self) -> Option<String> {
         self.writer.failed()
+    }
+
+    /// The answer to a change once the store has failed (`reason`). A
+    /// leader of several servers steps down on any failure of its store
+    /// (crate::ha): its clients are sent to the next server at once (a
+    /// submission with its idempotency key, answered with its job there if
+    /// the failed commit did land), not told to wait for a restart.
+    pub fn refused(&self, reason: &str) -> ApiError {
+        if self.settings.leadership.is_some() && !reason.contains("no longer the leader") {
+            return no_longer_leads(&format!("a commit to its store failed: {reason}"));
+        }
+        read_only(reason)
     }
 
     /// Feeds one input to the control plane and queues what changed, with
@@ -623,7 +635,7 @@ impl Shared {
         let (outputs, durable, made) = {
             let mut core = self.lock();
             if let Some(reason) = self.read_only_reason() {
-                return Err(read_only(&reason));
+                return Err(self.refused(&reason));
             }
             let (input, made) = make(&mut core)?;
             let outputs = core.control.handle(now(), input)?;
@@ -648,7 +660,7 @@ impl Shared {
         let (outputs, durable, made) = {
             let mut core = self.lock();
             if let Some(reason) = self.read_only_reason() {
-                return Err(read_only(&reason));
+                return Err(self.refused(&reason));
             }
             let (input, made) = make(&mut core)?;
             let outputs = core.control.handle(now(), input)?;
@@ -734,7 +746,7 @@ impl Shared {
     pub fn reset_identity(&self, name: &NodeName) -> Result<Durable, ApiError> {
         let mut core = self.lock();
         if let Some(reason) = self.read_only_reason() {
-            return Err(read_only(&reason));
+            return Err(self.refused(&reason));
         }
         let Some(node) = core.control.node(name) else {
             return Err(ApiError::not_found(format!(
