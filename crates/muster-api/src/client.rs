@@ -376,9 +376,11 @@ impl Client {
                     wait = next_wait(wait);
                 }
                 // A follower with no leader to forward to (an election
-                // under way): ask again.
+                // under way), or a leader stepping down (its store took
+                // nothing, or took the job with this key): ask again.
                 Err(ClientError::Api { status: 503, body })
-                    if body.message.starts_with(FOLLOWER_UNAVAILABLE)
+                    if (body.message.starts_with(FOLLOWER_UNAVAILABLE)
+                        || body.message.starts_with(NO_LONGER_LEADS))
                         && std::time::Instant::now() < deadline =>
                 {
                     tokio::time::sleep(wait).await;

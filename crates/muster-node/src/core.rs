@@ -476,6 +476,7 @@ impl<L: Clone> AgentCore<L> {
             } => {
                 if let Some(request) = self.answered(sequence, RequestKind::Register) {
                     self.registered = true;
+                    self.unanswered = false;
                     self.epoch = epoch;
                     self.register_backoff_ms = REGISTER_BACKOFF_MIN_MS;
                     self.lease_ms = lease_ms.max(1);

@@ -116,25 +116,35 @@ impl Node {
 
     /// Answers the registration in flight.
     fn registered(&mut self) -> Vec<Output<u64>> {
+        self.registered_for(LEASE_MS)
+    }
+
+    /// Answers the registration in flight, with a lease of `lease_ms`.
+    fn registered_for(&mut self, lease_ms: u64) -> Vec<Output<u64>> {
         let (kind, sequence) = self.in_flight.take().expect("a request in flight");
         assert_eq!(kind, Kind::Register);
         self.registrations += 1;
         self.step(Input::Registered {
             sequence,
             epoch: 76 + self.registrations,
-            lease_ms: LEASE_MS,
+            lease_ms,
             heartbeat_ms: HEARTBEAT_MS,
         })
     }
 
     /// Answers the heartbeat in flight.
     fn reply(&mut self, desired: Vec<DesiredTask<u64>>) -> Vec<Output<u64>> {
+        self.reply_for(LEASE_MS, desired)
+    }
+
+    /// Answers the heartbeat in flight, with a lease of `lease_ms`.
+    fn reply_for(&mut self, lease_ms: u64, desired: Vec<DesiredTask<u64>>) -> Vec<Output<u64>> {
         let (kind, sequence) = self.in_flight.take().expect("a request in flight");
         assert_eq!(kind, Kind::Heartbeat);
         self.step(Input::HeartbeatReply {
             sequence,
             version: 1,
-            lease_ms: LEASE_MS,
+            lease_ms,
             desired,
         })
     }
@@ -481,29 +491,11 @@ fn a_refused_heartbeat_registers_again_and_takes_the_new_epoch() {
 fn a_server_that_stops_answering_leaves_time_for_tries_elsewhere_before_the_fence() {
     const LEASE: u64 = 20_000;
     let mut node = Node::fresh();
-    let (_, sequence) = node.in_flight.take().expect("a registration");
-    node.step(Input::Registered {
-        sequence,
-        epoch: 77,
-        lease_ms: LEASE,
-        heartbeat_ms: HEARTBEAT_MS,
-    });
+    node.registered_for(LEASE);
     let renewed_at = node.now;
-    let (_, sequence) = node.in_flight.take().expect("a heartbeat");
-    node.step(Input::HeartbeatReply {
-        sequence,
-        version: 1,
-        lease_ms: LEASE,
-        desired: vec![want(1, 1, 1, &[0])],
-    });
+    node.reply_for(LEASE, vec![want(1, 1, 1, &[0])]);
     // The task's start is news: reported at once, and answered.
-    let (_, sequence) = node.in_flight.take().expect("the start's report");
-    node.step(Input::HeartbeatReply {
-        sequence,
-        version: 1,
-        lease_ms: LEASE,
-        desired: vec![want(1, 1, 1, &[0])],
-    });
+    node.reply_for(LEASE, vec![want(1, 1, 1, &[0])]);
     let fence = node.core.fence_at_ms();
     assert_eq!(fence, renewed_at + LEASE - MARGIN_MS);
     // Nothing answers from now on: each try runs to its deadline.

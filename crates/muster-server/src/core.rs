@@ -436,22 +436,6 @@ pub fn no_longer_leads(reason: &str) -> ApiError {
     error
 }
 
-/// The answer to every change once the store has failed.
-pub fn read_only(reason: &str) -> ApiError {
-    // A leader another server has replaced steps down on its own within a
-    // quarter of its lease (crate::ha): nothing to restart.
-    if reason.contains("no longer the leader") {
-        return no_longer_leads(reason);
-    }
-    ApiError::new(
-        ErrorCode::Unavailable,
-        format!(
-            "the server is read-only: a commit to its store failed ({reason}); nothing is \
-             accepted until it is restarted with a working store (see /healthz)"
-        ),
-    )
-}
-
 impl Shared {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -604,16 +588,27 @@ impl Shared {
         self.writer.failed()
     }
 
-    /// The answer to a change once the store has failed (`reason`). A
-    /// leader of several servers steps down on any failure of its store
-    /// (crate::ha): its clients are sent to the next server at once (a
-    /// submission with its idempotency key, answered with its job there if
-    /// the failed commit did land), not told to wait for a restart.
+    /// The answer to every change once the store has failed (`reason`).
+    /// A leader of several servers steps down on any failure of its store
+    /// (crate::ha), within a quarter of its lease: its clients are sent to
+    /// the next server at once (a submission with its idempotency key,
+    /// answered with its job there if the failed commit did land), not
+    /// told to wait for a restart. A server on its own is read-only until
+    /// restarted.
     pub fn refused(&self, reason: &str) -> ApiError {
-        if self.settings.leadership.is_some() && !reason.contains("no longer the leader") {
+        if reason.contains("no longer the leader") {
+            return no_longer_leads(reason);
+        }
+        if self.settings.leadership.is_some() {
             return no_longer_leads(&format!("a commit to its store failed: {reason}"));
         }
-        read_only(reason)
+        ApiError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "the server is read-only: a commit to its store failed ({reason}); nothing is \
+                 accepted until it is restarted with a working store (see /healthz)"
+            ),
+        )
     }
 
     /// Feeds one input to the control plane and queues what changed, with

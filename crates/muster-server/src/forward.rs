@@ -25,9 +25,6 @@ pub struct Leader {
     pub silent: bool,
 }
 
-/// Where the election loop publishes the [`Leader`] to forward to.
-pub type LeaderUrl = watch::Sender<Leader>;
-
 struct Forwarding {
     leader: watch::Receiver<Leader>,
     http: reqwest::Client,

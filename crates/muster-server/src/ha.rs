@@ -99,10 +99,15 @@ impl HaConfig {
 pub fn node_lease(given: Option<Duration>, leader: Duration) -> Result<Duration, String> {
     let least = leader * 2 + Duration::from_secs(8);
     match given {
-        None => Ok((leader * 3 + Duration::from_secs(8)).max(Duration::from_secs(10))),
+        None => Ok((leader * 3 + Duration::from_secs(8))
+            .max(Duration::from_millis(crate::ServerConfig::DEFAULT_LEASE_MS))),
         Some(lease) if lease >= least => Ok(lease),
         Some(lease) => Err(format!(
-            "--lease {} ms is too short for --leader-lease {} ms: a node's lease must outlast a              pause of the leader (up to two leader leases before another server takes over)              plus the agent's heartbeat period, fence margin and a try at the new leader, about              8 s; give --lease {} ms or more, a shorter --leader-lease, or leave --lease out              (three leader leases and 8 s)",
+            "--lease {} ms is too short for --leader-lease {} ms: a node's lease must outlast a \
+             pause of the leader (up to two leader leases before another server has taken \
+             over) plus about 8 s (two heartbeat periods, the agent's fence margin and a try at \
+             the new leader); give --lease {} ms or more, a shorter --leader-lease, or leave \
+             --lease out (three leader leases and 8 s)",
             lease.as_millis(),
             leader.as_millis(),
             least.as_millis()
@@ -209,7 +214,7 @@ pub async fn run(
     }
     let election = SqlStore::open_at(&location, StoreOptions::default()).await?;
     let mut forwarder: Option<crate::forward::Forwarder> = None;
-    let leader_url = crate::forward::LeaderUrl::new(crate::forward::Leader::default());
+    let followed = watch::Sender::new(crate::forward::Leader::default());
     loop {
         if *stop.borrow() {
             break;
@@ -253,17 +258,15 @@ pub async fn run(
                 // means renewals were missed: the leader may be stopped or
                 // cut off, and requests are not sent into the void.
                 let silent = url.is_some() && lease_left < ha.lease / 2;
-                leader_url.send_if_modified(|now| {
-                    let next = crate::forward::Leader {
-                        url: url.clone(),
-                        silent,
-                    };
-                    let changed = *now != next;
-                    *now = next;
-                    changed
-                });
+                let next = crate::forward::Leader {
+                    url: url.clone(),
+                    silent,
+                };
+                if *followed.borrow() != next {
+                    followed.send_replace(next);
+                }
                 if forwarder.is_none() {
-                    match crate::forward::Forwarder::start(&config, leader_url.subscribe()).await {
+                    match crate::forward::Forwarder::start(&config, followed.subscribe()).await {
                         Ok(started) => forwarder = Some(started),
                         // The address may still be held by the server this
                         // process just stopped: try again next round.

@@ -180,12 +180,16 @@ pub const DEFAULT_MAX_LOG_BYTES: u64 = 1 << 30;
 pub use logstore::MIN_LOG_BYTES;
 
 impl ServerConfig {
+    /// The node lease of a server on its own (`--lease`); servers sharing
+    /// a PostgreSQL store take [`ha::node_lease`].
+    pub const DEFAULT_LEASE_MS: u64 = 10_000;
+
     /// The defaults, listening on 127.0.0.1:7070.
     pub fn new(data_dir: PathBuf) -> Self {
         ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
             data_dir,
-            lease_ms: 10_000,
+            lease_ms: Self::DEFAULT_LEASE_MS,
             heartbeat_ms: 2_000,
             schedule_interval_ms: 200,
             placement: PlacementPolicy::default(),

@@ -23,9 +23,9 @@ pub struct ServerArgs {
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// A node that has not renewed its lease for this long is lost
-    /// [default: 10s; with a PostgreSQL store three --leader-lease and 8 s,
-    /// 20s, and at least two and 8 s, so that nodes keep their tasks
-    /// through a pause of the leader].
+    /// [default: 10s; with a PostgreSQL store, three --leader-lease plus
+    /// 8 s (20s), so that nodes keep their tasks through a pause of the
+    /// leader; less than two --leader-lease plus 8 s is refused].
     #[arg(long, value_parser = parse_duration_ms)]
     pub lease: Option<u64>,
     /// Placement policy: fgd, best-fit, packing, random or default.
@@ -689,6 +689,11 @@ fn server_config(
     }
 }
 
+/// `--leader-lease`, at least half a second.
+fn leader_lease(args: &ServerArgs) -> Duration {
+    Duration::from_millis(args.leader_lease.max(500))
+}
+
 pub fn server(args: ServerArgs) -> Result<()> {
     init_logging();
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
@@ -697,12 +702,13 @@ pub fn server(args: ServerArgs) -> Result<()> {
         Some(muster_server::store::StoreLocation::Postgres(_))
     );
     let lease_ms = if highly_available_store {
-        let leader = Duration::from_millis(args.leader_lease.max(500));
         let given = args.lease.map(Duration::from_millis);
-        let lease = muster_server::ha::node_lease(given, leader).map_err(anyhow::Error::msg)?;
+        let lease = muster_server::ha::node_lease(given, leader_lease(&args))
+            .map_err(anyhow::Error::msg)?;
         u64::try_from(lease.as_millis()).unwrap_or(u64::MAX)
     } else {
-        args.lease.unwrap_or(10_000)
+        args.lease
+            .unwrap_or(muster_server::ServerConfig::DEFAULT_LEASE_MS)
     };
     runtime()?.block_on(async {
         let config = muster_server::ServerConfig {
@@ -808,7 +814,7 @@ async fn highly_available(args: &ServerArgs, config: muster_server::ServerConfig
     let ha = HaConfig {
         id: HaConfig::new_id(),
         advertise: advertise.clone(),
-        lease: Duration::from_millis(args.leader_lease.max(500)),
+        lease: leader_lease(args),
     };
     eprintln!(
         "muster server {} on {}: one of the servers sharing it; listening on {}, advertised \

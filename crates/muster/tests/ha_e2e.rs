@@ -351,26 +351,34 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
     wait_until("a to follow", Duration::from_secs(30), || {
         listening(port_a) && log("a").matches("following the leader at").count() >= 1
     });
-    let fenced_before = fenced(root);
-    let pausing: Arc<Mutex<Vec<u64>>> = Arc::default();
-    let burst = start_burst(&rt, &client, &record("true"), &pausing);
-    wait_until(
-        "the second burst under way",
-        Duration::from_secs(60),
-        || pausing.lock().expect("lock").len() >= 20,
-    );
+    // A burst under way, the leader (`pid`) is stopped until the other
+    // (`next`, listening on `port`) leads in a later term: what the burst
+    // acknowledges, the fence count before, when the pause began and the
+    // new term.
+    let pause_in_burst = |pid: i32, next: &str, port: u16, term: i64| {
+        let fenced_before = fenced(root);
+        let pausing: Arc<Mutex<Vec<u64>>> = Arc::default();
+        let burst = start_burst(&rt, &client, &record("true"), &pausing);
+        wait_until("a burst under way", Duration::from_secs(60), || {
+            pausing.lock().expect("lock").len() >= 20
+        });
+        let pid = nix::unistd::Pid::from_raw(pid);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+        let paused = Instant::now();
+        wait_until(&format!("{next} to lead"), Duration::from_secs(15), || {
+            leader().0 == url(port)
+        });
+        let (_, later) = leader();
+        assert!(later > term, "a new term: {term} then {later}");
+        eprintln!(
+            "failover: {next} leads {:?} after a pause",
+            paused.elapsed()
+        );
+        (pausing, burst, fenced_before, paused, later)
+    };
     let b_pid = nix::unistd::Pid::from_raw(b.as_ref().expect("b").pid());
-    nix::sys::signal::kill(b_pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
-    let paused = Instant::now();
-    wait_until("a to lead", Duration::from_secs(15), || {
-        leader().0 == url(port_a)
-    });
-    let (_, third_term) = leader();
-    assert!(third_term > second_term);
-    eprintln!(
-        "failover: a leads {:?} after b was paused",
-        paused.elapsed()
-    );
+    let (pausing, burst, fenced_before, paused, third_term) =
+        pause_in_burst(b_pid.as_raw(), "a", port_a, second_term);
     // a serves meanwhile (a client that asks a first: b would not answer).
     let via_a = Client::with_trust(&format!("{},{}", url(port_a), url(port_b)), &token, &trust)
         .expect("client");
@@ -439,24 +447,9 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
 
     // Now a, leading, is paused for 60 s during a burst: b takes over, and
     // the same holds.
-    let fenced_before = fenced(root);
-    let pausing: Arc<Mutex<Vec<u64>>> = Arc::default();
-    let burst = start_burst(&rt, &client, &record("true"), &pausing);
-    wait_until("the third burst under way", Duration::from_secs(60), || {
-        pausing.lock().expect("lock").len() >= 20
-    });
     let a_pid = nix::unistd::Pid::from_raw(a.as_ref().expect("a").pid());
-    nix::sys::signal::kill(a_pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
-    let paused = Instant::now();
-    wait_until("b to lead", Duration::from_secs(15), || {
-        leader().0 == url(port_b)
-    });
-    let (_, fourth_term) = leader();
-    assert!(fourth_term > third_term);
-    eprintln!(
-        "failover: b leads {:?} after a was paused",
-        paused.elapsed()
-    );
+    let (pausing, burst, fenced_before, paused, fourth_term) =
+        pause_in_burst(a_pid.as_raw(), "b", port_b, third_term);
     finish_burst(&rt, burst);
     std::thread::sleep(Duration::from_secs(60).saturating_sub(paused.elapsed()));
     nix::sys::signal::kill(a_pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
@@ -475,4 +468,30 @@ fn the_follower_takes_over_from_a_dead_leader_and_a_paused_leader_is_fenced() {
     drop(a);
     drop(b);
     postgres.drop_database(&database_name);
+}
+
+/// A `--lease` that a takeover would outlast is refused before anything
+/// starts, saying what would do (no database is needed to say so).
+#[test]
+fn a_node_lease_too_short_for_the_leader_lease_is_refused_saying_what_would_do() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_muster"))
+        .args([
+            "server",
+            "--data-dir",
+            dir.path().to_str().expect("utf-8"),
+            "--store",
+            "postgres://muster@127.0.0.1:1/muster",
+            "--lease",
+            "10s",
+        ])
+        .output()
+        .expect("muster server runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--lease 10000 ms is too short for --leader-lease 4000 ms")
+            && stderr.contains("give --lease 16000 ms or more"),
+        "{stderr}"
+    );
 }

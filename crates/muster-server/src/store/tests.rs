@@ -34,6 +34,14 @@ impl TestStores {
         }
         targets
     }
+
+    /// A fresh, empty PostgreSQL store (`None`: no PostgreSQL here).
+    async fn postgres(&self) -> Option<Target<'_>> {
+        self.targets()
+            .await
+            .into_iter()
+            .find(|target| target.location.backend() == Backend::Postgres)
+    }
 }
 
 /// One fresh store: a temporary directory, or a database of its own.
@@ -820,12 +828,7 @@ async fn usage_on(store: &SqlStore) {
 #[tokio::test]
 async fn a_server_moves_from_sqlite_to_postgres_and_keeps_its_jobs() {
     let stores = TestStores::new().await;
-    let Some(target) = stores
-        .targets()
-        .await
-        .into_iter()
-        .find(|target| target.location.backend() == Backend::Postgres)
-    else {
+    let Some(target) = stores.postgres().await else {
         return; // said loudly above; CI requires PostgreSQL
     };
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -924,12 +927,7 @@ async fn a_server_moves_from_sqlite_to_postgres_and_keeps_its_jobs() {
 #[tokio::test]
 async fn one_server_leads_and_a_deposed_leaders_writes_are_refused() {
     let stores = TestStores::new().await;
-    let Some(target) = stores
-        .targets()
-        .await
-        .into_iter()
-        .find(|target| target.location.backend() == Backend::Postgres)
-    else {
+    let Some(target) = stores.postgres().await else {
         return; // said loudly above; CI requires PostgreSQL
     };
     let lease = Duration::from_millis(600);
@@ -1051,12 +1049,7 @@ async fn one_server_leads_and_a_deposed_leaders_writes_are_refused() {
 #[tokio::test]
 async fn a_leader_stopped_inside_a_transaction_holds_a_takeover_back_only_briefly() {
     let stores = TestStores::new().await;
-    let Some(target) = stores
-        .targets()
-        .await
-        .into_iter()
-        .find(|target| target.location.backend() == Backend::Postgres)
-    else {
+    let Some(target) = stores.postgres().await else {
         return; // said loudly above; CI requires PostgreSQL
     };
     let lease = Duration::from_millis(600);
