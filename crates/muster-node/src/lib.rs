@@ -8,12 +8,16 @@
 //! and carry the outputs out. Depends only on `muster-model`.
 
 mod core;
+mod failover;
 
 pub use crate::core::{
     ANSWER_MARGIN_MS, AdoptedTask, AgentCore, CoreConfig, DEFAULT_HEARTBEAT_MS, DEFAULT_LEASE_MS,
     DesiredTask, FAILOVER_RESERVE_MS, HEARTBEAT_RETRY_MS, HeartbeatFailure, Input, LeaseRecord,
     ObservedTask, Output, REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS, REQUEST_LIMIT_MS,
     Report, TaskId,
+};
+pub use crate::failover::{
+    DEFAULT_FENCE_MARGIN_MS, lease_through_failover_ms, least_lease_through_failover_ms,
 };
 
 /// How a task ended.

@@ -1024,3 +1024,37 @@ fn adopted_within_lease(exit: Option<TaskExit>) -> Node {
     }];
     Node::with(Some(lease), adopted)
 }
+
+/// The node lease of servers sharing a store: by default long enough for
+/// a takeover at the default leader lease (4 s) and heartbeat period
+/// (2 s), with a leader lease to spare; a shorter one than a takeover
+/// needs is refused, saying what would do.
+#[test]
+fn a_node_lease_outlasts_a_takeover_by_default_and_a_shorter_one_is_refused() {
+    use muster_node::{lease_through_failover_ms, least_lease_through_failover_ms};
+    // 7 s of takeover, 4 s of heartbeats, 3 s of margin, 3 s of a try.
+    assert_eq!(least_lease_through_failover_ms(4_000, 2_000), 17_000);
+    assert_eq!(
+        lease_through_failover_ms(None, 4_000, 2_000, 10_000),
+        Ok(21_000)
+    );
+    assert_eq!(
+        lease_through_failover_ms(None, 500, 2_000, 10_000),
+        Ok(11_375)
+    );
+    assert_eq!(
+        lease_through_failover_ms(Some(17_000), 4_000, 2_000, 10_000),
+        Ok(17_000)
+    );
+    let refused = lease_through_failover_ms(Some(10_000), 4_000, 2_000, 10_000)
+        .expect_err("10 s under a 4 s leader lease");
+    assert!(
+        refused.contains("give --lease 17000 ms or more"),
+        "says what would do: {refused}"
+    );
+    // The default is never under what it takes, whatever the leader lease.
+    for leader in [500, 1_000, 2_000, 4_000, 10_000, 30_000] {
+        let lease = lease_through_failover_ms(None, leader, 2_000, 10_000).expect("a default");
+        assert!(lease >= least_lease_through_failover_ms(leader, 2_000));
+    }
+}

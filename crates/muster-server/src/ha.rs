@@ -82,39 +82,6 @@ impl HaConfig {
     }
 }
 
-/// The node lease (`--lease`) of servers sharing a PostgreSQL store, whose
-/// leader's lease is `leader`: `given` when it is long enough, by default
-/// three leader leases and 8 s (20 s with the default 4 s leader lease; at
-/// least the single server's 10 s).
-///
-/// A node must keep its tasks through a pause of the leader. Its agent
-/// fences `lease - margin` (3 s) after it sent its last answered heartbeat,
-/// which may be two heartbeat periods (4 s) before the pause; the follower
-/// takes over up to 1.25 leader leases into it, half a lease more when the
-/// leader stopped inside a transaction (PostgreSQL ends that session after
-/// half a leader lease idle, [`idle_transaction_limit`]); the new leader
-/// loads the state; and the agent needs a try at it (3 s). A
-/// lease under two leader leases and 8 s leaves no room for that: it is
-/// refused, saying why.
-pub fn node_lease(given: Option<Duration>, leader: Duration) -> Result<Duration, String> {
-    let least = leader * 2 + Duration::from_secs(8);
-    match given {
-        None => Ok((leader * 3 + Duration::from_secs(8))
-            .max(Duration::from_millis(crate::ServerConfig::DEFAULT_LEASE_MS))),
-        Some(lease) if lease >= least => Ok(lease),
-        Some(lease) => Err(format!(
-            "--lease {} ms is too short for --leader-lease {} ms: a node's lease must outlast a \
-             pause of the leader (up to two leader leases before another server has taken \
-             over) plus about 8 s (two heartbeat periods, the agent's fence margin and a try at \
-             the new leader); give --lease {} ms or more, a shorter --leader-lease, or leave \
-             --lease out (three leader leases and 8 s)",
-            lease.as_millis(),
-            leader.as_millis(),
-            least.as_millis()
-        )),
-    }
-}
-
 /// How long a leader's database session may sit idle inside a transaction
 /// before PostgreSQL ends it (`idle_in_transaction_session_timeout`): a
 /// leader stopped mid-transaction holds the `leader` row's share lock,
@@ -359,20 +326,6 @@ async fn lead(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_node_lease_outlasts_a_takeover_by_default_and_a_shorter_one_is_refused() {
-        let s = Duration::from_secs;
-        assert_eq!(node_lease(None, HaConfig::DEFAULT_LEASE), Ok(s(20)));
-        assert_eq!(node_lease(None, s(2)), Ok(s(14)));
-        assert_eq!(node_lease(None, Duration::from_millis(500)), Ok(s(10)));
-        assert_eq!(node_lease(Some(s(16)), s(4)), Ok(s(16)));
-        let refused = node_lease(Some(s(10)), s(4)).expect_err("10 s under a 4 s leader lease");
-        assert!(
-            refused.contains("--lease 16000 ms or more"),
-            "says what would do: {refused}"
-        );
-    }
 
     #[test]
     fn a_lease_is_current_for_a_lease_from_its_last_renewal_s_start() {

@@ -181,8 +181,11 @@ pub use logstore::MIN_LOG_BYTES;
 
 impl ServerConfig {
     /// The node lease of a server on its own (`--lease`); servers sharing
-    /// a PostgreSQL store take [`ha::node_lease`].
+    /// a PostgreSQL store take `muster_node::lease_through_failover_ms`.
     pub const DEFAULT_LEASE_MS: u64 = 10_000;
+
+    /// How often agents are told to send heartbeats.
+    pub const DEFAULT_HEARTBEAT_MS: u64 = 2_000;
 
     /// The defaults, listening on 127.0.0.1:7070.
     pub fn new(data_dir: PathBuf) -> Self {
@@ -190,7 +193,7 @@ impl ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
             data_dir,
             lease_ms: Self::DEFAULT_LEASE_MS,
-            heartbeat_ms: 2_000,
+            heartbeat_ms: Self::DEFAULT_HEARTBEAT_MS,
             schedule_interval_ms: 200,
             placement: PlacementPolicy::default(),
             max_log_bytes: DEFAULT_MAX_LOG_BYTES,

@@ -27,9 +27,9 @@ pub struct ServerArgs {
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// A node that has not renewed its lease for this long is lost
-    /// [default: 10s; with a PostgreSQL store, three --leader-lease plus
-    /// 8 s (20s), so that nodes keep their tasks through a pause of the
-    /// leader; less than two --leader-lease plus 8 s is refused].
+    /// [default: 10s; with a PostgreSQL store long enough for nodes to keep
+    /// their tasks through a pause of the leader, 21s with the default
+    /// --leader-lease; a shorter one than that needs is refused].
     #[arg(long, value_parser = parse_duration_ms)]
     pub lease: Option<u64>,
     /// Placement policy: fgd, best-fit, packing, random or default.
@@ -495,10 +495,13 @@ pub fn server(args: ServerArgs) -> Result<()> {
         Some(muster_server::store::StoreLocation::Postgres(_))
     );
     let lease_ms = if highly_available_store {
-        let given = args.lease.map(Duration::from_millis);
-        let lease = muster_server::ha::node_lease(given, leader_lease(&args))
-            .map_err(anyhow::Error::msg)?;
-        u64::try_from(lease.as_millis()).unwrap_or(u64::MAX)
+        muster_node::lease_through_failover_ms(
+            args.lease,
+            u64::try_from(leader_lease(&args).as_millis()).unwrap_or(u64::MAX),
+            muster_server::ServerConfig::DEFAULT_HEARTBEAT_MS,
+            muster_server::ServerConfig::DEFAULT_LEASE_MS,
+        )
+        .map_err(anyhow::Error::msg)?
     } else {
         args.lease
             .unwrap_or(muster_server::ServerConfig::DEFAULT_LEASE_MS)
@@ -731,7 +734,7 @@ pub fn up(args: UpArgs) -> Result<()> {
             pool: None,
             rack: None,
             backend,
-            fence_margin: Duration::from_secs(3),
+            fence_margin: Duration::from_millis(muster_node::DEFAULT_FENCE_MARGIN_MS),
             supervisor: isolated.supervisor.clone(),
             cgroups: isolated.cgroups.clone(),
             task_uids: isolated.task_uids,

@@ -491,7 +491,7 @@ fn a_node_lease_too_short_for_the_leader_lease_is_refused_saying_what_would_do()
     assert!(!output.status.success(), "{stderr}");
     assert!(
         stderr.contains("--lease 10000 ms is too short for --leader-lease 4000 ms")
-            && stderr.contains("give --lease 16000 ms or more"),
+            && stderr.contains("give --lease 17000 ms or more"),
         "{stderr}"
     );
 }

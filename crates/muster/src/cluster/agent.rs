@@ -284,7 +284,7 @@ pub fn agent(args: AgentArgs) -> Result<()> {
         pool: args.pool.clone(),
         rack: args.rack.clone(),
         backend,
-        fence_margin: Duration::from_secs(3),
+        fence_margin: Duration::from_millis(muster_node::DEFAULT_FENCE_MARGIN_MS),
         supervisor: isolated.supervisor,
         cgroups: isolated.cgroups,
         task_uids: isolated.task_uids,
