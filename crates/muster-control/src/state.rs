@@ -2334,9 +2334,18 @@ impl ControlPlane {
         let mut fenced_jobs = BTreeSet::new();
         let mut vanished_jobs = BTreeSet::new();
         let mut memory_limited = Vec::new();
+        let live = self.live_ids(name);
+        // An exit reported for a task of this node that no longer holds
+        // resources: one the node was declared lost with before the exit
+        // reached a server (its lease ran out first).
+        let late: Vec<(AllocationId, u64, Option<i32>)> = observed
+            .iter()
+            .filter(|o| !o.fenced && live.binary_search(&o.allocation).is_err())
+            .filter_map(|o| o.exited.map(|code| (o.allocation, o.generation, code)))
+            .collect();
         // Only allocations holding resources change on a report: what has
-        // exited or been lost stays so.
-        for id in self.live_ids(name) {
+        // exited stays so, and what was lost only by the rule below.
+        for id in live {
             let Some(allocation) = self.allocations.get(&id) else {
                 continue;
             };
@@ -2424,7 +2433,110 @@ impl ControlPlane {
         for job in touched {
             self.after_task_change(now, job, outputs);
         }
+        for (id, generation, code) in late {
+            self.late_exit(now, name, id, generation, code, outputs);
+        }
         Ok(())
+    }
+
+    /// A task that ended on its own, reported only after its node was
+    /// declared lost (the exit reached no server in time). If its job was
+    /// re-queued for that loss and has not started again, the job is
+    /// settled as its last attempt ended, never run again: succeeded once
+    /// every rank of that attempt is known to have exited 0, failed (or
+    /// retried, per its policy for failures) once every rank is known to
+    /// have exited and one did not with 0. Otherwise (a rank muster stopped,
+    /// or still unknown) it stays re-queued.
+    fn late_exit(
+        &mut self,
+        now: Time,
+        node: &NodeName,
+        id: AllocationId,
+        generation: u64,
+        code: Option<i32>,
+        outputs: &mut Vec<Output>,
+    ) {
+        let Some(allocation) = self.allocations.get(&id) else {
+            return;
+        };
+        if allocation.state != AllocationState::Lost
+            || allocation.generation != generation
+            || allocation.node != *node
+        {
+            return;
+        }
+        let (job_id, assigned) = (allocation.job, allocation.assigned);
+        let Some(job) = self.jobs.get(&job_id) else {
+            return;
+        };
+        if job.state != JobState::Pending || !job.allocations.is_empty() {
+            return;
+        }
+        // The ranks of the job's last attempt (assigned together), which
+        // this allocation must be one of.
+        let all = self.by_job.get(&job_id).map_or(&[][..], Vec::as_slice);
+        let assigned_of = |a: &AllocationId| self.allocations.get(a).map(|a| a.assigned);
+        if all.iter().any(|a| assigned_of(a) > Some(assigned)) {
+            return;
+        }
+        let attempt: Vec<AllocationId> = all
+            .iter()
+            .filter(|a| assigned_of(a) == Some(assigned))
+            .copied()
+            .collect();
+        self.set_allocation_state(id, AllocationState::Exited { code });
+        changed(outputs, Output::JobChanged(job_id));
+        let codes: Option<Vec<i32>> = attempt
+            .iter()
+            .map(|a| match self.allocations.get(a).map(|a| a.state) {
+                Some(AllocationState::Exited { code }) => code,
+                _ => None,
+            })
+            .collect();
+        let Some(codes) = codes else {
+            return;
+        };
+        let failed = codes.iter().find(|&&c| c != 0).copied();
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return;
+        };
+        let (state, note) = match failed {
+            None => (
+                JobState::Succeeded,
+                format!("succeeded (its exit was reported after node {node} was declared lost)"),
+            ),
+            Some(code)
+                if job.spec.retry.on_exit_failure && job.attempts < job.spec.retry.max_attempts =>
+            {
+                job.exit_code = Some(code);
+                job.history.push((
+                    now,
+                    format!(
+                        "failed (exit code {code}, reported after node {node} was declared \
+                         lost); retrying"
+                    ),
+                ));
+                return;
+            }
+            Some(code) => (
+                JobState::Failed,
+                format!("failed: exit code {code} (reported after node {node} was declared lost)"),
+            ),
+        };
+        job.exit_code = Some(failed.unwrap_or(0));
+        job.state = state;
+        self.admission_counts
+            .changed(&job.user, &job.spec, Some(JobState::Pending), Some(state));
+        job.history.push((now, note));
+        job.pending_reason = None;
+        job.queue_position = None;
+        job.finished = Some(now);
+        self.finished.insert((now, job_id));
+        self.last_reasons.remove(&job_id);
+        self.attained.remove(&job_id);
+        self.forecasts.remove(&job_id);
+        learn_runtime(&mut self.runtimes, job);
+        self.release_dependents(now, job_id, outputs);
     }
 
     fn after_task_change(&mut self, now: Time, id: JobId, outputs: &mut Vec<Output>) {

@@ -275,6 +275,126 @@ fn a_lost_node_requeues_its_job_elsewhere() {
     assert_eq!(world.job(1).attempts, 2);
 }
 
+/// A job on `node` of `a`/`b` whose node is then declared lost (only the
+/// other node heartbeats past the lease): re-queued. Returns the node and
+/// the task it ran.
+fn lose_the_node_of_job_1(world: &mut World) -> (&'static str, &'static str, DesiredTask) {
+    world.cycle();
+    let node = if world.desired("a").is_empty() {
+        "b"
+    } else {
+        "a"
+    };
+    let other = if node == "a" { "b" } else { "a" };
+    let task = world.desired(node).remove(0);
+    world.report(node, vec![running(&task)]);
+    world.advance(11_000);
+    world.report(other, vec![]);
+    world.step(Input::Tick);
+    assert_eq!(world.state(1), JobState::Pending, "re-queued by the loss");
+    (node, other, task)
+}
+
+#[test]
+fn an_exit_reported_after_its_node_was_declared_lost_settles_the_requeued_job() {
+    let mut world = World::new(&["a", "b"]);
+    world.submit(1, 1, 4);
+    let (node, _, task) = lose_the_node_of_job_1(&mut world);
+    // The agent comes back: its task had exited 0 before the loss.
+    world.report(node, vec![exited(&task, 0)]);
+    let job = world.job(1);
+    assert_eq!(job.state, JobState::Succeeded, "{:?}", job.history);
+    assert_eq!((job.attempts, job.exit_code), (1, Some(0)));
+    world.cycle();
+    assert!(world.desired("a").is_empty() && world.desired("b").is_empty());
+    // Reported again (the agent keeps it until answered): nothing changes.
+    world.report(node, vec![exited(&task, 0)]);
+    assert_eq!(world.state(1), JobState::Succeeded);
+
+    // A late failure ends a job with no retries for failures as failed.
+    let mut world = World::new(&["a", "b"]);
+    world.submit(1, 1, 4);
+    let (node, _, task) = lose_the_node_of_job_1(&mut world);
+    world.report(node, vec![exited(&task, 3)]);
+    let job = world.job(1);
+    assert_eq!((job.state, job.exit_code), (JobState::Failed, Some(3)));
+}
+
+#[test]
+fn a_late_exit_changes_nothing_once_the_job_started_again_or_when_fenced() {
+    // Started again elsewhere: the old attempt's exit is history.
+    let mut world = World::new(&["a", "b"]);
+    world.submit(1, 1, 4);
+    let (node, other, task) = lose_the_node_of_job_1(&mut world);
+    world.cycle();
+    let again = world.desired(other);
+    assert_eq!(again.len(), 1);
+    world.report(other, vec![running(&again[0])]);
+    world.report(node, vec![exited(&task, 0)]);
+    assert_eq!(world.state(1), JobState::Running);
+    assert_eq!(world.job(1).attempts, 2);
+    assert_eq!(world.allocation_state(&task), AllocationState::Lost);
+
+    // Fenced by its agent: the task did not end on its own.
+    let mut world = World::new(&["a", "b"]);
+    world.submit(1, 1, 4);
+    let (node, _, task) = lose_the_node_of_job_1(&mut world);
+    let fenced = Observed {
+        fenced: true,
+        exited: Some(None),
+        ..running(&task)
+    };
+    world.report(node, vec![fenced]);
+    assert_eq!(world.state(1), JobState::Pending);
+    assert_eq!(world.allocation_state(&task), AllocationState::Lost);
+}
+
+#[test]
+fn a_gang_whose_other_rank_muster_stopped_stays_requeued_on_a_late_exit() {
+    let mut world = World::new(&["a", "b", "c"]);
+    world.submit(1, 2, 4);
+    world.cycle();
+    let mut tasks: Vec<(&str, DesiredTask)> = Vec::new();
+    for node in ["a", "b", "c"] {
+        for task in world.desired(node) {
+            world.report(node, vec![running(&task)]);
+            tasks.push((node, task));
+        }
+    }
+    assert_eq!(tasks.len(), 2);
+    let (lost, lost_task) = tasks[0].clone();
+    let (kept, kept_task) = tasks[1].clone();
+    let idle = ["a", "b", "c"]
+        .into_iter()
+        .find(|n| *n != lost && *n != kept)
+        .expect("a third node");
+    world.advance(11_000);
+    world.report(kept, vec![running(&kept_task)]);
+    world.report(idle, vec![]);
+    world.step(Input::Tick);
+    // The rank left is stopped by muster (killed by its signal).
+    world.report(
+        kept,
+        vec![Observed {
+            exited: Some(None),
+            ..running(&kept_task)
+        }],
+    );
+    assert_eq!(world.state(1), JobState::Pending);
+    world.report(lost, vec![exited(&lost_task, 0)]);
+    assert_eq!(
+        world.state(1),
+        JobState::Pending,
+        "{:?}",
+        world.job(1).history
+    );
+    assert_eq!(
+        world.allocation_state(&lost_task),
+        AllocationState::Exited { code: Some(0) },
+        "what the node reported is kept"
+    );
+}
+
 #[test]
 fn reports_with_an_old_generation_are_ignored() {
     let mut world = World::new(&["a"]);
