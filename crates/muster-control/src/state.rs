@@ -632,6 +632,22 @@ pub struct ControlPlane {
     pub(crate) node_shapes: BTreeMap<NodeShape, BTreeSet<NodeName>>,
 }
 
+/// The value for `id` from `entries`, an iterator in id order that is
+/// advanced past every key before `id` (and past `id`, if found).
+fn next_of<K: std::borrow::Borrow<JobId>, V, I: Iterator<Item = (K, V)>>(
+    entries: &mut std::iter::Peekable<I>,
+    id: &JobId,
+) -> Option<V> {
+    while entries.peek().is_some_and(|(key, _)| key.borrow() < id) {
+        entries.next();
+    }
+    if entries.peek().is_some_and(|(key, _)| key.borrow() == id) {
+        entries.next().map(|(_, value)| value)
+    } else {
+        None
+    }
+}
+
 /// The `SLURM_*` variables a batch script reads, for rank `rank` of `job`
 /// starting on `tasks` (one task per node: a rank is a node). Static ones
 /// (`SLURM_SUBMIT_DIR`, `SLURM_NTASKS_PER_NODE`, `SLURM_CPUS_PER_TASK`) come
@@ -930,6 +946,15 @@ impl ControlPlane {
 
     pub fn allocation(&self, id: AllocationId) -> Option<&Allocation> {
         self.allocations.get(&id)
+    }
+
+    /// The allocations running (reported so) on any node, node by node.
+    pub fn running_allocations(&self) -> impl Iterator<Item = &Allocation> {
+        self.live_by_node
+            .values()
+            .flatten()
+            .filter_map(|id| self.allocations.get(id))
+            .filter(|a| a.state == AllocationState::Running)
     }
 
     /// The allocations holding resources on `node`.
@@ -2952,32 +2977,51 @@ impl ControlPlane {
             };
             self.start_job(now, start.job, &start.tasks, master, &mut outputs);
         }
-        let positions: BTreeMap<JobId, u32> = outcome
+        // Every job the cycle considered either started or is pending: a
+        // pending job's place in line counts the pending ones before it.
+        let started: BTreeSet<JobId> = outcome.started.iter().map(|s| s.job).collect();
+        let mut positions: Vec<(JobId, u32)> = outcome
             .order
             .iter()
-            .filter(|id| outcome.pending.contains_key(id))
+            .filter(|id| !started.contains(id))
             .enumerate()
             .map(|(position, id)| (*id, position as u32 + 1))
             .collect();
-        self.last_reasons
-            .retain(|id, _| outcome.pending.contains_key(id));
+        positions.sort_unstable_by_key(|(id, _)| *id);
+        // The reasons, places and jobs are each walked once in id order (a
+        // million pending jobs cost a walk, not a million searches).
+        let mut positions = positions.into_iter().peekable();
+        let mut last = std::mem::take(&mut self.last_reasons)
+            .into_iter()
+            .peekable();
+        let mut jobs = self.jobs.iter_mut().peekable();
+        let mut kept = Vec::with_capacity(outcome.pending.len());
         for (id, reason) in &outcome.pending {
-            if let Some(job) = self.jobs.get_mut(id)
-                && job.state == JobState::Pending
-            {
-                // The place in line changes whenever the line moves: it is
-                // kept in memory only (recomputed every cycle), so that a
-                // placement does not rewrite every pending job.
-                job.queue_position = positions.get(id).copied();
-                let same =
-                    self.last_reasons.get(id) == Some(reason) && job.pending_reason.is_some();
-                if !same {
+            let position = next_of(&mut positions, id);
+            let previous = next_of(&mut last, id);
+            let Some(job) = next_of(&mut jobs, id) else {
+                continue;
+            };
+            if job.state != JobState::Pending {
+                continue;
+            }
+            // The place in line changes whenever the line moves: it is kept
+            // in memory only (recomputed every cycle), so that a placement
+            // does not rewrite every pending job.
+            job.queue_position = position;
+            match previous {
+                Some(previous) if previous == *reason && job.pending_reason.is_some() => {
+                    kept.push((*id, previous));
+                }
+                _ => {
                     job.pending_reason = Some(reason.to_string());
-                    self.last_reasons.insert(*id, reason.clone());
+                    kept.push((*id, reason.clone()));
                     changed(&mut outputs, Output::JobChanged(*id));
                 }
             }
         }
+        drop(jobs);
+        self.last_reasons = kept.into_iter().collect();
         outputs
     }
 

@@ -594,6 +594,7 @@ pub fn schedule<R: Rng>(
         preemption_failed: BTreeSet::new(),
         apart_placed: BTreeMap::new(),
         blocker: None,
+        pending: Vec::with_capacity(pending.len()),
     };
 
     // Per queue (in name order, with the queue's slot), by effective
@@ -607,19 +608,35 @@ pub fn schedule<R: Rng>(
         .filter_map(|(name, jobs)| Some((cycle.queues.slot(name)?, jobs)))
         .collect();
     for (_, jobs) in &mut per_queue {
-        jobs.sort_by(|(a, _), (b, _)| {
-            policy
-                .effective_priority(b, now)
-                .cmp(&policy.effective_priority(a, now))
-                .then(a.submitted.cmp(&b.submitted))
-                .then(a.id.cmp(&b.id))
-        });
-        jobs.reverse(); // pop from the back
+        // Each key computed once (not once per comparison); ids are unique,
+        // so the order is total and an unstable sort gives the same one.
+        let mut keyed: Vec<(LineKey, (&PendingJob, TaskShape))> = jobs
+            .drain(..)
+            .map(|(job, shape)| {
+                let key = (
+                    std::cmp::Reverse(policy.effective_priority(job, now)),
+                    job.submitted,
+                    job.id,
+                );
+                (key, (job, shape))
+            })
+            .collect();
+        keyed.sort_unstable_by(|(a, _), (b, _)| b.cmp(a)); // pop from the back
+        jobs.extend(keyed.into_iter().map(|(_, job)| job));
     }
+    // Each queue's head's effective priority, computed when it becomes the
+    // head.
+    let mut heads: Vec<Option<i64>> = per_queue
+        .iter()
+        .map(|(_, jobs)| {
+            jobs.last()
+                .map(|(head, _)| policy.effective_priority(head, now))
+        })
+        .collect();
     loop {
         let mut best: Option<(usize, (i64, f64, Time))> = None;
         for (position, (slot, jobs)) in per_queue.iter().enumerate() {
-            let Some((head, _)) = jobs.last() else {
+            let (Some((head, _)), Some(priority)) = (jobs.last(), heads[position]) else {
                 continue;
             };
             let share = if policy.fair_share {
@@ -629,7 +646,7 @@ pub fn schedule<R: Rng>(
             } else {
                 0.0
             };
-            let key = (policy.effective_priority(head, now), share, head.submitted);
+            let key = (priority, share, head.submitted);
             let better = match &best {
                 None => true,
                 Some((_, (priority, best_share, submitted))) => {
@@ -647,19 +664,37 @@ pub fn schedule<R: Rng>(
         let Some((job, shape)) = per_queue[position].1.pop() else {
             break;
         };
+        heads[position] = per_queue[position]
+            .1
+            .last()
+            .map(|(head, _)| policy.effective_priority(head, now));
         cycle.outcome.order.push(job.id);
         cycle.consider(job, shape, rng);
     }
+    // Built at once from the reasons in id order (one insert at a time, in
+    // the order considered, costs a search and a node split each).
+    // Every job considered either started or is left pending, once.
+    debug_assert_eq!(
+        cycle.outcome.order.len(),
+        cycle.outcome.started.len() + cycle.pending.len()
+    );
+    let mut pending = std::mem::take(&mut cycle.pending);
+    pending.sort_unstable_by_key(|(id, _)| *id);
+    cycle.outcome.pending = pending.into_iter().collect();
     Ok(cycle.outcome)
 }
+
+/// A pending job's place in its queue's line: effective priority (highest
+/// first), then submit time, then id.
+type LineKey = (std::cmp::Reverse<i64>, Time, JobId);
 
 /// Failure memo key: shape, tasks, topology, whether reserved nodes were
 /// excluded. Within a cycle free capacity only shrinks (until a preemption),
 /// so a failed key fails again.
 type FailureKey = (TaskShape, u32, Option<TopologyStrength>, bool);
 
-/// Preemption memo key: shape, tasks, topology, priority, queue.
-type PreemptionKey = (TaskShape, u32, Option<TopologyStrength>, i32, QueueName);
+/// Preemption memo key: shape, tasks, topology, priority, queue (its slot).
+type PreemptionKey = (TaskShape, u32, Option<TopologyStrength>, i32, usize);
 
 struct Cycle<'a> {
     now: Time,
@@ -678,14 +713,16 @@ struct Cycle<'a> {
     /// Nodes given this cycle to each [`Apart::group`].
     apart_placed: BTreeMap<String, Vec<NodeName>>,
     blocker: Option<JobId>,
+    /// The reason of each job left pending, in the order considered (the
+    /// outcome's map is built from it at the end).
+    pending: Vec<(JobId, PendingReason)>,
 }
 
 impl Cycle<'_> {
     fn consider<R: Rng>(&mut self, job: &PendingJob, shape: TaskShape, rng: &mut R) {
         if let Some(blocker) = self.blocker {
-            self.outcome
-                .pending
-                .insert(job.id, PendingReason::BehindBlockedJob { blocker });
+            self.pending
+                .push((job.id, PendingReason::BehindBlockedJob { blocker }));
             return;
         }
         let total = job.total_gpu();
@@ -695,7 +732,7 @@ impl Cycle<'_> {
         if let Some(ceiling) = queue.ceiling()
             && queue.in_use + total > ceiling
         {
-            self.outcome.pending.insert(
+            self.pending.push((
                 job.id,
                 PendingReason::QuotaExceeded {
                     queue: job.queue.clone(),
@@ -703,7 +740,7 @@ impl Cycle<'_> {
                     requested: GpuMilli(total as u32),
                     ceiling: GpuMilli(ceiling as u32),
                 },
-            );
+            ));
             return;
         }
         // Backfill: a job that would end before the reservation starts may use
@@ -724,7 +761,7 @@ impl Cycle<'_> {
                 // Not by preemption either: a victim's node could be one
                 // it must keep off.
                 Err(Some(reason)) => {
-                    self.outcome.pending.insert(job.id, reason);
+                    self.pending.push((job.id, reason));
                     return;
                 }
                 // Anywhere, as any job.
@@ -849,7 +886,7 @@ impl Cycle<'_> {
                 job.tasks,
                 job.same_rack,
                 job.priority,
-                job.queue.clone(),
+                self.queues.slot(&job.queue).unwrap_or(usize::MAX),
             );
             if !self.preemption_failed.contains(&key) {
                 if self.try_preempt(job, shape, rng) {
@@ -875,7 +912,7 @@ impl Cycle<'_> {
         } else {
             reason
         };
-        self.outcome.pending.insert(job.id, reason);
+        self.pending.push((job.id, reason));
     }
 
     fn start(&mut self, job: &PendingJob, placements: Vec<TaskPlacement>, victims: Vec<JobId>) {

@@ -161,6 +161,11 @@ pub struct CycleBench {
     /// cluster full).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
     pub cycles: u64,
+    /// Before each cycle after the first, this many running jobs end (their
+    /// agents report exit 0) and as many new ones are submitted: a busy
+    /// cluster's steady state, a second of it per cycle.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    pub churn: u64,
 }
 
 #[derive(Debug, Args)]
@@ -2443,8 +2448,8 @@ fn cycle(args: CycleBench) -> Result<()> {
             )
             .map_err(|error| anyhow!("{error}"))?;
     }
-    for id in 1..=args.pending {
-        let gang = id % 200 == 0;
+    let job_of = |id: u64, rng: &mut rand_chacha::ChaCha8Rng| {
+        let gang = id.is_multiple_of(200);
         let mut spec = if gang {
             let mut spec = JobSpec::simple(
                 "bench-gang",
@@ -2465,6 +2470,10 @@ fn cycle(args: CycleBench) -> Result<()> {
             spec
         };
         spec.queue = QueueName(format!("team-{}", id % 4));
+        spec
+    };
+    for id in 1..=args.pending {
+        let spec = job_of(id, &mut rng);
         control
             .handle(
                 Time(now.0 + id),
@@ -2476,6 +2485,7 @@ fn cycle(args: CycleBench) -> Result<()> {
             )
             .map_err(|error| anyhow!("{error}"))?;
     }
+    let mut next_id = args.pending + 1;
     eprintln!(
         "built {} nodes and {} pending jobs in {:.1} s",
         args.nodes,
@@ -2509,11 +2519,61 @@ fn cycle(args: CycleBench) -> Result<()> {
         policy.placement
     );
     println!(
-        "  {:>5} {:>10} {:>10} {:>10} {:>10} {:>9}",
-        "cycle", "snapshot s", "engine s", "apply s", "total s", "started"
+        "  {:>5} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "cycle", "snapshot s", "engine s", "apply s", "total s", "started", "ended+new"
     );
     for number in 1..=args.cycles {
         let at = Time(now.0 + args.pending + number * 1000);
+        // A second of a busy cluster: some jobs end, as many arrive.
+        let mut churned = 0;
+        if number > 1 && args.churn > 0 {
+            let ending: Vec<(NodeName, muster_control::Observed)> = control
+                .running_allocations()
+                .take(args.churn as usize)
+                .map(|a| {
+                    (
+                        a.node.clone(),
+                        muster_control::Observed {
+                            allocation: a.id,
+                            generation: a.generation,
+                            exited: Some(Some(0)),
+                            fenced: false,
+                            memory_limit: false,
+                        },
+                    )
+                })
+                .collect();
+            for (node, observed) in ending {
+                let epoch = control.node(&node).map_or(0, |n| n.epoch);
+                control
+                    .handle(
+                        at,
+                        Input::Heartbeat {
+                            node,
+                            epoch,
+                            sequence: 0,
+                            observed: vec![observed],
+                            unhealthy: None,
+                        },
+                    )
+                    .map_err(|error| anyhow!("{error}"))?;
+            }
+            for _ in 0..args.churn {
+                let spec = job_of(next_id, &mut rng);
+                control
+                    .handle(
+                        at,
+                        Input::Submit {
+                            id: JobId(next_id),
+                            spec,
+                            user: "bench".to_string(),
+                        },
+                    )
+                    .map_err(|error| anyhow!("{error}"))?;
+                next_id += 1;
+            }
+            churned = args.churn;
+        }
         let started = Instant::now();
         let (snapshot, pending) = control.scheduling_input(at);
         let snapshot_took = started.elapsed();
@@ -2525,12 +2585,13 @@ fn cycle(args: CycleBench) -> Result<()> {
         control.apply_outcome(at, &outcome);
         let apply_took = apply.elapsed();
         println!(
-            "  {number:>5} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>9}",
+            "  {number:>5} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>9} {:>9}",
             snapshot_took.as_secs_f64(),
             engine_took.as_secs_f64(),
             apply_took.as_secs_f64(),
             started.elapsed().as_secs_f64(),
-            outcome.started.len()
+            outcome.started.len(),
+            churned
         );
     }
     Ok(())
