@@ -899,6 +899,7 @@ fn no_answer(url: &str) -> ClientError {
     ClientError::Transport {
         url: url.to_string(),
         reason: "no answer before the lease deadline".to_string(),
+        sent: true,
     }
 }
 

@@ -28,7 +28,13 @@ pub enum ClientError {
     Api { status: u16, body: ErrorBody },
     /// The server could not be reached or the connection failed.
     #[error("cannot reach the muster server at {url}: {reason}")]
-    Transport { url: String, reason: String },
+    Transport {
+        url: String,
+        reason: String,
+        /// The request may have reached the server (it was sent and got no
+        /// whole answer): what it asked may or may not have been done.
+        sent: bool,
+    },
     /// The answer was not what the API promises.
     #[error("unexpected answer from {url}: {reason}")]
     Decode { url: String, reason: String },
@@ -220,6 +226,7 @@ impl Client {
         let transport = |error: reqwest::Error| ClientError::Transport {
             url: url.to_string(),
             reason: transport_reason(&error),
+            sent: !error.is_connect() && !error.is_builder(),
         };
         let mut request = request
             .bearer_auth(&self.token)
@@ -277,6 +284,7 @@ impl Client {
             .map_err(|error| ClientError::Transport {
                 url: url.to_string(),
                 reason: error.to_string(),
+                sent: true,
             })?;
         if status >= 400 {
             let body = serde_json::from_slice::<ErrorBody>(&bytes).unwrap_or_else(|_| ErrorBody {
@@ -369,8 +377,15 @@ impl Client {
         let key = idempotency_key();
         let deadline = std::time::Instant::now() + SUBMIT_RETRY_FOR;
         let mut wait = FIRST_RETRY_WAIT;
+        // Whether some attempt may have reached a server: then a failure
+        // in the end does not mean the job was not accepted.
+        let mut unknown = false;
         loop {
-            match self.submit_attempt(&request, &key, None).await {
+            let answer = self.submit_attempt(&request, &key, None).await;
+            if let Err(ClientError::Transport { sent: true, .. }) = &answer {
+                unknown = true;
+            }
+            match answer {
                 Err(ClientError::Transport { .. }) if std::time::Instant::now() < deadline => {
                     tokio::time::sleep(wait).await;
                     wait = next_wait(wait);
@@ -394,6 +409,7 @@ impl Client {
                 {
                     tokio::time::sleep(wait).await;
                 }
+                Err(error) => return Err(failover::given_up(error, unknown, &key)),
                 other => return other,
             }
         }
@@ -782,6 +798,7 @@ impl Client {
         let transport = |error: reqwest::Error| ClientError::Transport {
             url: url.to_string(),
             reason: transport_reason(&error),
+            sent: !error.is_connect() && !error.is_builder(),
         };
         let response = request
             .bearer_auth(&self.token)

@@ -605,8 +605,11 @@ impl Shared {
         ApiError::new(
             ErrorCode::Unavailable,
             format!(
-                "the server is read-only: a commit to its store failed ({reason}); nothing is \
-                 accepted until it is restarted with a working store (see /healthz)"
+                "the server is read-only: a commit to its store failed ({reason}), so a change \
+                 asked as it failed may or may not have been saved (look before asking again; a \
+                 submission with the same Idempotency-Key answers its job once the server is \
+                 back); nothing more is accepted until it is restarted with a working store \
+                 (see /healthz)"
             ),
         )
     }

@@ -1710,6 +1710,11 @@ async fn a_failed_commit_makes_the_server_read_only_and_nothing_unsaved_is_ackno
         }
         let (status, body) = refusal.expect("the store fills up");
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        // Whether that commit took is not known: the answer says so.
+        assert!(
+            error_of(&body).message.contains("may or may not have been saved"),
+            "{body}"
+        );
         assert!(!acknowledged.is_empty());
         // Read-only from now on: writes answer 503 with the reason,
         // heartbeats too (no answer may carry unsaved state), and /healthz

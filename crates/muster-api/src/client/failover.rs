@@ -94,6 +94,33 @@ pub(super) const READ_DEADLINE: Duration = Duration::from_secs(10);
 /// How long a submission is retried while the server cannot be reached.
 pub(super) const SUBMIT_RETRY_FOR: Duration = Duration::from_secs(60);
 
+/// The error a submission ends with, once it is no longer retried: when an
+/// earlier attempt may have reached a server (sent, with no whole answer),
+/// the job may have been accepted, and saying only that the server could
+/// not be reached (or refused) would have its user submit a duplicate.
+pub(super) fn given_up(error: super::ClientError, unknown: bool, key: &str) -> super::ClientError {
+    use super::ClientError;
+    if !unknown {
+        return error;
+    }
+    let note = format!(
+        "an earlier attempt got no answer, so the job may have been accepted: look with \
+         `muster jobs` before submitting it again (idempotency key {key})"
+    );
+    match error {
+        ClientError::Transport { url, reason, .. } => ClientError::Transport {
+            url,
+            reason: format!("{reason}; {note}"),
+            sent: true,
+        },
+        ClientError::Api { status, mut body } if status >= 500 => {
+            body.message = format!("{}; {note}", body.message);
+            ClientError::Api { status, body }
+        }
+        other => other,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     /// Retries back off 0.25, 0.5, 1 s and then stay at 1 s: a takeover at
@@ -109,5 +136,57 @@ mod tests {
             wait = super::next_wait(wait);
         }
         assert_eq!(tries, [250, 750, 1750, 2750, 3750, 4750, 5750, 6750]);
+    }
+
+    /// A submission given up after an attempt that may have reached a
+    /// server says the job may have been accepted, and how to look, never
+    /// only "cannot reach"; one that never reached any says nothing more,
+    /// and a refusal of the job itself stays as it is.
+    #[test]
+    fn a_submission_given_up_after_an_unanswered_attempt_says_it_may_have_been_accepted() {
+        use super::super::ClientError;
+        use crate::protocol::{ErrorBody, ErrorCode};
+        let refused = || ClientError::Transport {
+            url: "https://a:7070".into(),
+            reason: "connection refused".into(),
+            sent: false,
+        };
+        let told = super::given_up(refused(), true, "k1").to_string();
+        assert!(
+            told.starts_with(
+                "cannot reach the muster server at https://a:7070: connection refused; "
+            ) && told.contains("may have been accepted")
+                && told.contains("muster jobs")
+                && told.contains("k1"),
+            "{told}"
+        );
+        assert_eq!(
+            super::given_up(refused(), false, "k1").to_string(),
+            refused().to_string()
+        );
+        let unavailable = ClientError::Api {
+            status: 503,
+            body: ErrorBody {
+                code: ErrorCode::Unavailable,
+                message: "this server no longer leads".into(),
+            },
+        };
+        assert!(
+            super::given_up(unavailable, true, "k1")
+                .to_string()
+                .contains("may have been accepted")
+        );
+        let invalid = ClientError::Api {
+            status: 422,
+            body: ErrorBody {
+                code: ErrorCode::InvalidArgument,
+                message: "no such queue".into(),
+            },
+        };
+        assert!(
+            !super::given_up(invalid, true, "k1")
+                .to_string()
+                .contains("accepted")
+        );
     }
 }
