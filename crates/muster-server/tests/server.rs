@@ -1712,7 +1712,9 @@ async fn a_failed_commit_makes_the_server_read_only_and_nothing_unsaved_is_ackno
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
         // Whether that commit took is not known: the answer says so.
         assert!(
-            error_of(&body).message.contains("may or may not have been saved"),
+            error_of(&body)
+                .message
+                .contains("may or may not have been saved"),
             "{body}"
         );
         assert!(!acknowledged.is_empty());

@@ -859,8 +859,17 @@ fn a_network_check_reaches_only_its_replica_s_own_listener() {
             .first()
             .cloned()
     };
-    wait_until("the replica runs", Duration::from_secs(30), || {
-        replica().is_some_and(|replica| replica.state == "starting")
+    // Its task runs once its checks do (a replica whose job is `starting`
+    // may not have been started by its agent yet, and an agent refuses to
+    // start a task whose port is taken): until the port is taken, they
+    // find nothing there.
+    wait_until("the replica's task runs", Duration::from_secs(30), || {
+        replica().is_some_and(|replica| {
+            replica.state == "starting"
+                && replica
+                    .not_ready
+                    .is_some_and(|said| said.contains("nothing listens there"))
+        })
     });
     let listener = std::net::TcpListener::bind(("127.0.0.1", port)).expect("the port");
     listener.set_nonblocking(true).expect("non-blocking");
