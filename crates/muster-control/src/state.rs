@@ -1216,6 +1216,13 @@ impl ControlPlane {
         let Some(pool) = self.nodes.get(node).map(|n| n.spec.pool.clone()) else {
             return;
         };
+        // Under `report` no node of the pool is marked (a change of policy
+        // refreshes the whole pool; a registering node starts unmarked):
+        // nothing to do, and 32,768 nodes registering after a restart do
+        // not each walk every node.
+        if self.stack_policy_of(&pool).stack == StackPolicy::Report {
+            return;
+        }
         self.refresh_pool_drift(&pool, outputs);
     }
 
