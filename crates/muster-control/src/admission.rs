@@ -187,6 +187,12 @@ impl ControlPlane {
             .unwrap_or(0)
     }
 
+    /// Whether any job is pending (held ones too): without one, a
+    /// scheduling cycle has nothing to decide.
+    pub fn any_pending(&self) -> bool {
+        self.admission_counts.by_queue.values().any(|&count| count > 0)
+    }
+
     /// How many jobs queue `queue` has pending.
     pub fn pending_of_queue(&self, queue: &QueueName) -> u64 {
         self.admission_counts

@@ -63,6 +63,11 @@ pub async fn scheduling_loop(
         {
             continue;
         }
+        // No job waits: nothing to decide, and no snapshot of every node
+        // (32,768 node specs copied every second) is built to find that out.
+        if !shared.read().control().any_pending() {
+            continue;
+        }
         let (snapshot, pending) = shared.read().control().scheduling_input(now());
         if pending.is_empty() {
             continue;
