@@ -190,7 +190,10 @@ impl ControlPlane {
     /// Whether any job is pending (held ones too): without one, a
     /// scheduling cycle has nothing to decide.
     pub fn any_pending(&self) -> bool {
-        self.admission_counts.by_queue.values().any(|&count| count > 0)
+        self.admission_counts
+            .by_queue
+            .values()
+            .any(|&count| count > 0)
     }
 
     /// How many jobs queue `queue` has pending.
