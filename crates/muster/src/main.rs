@@ -20,6 +20,33 @@ use std::process::ExitCode;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `purge_delay` option (`mi_option_purge_delay` in its
+/// `mimalloc.h`, 15th of `mi_option_e`, counted from 0); not among the
+/// crate's named constants.
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// mimalloc's own default for it, in ms: what the option reads unless
+/// `MIMALLOC_PURGE_DELAY` set it (or the option moved in another version).
+const MI_DEFAULT_PURGE_DELAY_MS: std::ffi::c_long = 10;
+
+/// Freed memory is given back to the system after a second rather than
+/// 10 ms: a scheduling cycle over a million pending jobs frees and takes
+/// back some hundred MiB each time, and each page taken back from the
+/// system is faulted in and zeroed again (a third of the first cycle at
+/// 32,768 nodes, docs/benchmarks.md). Left alone when the option does not
+/// read mimalloc's default (set by `MIMALLOC_PURGE_DELAY`, or another
+/// option in another mimalloc).
+#[allow(unsafe_code)]
+fn keep_freed_memory_a_while() {
+    // SAFETY: mimalloc's option calls take and return plain integers; they
+    // run here before any thread of ours is started.
+    unsafe {
+        if libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) == MI_DEFAULT_PURGE_DELAY_MS {
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 1_000);
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // `muster supervise STATE_DIR KEY`: a task's supervisor, started by the
     // agent by absolute path for each task. Dispatched before the CLI is
@@ -62,6 +89,7 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
+    keep_freed_memory_a_while();
     let cli = cli::Cli::parse();
     let status: Result<u8, commands::Failure> = match cli.command {
         cli::Command::Sim(args) => sim::run(args).map(|()| 0).map_err(Into::into),
