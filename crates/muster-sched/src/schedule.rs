@@ -347,10 +347,6 @@ impl Queues {
         self.slots.get(name).copied()
     }
 
-    fn get(&self, name: &QueueName) -> Option<&QueueState> {
-        self.slot(name).map(|slot| &self.states[slot])
-    }
-
     /// The queue's slot, adding it with `make` if it is new.
     fn slot_or_insert(&mut self, name: &QueueName, make: impl FnOnce() -> QueueState) -> usize {
         if let Some(slot) = self.slot(name) {
@@ -669,7 +665,7 @@ pub fn schedule<R: Rng>(
             .last()
             .map(|(head, _)| policy.effective_priority(head, now));
         cycle.outcome.order.push(job.id);
-        cycle.consider(job, shape, rng);
+        cycle.consider(job, shape, per_queue[position].0, rng);
     }
     // Built at once from the reasons in id order (one insert at a time, in
     // the order considered, costs a search and a node split each).
@@ -719,16 +715,15 @@ struct Cycle<'a> {
 }
 
 impl Cycle<'_> {
-    fn consider<R: Rng>(&mut self, job: &PendingJob, shape: TaskShape, rng: &mut R) {
+    /// Places `job` (of the queue in `slot`) or says why it waits.
+    fn consider<R: Rng>(&mut self, job: &PendingJob, shape: TaskShape, slot: usize, rng: &mut R) {
         if let Some(blocker) = self.blocker {
             self.pending
                 .push((job.id, PendingReason::BehindBlockedJob { blocker }));
             return;
         }
         let total = job.total_gpu();
-        let Some(queue) = self.queues.get(&job.queue) else {
-            return;
-        };
+        let queue = &self.queues.states[slot];
         if let Some(ceiling) = queue.ceiling()
             && queue.in_use + total > ceiling
         {
@@ -745,16 +740,28 @@ impl Cycle<'_> {
         }
         // Backfill: a job that would end before the reservation starts may use
         // the reserved nodes; any other job must keep off them.
-        let excluded_nodes: Option<BTreeSet<NodeIndex>> = match &self.reservation {
-            Some((_, start, nodes)) => {
-                let ends_in_time = match (start, job.estimated_runtime_ms) {
-                    (Some(start), Some(estimate)) => self.now.plus_millis(estimate) <= *start,
-                    _ => false,
-                };
-                (!ends_in_time).then(|| nodes.clone())
-            }
-            None => None,
-        };
+        let keep_off = self.reservation.as_ref().is_some_and(|(_, start, _)| {
+            let ends_in_time = match (start, job.estimated_runtime_ms) {
+                (Some(start), Some(estimate)) => self.now.plus_millis(estimate) <= *start,
+                _ => false,
+            };
+            !ends_in_time
+        });
+        let key: FailureKey = (shape, job.tasks, job.same_rack, keep_off);
+        // A job like one that failed this cycle fails too (most of a long
+        // queue): answered before anything is built for it.
+        if job.apart.is_none()
+            && let Some(reason) = self.failed.get(&key)
+        {
+            let reason = reason.clone();
+            self.after_failure(job, &shape, slot, reason, rng);
+            return;
+        }
+        let excluded_nodes: Option<BTreeSet<NodeIndex>> = self
+            .reservation
+            .as_ref()
+            .filter(|_| keep_off)
+            .map(|(_, _, nodes)| nodes.clone());
         if let Some(apart) = &job.apart {
             match self.place_apart(job, &shape, apart, excluded_nodes.as_ref(), rng) {
                 Ok(()) => return,
@@ -768,10 +775,9 @@ impl Cycle<'_> {
                 Err(None) => {}
             }
         }
-        let key: FailureKey = (shape, job.tasks, job.same_rack, excluded_nodes.is_some());
         if let Some(reason) = self.failed.get(&key) {
             let reason = reason.clone();
-            self.after_failure(job, &shape, reason, rng);
+            self.after_failure(job, &shape, slot, reason, rng);
             return;
         }
         let excluded = |node: NodeIndex| excluded_nodes.as_ref().is_some_and(|s| s.contains(&node));
@@ -808,7 +814,7 @@ impl Cycle<'_> {
                     }
                 };
                 self.failed.insert(key, reason.clone());
-                self.after_failure(job, &shape, reason, rng);
+                self.after_failure(job, &shape, slot, reason, rng);
             }
         }
     }
@@ -874,6 +880,7 @@ impl Cycle<'_> {
         &mut self,
         job: &PendingJob,
         shape: &TaskShape,
+        slot: usize,
         reason: PendingReason,
         rng: &mut R,
     ) {
@@ -881,13 +888,7 @@ impl Cycle<'_> {
         if capacity_bound && self.policy.preemption {
             // A job like one that found no victims finds none either, until
             // a preemption changes the cluster.
-            let key = (
-                *shape,
-                job.tasks,
-                job.same_rack,
-                job.priority,
-                self.queues.slot(&job.queue).unwrap_or(usize::MAX),
-            );
+            let key = (*shape, job.tasks, job.same_rack, job.priority, slot);
             if !self.preemption_failed.contains(&key) {
                 if self.try_preempt(job, shape, rng) {
                     return;
