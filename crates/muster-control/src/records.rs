@@ -116,7 +116,7 @@ impl ControlPlane {
                     }
                 }
                 Output::NodeRemoved(name) => changes.removed_nodes.push(name.clone()),
-                Output::DesiredChanged(_) | Output::JobRetired(_) => {}
+                Output::DesiredChanged(_) | Output::JobRetired(_) | Output::ReasonChanged(_) => {}
             }
         }
         if issued {

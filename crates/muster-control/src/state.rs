@@ -371,6 +371,12 @@ pub enum Input {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Output {
     JobChanged(JobId),
+    /// Only the pending job's reason (the words a cycle found) changed: shown
+    /// at once, not written to the store (a restarted server finds it again
+    /// in its first cycle, as it does the place in line). Writing the first
+    /// reason of every new job doubled the rows a burst of submissions
+    /// wrote.
+    ReasonChanged(JobId),
     NodeChanged(NodeName),
     /// The node's desired allocations changed.
     DesiredChanged(NodeName),
@@ -3023,7 +3029,7 @@ impl ControlPlane {
                 _ => {
                     job.pending_reason = Some(reason.to_string());
                     kept.push((*id, reason.clone()));
-                    changed(&mut outputs, Output::JobChanged(*id));
+                    changed(&mut outputs, Output::ReasonChanged(*id));
                 }
             }
         }

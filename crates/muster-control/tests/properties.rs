@@ -106,12 +106,16 @@ fn spec(name: &str, gpus: u32, mixed: bool) -> NodeSpec {
     }
 }
 
-/// The durable part of a state, for comparison: the place in line is
-/// memory only, and leases start anew at a restore.
+/// The durable part of a state, for comparison: a pending job's place in
+/// line and reason are memory only (the next cycle finds them again), and
+/// leases start anew at a restore.
 fn durable(records: Records, now: Time) -> Records {
     let mut records = records;
     for job in &mut records.jobs {
         job.queue_position = None;
+        if job.state == muster_control::JobState::Pending {
+            job.pending_reason = None;
+        }
     }
     for node in &mut records.nodes {
         node.last_heartbeat = now;

@@ -310,7 +310,7 @@ impl Core {
                 Output::JobRetired(id) => {
                     batch.retired.insert(id.0);
                 }
-                Output::JobChanged(_) | Output::NodeChanged(_) => {}
+                Output::JobChanged(_) | Output::NodeChanged(_) | Output::ReasonChanged(_) => {}
             }
         }
     }
@@ -729,7 +729,10 @@ impl Shared {
         }
         self.state_version
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if outputs.iter().any(|o| matches!(o, Output::JobChanged(_))) {
+        if outputs
+            .iter()
+            .any(|o| matches!(o, Output::JobChanged(_) | Output::ReasonChanged(_)))
+        {
             self.changes.send_modify(|version| *version += 1);
         }
         if wake_scheduler {
