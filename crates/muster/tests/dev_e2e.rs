@@ -344,7 +344,18 @@ fn a_dev_environment_in_a_container_gives_a_shell_in_it_and_forwards_a_port() {
             "dev", "start", "boxed", "--image", image, "--pool", "default",
         ],
     );
-    assert!(started.status.success(), "{started:?}");
+    // A start that failed says why: the job's history and log with it (it
+    // once failed on a CI run with nothing more to go on).
+    if !started.status.success() {
+        let described = muster(&cluster, &project, &["describe", "1"]);
+        let logs = muster(&cluster, &project, &["logs", "1"]);
+        panic!(
+            "{started:?}\ndescribe: {}\nlogs: {}{}",
+            String::from_utf8_lossy(&described.stdout),
+            String::from_utf8_lossy(&logs.stdout),
+            String::from_utf8_lossy(&logs.stderr)
+        );
+    }
 
     // A shell inside the image, in the mounted project directory.
     let mut terminal = Terminal::open(&cluster, "boxed");
