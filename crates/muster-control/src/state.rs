@@ -2312,16 +2312,27 @@ impl ControlPlane {
             job.allocations.clear();
             job.first_failure = None;
         } else {
-            job.finished = Some(now);
-            self.finished.insert((now, id));
-            self.last_reasons.remove(&id);
-            self.attained.remove(&id);
-            learn_runtime(&mut self.runtimes, job);
-            changed(outputs, Output::JobChanged(id));
-            self.release_dependents(now, id, outputs);
+            self.ended(now, id, outputs);
             return;
         }
         changed(outputs, Output::JobChanged(id));
+    }
+
+    /// What follows once job `id` reached a final state: it is timed and
+    /// indexed for retirement, its per-job memory goes, its queue learns its
+    /// run time, and its dependents are released.
+    fn ended(&mut self, now: Time, id: JobId, outputs: &mut Vec<Output>) {
+        let Some(job) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        job.finished = Some(now);
+        self.finished.insert((now, id));
+        self.last_reasons.remove(&id);
+        self.attained.remove(&id);
+        self.forecasts.remove(&id);
+        learn_runtime(&mut self.runtimes, job);
+        changed(outputs, Output::JobChanged(id));
+        self.release_dependents(now, id, outputs);
     }
 
     /// Whether a heartbeat of `node` at `epoch` numbered `sequence` is newer
@@ -2568,13 +2579,7 @@ impl ControlPlane {
         job.history.push((now, note));
         job.pending_reason = None;
         job.queue_position = None;
-        job.finished = Some(now);
-        self.finished.insert((now, job_id));
-        self.last_reasons.remove(&job_id);
-        self.attained.remove(&job_id);
-        self.forecasts.remove(&job_id);
-        learn_runtime(&mut self.runtimes, job);
-        self.release_dependents(now, job_id, outputs);
+        self.ended(now, job_id, outputs);
     }
 
     fn after_task_change(&mut self, now: Time, id: JobId, outputs: &mut Vec<Output>) {

@@ -254,24 +254,11 @@ fn cancel_stops_a_running_job_and_a_pending_one_at_once() {
 fn a_lost_node_requeues_its_job_elsewhere() {
     let mut world = World::new(&["a", "b"]);
     world.submit(1, 1, 4);
-    world.cycle();
-    let node = if world.desired("a").is_empty() {
-        "b"
-    } else {
-        "a"
-    };
-    let other = if node == "a" { "b" } else { "a" };
-    let tasks = world.desired(node);
-    world.report(node, vec![running(&tasks[0])]);
-    // Only the other node keeps heartbeating.
-    world.advance(11_000);
-    world.report(other, vec![]);
-    world.step(Input::Tick);
-    assert_eq!(world.state(1), JobState::Pending);
+    let (_, other, task) = lose_the_node_of_job_1(&mut world);
     world.cycle();
     let moved = world.desired(other);
     assert_eq!(moved.len(), 1);
-    assert!(moved[0].generation > tasks[0].generation);
+    assert!(moved[0].generation > task.generation);
     assert_eq!(world.job(1).attempts, 2);
 }
 
