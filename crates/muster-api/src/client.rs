@@ -382,8 +382,17 @@ impl Client {
         let mut unknown = false;
         loop {
             let answer = self.submit_attempt(&request, &key, None).await;
-            if let Err(ClientError::Transport { sent: true, .. }) = &answer {
-                unknown = true;
+            // Sent with no whole answer, or refused by a leader whose commit
+            // failed (which may have landed): either may have taken the job.
+            match &answer {
+                Err(ClientError::Transport { sent: true, .. }) => unknown = true,
+                Err(ClientError::Api { status: 503, body })
+                    if body.message.starts_with(NO_LONGER_LEADS)
+                        && body.message.contains(STORE_COMMIT_FAILED) =>
+                {
+                    unknown = true;
+                }
+                _ => {}
             }
             match answer {
                 Err(ClientError::Transport { .. }) if std::time::Instant::now() < deadline => {

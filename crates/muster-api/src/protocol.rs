@@ -37,9 +37,14 @@ impl ErrorCode {
 }
 
 /// The start of the message a deposed leader answers a change with (503,
-/// code `unavailable`, header [`NO_LONGER_LEADS_HEADER`]): the store took
-/// nothing of the request, and another server leads.
+/// code `unavailable`, header [`NO_LONGER_LEADS_HEADER`]): another server
+/// leads, or is about to. The store took nothing of the request unless the
+/// message also holds [`STORE_COMMIT_FAILED`].
 pub const NO_LONGER_LEADS: &str = "this server no longer leads";
+
+/// In a leader's refusal: its commit failed, so what was asked may or may
+/// not have been saved (a retry with the same idempotency key tells).
+pub const STORE_COMMIT_FAILED: &str = "a commit to its store failed";
 
 /// The header a deposed leader's refusal carries: a client given several
 /// servers sends the request to the next at once, without reading the body.

@@ -600,7 +600,10 @@ impl Shared {
             return no_longer_leads(reason);
         }
         if self.settings.leadership.is_some() {
-            return no_longer_leads(&format!("a commit to its store failed: {reason}"));
+            return no_longer_leads(&format!(
+                "{}: {reason}",
+                muster_api::protocol::STORE_COMMIT_FAILED
+            ));
         }
         ApiError::new(
             ErrorCode::Unavailable,
